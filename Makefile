@@ -1,0 +1,51 @@
+# hermes-lab front door. Every target creates/reuses the local virtualenv .venv first, so a fresh clone
+# needs nothing but `make round` (the main job) or `make test` (the suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PARAMS ?= params/embedded.yaml
+ROUNDS ?= 3
+
+.PHONY: setup round flywheel status test test-fast lab mlflow-ui bench clean-runs
+
+setup: $(STAMP)
+
+# torch first, from requirements/torch-cpu.txt: the CPU wheel. Installing the package afterwards finds
+# torch satisfied and never pulls a CUDA build. GPU users: see README.
+$(STAMP): pyproject.toml requirements/torch-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements/torch-cpu.txt
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name hermes-lab --display-name "hermes-lab (.venv)" >/dev/null
+	touch $(STAMP)
+
+## main job: one full round on the embedded default (offline, CPU)
+round: setup
+	$(BIN)/hermes-lab round --params $(PARAMS)
+
+## the loop, unattended, on a simulated clock
+flywheel: setup
+	$(BIN)/hermes-lab flywheel --params $(PARAMS) --rounds $(ROUNDS)
+
+status: setup
+	$(BIN)/hermes-lab status --params $(PARAMS)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+mlflow-ui: setup
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1 --port 5000
+
+bench: setup
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean-runs:
+	rm -rf runs/round-* runs/state.json runs/mlflow.db runs/mlartifacts

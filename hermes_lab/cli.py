@@ -1,0 +1,62 @@
+"""`hermes-lab`: the command line. Each subcommand lives in its stage module, which provides
+``add_arguments(parser)`` and ``run_cli(args) -> int``; this file only wires them up.
+
+    hermes-lab --help
+    hermes-lab <command> --help
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help). Modules keep heavy imports (torch, trl, mlflow) inside functions
+# so that `hermes-lab --help` stays fast.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("hermes_lab.config_cli", "Print the resolved config, or explain every key (--explain)."),
+    "build-policy": ("hermes_lab.policy", "Build (or reuse) the embedded tiny base policy and report its pass rate."),
+    "execute": ("hermes_lab.execute", "Run a policy on tasks and write trajectories JSONL (execution logs)."),
+    "prep": ("hermes_lab.prep", "Ingest, validate and distill trajectories; apply the data gates."),
+    "review": ("hermes_lab.review", "Reward-model agreement gate over the human review labels."),
+    "train": ("hermes_lab.train", "GRPO + LoRA training from the user's YAML."),
+    "inspect": ("hermes_lab.inspect", "Reward/KL curves and diagnostics of a training run."),
+    "validate": ("hermes_lab.validate", "Regression gate: candidate vs baseline on the held-out set."),
+    "ab-run": ("hermes_lab.ab_run", "Run the staged A/B rollout and write ab_report.json."),
+    "round": ("hermes_lab.round", "Run one full round of stage notebooks with papermill."),
+    "flywheel": ("hermes_lab.round", "Run several rounds unattended on a simulated clock."),
+    "status": ("hermes_lab.round", "Is a round due? If not, why (samples, cooldown, review)."),
+    "doctor": ("hermes_lab.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (modname, help_) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:
+                continue  # stage not built yet
+            raise
+        p = sub.add_parser(name, help=help_, description=help_)
+        adder = getattr(mod, f"add_arguments_{name.replace('-', '_')}", None) or mod.add_arguments
+        runner = getattr(mod, f"run_cli_{name.replace('-', '_')}", None) or mod.run_cli
+        adder(p)
+        p.set_defaults(_run=runner)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hermes_lab.config import ConfigError
+
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as e:
+        print(f"hermes-lab {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Typed configuration: the user's hermes_grpo_lora.yaml, plus the workbench's own sections.
+
+Reads one YAML file (``params/*.yaml``); writes nothing. Every stage module takes a ``HermesConfig``.
+
+The user's file (model / lora / grpo / reward / data) is accepted exactly as SPEC.md shows it. The
+workbench adds optional sections (execute / review / validate / ab / round / tracking) whose defaults
+fit the embedded task suite, so the user's file alone is a complete config.
+
+Rules, the way TRL's GRPOConfig documents itself and open-r1 maps YAML onto it:
+- every field has a help text (``field_help`` / ``hermes-lab config --explain``);
+- ``${VAR}`` and ``${VAR:-default}`` are filled from the environment; a missing variable is an error
+  naming the variable, the key and the file line;
+- an unknown key is an error naming it and listing the valid keys of its section;
+- a bad value (wrong type, out of range) is an error naming the key.
+
+Secrets never live here: ``api_key_env`` holds the *name* of the environment variable with the key.
+
+    hermes-lab config --params params/hermes_grpo_lora.yaml      # print the resolved config
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased so the user can fix it from the message alone."""
+
+
+def _f(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelSection:
+    base_model: str = _f(EMBEDDED_MODEL, "Policy to train: a Hugging Face id, a local path, or 'embedded:tiny' "
+                         "(the tiny local policy the embedded default builds itself).")
+    base_url: str | None = _f(None, "OpenAI-compatible API root for a remotely served policy (optional).")
+    api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the API key "
+                          "(the key itself is never written in a config).")
+    adapter: str | None = _f(None, "LoRA adapter to start from (a path). Empty: the round uses the champion "
+                             "adapter if there is one, else the bare base model.")
+    dtype: str = _f("auto", "Torch dtype to load the policy in: auto, float32, bfloat16, float16.")
+    trust_remote_code: bool = _f(False, "Pass trust_remote_code to from_pretrained (off: never run hub code).")
+    seed: int = _f(0, "Seed of the embedded tiny policy (its build is deterministic by seed).")
+
+
+@dataclass
+class LoraSection:
+    r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA scaling alpha (effective scale alpha/r).")
+    lora_dropout: float = _f(0.05, "Dropout on the LoRA path.")
+    target_modules: list[str] = _f(["q_proj", "v_proj", "k_proj", "o_proj"], "Module names LoRA wraps.")
+    bias: str = _f("none", "Which biases train: none, all, lora_only.")
+    task_type: str = _f("CAUSAL_LM", "PEFT task type.")
+
+
+@dataclass
+class GrpoSection:
+    group_size: int = _f(8, "Completions sampled per prompt (TRL num_generations).")
+    kl_coefficient: float = _f(0.04, "KL penalty (TRL beta). TRL's default 0.0 disables KL and the reference "
+                               "model; we always pass this value.")
+    clip_range: float = _f(0.2, "Policy-ratio clipping (TRL epsilon).")
+    learning_rate: float = _f(1.0e-5, "AdamW learning rate (TRL's default 1e-6 is too low for LoRA).")
+    max_steps: int = _f(300, "Optimizer steps.")
+    per_device_batch_size: int = _f(2, "Prompts per device per micro-batch (TRL counts completions: we "
+                                    "multiply by group_size when mapping).")
+    gradient_accumulation: int = _f(8, "Micro-batches per optimizer step.")
+    temperature: float = _f(0.9, "Sampling temperature; 0.8-1.0 keeps groups diverse.")
+    max_completion_length: int = _f(256, "Max new tokens per completion (prompt + this <= data.max_seq_len).")
+    num_iterations: int = _f(1, "PPO-style updates per generation batch (TRL num_iterations).")
+    loss_type: str = _f("dapo", "TRL loss_type: grpo, dr_grpo, dapo, bnpo.")
+    scale_rewards: str = _f("group", "TRL scale_rewards: group, batch or none.")
+    logging_steps: int = _f(1, "Log every N steps (every TRL metric goes to MLflow).")
+    seed: int = _f(0, "Training seed.")
+    use_vllm: bool = _f(False, "GPU only: generate with vLLM (TRL use_vllm).")
+    vllm_mode: str = _f("colocate", "vLLM mode when use_vllm: colocate or server.")
+    kl_warn: float = _f(0.5, "Health guard: warn 'raise kl_coefficient' when KL exceeds this.")
+    zero_std_warn: float = _f(0.8, "Health guard: warn 'raise temperature' when frac_reward_zero_std exceeds this.")
+    max_train_prompts: int = _f(0, "Cap on GRPO prompts per round (0: all).")
+
+
+@dataclass
+class RewardSection:
+    model: str | None = _f(None, "Judge model id for the comparison reward (OpenAI-compatible). Empty or "
+                           "'local': the local judge.")
+    base_url: str | None = _f(None, "OpenAI-compatible API root of the judge.")
+    api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the judge's key.")
+    types: list[str] = _f(["system", "comparison"], "Reward functions: system (tests pass / verifier), "
+                          "comparison (judge vs the reference response), or 'module:function'.")
+    weights: list[float] | None = _f(None, "One weight per entry of types (default: all 1).")
+    system: str = _f("verifier", "System feedback: 'verifier' (embedded task verifiers) or 'module:function'.")
+    scale: float = _f(5, "Reward scale: rewards lie in 0..scale.")
+    success_threshold: float = _f(3, "A score >= this is a success (SPEC: 3 on the 5 scale).")
+    judge_concurrency: int = _f(8, "Concurrent judge requests.")
+    judge_timeout_s: float = _f(30.0, "Judge request timeout in seconds.")
+    judge_retries: int = _f(4, "Retries on 429/5xx/timeouts, with exponential backoff.")
+
+
+@dataclass
+class DataSection:
+    min_samples: int = _f(500, "New samples needed to trigger a training round.")
+    cooldown_hours: float = _f(24, "Minimum hours between two trainings (hard constraint).")
+    max_seq_len: int = _f(4096, "Max tokens of prompt + completion; longer prompts are flagged and left out.")
+    max_bad_fraction: float = _f(0.2, "Stop ingest when more than this share of lines is rejected.")
+    holdout_fraction: float = _f(0.1, "Share of task_ids held out as the regression set.")
+    review_fraction: float = _f(0.1, "Share of new records sampled for human spot-check.")
+    outlier_z: float = _f(4.0, "Robust z-score (median/MAD) past which a reward counts as an outlier.")
+    negative_weight: int = _f(2, "Times a negative (rolled-back round) prompt is repeated as a hard prompt.")
+
+
+@dataclass
+class ExecuteSection:
+    num_tasks: int = _f(640, "Tasks the policy executes per round on the embedded default (>= min_samples).")
+    temperature: float = _f(0.9, "Sampling temperature when executing.")
+    max_new_tokens: int = _f(16, "Max new tokens per response.")
+    batch_size: int = _f(64, "Generation batch size.")
+    families: list[str] = _f([], "Task families to draw (empty: all).")
+
+
+@dataclass
+class ReviewSection:
+    simulate: bool = _f(False, "Unattended rounds only: the task verifier acts as a simulated reviewer "
+                        "(labels marked simulated).")
+    min_labels: int = _f(30, "Labels needed before the agreement gate can decide.")
+    min_agreement: float = _f(0.9, "Reward-model/human agreement needed to train.")
+    label_mode: str = _f("score", "Label buttons: score (0..5) or passfail.")
+
+
+@dataclass
+class ValidateSection:
+    eval_tasks_per_family: int = _f(64, "Held-out tasks per family for the regression gate.")
+    samples_per_task: int = _f(1, "Samples per task (sampled pass rate).")
+    tolerance: float = _f(0.05, "Max allowed drop in pass rate on any family before the candidate is stopped.")
+
+
+@dataclass
+class ABSection:
+    traffic_ratio: float = _f(0.1, "Candidate share in the first stage.")
+    stages: list[list[float]] = _f([[0.1, 7200], [0.3, 14400], [1.0, 0]], "Rollout stages as [ratio, seconds]; "
+                                    "a final ratio 1.0 means promoted.")
+    request_rate: float = _f(0.25, "Simulated requests per second.")
+    salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")
+    alpha: float = _f(0.05, "Significance level.")
+    srm_alpha: float = _f(0.001, "Sample-ratio-mismatch threshold: below it, hold.")
+    max_error_rate: float = _f(0.02, "Guardrail: candidate error rate above baseline by more than this rolls back.")
+    max_latency_ratio: float = _f(1.5, "Guardrail: candidate p95 latency over baseline p95 above this rolls back.")
+    rule: str = _f("sequential", "Decision rule: sequential (always-valid) or user (the SPEC's p<0.05 rule).")
+
+
+@dataclass
+class RoundSection:
+    runs_dir: str = _f("runs", "Where rounds, the MLflow store and the policies live.")
+    simulated_clock: bool = _f(False, "Use a simulated clock (embedded flywheel: cooldown without waiting a day).")
+    experiment: str = _f("hermes-lab", "MLflow experiment name.")
+    registered_model: str = _f("hermes-policy", "MLflow registered model holding the 'champion' alias.")
+
+
+@dataclass
+class HermesConfig:
+    model: ModelSection = field(default_factory=ModelSection, metadata={"help": "The policy."})
+    lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "PEFT LoraConfig."})
+    grpo: GrpoSection = field(default_factory=GrpoSection, metadata={"help": "GRPO (TRL GRPOConfig)."})
+    reward: RewardSection = field(default_factory=RewardSection, metadata={"help": "Reward functions."})
+    data: DataSection = field(default_factory=DataSection, metadata={"help": "Data gates and distillation."})
+    execute: ExecuteSection = field(default_factory=ExecuteSection, metadata={"help": "Execute step."})
+    review: ReviewSection = field(default_factory=ReviewSection, metadata={"help": "Human review gate."})
+    validate: ValidateSection = field(default_factory=ValidateSection, metadata={"help": "Regression gate."})
+    ab: ABSection = field(default_factory=ABSection, metadata={"help": "A/B test and rollout."})
+    round: RoundSection = field(default_factory=RoundSection, metadata={"help": "Round orchestration."})
+    source: str | None = field(default=None, metadata={"help": "File this config was read from."})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source", None)
+        return d
+
+    def flat_params(self) -> dict[str, Any]:
+        """Flat 'section.key' -> value for MLflow params. Holds no secret: keys live in the env only."""
+        out: dict[str, Any] = {}
+        for sec, vals in self.to_dict().items():
+            for k, v in vals.items():
+                out[f"{sec}.{k}"] = v
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- loading
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _interpolate(text: str, source: str, env: dict[str, str]) -> str:
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        # comments may mention ${VAR}: only the part before a YAML comment (" #") is interpolated
+        code, sep, comment = line.partition(" #")
+
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env and env[name] != "":
+                return env[name]
+            if default is not None:
+                return default
+            key = code.split(":", 1)[0].strip() or "?"
+            raise ConfigError(f"{source}:{i + 1}: environment variable {name} is not set (used by key '{key}'). "
+                              f"Set it, e.g. `export {name}=...`, or write ${{{name}:-default}}.")
+
+        lines[i] = _VAR.sub(sub, code) + sep + comment
+    return "".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{where}: must not be empty (expected {_type_name(tp)})")
+    if args and type(None) in args:  # Optional[X]
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{j}]") for j, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"true", "false", "1", "0", "yes", "no"}:
+            return value.lower() in {"true", "1", "yes"}
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {raw!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}'. Valid keys: {', '.join(names)}")
+    kwargs = {}
+    for k, v in raw.items():
+        tp = hints[k]
+        key_where = f"{where}.{k}" if where else k
+        kwargs[k] = _build(tp, v, key_where) if dataclasses.is_dataclass(tp) else _coerce(v, tp, key_where)
+    return cls(**kwargs)
+
+
+def _check(cfg: HermesConfig, src: str) -> None:
+    def bad(key: str, msg: str) -> None:
+        raise ConfigError(f"{src}: {key} {msg}")
+
+    g, r, d = cfg.grpo, cfg.reward, cfg.data
+    if g.group_size < 2:
+        bad("grpo.group_size", f"must be >= 2 (GRPO needs a group to compute advantages), got {g.group_size}")
+    if g.kl_coefficient < 0:
+        bad("grpo.kl_coefficient", "must be >= 0")
+    if not 0 < g.clip_range < 1:
+        bad("grpo.clip_range", f"must lie in (0, 1), got {g.clip_range}")
+    if not 0 < g.learning_rate < 1:
+        bad("grpo.learning_rate", f"must lie in (0, 1), got {g.learning_rate}")
+    for k in ("max_steps", "per_device_batch_size", "gradient_accumulation", "max_completion_length"):
+        if getattr(g, k) < 1:
+            bad(f"grpo.{k}", "must be >= 1")
+    if not 0 < g.temperature <= 2:
+        bad("grpo.temperature", f"must lie in (0, 2], got {g.temperature}")
+    if g.loss_type not in {"grpo", "dr_grpo", "dapo", "bnpo"}:
+        bad("grpo.loss_type", "must be one of grpo, dr_grpo, dapo, bnpo")
+    if g.scale_rewards not in {"group", "batch", "none"}:
+        bad("grpo.scale_rewards", "must be one of group, batch, none")
+    if r.scale <= 0:
+        bad("reward.scale", "must be > 0")
+    if not r.types:
+        bad("reward.types", "must name at least one reward")
+    if r.weights is not None and len(r.weights) != len(r.types):
+        bad("reward.weights", f"needs one weight per reward type ({len(r.types)}), got {len(r.weights)}")
+    if d.min_samples < 1 or d.cooldown_hours < 0 or d.max_seq_len < 8:
+        bad("data", "min_samples >= 1, cooldown_hours >= 0 and max_seq_len >= 8 are required")
+    for k in ("max_bad_fraction", "holdout_fraction", "review_fraction"):
+        if not 0 <= getattr(d, k) <= 1:
+            bad(f"data.{k}", "must lie in [0, 1]")
+    if cfg.lora.r < 1:
+        bad("lora.r", "must be >= 1")
+    if not 0 < cfg.ab.traffic_ratio <= 1:
+        bad("ab.traffic_ratio", "must lie in (0, 1]")
+    if cfg.ab.rule not in {"sequential", "user"}:
+        bad("ab.rule", "must be sequential or user")
+    if cfg.review.label_mode not in {"score", "passfail"}:
+        bad("review.label_mode", "must be score or passfail")
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> HermesConfig:
+    """Read, interpolate, type and check a config. ``overrides`` are dotted keys ('grpo.max_steps': 5)."""
+    env = dict(os.environ) if env is None else env
+    raw: dict[str, Any] = {}
+    src = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        src = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        text = _interpolate(p.read_text(encoding="utf-8"), src, env)
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{src}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{src}: the top level must be a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        sec, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override '{dotted}': use section.key")
+        raw.setdefault(sec, {})
+        if raw[sec] is None:
+            raw[sec] = {}
+        raw[sec][key] = value
+    cfg = _build(HermesConfig, raw, "")
+    cfg.source = src if path is not None else None
+    _check(cfg, src)
+    return cfg
+
+
+def field_help(cls: type = HermesConfig, prefix: str = "") -> dict[str, str]:
+    """'section.key' -> help text, for --explain and notebooks."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        tp = get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(field_help(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = f.metadata.get("help", "")
+    return out
+
+
+def dump_config(cfg: HermesConfig, path: str | os.PathLike[str]) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,181 @@
+"""The embedded task suite: seeded synthetic tasks with verifiers that play "system feedback".
+
+Reads and writes nothing; ``execute`` and the rewards call it. Families, easiest first:
+
+| family    | prompt             | answer          | what it exercises            |
+|-----------|--------------------|-----------------|------------------------------|
+| upper     | ``up cat=``        | ``CAT``         | string transformation        |
+| reverse   | ``rev abcd=``      | ``dcba``        | string transformation        |
+| sort      | ``sort 3142=``     | ``1234``        | list transformation          |
+| tool      | ``tool time rome=``| ``time(rome)``  | tool-call-like formatting    |
+| add       | ``add 12+7=``      | ``19``          | small arithmetic             |
+
+Reward (0..5, the user's scale), computed from the prompt alone so any response can be scored:
+- 5.0 when the response, stripped of surrounding whitespace, equals the answer: "the tests pass";
+- otherwise partial credit ``2.5 * similarity`` (difflib ratio between response and answer), so a
+  near miss scores more than garbage but never reaches the success threshold 3: success (>= 3) means
+  exactly "passed", which keeps pass rate, success rate and the A/B success share the same thing.
+
+Task ids are ``<family>-<8 hex of sha1(prompt)>``: stable across runs, machines and seeds. The split is
+by prompt hash too (``heldout`` when the hash falls in the last 15%), so held-out prompts never appear
+in training data whatever the seed.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import random
+import re
+from dataclasses import asdict, dataclass
+
+SCALE = 5.0
+FAMILIES = ("upper", "reverse", "sort", "tool", "add")
+DIFFICULTY = {"upper": 1, "reverse": 2, "sort": 2, "tool": 3, "add": 3}
+HELDOUT_SHARE = 15  # percent of the prompt space held out for evaluation
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_TOOLS = ("time", "weather", "news", "map")
+_CITIES = ("rome", "oslo", "lima", "paris", "tokyo", "cairo", "delhi", "quito", "bern", "seoul", "dakar", "hanoi")
+_PREFIX = {"upper": "up", "reverse": "rev", "sort": "sort", "tool": "tool", "add": "add"}
+_PARSE = re.compile(r"^(up|rev|sort|tool|add) (.+)=$")
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    family: str
+    prompt: str
+    answer: str
+    difficulty: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _word(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(lo, hi)))
+
+
+def _make_input(family: str, rng: random.Random) -> str:
+    if family == "upper":
+        return _word(rng, 3, 5)
+    if family == "reverse":
+        return _word(rng, 3, 5)
+    if family == "sort":
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 5)))
+    if family == "tool":
+        return f"{rng.choice(_TOOLS)} {rng.choice(_CITIES)}"
+    if family == "add":
+        return f"{rng.randint(0, 49)}+{rng.randint(0, 49)}"
+    raise KeyError(family)
+
+
+def _solve(family: str, x: str) -> str:
+    if family == "upper":
+        return x.upper()
+    if family == "reverse":
+        return x[::-1]
+    if family == "sort":
+        return "".join(sorted(x))
+    if family == "tool":
+        tool, city = x.split(" ", 1)
+        return f"{tool}({city})"
+    if family == "add":
+        a, b = x.split("+")
+        return str(int(a) + int(b))
+    raise KeyError(family)
+
+
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()
+
+
+def split_of(prompt: str) -> str:
+    return "heldout" if int(prompt_hash(prompt)[:8], 16) % 100 < HELDOUT_SHARE else "train"
+
+
+def make_task(family: str, x: str) -> Task:
+    prompt = f"{_PREFIX[family]} {x}="
+    return Task(f"{family}-{prompt_hash(prompt)[:8]}", family, prompt, _solve(family, x), DIFFICULTY[family])
+
+
+def parse_prompt(prompt: str) -> Task | None:
+    """The task behind a prompt, or None when the prompt is not one of ours."""
+    m = _PARSE.match(prompt.strip())
+    if not m:
+        return None
+    family = {v: k for k, v in _PREFIX.items()}[m.group(1)]
+    try:
+        return make_task(family, m.group(2))
+    except (ValueError, KeyError):
+        return None
+
+
+def check_families(families: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    fams = tuple(families) if families else FAMILIES
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"unknown task family '{bad[0]}'. Valid families: {', '.join(FAMILIES)}")
+    return fams
+
+
+def generate_tasks(n: int, split: str = "train", seed: int = 0,
+                   families: list[str] | tuple[str, ...] | None = None) -> list[Task]:
+    """``n`` tasks, round-robin over families, deterministic in (n, split, seed, families)."""
+    if split not in {"train", "heldout", "any"}:
+        raise ValueError(f"split must be train, heldout or any, got {split!r}")
+    fams = check_families(families)
+    rng = random.Random(f"hermes-tasks:{seed}:{split}")
+    out: list[Task] = []
+    for i in range(n):
+        fam = fams[i % len(fams)]
+        while True:
+            t = make_task(fam, _make_input(fam, rng))
+            if split == "any" or split_of(t.prompt) == split:
+                break
+        out.append(t)
+    return out
+
+
+def score(answer: str, response: str, scale: float = SCALE) -> float:
+    """Verifier reward on 0..scale: ``scale`` when it passes, else 0.5*scale*similarity (< 3 on 5)."""
+    resp = (response or "").strip()
+    if resp == answer:
+        return float(scale)
+    if not resp:
+        return 0.0
+    sim = difflib.SequenceMatcher(None, resp, answer).ratio()
+    return round(0.5 * scale * sim, 4)
+
+
+def verify(prompt: str, response: str, scale: float = SCALE) -> float:
+    """Reward for any response to one of our prompts; 0 for a prompt we do not know."""
+    t = parse_prompt(prompt)
+    return 0.0 if t is None else score(t.answer, response, scale)
+
+
+def family_of(prompt: str) -> str | None:
+    t = parse_prompt(prompt)
+    return None if t is None else t.family
+
+
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: the 'noisy teacher' the tiny policy imitates half the time."""
+    chars = list(answer)
+    kind = rng.randrange(4)
+    if kind == 0 and len(chars) >= 2:  # swap two neighbours
+        i = rng.randrange(len(chars) - 1)
+        if chars[i] != chars[i + 1]:
+            chars[i], chars[i + 1] = chars[i + 1], chars[i]
+            return "".join(chars)
+    if kind == 1 and len(chars) >= 2:  # drop one
+        del chars[rng.randrange(len(chars))]
+        return "".join(chars)
+    if kind == 2:  # duplicate one
+        i = rng.randrange(len(chars))
+        chars.insert(i, chars[i])
+        return "".join(chars)
+    i = rng.randrange(len(chars))  # replace one
+    pool = "0123456789" if chars[i].isdigit() else (_LETTERS.upper() if chars[i].isupper() else _LETTERS)
+    chars[i] = rng.choice([c for c in pool if c != chars[i]] or pool)
+    return "".join(chars)

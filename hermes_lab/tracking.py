@@ -1,0 +1,111 @@
+"""MLflow plumbing shared by every stage: the store, nested runs, secret-free params, figures.
+
+Writes to the MLflow store: by default the SQLite file ``runs/mlflow.db`` with artifacts under
+``runs/mlartifacts/`` (MLflow 3 refuses a plain ``./mlruns`` folder store). ``MLFLOW_TRACKING_URI``
+overrides it, e.g. an ``mlflow server`` for a team.
+
+Nesting across processes: each stage notebook runs in its own kernel, so a stage run is tied to its
+round's run with the ``mlflow.parentRunId`` tag (what ``nested=True`` sets in-process).
+
+    mlflow ui --backend-store-uri sqlite:///runs/mlflow.db      # browse rounds
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SECRET_KEY = re.compile(r"(api[_-]?key(?!_env)|token|secret|password|authorization|bearer)", re.I)
+
+
+def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    db = Path(runs_dir).resolve() / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-lab") -> str:
+    """Point MLflow at the store and select (or create) the experiment; returns its id."""
+    import logging
+
+    import mlflow
+
+    # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    mlflow.set_tracking_uri(tracking_uri(runs_dir))
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        art = None
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            art = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
+        exp_id = mlflow.create_experiment(experiment, artifact_location=art)
+    else:
+        exp_id = exp.experiment_id
+    mlflow.set_experiment(experiment_id=exp_id)
+    return exp_id
+
+
+def secret_values() -> set[str]:
+    """Values of env vars that look like secrets; never logged, never printed."""
+    return {v for k, v in os.environ.items() if v and len(v) >= 6 and SECRET_KEY.search(k)}
+
+
+def redact(text: str) -> str:
+    for s in secret_values():
+        text = text.replace(s, "***")
+    return text
+
+
+def safe_params(params: dict[str, Any]) -> dict[str, str]:
+    """Drop secret-looking keys and values; stringify and truncate (MLflow caps param values)."""
+    secrets = secret_values()
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        if SECRET_KEY.search(k):
+            continue
+        s = str(v)
+        if any(sec in s for sec in secrets):
+            continue
+        out[k] = s[:6000]
+    return out
+
+
+@contextlib.contextmanager
+def stage_run(name: str, parent_run_id: str | None = None, runs_dir: str | os.PathLike[str] = "runs",
+              experiment: str = "hermes-lab", tags: dict[str, str] | None = None) -> Iterator[Any]:
+    """An MLflow run for one stage, nested under ``parent_run_id`` when given (also across processes)."""
+    import mlflow
+
+    setup(runs_dir, experiment)
+    all_tags = dict(tags or {})
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    with mlflow.start_run(run_name=name, tags=all_tags, nested=mlflow.active_run() is not None) as run:
+        yield run
+
+
+def log_params(params: dict[str, Any]) -> None:
+    import mlflow
+
+    clean = safe_params(params)
+    items = list(clean.items())
+    for i in range(0, len(items), 90):  # MLflow accepts at most 100 params per batch
+        mlflow.log_params(dict(items[i:i + 90]))
+
+
+def log_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a matplotlib figure as PNG and log it to the active run (when there is one)."""
+    import mlflow
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110, bbox_inches="tight")
+    if mlflow.active_run() is not None:
+        mlflow.log_artifact(str(p), artifact_path="plots")
+    return p
