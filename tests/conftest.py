@@ -1,0 +1,24 @@
+"""Shared pytest fixtures. Each fixture is self-contained; add yours below the others."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def fake_openai(monkeypatch):
+    """A running fake OpenAI-compatible server (tests/fake_openai.py) on 127.0.0.1.
+
+    Proxy variables are cleared so that requests reach it directly, whatever the machine's environment."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from fake_openai import PROXY_ENV_VARS, FakeOpenAI
+
+    for name in PROXY_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    server = FakeOpenAI().start()
+    yield server
+    server.stop()
