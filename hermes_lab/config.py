@@ -84,6 +84,7 @@ class GrpoSection:
     scale_rewards: str = _f("group", "TRL scale_rewards: group, batch or none.")
     logging_steps: int = _f(1, "Log every N steps (every TRL metric goes to MLflow).")
     seed: int = _f(0, "Training seed.")
+    gradient_checkpointing: bool = _f(True, "Trade compute for memory (TRL's default). Off for tiny models on CPU.")
     use_vllm: bool = _f(False, "GPU only: generate with vLLM (TRL use_vllm).")
     vllm_mode: str = _f("colocate", "vLLM mode when use_vllm: colocate or server.")
     kl_warn: float = _f(0.5, "Health guard: warn 'raise kl_coefficient' when KL exceeds this.")
@@ -118,6 +119,9 @@ class DataSection:
     review_fraction: float = _f(0.1, "Share of new records sampled for human spot-check.")
     outlier_z: float = _f(4.0, "Robust z-score (median/MAD) past which a reward counts as an outlier.")
     negative_weight: int = _f(2, "Times a negative (rolled-back round) prompt is repeated as a hard prompt.")
+    max_line_bytes: int = _f(16 * 2**20, "Trajectory lines longer than this many bytes are rejected as 'line too "
+                             "long' (read in bounded memory); valid lines below it are accepted however long.")
+    seed: int = _f(0, "Seed of the human review sample (the same data and seed give the same sample).")
 
 
 @dataclass
@@ -133,9 +137,18 @@ class ExecuteSection:
 class ReviewSection:
     simulate: bool = _f(False, "Unattended rounds only: the task verifier acts as a simulated reviewer "
                         "(labels marked simulated).")
-    min_labels: int = _f(30, "Labels needed before the agreement gate can decide.")
+    min_labels: int = _f(30, "Labels needed before the agreement gate can decide (the whole queue when the "
+                         "queue is smaller).")
     min_agreement: float = _f(0.9, "Reward-model/human agreement needed to train.")
     label_mode: str = _f("score", "Label buttons: score (0..5) or passfail.")
+    agreement_metric: str = _f("threshold", "Raw agreement the gate compares with min_agreement: threshold "
+                               "(reward model and reviewer on the same side of reward.success_threshold) or "
+                               "within1 (|reward - label| <= 1; score labels only).")
+    min_kappa: float = _f(0.0, "Also block when Cohen's kappa on pass/fail is below this (0: report only). Kappa "
+                          "discounts chance agreement: with 95% passes on both sides, 90% raw agreement can be "
+                          "kappa ~0.")
+    kappa_weights: str = _f("quadratic", "Weights of the ordinal kappa on integer-binned scores: quadratic "
+                            "(a 5-vs-0 miss costs 25x a 1-point miss) or linear.")
 
 
 @dataclass
@@ -143,6 +156,22 @@ class ValidateSection:
     eval_tasks_per_family: int = _f(64, "Held-out tasks per family for the regression gate.")
     samples_per_task: int = _f(1, "Samples per task (sampled pass rate).")
     tolerance: float = _f(0.05, "Max allowed drop in pass rate on any family before the candidate is stopped.")
+    temperature: float = _f(0.9, "Sampling temperature of the regression eval, the same for baseline and candidate.")
+    seed: int = _f(0, "Seed of the regression eval (task generation and sampling), the same for both arms.")
+    alpha: float = _f(0.05, "Significance level of the one-sided two-proportion test reported per family, and "
+                      "of the reward-trend test in the curve diagnostics.")
+    require_significance: bool = _f(False, "Stop a candidate only when its drop exceeds the tolerance AND the "
+                                    "two-proportion test says it is significant (off: the tolerance rule alone).")
+    kl_spike_k: float = _f(6.0, "Diagnostics: a KL value more than k robust std (1.4826*MAD) above the rolling "
+                           "median of the previous steps is a spike.")
+    kl_spike_min_jump: float = _f(0.02, "Diagnostics: a KL spike must also jump by at least this much (absolute).")
+    kl_spike_ratio: float = _f(3.0, "Diagnostics: a KL spike must also reach this many times the value the "
+                               "previous steps predict (per-batch KL wiggles 1.5x in a healthy run).")
+    curve_window: int = _f(10, "Diagnostics: rolling window (logging steps) for the KL spike median/MAD.")
+    trend_window: float = _f(0.25, "Diagnostics: share of steps in the first/last window compared to decide "
+                             "whether the reward rises.")
+    reward_outlier_z: float = _f(6.0, "Diagnostics: robust z (residual from a rolling median over MAD) past "
+                                 "which a per-step reward is an outlier.")
 
 
 @dataclass
@@ -157,6 +186,20 @@ class ABSection:
     max_error_rate: float = _f(0.02, "Guardrail: candidate error rate above baseline by more than this rolls back.")
     max_latency_ratio: float = _f(1.5, "Guardrail: candidate p95 latency over baseline p95 above this rolls back.")
     rule: str = _f("sequential", "Decision rule: sequential (always-valid) or user (the SPEC's p<0.05 rule).")
+    look_every: float = _f(900.0, "Seconds between two interim looks within a stage. Harm, guardrails and SRM are "
+                           "checked at every look; promotion only from the stage's planned end.")
+    max_extension: float = _f(1.0, "An inconclusive stage is extended by up to this many times its planned length; "
+                              "still inconclusive then: the rollout stops at 'keep observing'.")
+    min_per_arm: int = _f(30, "Requests (units) each arm needs before any statistical decision.")
+    cs_sd: float = _f(0.0, "Score SD the confidence sequence is tuned for (it is narrowest at the planned stage "
+                      "end; validity does not depend on it). 0: 0.35 x reward.scale.")
+    unit: str = _f("request", "Randomisation unit in simulated traffic: request, or user (requests of one user "
+                   "share an arm; the analysis then uses unit-level, cluster-robust variances).")
+    num_users: int = _f(2000, "Simulated user pool when unit is user.")
+    task_split: str = _f("heldout", "Tasks the simulated traffic draws: heldout (never trained on) or any.")
+    latency_median_ms: float = _f(120.0, "Simulated latency: median of the lognormal base latency (ms).")
+    latency_sigma: float = _f(0.35, "Simulated latency: sigma of the lognormal base latency.")
+    latency_ms_per_char: float = _f(4.0, "Simulated latency: extra ms per response character (longer answers are slower).")
 
 
 @dataclass

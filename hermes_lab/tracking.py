@@ -38,11 +38,13 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
 
     # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # read before set_tracking_uri: MLflow 3 exports MLFLOW_TRACKING_URI itself
+    user_uri = bool(os.environ.get("MLFLOW_TRACKING_URI"))
     mlflow.set_tracking_uri(tracking_uri(runs_dir))
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is None:
         art = None
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        if not user_uri:
             art = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
         exp_id = mlflow.create_experiment(experiment, artifact_location=art)
     else:

@@ -1,0 +1,289 @@
+"""The policy: load any causal LM (hub id, local path, LoRA adapter) or build the embedded tiny one.
+
+Stage: foundation. Writes ``runs/policies/tiny-s<seed>-v<version>/`` (model, tokenizer, build.json with
+the base policy's sampled pass rate) once per seed, then reuses it.
+
+    hermes-lab build-policy --runs-dir runs --seed 0
+
+The embedded default needs no hub download. It is a Qwen2-style causal LM (so LoRA's q_proj/k_proj/
+v_proj/o_proj exist) of about 0.3M parameters with a character-level tokenizer built with the
+``tokenizers`` library, trained for about a minute on a deliberately *noisy teacher*: on a share of the
+training examples the teacher's answer is corrupted (a swapped, dropped, doubled or replaced
+character, or a format slip: a trailing period, quotes, chatter). The policy therefore learns the right answer as its main mode with plausible wrong answers
+beside it, and its *sampled* pass rate at temperature 0.9 lands mid-range: the headroom GRPO is for.
+
+Everything is loaded through ``AutoModelForCausalLM`` / ``AutoTokenizer``, so ``load_policy`` takes a
+Qwen2.5-0.5B id or path just as well. The tokenizer is saved with ``tokenizer_class:
+PreTrainedTokenizerFast`` because AutoTokenizer would otherwise pick Qwen2's tokenizer class from the
+model config and re-tokenize differently (tests/test_policy.py checks the round trip).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hermes_lab import tasks as T
+
+TINY_VERSION = 2          # bump when the recipe changes: a new cache dir is built
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+NOISE = 0.45              # share of teacher answers that are corrupted
+TINY_STEPS = 700
+TINY_BATCH = 128
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable-unicode table, in byte order (what ByteLevel pre-tokenizers use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def build_tokenizer() -> Any:
+    """A byte-level tokenizer with no merges: one token per byte, i.e. per character for ASCII.
+
+    It *is* a Qwen2Tokenizer (byte-level BPE, Qwen2's pre-tokenizer) with an empty merge list. That is
+    deliberate: for a qwen2 config, transformers 5's AutoTokenizer rebuilds Qwen2Tokenizer from the
+    saved vocab whatever class was saved, so any other tokenizer would not survive the round trip.
+    """
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *_byte_alphabet()])}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD,
+                          padding_side="left", model_max_length=256)
+
+
+def _tiny_model(vocab_size: int, seed: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------- building
+def tiny_dir(runs_dir: str | os.PathLike[str], seed: int) -> Path:
+    return Path(runs_dir) / "policies" / f"tiny-s{seed}-v{TINY_VERSION}"
+
+
+@contextmanager
+def _lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # two processes building the same policy: the second waits
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _teacher_batch(rng: random.Random, tok: Any, n: int) -> tuple[Any, Any]:
+    """Token ids and labels (-100 on prompt and padding) for n noisy-teacher examples."""
+    import torch
+
+    fams = T.FAMILIES
+    rows = []
+    for _ in range(n):
+        fam = rng.choice(fams)
+        while True:
+            t = T.make_task(fam, T._make_input(fam, rng))
+            if T.split_of(t.prompt) == "train":
+                break
+        ans = T.corrupt(t.answer, rng) if rng.random() < NOISE else t.answer
+        p_ids = tok(t.prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tok(ans, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append((p_ids, a_ids))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((n, width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((n, width), -100, dtype=torch.long)
+    for i, (p, a) in enumerate(rows):  # right padding for training; generation pads left
+        seq = p + a
+        ids[i, :len(seq)] = torch.tensor(seq)
+        labels[i, len(p):len(seq)] = torch.tensor(a)
+    return ids, labels
+
+
+def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, force: bool = False,
+                      quiet: bool = False) -> Path:
+    """Build (or reuse) the embedded tiny base policy; returns its directory."""
+    out = tiny_dir(runs_dir, seed)
+    with _lock(out.parent / f".{out.name}.lock"):
+        if (out / "build.json").exists() and not force:
+            return out
+        import torch
+        from tqdm.auto import tqdm
+
+        t0 = time.time()
+        torch.manual_seed(seed)
+        tok = build_tokenizer()
+        model = _tiny_model(len(tok), seed)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=TINY_STEPS, pct_start=0.1)
+        rng = random.Random(f"tiny-teacher:{seed}")
+        bar = tqdm(range(TINY_STEPS), desc="build tiny policy", disable=quiet, mininterval=2)
+        for _ in bar:
+            ids, labels = _teacher_batch(rng, tok, TINY_BATCH)
+            loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        model.eval()
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        # evaluate the saved copy, loaded the way every user loads it
+        policy = load_policy(str(tmp))
+        held = T.generate_tasks(200, split="heldout", seed=seed)
+        report = evaluate(policy, held, temperature=0.9, samples_per_task=2, seed=seed)
+        report.update(seed=seed, version=TINY_VERSION, noise=NOISE, steps=TINY_STEPS,
+                      build_seconds=round(time.time() - t0, 1),
+                      parameters=sum(p.numel() for p in model.parameters()))
+        (tmp / "build.json").write_text(json.dumps(report, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- loading
+class Policy:
+    """A causal LM (optionally with a LoRA adapter) and its tokenizer, ready to sample."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, adapter: str | None = None):
+        self.model, self.tokenizer, self.name, self.adapter = model, tokenizer, name, adapter
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r}, adapter={self.adapter!r})"
+
+    def generate(self, prompts: list[str], temperature: float = 0.9, max_new_tokens: int = 16, seed: int = 0,
+                 batch_size: int = 64, progress: bool = False) -> list[str]:
+        """One completion per prompt (temperature 0: greedy). Deterministic for a given seed."""
+        import torch
+        from tqdm.auto import tqdm
+
+        tok, out = self.tokenizer, []
+        tok.padding_side = "left"
+        starts = range(0, len(prompts), batch_size)
+        for i in tqdm(starts, desc=f"generate {self.name}", disable=not progress, mininterval=2):
+            chunk = prompts[i:i + batch_size]
+            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(self.model.device) for k, v in enc.items()}
+            torch.manual_seed(seed * 1_000_003 + i)
+            kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id)
+            if temperature > 0:
+                kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            else:
+                kw.update(do_sample=False)
+            with torch.no_grad():
+                gen = self.model.generate(**enc, **kw)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            out.extend(tok.batch_decode(new, skip_special_tokens=True))
+        return out
+
+
+def _is_adapter(path: str) -> bool:
+    return Path(path, "adapter_config.json").is_file()
+
+
+def resolve_model_name(name: str, runs_dir: str | os.PathLike[str] = "runs", seed: int = 0) -> str:
+    """'embedded:tiny' -> the built tiny policy's dir; anything else unchanged (hub id or path)."""
+    if name == "embedded:tiny":
+        return str(build_tiny_policy(runs_dir, seed))
+    return name
+
+
+def load_policy(name_or_path: str, adapter: str | None = None, runs_dir: str | os.PathLike[str] = "runs",
+                seed: int = 0, dtype: str = "auto", trust_remote_code: bool = False,
+                device: str | None = None) -> Policy:
+    """Load a policy from a hub id, a local dir, 'embedded:tiny', or a LoRA adapter dir (its base is read
+    from adapter_config.json). ``adapter`` stacks a LoRA adapter on the base."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = resolve_model_name(name_or_path, runs_dir, seed)
+    if _is_adapter(name) and adapter is None:
+        adapter = name
+        name = json.loads(Path(name, "adapter_config.json").read_text())["base_model_name_or_path"]
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    tok_src = adapter if adapter and Path(adapter, "tokenizer_config.json").is_file() else name
+    tok = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:  # many hub models ship without one; generation needs it
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    return Policy(model, tok, name=str(name_or_path), adapter=adapter)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+def evaluate(policy: Policy, tasks: list[T.Task], temperature: float = 0.9, samples_per_task: int = 1,
+             seed: int = 0, max_new_tokens: int = 16, threshold: float = 3.0) -> dict[str, Any]:
+    """Sampled pass rate and mean reward, overall and per family (pass: verifier score >= threshold)."""
+    prompts = [t.prompt for t in tasks for _ in range(samples_per_task)]
+    answers = [t for t in tasks for _ in range(samples_per_task)]
+    responses = policy.generate(prompts, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    per: dict[str, list[float]] = {}
+    for t, r in zip(answers, responses):
+        per.setdefault(t.family, []).append(T.score(t.answer, r))
+    allv = [v for vs in per.values() for v in vs]
+
+    def stats(vs: list[float]) -> dict[str, Any]:
+        return {"pass_rate": round(sum(v >= threshold for v in vs) / len(vs), 4),
+                "mean_reward": round(sum(vs) / len(vs), 4), "n": len(vs)}
+
+    return {**stats(allv), "temperature": temperature, "samples_per_task": samples_per_task,
+            "per_family": {f: stats(vs) for f, vs in sorted(per.items())}}
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs-dir", default="runs", help="where runs/policies/ lives")
+    p.add_argument("--seed", type=int, default=0, help="build seed (the build is deterministic by seed)")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    path = build_tiny_policy(args.runs_dir, args.seed, force=args.force)
+    report = json.loads((path / "build.json").read_text())
+    print(f"tiny policy: {path}  ({report['parameters']:,} parameters, built in {report['build_seconds']} s)")
+    print(f"sampled pass rate at T=0.9 on held-out tasks: {report['pass_rate']:.1%}")
+    for fam, s in report["per_family"].items():
+        print(f"  {fam:8s} {s['pass_rate']:.1%}  (mean reward {s['mean_reward']:.2f}, n={s['n']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hermes_lab.policy", description="Build the embedded tiny policy.")
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

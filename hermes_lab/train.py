@@ -1,0 +1,385 @@
+"""Stage 20, train: GRPO + LoRA from the user's YAML with TRL's GRPOTrainer, tracked in MLflow.
+
+Reads the GRPO prompt set (a prep output dir ``runs/round-NN/prep/``, a saved ``datasets`` dir, or a
+trajectories JSONL, which is run through prep first) and writes under ``--output`` (``runs/round-NN/train/``):
+``adapter/`` (LoRA adapter + tokenizer), ``train_log.jsonl`` (every TRL log line), ``samples.jsonl``
+(completions with their rewards), ``config.yaml`` (resolved, no secrets), ``health.json`` (guard
+verdicts), ``eval.json`` (held-out pass rate before/after) and ``run.json`` (MLflow run id, base, adapter).
+
+    python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep --output runs/round-01/train
+    hermes-lab train --config params/embedded.yaml --data trajectories.jsonl --output checkpoints/round-01
+
+The user's keys map onto TRL and PEFT like this (TRL's own defaults are never relied on):
+
+| user YAML                    | TRL GRPOConfig / PEFT LoraConfig                                       |
+|------------------------------|------------------------------------------------------------------------|
+| grpo.group_size              | num_generations                                                        |
+| grpo.kl_coefficient          | beta (always passed: TRL's default 0.0 drops KL and the reference)     |
+| grpo.clip_range              | epsilon                                                                |
+| grpo.learning_rate           | learning_rate (TRL's default 1e-6 is far too low for LoRA)             |
+| grpo.max_steps               | max_steps                                                              |
+| grpo.per_device_batch_size   | per_device_train_batch_size = per_device_batch_size * group_size       |
+|                              | (the user counts prompts, TRL counts completions)                      |
+| grpo.gradient_accumulation   | gradient_accumulation_steps                                            |
+| grpo.temperature             | temperature                                                            |
+| data.max_seq_len             | prompt + max_completion_length <= max_seq_len; TRL no longer truncates |
+|                              | prompts, so longer prompts are flagged and left out (health.json)      |
+| reward.types / weights       | reward_funcs / reward_weights (hermes_lab.rewards)                     |
+| grpo.use_vllm / vllm_mode    | use_vllm / vllm_mode (GPU only)                                        |
+| lora.*                       | peft.LoraConfig(**lora)                                                |
+
+Round N+1 continues from the champion: with ``model.adapter`` (or ``start_adapter``) set, that adapter
+is loaded trainable and TRL keeps a frozen copy of it as the KL reference ("ref" adapter), so KL
+measures drift from the promoted policy, not from the bare base.
+
+Multi-process: the entry point is a plain script, so ``accelerate launch -m hermes_lab.train ...`` or
+``torchrun --nproc_per_node 2 -m hermes_lab.train ...`` run it data-parallel (gloo on CPU, NCCL on GPU);
+only the main process writes files and MLflow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.config import HermesConfig, dump_config, load_config
+
+log = logging.getLogger("hermes_lab.train")
+
+
+class TrainingHealthError(RuntimeError):
+    """Training was stopped by a health guard (NaN loss)."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    adapter_dir: Path
+    mlflow_run_id: str | None
+    steps: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+    eval: dict[str, Any] = field(default_factory=dict)
+    flagged_prompts: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ data
+def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
+    """The GRPO prompt set as a ``datasets.Dataset`` (columns: prompt, reference, ref_reward, ...)."""
+    from datasets import Dataset, load_from_disk
+
+    p = Path(data)
+    if p.is_dir() and (p / "grpo_dataset").is_dir():
+        p = p / "grpo_dataset"
+    if p.is_dir():
+        ds = load_from_disk(str(p))
+    elif p.is_file():
+        from hermes_lab import prep
+
+        try:
+            res = prep.run_prep([p], work_dir / "prep", cfg, make_plots=False)
+        except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
+            res = e.result
+            log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
+        ds = load_from_disk(str(res.output_dir / "grpo_dataset"))
+    else:
+        raise FileNotFoundError(f"--data {data}: no such file or directory")
+    if "prompt" not in ds.column_names:
+        raise ValueError(f"--data {data}: the dataset has no 'prompt' column (columns: {ds.column_names})")
+    if "weight" in ds.column_names:  # hard (negative) prompts are repeated
+        from hermes_lab.prep import expand_by_weight
+
+        ds = expand_by_weight(ds)
+    if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
+        ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
+    return ds if isinstance(ds, Dataset) else Dataset.from_list(list(ds))
+
+
+def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any, list[dict[str, Any]], int]:
+    """Drop prompts that leave no room for a completion within max_seq_len; return them flagged."""
+    budget = cfg.data.max_seq_len
+    lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in ds["prompt"]]
+    completion = min(cfg.grpo.max_completion_length, budget - max(lens, default=0))
+    if completion < 1:  # at least one prompt too long: cap completions at what the rest allows
+        completion = cfg.grpo.max_completion_length
+    keep = [i for i, n in enumerate(lens) if n + completion <= budget]
+    flagged = [{"prompt": ds["prompt"][i][:200], "prompt_tokens": lens[i],
+                "reason": f"prompt + completion ({lens[i]} + {completion}) > data.max_seq_len {budget}"}
+               for i in range(len(lens)) if i not in set(keep)]
+    if not keep:
+        raise ValueError(f"every prompt is longer than data.max_seq_len={budget} allows; raise it")
+    return ds.select(keep), flagged, completion
+
+
+# ------------------------------------------------------------------------------------------- mapping
+def grpo_kwargs(cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]) -> dict[str, Any]:
+    """The GRPOConfig keyword arguments for a HermesConfig (the table in the module docstring)."""
+    import torch
+
+    g = cfg.grpo
+    on_gpu = torch.cuda.is_available()
+    kw = dict(
+        output_dir=str(output_dir / "trl"),
+        num_generations=g.group_size,
+        beta=g.kl_coefficient,
+        epsilon=g.clip_range,
+        learning_rate=g.learning_rate,
+        max_steps=g.max_steps,
+        per_device_train_batch_size=g.per_device_batch_size * g.group_size,
+        gradient_accumulation_steps=g.gradient_accumulation,
+        temperature=g.temperature,
+        max_completion_length=max_completion_length,
+        num_iterations=g.num_iterations,
+        loss_type=g.loss_type,
+        scale_rewards=g.scale_rewards,
+        reward_weights=weights,
+        logging_steps=g.logging_steps,
+        seed=g.seed,
+        use_vllm=g.use_vllm,
+        gradient_checkpointing=g.gradient_checkpointing,
+        report_to="none",           # our callback logs to MLflow itself: nesting and names stay ours
+        save_strategy="no",         # the adapter is saved once, at the end, where the round expects it
+        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        use_cpu=not on_gpu,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        remove_unused_columns=False,  # reward functions read reference / ref_reward columns
+    )
+    if g.use_vllm:
+        kw["vllm_mode"] = g.vllm_mode
+    return kw
+
+
+# ------------------------------------------------------------------------------------------ callback
+def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool) -> Any:
+    """TRL log line -> train_log.jsonl + MLflow metrics + health guards."""
+    from transformers import TrainerCallback
+
+    class HermesCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.warnings: list[str] = []
+            self.kl_hist: list[float] = []
+            self._warned: set[str] = set()
+
+        def _warn(self, key: str, msg: str) -> None:
+            if key not in self._warned:  # once per kind, or a long run prints a wall of warnings
+                self._warned.add(key)
+                self.warnings.append(msg)
+                log.warning(msg)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            samples.step = state.global_step
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            logs = dict(logs or {})
+            step = state.global_step
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                raise TrainingHealthError(
+                    f"NaN/inf loss at step {step}: look for reward outliers (prep's outlier report), normalise or "
+                    f"clip rewards, and lower the learning rate ({cfg.grpo.learning_rate}) before rerunning.")
+            kl = logs.get("kl")
+            if kl is not None and math.isfinite(kl):
+                hist = self.kl_hist[-5:]
+                med = sorted(hist)[len(hist) // 2] if hist else None
+                if kl > cfg.grpo.kl_warn:
+                    self._warn("kl_high", f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
+                                          f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.")
+                elif med is not None and len(hist) >= 3 and kl > 0.05 and kl > 4 * max(med, 1e-3):
+                    self._warn("kl_rising", f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
+                                            f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).")
+                self.kl_hist.append(kl)
+            zero = logs.get("frac_reward_zero_std")
+            if zero is not None and step >= 3 and zero > cfg.grpo.zero_std_warn:
+                self._warn("zero_std", f"{zero:.0%} of groups had identical rewards at step {step}: their advantage "
+                                       f"is zero; raise temperature (now {cfg.grpo.temperature}) or group_size.")
+            if not is_main:
+                return
+            row = {"step": step, "epoch": state.epoch, **logs}
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            import mlflow
+
+            if mlflow.active_run() is not None:
+                metrics = {k: float(v) for k, v in logs.items()
+                           if isinstance(v, (int, float)) and math.isfinite(float(v))}
+                if metrics:
+                    mlflow.log_metrics(metrics, step=step)
+
+    return HermesCallback()
+
+
+# --------------------------------------------------------------------------------------------- train
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.PathLike[str],
+          parent_run_id: str | None = None, start_adapter: str | None = None, evaluate_heldout: bool = True,
+          eval_tasks_per_family: int = 40) -> TrainResult:
+    """Run one GRPO + LoRA training. Returns where the adapter is and what happened."""
+    import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hermes_lab import policy as P
+    from hermes_lab import rewards, tracking
+
+    t0 = time.time()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    is_main = _is_main()
+    set_seed(cfg.grpo.seed)
+    runs_dir = cfg.round.runs_dir
+    base = P.resolve_model_name(cfg.model.base_model, runs_dir, cfg.model.seed)
+    start_adapter = start_adapter or cfg.model.adapter
+    tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    ds = load_prompt_set(data, cfg, out)
+    ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
+
+    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    peft_config = None
+    if start_adapter:  # continue the champion; TRL copies it into a frozen "ref" adapter for KL
+        model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
+    else:
+        lc = cfg.lora
+        peft_config = LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
+                                 target_modules=list(lc.target_modules), bias=lc.bias, task_type=lc.task_type)
+
+    samples = rewards.SampleLog()
+    funcs, weights = rewards.get_reward_funcs(cfg, samples)
+    gkw = grpo_kwargs(cfg, out, completion_len, weights)
+    args = GRPOConfig(**gkw)
+    log_path = out / "train_log.jsonl"
+    if is_main:
+        log_path.unlink(missing_ok=True)
+        dump_config(cfg, out / "config.yaml")
+    callback = make_callback(cfg, log_path, samples, is_main)
+    run_id = None
+    ctx = tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment) if is_main else _null()
+    with ctx as run:
+        if run is not None:
+            run_id = run.info.run_id
+            tracking.log_params({**cfg.flat_params(), **{f"trl.{k}": v for k, v in gkw.items()},
+                                 "train.prompts": len(ds), "train.flagged_prompts": len(flagged),
+                                 "train.start_adapter": start_adapter or "", "train.base": base})
+        trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds,
+                              processing_class=tok, peft_config=peft_config, callbacks=[callback])
+        trainer.train()
+        adapter_dir = out / "adapter"
+        result = TrainResult(out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings,
+                             flagged_prompts=len(flagged))
+        if is_main:
+            trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
+            tok.save_pretrained(str(adapter_dir))
+            _write_jsonl(out / "samples.jsonl", list(samples.rows))
+            health = {"warnings": callback.warnings, "flagged_prompts": flagged, "steps": trainer.state.global_step}
+            (out / "health.json").write_text(json.dumps(health, indent=2))
+            if evaluate_heldout:
+                result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
+                (out / "eval.json").write_text(json.dumps(result.eval, indent=2))
+            result.seconds = round(time.time() - t0, 1)
+            meta = {"mlflow_run_id": run_id, "base_model": base, "adapter": str(adapter_dir),
+                    "start_adapter": start_adapter, "steps": result.steps, "seconds": result.seconds}
+            (out / "run.json").write_text(json.dumps(meta, indent=2))
+            if run is not None:
+                _log_artifacts(out, result)
+    return result
+
+
+def _eval_before_after(cfg: HermesConfig, base: str, start_adapter: str | None, adapter_dir: Path,
+                       per_family: int) -> dict[str, Any]:
+    """Held-out sampled pass rate of the starting policy and of the candidate (embedded tasks only)."""
+    from hermes_lab import policy as P
+    from hermes_lab import tasks as T
+
+    tasks_ = T.generate_tasks(per_family * len(T.FAMILIES), split="heldout", seed=cfg.grpo.seed + 1)
+    kw = dict(temperature=cfg.grpo.temperature, samples_per_task=2, seed=cfg.grpo.seed,
+              max_new_tokens=cfg.execute.max_new_tokens, threshold=cfg.reward.success_threshold)
+    before = P.evaluate(P.load_policy(base, adapter=start_adapter), tasks_, **kw)
+    after = P.evaluate(P.load_policy(base, adapter=str(adapter_dir)), tasks_, **kw)
+    return {"before": before, "after": after, "gain_points": round(100 * (after["pass_rate"] - before["pass_rate"]), 1)}
+
+
+def _log_artifacts(out: Path, result: TrainResult) -> None:
+    import mlflow
+
+    for name in ("train_log.jsonl", "samples.jsonl", "config.yaml", "health.json", "eval.json"):
+        if (out / name).exists():
+            mlflow.log_artifact(str(out / name))
+    mlflow.log_artifacts(str(result.adapter_dir), artifact_path="adapter")
+    mlflow.log_metric("train.seconds", result.seconds)
+    if result.eval:
+        mlflow.log_metrics({"eval.pass_rate_before": result.eval["before"]["pass_rate"],
+                            "eval.pass_rate_after": result.eval["after"]["pass_rate"]})
+    mlflow.set_tag("health.warnings", str(len(result.warnings)))
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "--params", dest="config", required=True, help="the training YAML (user's format)")
+    p.add_argument("--data", required=True, help="prep output dir, saved datasets dir, or trajectories JSONL")
+    p.add_argument("--output", required=True, help="output dir (adapter/, train_log.jsonl, ...)")
+    p.add_argument("--start-adapter", default=None, help="continue training this adapter (the champion)")
+    p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
+    p.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    overrides = {"grpo.max_steps": args.max_steps} if args.max_steps else None
+    cfg = load_config(args.config, overrides)
+    res = train(cfg, args.data, args.output, parent_run_id=args.parent_run_id or None,
+                start_adapter=args.start_adapter, evaluate_heldout=not args.no_eval)
+    if not _is_main():
+        return 0
+    print(f"adapter: {res.adapter_dir}  ({res.steps} steps, {res.seconds} s, MLflow run {res.mlflow_run_id})")
+    for w in res.warnings:
+        print(f"warning: {w}")
+    if res.eval:
+        b, a = res.eval["before"]["pass_rate"], res.eval["after"]["pass_rate"]
+        print(f"held-out sampled pass rate: {b:.1%} -> {a:.1%} ({res.eval['gain_points']:+.1f} points)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.config import ConfigError
+
+    p = argparse.ArgumentParser(prog="python -m hermes_lab.train", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_cli(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
