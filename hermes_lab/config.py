@@ -240,13 +240,17 @@ class HermesConfig:
 
 # ---------------------------------------------------------------------------------------------- loading
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_COMMENT = re.compile(r"(?:^|\s)#")
 
 
 def _interpolate(text: str, source: str, env: dict[str, str]) -> str:
     lines = text.splitlines(keepends=True)
     for i, line in enumerate(lines):
-        # comments may mention ${VAR}: only the part before a YAML comment (" #") is interpolated
-        code, sep, comment = line.partition(" #")
+        # comments may mention ${VAR}: only the part before a YAML comment ('#' at the line start or after
+        # whitespace, a tab included) is interpolated
+        m_comment = _COMMENT.search(line)
+        cut = m_comment.start() if m_comment else len(line)
+        code, sep, comment = line[:cut], "", line[cut:]
 
         def sub(m: re.Match[str]) -> str:
             name, default = m.group(1), m.group(2)
@@ -314,7 +318,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
     unknown = [k for k in raw if k not in names]
     if unknown:
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}'. Valid keys: {', '.join(names)}")
+        raise ConfigError(f"{where or 'top level'}: unknown key '{unknown[0]}'. Valid keys: {', '.join(names)}")
     kwargs = {}
     for k, v in raw.items():
         tp = hints[k]
@@ -392,7 +396,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
         if raw[sec] is None:
             raw[sec] = {}
         raw[sec][key] = value
-    cfg = _build(HermesConfig, raw, "")
+    try:
+        cfg = _build(HermesConfig, raw, "")
+    except ConfigError as e:  # name the file too: the key alone does not say which YAML to fix
+        raise ConfigError(f"{src}: {e}") from None
     cfg.source = src if path is not None else None
     _check(cfg, src)
     return cfg
