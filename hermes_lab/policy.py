@@ -33,10 +33,10 @@ from typing import Any
 
 from hermes_lab import tasks as T
 
-TINY_VERSION = 2          # bump when the recipe changes: a new cache dir is built
+TINY_VERSION = 3          # bump when the recipe changes: a new cache dir is built
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-NOISE = 0.45              # share of teacher answers that are corrupted
-TINY_STEPS = 700
+NOISE = 0.5               # share of teacher answers that are corrupted
+TINY_STEPS = 900
 TINY_BATCH = 128
 
 
@@ -122,9 +122,13 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int) -> tuple[Any, Any]:
 
 
 def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, force: bool = False,
-                      quiet: bool = False) -> Path:
-    """Build (or reuse) the embedded tiny base policy; returns its directory."""
+                      quiet: bool = False, steps: int = TINY_STEPS) -> Path:
+    """Build (or reuse) the embedded tiny base policy; returns its directory.
+
+    ``steps`` other than the recipe's builds a separate, smaller policy (tests of determinism)."""
     out = tiny_dir(runs_dir, seed)
+    if steps != TINY_STEPS:
+        out = out.with_name(out.name + f"-steps{steps}")
     with _lock(out.parent / f".{out.name}.lock"):
         if (out / "build.json").exists() and not force:
             return out
@@ -137,9 +141,9 @@ def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, 
         model = _tiny_model(len(tok), seed)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=TINY_STEPS, pct_start=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps, pct_start=0.1)
         rng = random.Random(f"tiny-teacher:{seed}")
-        bar = tqdm(range(TINY_STEPS), desc="build tiny policy", disable=quiet, mininterval=2)
+        bar = tqdm(range(steps), desc="build tiny policy", disable=quiet, mininterval=2)
         for _ in bar:
             ids, labels = _teacher_batch(rng, tok, TINY_BATCH)
             loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
@@ -158,7 +162,7 @@ def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, 
         policy = load_policy(str(tmp))
         held = T.generate_tasks(200, split="heldout", seed=seed)
         report = evaluate(policy, held, temperature=0.9, samples_per_task=2, seed=seed)
-        report.update(seed=seed, version=TINY_VERSION, noise=NOISE, steps=TINY_STEPS,
+        report.update(seed=seed, version=TINY_VERSION, noise=NOISE, steps=steps,
                       build_seconds=round(time.time() - t0, 1),
                       parameters=sum(p.numel() for p in model.parameters()))
         (tmp / "build.json").write_text(json.dumps(report, indent=2))

@@ -162,7 +162,7 @@ def _stage_params(stage: str, cfg: HermesConfig, params_path: str, rd: Path, par
     if stage == "train":
         return common | {"start_adapter": champion}
     if stage == "validate":
-        return common
+        return common | {"baseline_adapter": champion}
     if stage == "ab":
         return common | {"baseline": _baseline_dir(cfg, state), "candidate": str(rd / "train" / "adapter"), "seed": n}
     return common
@@ -186,11 +186,13 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         n = state.last_round + 1
         rd = _round_dir(runs, n)
         prog = _progress(rd)
-        if prog and not resume and prog.get("status") == "running":
-            raise RoundError(f"{rd} holds an unfinished round (stages done: {prog.get('completed')}); "
-                             f"continue it with --resume or remove the folder")
+        if prog and not resume:
+            raise RoundError(f"{rd} holds an unfinished round ({prog.get('status')}, stages done: "
+                             f"{prog.get('completed')}); continue it with --resume or remove the folder")
         if resume and not prog:
             raise RoundError(f"nothing to resume: {rd} has no progress.json")
+        if prog:
+            prog["status"] = "running"
         rd.mkdir(parents=True, exist_ok=True)
         if state.simulated_now is None and cfg.round.simulated_clock:
             state.simulated_now = SimulatedClock().now().isoformat()
@@ -216,6 +218,8 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
                 run_notebook(nb, rd / nb, _stage_params(stage, cfg, params_path, rd, parent, state, n))
             except GateStop as g:
                 status = g.status
+                if stage == "review" and _read(rd / "review" / "gate.json").get("status") == "blocked":
+                    status = "blocked: reward model disagrees with reviewers"
                 prog["timings"][stage] = round(time.time() - t0, 1)
                 prog["stopped_at"] = {"stage": stage, "detail": g.detail}
                 break
@@ -237,9 +241,11 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
             status = "completed"
         summary = _finish(cfg, state, rd, n, prog, status)
         decision = summary.get("decision")
-        prog["status"] = "done"
+        # awaiting review: the same round continues (--resume) once the labels are in
+        prog["status"] = "awaiting review" if status == "awaiting review" else "done"
         _save_json(rd / "progress.json", prog)
-        state.last_round = n
+        if status != "awaiting review":
+            state.last_round = n
         state.history.append({"round": n, "status": summary["status"], "decision": decision,
                               "pass_rate": summary.get("pass_rate")})
         state.save(sp)
@@ -378,12 +384,12 @@ def status(params_path: str) -> dict[str, Any]:
         pending += sum(1 for _ in open(prev_ab, encoding="utf-8"))
     if pending < cfg.data.min_samples:
         reasons.append(f"samples: {pending} of {cfg.data.min_samples} new samples")
-    gate = _read(runs / f"round-{state.last_round:02d}" / "review" / "gate.json")
-    if gate.get("status") == "awaiting review":
-        reasons.append("review pending: open notebooks/review.ipynb and label the queue")
     unfinished = _progress(_round_dir(runs, state.last_round + 1))
-    if unfinished.get("status") == "running":
-        reasons.append(f"round {state.last_round + 1} is unfinished: hermes-lab round --resume")
+    if unfinished.get("status") == "awaiting review":
+        reasons.append(f"review pending: open notebooks/review.ipynb and label the queue of round "
+                       f"{state.last_round + 1}, then hermes-lab round --resume")
+    elif unfinished.get("status") in {"running", "failed"}:
+        reasons.append(f"round {state.last_round + 1} is unfinished ({unfinished['status']}): hermes-lab round --resume")
     return {"due": not reasons, "reasons": reasons, "last_round": state.last_round,
             "champion": state.champion_adapter or "base", "now": now.isoformat(), "pending_samples": pending}
 

@@ -1,0 +1,38 @@
+"""Execute: the policy's execution logs in the user's trajectory format, rewards from the verifiers."""
+import json
+import subprocess
+import sys
+
+from hermes_lab import tasks as T
+from hermes_lab.config import load_config
+from hermes_lab.execute import execute
+
+
+def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
+    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 520})
+    out = tmp_path / "trajectories.jsonl"
+    res = execute(cfg, out, seed=2, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert res["records"] == len(rows) == 520
+    for r in rows:
+        assert {"prompt", "response", "reward", "task_id", "family", "request_id", "timestamp", "policy"} <= set(r)
+        assert r["reward"] == T.verify(r["prompt"], r["response"])  # system feedback, not made up
+        assert 0 <= r["reward"] <= 5
+        assert T.split_of(r["prompt"]) == "train"  # held-out tasks stay held out
+    assert len({r["request_id"] for r in rows}) == 520
+    assert {r["family"] for r in rows} == set(T.FAMILIES)
+    passed = sum(r["reward"] >= 3 for r in rows) / len(rows)
+    assert res["pass_rate"] == round(passed, 4)
+    assert 0.05 < passed < 0.95  # sampled at temperature 0.9: a mix of passes and failures
+    again = tmp_path / "again.jsonl"
+    execute(cfg, again, seed=2, progress=False)
+    assert [json.loads(x)["response"] for x in again.read_text().splitlines()] == [r["response"] for r in rows]
+
+
+def test_execute_cli(tmp_path):
+    out = tmp_path / "t.jsonl"
+    p = subprocess.run([sys.executable, "-m", "hermes_lab.execute", "--params", "params/embedded.yaml",
+                        "--output", str(out), "--num-tasks", "10"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "wrote 10 trajectories" in p.stdout
+    assert len(out.read_text().splitlines()) == 10

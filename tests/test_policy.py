@@ -1,0 +1,83 @@
+"""The embedded tiny policy: tokenizer round trip, Qwen2 architecture, cached build, mid-range pass rate."""
+import json
+
+import pytest
+
+from hermes_lab import policy as P
+from hermes_lab import tasks as T
+
+
+def test_tokenizer_round_trip_through_autotokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = P.build_tokenizer()
+    model = P._tiny_model(len(tok), seed=0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    back = AutoTokenizer.from_pretrained(tmp_path)  # transformers 5 picks the class from the model config
+    texts = ["tool weather  paris=", "up abc=ABC", "héllo 日本\n\tx  ", "rev   spaced  out=", "'quoted' ok."]
+    for s in texts:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert back(s, add_special_tokens=False)["input_ids"] == ids, s
+        assert back.decode(ids) == tok.decode(ids) == s
+    assert (back.pad_token, back.eos_token) == (P.PAD, P.EOS)
+    assert back.pad_token_id != back.eos_token_id
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.model_type == "qwen2"
+    names = {n.rsplit(".", 1)[-1] for n, _ in reloaded.named_modules()}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= names
+
+
+def test_build_is_deterministic_by_seed(tmp_path):
+    a = P.build_tiny_policy(tmp_path / "a", seed=3, steps=5, quiet=True)
+    b = P.build_tiny_policy(tmp_path / "b", seed=3, steps=5, quiet=True)
+    c = P.build_tiny_policy(tmp_path / "c", seed=4, steps=5, quiet=True)
+    wa, wb, wc = ((d / "model.safetensors").read_bytes() for d in (a, b, c))
+    assert wa == wb
+    assert wa != wc
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return P.build_tiny_policy("runs", seed=0)
+
+
+def test_tiny_policy_is_cached_and_mid_range(tiny):
+    import time
+
+    t0 = time.time()
+    assert P.build_tiny_policy("runs", seed=0) == tiny  # reused, not rebuilt
+    assert time.time() - t0 < 5
+    report = json.loads((tiny / "build.json").read_text())
+    assert 0.30 <= report["pass_rate"] <= 0.60, report  # real headroom for GRPO
+    assert set(report["per_family"]) == set(T.FAMILIES)
+    assert report["parameters"] < 1_000_000
+
+
+def test_load_policy_accepts_embedded_name_path_and_adapter(tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    pol = P.load_policy("embedded:tiny")
+    assert pol.model.config.model_type == "qwen2"
+    prompts = [t.prompt for t in T.generate_tasks(12, split="heldout")]
+    out1 = pol.generate(prompts, temperature=0.9, seed=7)
+    out2 = P.load_policy(str(tiny)).generate(prompts, temperature=0.9, seed=7)
+    assert out1 == out2 and len(out1) == 12  # deterministic by seed, same policy by name or path
+    greedy = pol.generate(prompts, temperature=0)
+    assert greedy == pol.generate(prompts, temperature=0, batch_size=5)  # left padding does not change answers
+    # an adapter dir alone is enough: its base comes from adapter_config.json
+    peft_model = get_peft_model(P.load_policy(str(tiny)).model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with_adapter = P.load_policy(str(tmp_path / "adapter"))
+    assert with_adapter.adapter == str(tmp_path / "adapter")
+    assert with_adapter.generate(prompts, temperature=0) == greedy  # fresh LoRA (B=0) is the identity
+
+
+def test_evaluate_reports_per_family(tiny):
+    pol = P.load_policy(str(tiny))
+    tasks_ = T.generate_tasks(25, split="heldout")
+    rep = P.evaluate(pol, tasks_, temperature=0.9, samples_per_task=2, seed=1)
+    assert rep["n"] == 50
+    assert set(rep["per_family"]) == set(T.FAMILIES)
+    assert sum(f["n"] for f in rep["per_family"].values()) == 50
+    assert 0 <= rep["pass_rate"] <= 1

@@ -1,0 +1,154 @@
+"""The round: papermill stages in order, MLflow parent + nested runs, lock, resume, status."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hermes_lab import round as R
+from hermes_lab.policy import build_tiny_policy
+from hermes_lab.state import FlywheelState, state_path
+
+REPO = Path(__file__).resolve().parent.parent
+HERMES = [sys.executable, "-m", "hermes_lab.cli"]
+
+
+def small_params(tmp_path: Path, **sections) -> Path:
+    """params/embedded.yaml scaled down for CI, with runs/ under tmp_path (the tiny policy is shared)."""
+    cfg = yaml.safe_load((REPO / "params" / "embedded.yaml").read_text())
+    runs = tmp_path / "runs"
+    (runs / "policies").mkdir(parents=True)
+    tiny = build_tiny_policy(REPO / "runs", seed=0)
+    os.symlink(tiny, runs / "policies" / tiny.name)  # built once per machine, reused
+    cfg["round"]["runs_dir"] = str(runs)
+    cfg["execute"]["num_tasks"] = 520
+    cfg["grpo"]["max_steps"] = 12
+    cfg["validate"]["eval_tasks_per_family"] = 16
+    cfg.setdefault("ab", {})["request_rate"] = 0.04
+    for sec, kv in sections.items():
+        cfg.setdefault(sec, {}).update(kv)
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_lock_refuses_a_second_round(tmp_path):
+    params = small_params(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from hermes_lab.round import RoundLock\n"
+        f"with RoundLock(Path({str(tmp_path / 'runs')!r})):\n"
+        "    print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        p = subprocess.run([*HERMES, "round", "--params", str(params)], capture_output=True, text=True)
+        assert p.returncode == 1
+        assert "another round is running" in p.stderr and f"pid {holder.pid}" in p.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    with R.RoundLock(tmp_path / "runs"):  # released by the kernel when its holder died
+        pass
+
+
+def test_status_explains_why_no_round_is_due(tmp_path):
+    params = small_params(tmp_path, data={"min_samples": 5000})
+    runs = tmp_path / "runs"
+    st = FlywheelState(last_train_time="2026-01-01T00:00:00+00:00", simulated_now="2026-01-01T05:00:00+00:00")
+    st.save(state_path(runs))
+    s = R.status(str(params))
+    assert not s["due"]
+    assert any(r.startswith("cooldown: 19.0 h left") for r in s["reasons"])
+    assert any(r.startswith("samples: 520 of 5000") for r in s["reasons"])
+    p = subprocess.run([*HERMES, "status", "--params", str(params)], capture_output=True, text=True)
+    assert p.returncode == 3 and "not due" in p.stdout
+
+
+def test_unknown_notebook_parameter_is_refused(tmp_path):
+    with pytest.raises(R.RoundError, match="unknown parameter"):
+        R.run_notebook("00_execute.ipynb", tmp_path / "x.ipynb", {"config_path": "x", "api_key": "nope"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    srv = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                            "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                            "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        srv.kill()
+        pytest.fail("mlflow server did not start")
+    yield url
+    os.killpg(srv.pid, signal.SIGTERM)
+    srv.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_server):
+    params = small_params(tmp_path)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "PYTHONUNBUFFERED": "1"}
+    rd = tmp_path / "runs" / "round-01"
+    proc = subprocess.Popen([*HERMES, "round", "--params", str(params)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it once the first two stages are done
+        prog = json.loads((rd / "progress.json").read_text()) if (rd / "progress.json").exists() else {}
+        if "prep" in prog.get("completed", []):
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    executed_first = (rd / "00_execute.ipynb").stat().st_mtime
+    # the unfinished round is refused without --resume, then continued with it
+    p = subprocess.run([*HERMES, "round", "--params", str(params)], env=env, cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 1 and "--resume" in p.stderr
+    p = subprocess.run([*HERMES, "round", "--params", str(params), "--resume"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (rd / "00_execute.ipynb").stat().st_mtime == executed_first  # not run again
+    assert "where the time went" in p.stdout
+    for _, nb in R.STAGES:
+        assert (rd / nb).exists(), nb
+    assert (rd / "train" / "adapter" / "adapter_config.json").exists()
+    report = json.loads((rd / "ab" / "ab_report.json").read_text())
+    assert {"delta", "p_value", "significant", "decision"} <= set(report)
+    summary = json.loads((rd / "summary.json").read_text())
+    gates = {g["gate"] for g in summary["gates"]}
+    assert {"min_samples", "cooldown", "review_agreement", "training_health", "regression", "ab_decision"} <= gates
+    state = FlywheelState.load(state_path(tmp_path / "runs"))
+    assert state.last_round == 1 and state.last_train_time
+    if summary["decision"] == "promote":
+        assert state.champion_adapter == str(rd / "train" / "adapter")
+    # MLflow on the server: one parent run, a nested run per stage
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
+    runs = mlflow.search_runs(experiment_names=["hermes-lab"])
+    parent = summary["parent_run_id"]
+    children = runs[runs["tags.mlflow.parentRunId"] == parent]
+    assert {"execute", "prep", "review", "train", "validate", "ab"} <= set(children["tags.mlflow.runName"])
+    train = children[children["tags.mlflow.runName"] == "train"].iloc[0]
+    hist = mlflow.MlflowClient().get_metric_history(train["run_id"], "reward")
+    assert len(hist) >= 10
