@@ -33,7 +33,7 @@ from typing import Any
 
 from hermes_lab import tasks as T
 
-TINY_VERSION = 3          # bump when the recipe changes: a new cache dir is built
+TINY_VERSION = 5          # bump when the recipe changes: a new cache dir is built
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 NOISE = 0.5               # share of teacher answers that are corrupted
 TINY_STEPS = 900

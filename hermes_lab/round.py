@@ -325,8 +325,13 @@ def _register_champion(cfg: HermesConfig, rd: Path) -> None:
     run_id = _read(rd / "train" / "run.json").get("mlflow_run_id")
     if not run_id:
         return
-    mv = mlflow.register_model(f"runs:/{run_id}/adapter", cfg.round.registered_model)
-    MlflowClient().set_registered_model_alias(cfg.round.registered_model, "champion", mv.version)
+    client, name = MlflowClient(), cfg.round.registered_model
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        client.create_registered_model(name, description="hermes-lab policies (LoRA adapters); alias 'champion' is live")
+    # a plain artifact version (MLflow 3's register_model wants a logged model; the adapter is a PEFT folder)
+    source = f"{mlflow.get_run(run_id).info.artifact_uri}/adapter"
+    mv = client.create_model_version(name, source=source, run_id=run_id, tags={"round": rd.name})
+    client.set_registered_model_alias(name, "champion", mv.version)
 
 
 def print_summary(s: dict[str, Any]) -> None:

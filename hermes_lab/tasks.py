@@ -162,11 +162,11 @@ def family_of(prompt: str) -> str | None:
 def corrupt(answer: str, rng: random.Random) -> str:
     """A plausible wrong answer: what the 'noisy teacher' of the tiny policy says on a share of examples.
 
-    Most (70%) are format slips (a trailing period, quotes, chatter): systematic errors real policies make
+    Most (90%) are format slips (a trailing period, quotes, chatter): systematic errors real policies make
     and the kind GRPO is good at removing. The rest are content slips (a swapped, dropped, doubled or
     replaced character), which are harder to unlearn.
     """
-    if rng.random() < 0.7:
+    if rng.random() < 0.9:
         return rng.choice([answer + ".", f"'{answer}'", answer + " ok"])
     chars = list(answer)
     kind = rng.randrange(4)

@@ -36,6 +36,7 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
 
     import mlflow
 
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline workbench
     # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
     logging.getLogger("alembic").setLevel(logging.WARNING)
     # read before set_tracking_uri: MLflow 3 exports MLFLOW_TRACKING_URI itself

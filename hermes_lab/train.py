@@ -54,6 +54,11 @@ from hermes_lab.config import HermesConfig, dump_config, load_config
 log = logging.getLogger("hermes_lab.train")
 
 
+# MLflow metrics are buffered and written at most this often (and at the end): one SQLite write costs ~10 ms,
+# 10% of a tiny-policy step; a real model's step takes longer than this, so its curves stay live step by step
+METRIC_FLUSH_S = 1.0
+
+
 class TrainingHealthError(RuntimeError):
     """Training was stopped by a health guard (NaN loss)."""
 
@@ -103,18 +108,27 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
 
 
 def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any, list[dict[str, Any]], int]:
-    """Drop prompts that leave no room for a completion within max_seq_len; return them flagged."""
-    budget = cfg.data.max_seq_len
-    lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in ds["prompt"]]
-    completion = min(cfg.grpo.max_completion_length, budget - max(lens, default=0))
-    if completion < 1:  # at least one prompt too long: cap completions at what the rest allows
-        completion = cfg.grpo.max_completion_length
+    """Leave out prompts with no room for a full completion (prompt + max_completion_length > max_seq_len);
+    return the kept set, the left-out prompts flagged, and the completion length.
+
+    The completion length is never shortened to fit a long prompt: one long prompt would otherwise cut
+    every completion of the run short."""
+    from hermes_lab.config import ConfigError
+
+    budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
+    if completion >= budget:
+        raise ConfigError(f"grpo.max_completion_length={completion} leaves no room for a prompt within "
+                          f"data.max_seq_len={budget}: raise data.max_seq_len or lower grpo.max_completion_length")
+    prompts = list(ds["prompt"])
+    lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     keep = [i for i, n in enumerate(lens) if n + completion <= budget]
-    flagged = [{"prompt": ds["prompt"][i][:200], "prompt_tokens": lens[i],
+    kept = set(keep)
+    flagged = [{"prompt": prompts[i][:200], "prompt_tokens": lens[i],
                 "reason": f"prompt + completion ({lens[i]} + {completion}) > data.max_seq_len {budget}"}
-               for i in range(len(lens)) if i not in set(keep)]
+               for i in range(len(lens)) if i not in kept]
     if not keep:
-        raise ValueError(f"every prompt is longer than data.max_seq_len={budget} allows; raise it")
+        raise ValueError(f"every prompt is longer than data.max_seq_len={budget} allows "
+                         f"(with grpo.max_completion_length={completion}); raise it")
     return ds.select(keep), flagged, completion
 
 
@@ -166,7 +180,10 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
         def __init__(self) -> None:
             self.warnings: list[str] = []
             self.kl_hist: list[float] = []
+            self.zero_hist: list[float] = []
             self._warned: set[str] = set()
+            self._pending: list[Any] = []  # MLflow metrics not written yet
+            self._flushed_at = time.monotonic()
 
         def _warn(self, key: str, msg: str) -> None:
             if key not in self._warned:  # once per kind, or a long run prints a wall of warnings
@@ -174,8 +191,10 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
                 self.warnings.append(msg)
                 log.warning(msg)
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            samples.step = state.global_step
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # completions are generated and scored inside the step: label them with the step they belong
+            # to, the number train_log.jsonl and MLflow give that step once it ends
+            samples.step = state.global_step + 1
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             logs = dict(logs or {})
@@ -192,14 +211,19 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
                 if kl > cfg.grpo.kl_warn:
                     self._warn("kl_high", f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
                                           f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.")
-                elif med is not None and len(hist) >= 3 and kl > 0.05 and kl > 4 * max(med, 1e-3):
+                elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
                     self._warn("kl_rising", f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
                                             f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).")
                 self.kl_hist.append(kl)
             zero = logs.get("frac_reward_zero_std")
-            if zero is not None and step >= 3 and zero > cfg.grpo.zero_std_warn:
-                self._warn("zero_std", f"{zero:.0%} of groups had identical rewards at step {step}: their advantage "
-                                       f"is zero; raise temperature (now {cfg.grpo.temperature}) or group_size.")
+            if zero is not None:
+                # averaged over the last 5 logs: with a few prompts per step one batch can be all-solved by chance
+                self.zero_hist.append(zero)
+                avg = sum(self.zero_hist[-5:]) / len(self.zero_hist[-5:])
+                if len(self.zero_hist) >= 5 and avg > cfg.grpo.zero_std_warn:
+                    self._warn("zero_std", f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
+                                           f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) "
+                                           f"or group_size.")
             if not is_main:
                 return
             row = {"step": step, "epoch": state.epoch, **logs}
@@ -208,10 +232,31 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             import mlflow
 
             if mlflow.active_run() is not None:
-                metrics = {k: float(v) for k, v in logs.items()
-                           if isinstance(v, (int, float)) and math.isfinite(float(v))}
-                if metrics:
-                    mlflow.log_metrics(metrics, step=step)
+                from mlflow.entities import Metric
+
+                ts = int(time.time() * 1000)
+                self._pending.extend(Metric(k, float(v), ts, step) for k, v in logs.items()
+                                     if isinstance(v, (int, float)) and math.isfinite(float(v)))
+                if time.monotonic() - self._flushed_at >= METRIC_FLUSH_S:
+                    self.flush()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.flush()
+
+        def flush(self) -> None:
+            """Write the buffered MLflow metrics to the active run, in batches of MLflow's limit (1000)."""
+            pending, self._pending = self._pending, []
+            self._flushed_at = time.monotonic()
+            if not pending:
+                return
+            import mlflow
+
+            run = mlflow.active_run()
+            if run is None:
+                return
+            client = mlflow.MlflowClient()
+            for i in range(0, len(pending), 1000):
+                client.log_batch(run.info.run_id, metrics=pending[i:i + 1000])
 
     return HermesCallback()
 
@@ -223,7 +268,7 @@ def _is_main() -> bool:
 
 def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.PathLike[str],
           parent_run_id: str | None = None, start_adapter: str | None = None, evaluate_heldout: bool = True,
-          eval_tasks_per_family: int = 40) -> TrainResult:
+          eval_tasks_per_family: int = 60) -> TrainResult:
     """Run one GRPO + LoRA training. Returns where the adapter is and what happened."""
     import torch
     from peft import LoraConfig, PeftModel
@@ -239,12 +284,15 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
     is_main = _is_main()
     set_seed(cfg.grpo.seed)
     runs_dir = cfg.round.runs_dir
+    # bad data paths and reward names fail here, before minutes of model loading
+    ds = load_prompt_set(data, cfg, out)
+    samples = rewards.SampleLog()
+    funcs, weights = rewards.get_reward_funcs(cfg, samples)
     base = P.resolve_model_name(cfg.model.base_model, runs_dir, cfg.model.seed)
     start_adapter = start_adapter or cfg.model.adapter
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    ds = load_prompt_set(data, cfg, out)
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
 
     dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
@@ -257,8 +305,6 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
         peft_config = LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
                                  target_modules=list(lc.target_modules), bias=lc.bias, task_type=lc.task_type)
 
-    samples = rewards.SampleLog()
-    funcs, weights = rewards.get_reward_funcs(cfg, samples)
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
     log_path = out / "train_log.jsonl"
@@ -276,7 +322,10 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
                                  "train.start_adapter": start_adapter or "", "train.base": base})
         trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds,
                               processing_class=tok, peft_config=peft_config, callbacks=[callback])
-        trainer.train()
+        try:
+            trainer.train()
+        finally:  # a run stopped by a guard keeps its curve up to the stop
+            callback.flush()
         adapter_dir = out / "adapter"
         result = TrainResult(out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings,
                              flagged_prompts=len(flagged))
@@ -370,6 +419,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from hermes_lab.config import ConfigError
+    from hermes_lab.rewards import RewardError
 
     p = argparse.ArgumentParser(prog="python -m hermes_lab.train", description=__doc__.split("\n")[0])
     add_arguments(p)
@@ -379,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except FileNotFoundError as e:  # --data: the message names the path
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RewardError, TrainingHealthError) as e:  # the message is the diagnosis; a traceback adds nothing
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

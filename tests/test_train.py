@@ -1,0 +1,504 @@
+"""hermes_lab.train: the YAML -> TRL GRPOConfig / PEFT mapping, the long-prompt filter, the health guards, CLI
+errors (fast); real GRPO + LoRA training of the tiny policy with TRL, MLflow in a real SQLite store, the
+user's YAML against a real fake-OpenAI judge, continuing from an adapter, a NaN reward, and torchrun (slow).
+
+The tiny policy is built once per machine under the repo's runs/policies/ (the session fixture), never in
+tmp_path: building it takes minutes, reusing it takes a second."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from hermes_lab import tasks as T
+from hermes_lab.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
+EMBEDDED_YAML = ROOT / "params" / "embedded.yaml"
+KEY = "sk-test-TRAIN-7e4b1a9d3c55"
+USER_ENV = {"HERMES_POLICY_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "TAOTOKEN_BASE_URL": "https://api.example.com",
+            "TAOTOKEN_API_KEY": KEY, "HERMES_REWARD_MODEL": "judge-1"}
+PER_STEP_KEYS = {"reward", "kl", "entropy", "frac_reward_zero_std", "rewards/system/mean", "learning_rate"}
+
+
+# ============================================================================================ fast
+def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
+    from trl import GRPOConfig
+
+    from hermes_lab.train import grpo_kwargs
+
+    cfg = load_config(USER_YAML, env=USER_ENV)
+    kw = grpo_kwargs(cfg, tmp_path, 256, [1.0, 0.5])
+    assert kw["num_generations"] == 8                           # group_size
+    assert kw["beta"] == 0.04                                   # kl_coefficient, passed explicitly
+    assert kw["epsilon"] == 0.2                                 # clip_range
+    assert kw["learning_rate"] == 1.0e-5
+    assert kw["max_steps"] == 300
+    assert kw["per_device_train_batch_size"] == 2 * 8           # prompts x group_size = completions
+    assert kw["gradient_accumulation_steps"] == 8
+    assert kw["temperature"] == 0.9
+    assert kw["max_completion_length"] == 256
+    assert kw["reward_weights"] == [1.0, 0.5]
+    assert kw["report_to"] == "none" and kw["save_strategy"] == "no"
+    assert kw["remove_unused_columns"] is False                 # reference / ref_reward reach the rewards
+    assert kw["output_dir"] == str(tmp_path / "trl")
+
+    args = GRPOConfig(**kw)  # the real TRL config: every key exists and the values pass its checks
+    assert (args.num_generations, args.beta, args.epsilon, args.learning_rate) == (8, 0.04, 0.2, 1.0e-5)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (16, 8)
+    assert (args.temperature, args.max_steps, args.max_completion_length) == (0.9, 300, 256)
+    assert args.reward_weights == [1.0, 0.5] and args.report_to in ("none", [], ["none"])
+    assert args.generation_batch_size % args.num_generations == 0
+
+
+def test_grpo_kwargs_always_pass_beta_even_zero(tmp_path):
+    from hermes_lab.train import grpo_kwargs
+
+    cfg = load_config(USER_YAML, {"grpo.kl_coefficient": 0.0, "grpo.group_size": 4}, env=USER_ENV)
+    kw = grpo_kwargs(cfg, tmp_path, 16, [1.0, 1.0])
+    assert "beta" in kw and kw["beta"] == 0.0
+    assert kw["num_generations"] == 4 and kw["per_device_train_batch_size"] == 8
+
+
+def _ds(prompts):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": prompts, "reference": ["r"] * len(prompts)})
+
+
+def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
+    from hermes_lab.policy import build_tokenizer  # one token per character: lengths are easy to reason about
+    from hermes_lab.train import filter_long_prompts
+
+    tok = build_tokenizer()
+    cfg = load_config(None, {"data.max_seq_len": 64, "grpo.max_completion_length": 16})  # room for 48 tokens
+    prompts = ["a" * 10, "b" * 48, "c" * 49, "d" * 60, "e" * 100, "f" * 20]
+    kept, flagged, completion = filter_long_prompts(_ds(prompts), tok, cfg)
+    assert completion == 16  # never shortened to make a long prompt fit
+    assert kept["prompt"] == ["a" * 10, "b" * 48, "f" * 20]
+    assert kept["reference"] == ["r"] * 3                      # other columns follow
+    assert [f["prompt_tokens"] for f in flagged] == [49, 60, 100]
+    assert all("data.max_seq_len 64" in f["reason"] for f in flagged)
+    assert flagged[2]["prompt"] == "e" * 100
+
+    # the same prompt is kept or flagged on its own length, whatever else is in the set
+    _, flagged2, completion2 = filter_long_prompts(_ds(["a" * 10, "d" * 60]), tok, cfg)
+    assert completion2 == 16 and [f["prompt_tokens"] for f in flagged2] == [60]
+
+    kept3, flagged3, _ = filter_long_prompts(_ds(["up cat=", "rev abc="]), tok, cfg)
+    assert len(kept3) == 2 and flagged3 == []
+
+    with pytest.raises(ValueError, match="data.max_seq_len=64"):
+        filter_long_prompts(_ds(["x" * 70]), tok, cfg)
+    with pytest.raises(ConfigError, match="grpo.max_completion_length=64"):
+        filter_long_prompts(_ds(["x"]), tok, load_config(None, {"data.max_seq_len": 64,
+                                                                   "grpo.max_completion_length": 64}))
+
+
+def _callback(tmp_path, is_main=True, **overrides):
+    from hermes_lab.rewards import SampleLog
+    from hermes_lab.train import make_callback
+
+    # the guard thresholds set here, not taken from a YAML that may be retuned
+    cfg = load_config(None, {"grpo.kl_warn": 0.5, "grpo.zero_std_warn": 0.8, "grpo.kl_coefficient": 0.04,
+                             "grpo.temperature": 0.9, **overrides})
+    return make_callback(cfg, tmp_path / "train_log.jsonl", SampleLog(), is_main)
+
+
+def _log(cb, step, **logs):
+    cb.on_log(None, SimpleNamespace(global_step=step, epoch=step / 10), None, logs=logs)
+
+
+def test_kl_guards_and_nan_loss(tmp_path):
+    from hermes_lab.train import TrainingHealthError
+
+    cb = _callback(tmp_path)
+    for step, kl in enumerate([0.01, 0.012, 0.011, 0.02], start=1):
+        _log(cb, step, loss=0.1, kl=kl, frac_reward_zero_std=0.1, reward=2.0, entropy=None)
+    assert cb.warnings == []
+    _log(cb, 5, loss=0.1, kl=0.3, frac_reward_zero_std=0.1)         # 25x the recent median: a spike
+    _log(cb, 6, loss=0.1, kl=0.9, frac_reward_zero_std=0.1)         # above kl_warn 0.5
+    _log(cb, 7, loss=0.1, kl=1.2, frac_reward_zero_std=0.1)         # each kind warns once
+    assert len(cb.warnings) == 2, cb.warnings
+    assert "jumped" in cb.warnings[0] and "raise kl_coefficient (now 0.04)" in cb.warnings[0]
+    assert "exceeds 0.5" in cb.warnings[1] and "raise kl_coefficient (now 0.04)" in cb.warnings[1]
+    rows = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7] and rows[0]["entropy"] is None
+    with pytest.raises(TrainingHealthError, match="NaN/inf loss at step 8.*reward outliers"):
+        _log(cb, 8, loss=float("nan"), kl=0.1)
+    assert len((tmp_path / "train_log.jsonl").read_text().splitlines()) == 7
+
+
+def test_zero_std_guard_and_other_ranks_write_nothing(tmp_path):
+    cb = _callback(tmp_path, is_main=False)
+    for step, zero in enumerate([0.0, 0.0, 0.0, 0.0, 1.0, 0.25], start=1):  # one all-solved batch: no alarm
+        _log(cb, step, loss=0.1, kl=0.01, frac_reward_zero_std=zero)
+    assert cb.warnings == []
+    for step in range(7, 12):
+        _log(cb, step, loss=0.1, kl=0.01, frac_reward_zero_std=1.0)
+    assert len(cb.warnings) == 1 and "raise temperature (now 0.9)" in cb.warnings[0]  # every rank runs the guards
+    assert not (tmp_path / "train_log.jsonl").exists()  # ... only the main one writes
+
+
+def test_mlflow_metrics_are_buffered_then_flushed(tmp_path, mlflow_store, monkeypatch):
+    """One SQLite write per step costs ~10 ms (10% of a tiny-policy step): metrics are written at most every
+    METRIC_FLUSH_S seconds and at the end of training; NaN/None values never reach MLflow."""
+    from hermes_lab import train as TR
+
+    cb = _callback(tmp_path)
+    client = mlflow_store.MlflowClient()
+    with mlflow_store.start_run(experiment_id=mlflow_store.get_experiment_by_name("hermes-lab").experiment_id) as run:
+        rid = run.info.run_id
+        monkeypatch.setattr(TR, "METRIC_FLUSH_S", 3600.0)
+        for step in (1, 2, 3):
+            _log(cb, step, loss=0.1, reward=float(step), kl=float("nan"), entropy=None)
+        assert client.get_metric_history(rid, "reward") == []  # buffered
+        cb.on_train_end(None, None, None)
+        assert [(m.step, m.value) for m in client.get_metric_history(rid, "reward")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+        assert client.get_metric_history(rid, "kl") == [] and client.get_metric_history(rid, "entropy") == []
+        monkeypatch.setattr(TR, "METRIC_FLUSH_S", 0.0)  # a slow step (a real model): written at once
+        _log(cb, 4, loss=0.1, reward=4.0)
+        assert len(client.get_metric_history(rid, "reward")) == 4
+    assert len((tmp_path / "train_log.jsonl").read_text().splitlines()) == 4
+
+
+def _cli(args, env_over, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
+    env.update(env_over)
+    return subprocess.run([sys.executable, "-m", "hermes_lab.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_missing_policy_env_var_is_one_line_exit_2(tmp_path):
+    env = {k: v for k, v in USER_ENV.items() if k != "HERMES_POLICY_MODEL"}
+    p = _cli(["--config", str(USER_YAML), "--data", "x", "--output", "y"], env, tmp_path)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "HERMES_POLICY_MODEL" in lines[0] and "hermes_grpo_lora.yaml:3" in lines[0] and "base_model" in lines[0]
+    assert KEY not in p.stderr + p.stdout
+    assert not (tmp_path / "y").exists()
+
+
+def test_cli_unknown_key_is_one_line_exit_2_listing_valid_keys(tmp_path):
+    text = USER_YAML.read_text().replace("  clip_range: 0.2", "  clip_range: 0.2\n  kl_coef: 0.1")
+    bad = tmp_path / "my_grpo.yaml"
+    bad.write_text(text)
+    p = _cli(["--config", str(bad), "--data", "x", "--output", "y"], USER_ENV, tmp_path)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "my_grpo.yaml" in lines[0] and "unknown key 'kl_coef'" in lines[0]
+    assert "Valid keys:" in lines[0] and "kl_coefficient" in lines[0] and "group_size" in lines[0]
+
+
+def test_cli_missing_data_is_one_line_exit_2(tmp_path):
+    p = _cli(["--config", str(EMBEDDED_YAML), "--data", str(tmp_path / "nope.jsonl"), "--output", "y"], {}, tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [f"error: --data {tmp_path / 'nope.jsonl'}: no such file or directory"]
+
+
+def test_cli_unknown_reward_fails_before_loading_the_model(tmp_path):
+    # a base model that does not exist: reaching it would fail differently (and, for real models, slowly)
+    text = (EMBEDDED_YAML.read_text().replace("types: [system, comparison]", "types: [system, bleu]")
+            .replace("base_model: embedded:tiny", f"base_model: {tmp_path / 'no-such-model'}"))
+    assert "bleu" in text and "no-such-model" in text
+    (tmp_path / "bad_reward.yaml").write_text(text)
+    data = tmp_path / "ds"
+    from datasets import Dataset
+
+    Dataset.from_dict({"prompt": ["up cat="], "reference": ["CAT"]}).save_to_disk(str(data))
+    p = _cli(["--config", str(tmp_path / "bad_reward.yaml"), "--data", str(data), "--output", "y"],
+             {}, tmp_path)
+    assert p.returncode == 1, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "unknown reward 'bleu'" in line and "system, comparison" in line
+
+
+# ============================================================================================ slow
+@pytest.fixture(scope="session")
+def tiny_policy() -> Path:
+    """The embedded tiny policy, cached under the repo's runs/policies/ (built once per machine)."""
+    from hermes_lab.policy import build_tiny_policy
+
+    return build_tiny_policy(ROOT / "runs", 0, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def prompt_set(tmp_path_factory) -> Path:
+    """A small saved GRPO dataset (prompt, reference, ref_reward) like prep writes, half the references wrong."""
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(0)
+    ts = T.generate_tasks(40, split="train", seed=0)
+    refs = [t.answer if i % 2 == 0 else T.corrupt(t.answer, rng) for i, t in enumerate(ts)]
+    ds = Dataset.from_dict({"prompt": [t.prompt for t in ts], "reference": refs,
+                            "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)]})
+    path = tmp_path_factory.mktemp("data") / "grpo_dataset"
+    ds.save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A real SQLite MLflow store; artifacts under tmp_path (never ./mlruns in the repo)."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    yield mlflow
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _step_rows(out: Path) -> list[dict]:
+    return [r for r in _rows(out) if "reward" in r]
+
+
+def _adapter_tensors(adapter: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_policy, prompt_set, tmp_path_factory):
+    """(a) once per session: the embedded YAML, 4 steps, nested under a parent run, MLflow in a SQLite store."""
+    import mlflow
+
+    from hermes_lab.train import train
+
+    tmp = tmp_path_factory.mktemp("train_a")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp}/mlflow.db")
+    mp.setenv("TAOTOKEN_API_KEY", KEY)  # set, as on the user's machine: it must reach no param or file
+    mp.chdir(tmp)
+    try:
+        mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
+        mlflow.create_experiment("hermes-lab", artifact_location=(tmp / "mlartifacts").as_uri())
+        with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("hermes-lab").experiment_id,
+                              run_name="round-01") as parent:
+            parent_id = parent.info.run_id
+        cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 4, "round.runs_dir": str(ROOT / "runs")})
+        t0 = time.time()
+        res = train(cfg, prompt_set, tmp / "train", parent_run_id=parent_id, evaluate_heldout=False)
+        seconds = time.time() - t0
+        client = mlflow.MlflowClient()
+        yield SimpleNamespace(res=res, out=tmp / "train", parent_id=parent_id, client=client, cfg=cfg,
+                              seconds=seconds, tmp=tmp)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.slow
+def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
+    res, out = trained.res, trained.out
+    assert res.steps == 4 and res.adapter_dir == out / "adapter"
+    print(f"train (a): 4 steps in {trained.seconds:.1f} s")
+    names = {p.name for p in res.adapter_dir.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= names
+    acfg = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert acfg["base_model_name_or_path"] == str(tiny_policy) and acfg["r"] == trained.cfg.lora.r
+    assert set(acfg["target_modules"]) == set(trained.cfg.lora.target_modules)
+    tensors = _adapter_tensors(res.adapter_dir)
+    assert tensors and not any(".ref." in k for k in tensors)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in tensors.items())  # it trained: B left zero
+
+    steps = _step_rows(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert PER_STEP_KEYS <= set(r), sorted(r)
+        assert 0 <= r["reward"] <= 5 * 1.25 and r["learning_rate"] > 0
+        assert "rewards/comparison/mean" in r
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the identity: no drift yet
+
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["reward_fn"] for s in samples} == {"system", "comparison"}
+    assert all(T.parse_prompt(s["prompt"]) is not None for s in samples)
+    assert {s["step"] for s in samples} == {1, 2, 3, 4}  # the step numbers of train_log.jsonl and MLflow
+    health = json.loads((out / "health.json").read_text())
+    assert health["steps"] == 4 and health["flagged_prompts"] == []
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["mlflow_run_id"] == res.mlflow_run_id and meta["start_adapter"] is None
+    assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["max_steps"] == 4
+    for f in out.rglob("*"):
+        if f.is_file() and f.suffix in {".json", ".jsonl", ".yaml", ".txt"}:
+            assert KEY not in f.read_text(errors="ignore"), f
+
+    # the adapter loads the way every later stage loads it, and generates
+    from hermes_lab.policy import load_policy
+
+    pol = load_policy(str(res.adapter_dir))
+    assert len(pol.generate(["up cat=", "rev abc="], temperature=0, max_new_tokens=8)) == 2
+
+
+@pytest.mark.slow
+def test_train_embedded_mlflow(trained):
+    client, run_id = trained.client, trained.res.mlflow_run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "train"
+    assert run.data.tags["mlflow.parentRunId"] == trained.parent_id
+    for metric in ("reward", "kl", "entropy", "frac_reward_zero_std", "rewards/system/mean", "learning_rate"):
+        hist = client.get_metric_history(run_id, metric)
+        assert sorted(m.step for m in hist) == [1, 2, 3, 4], metric
+    rewards = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
+    assert rewards == {r["step"]: pytest.approx(r["reward"]) for r in _step_rows(trained.out)}
+    params, g = run.data.params, trained.cfg.grpo
+    assert params["grpo.kl_coefficient"] == str(g.kl_coefficient) and params["trl.beta"] == str(g.kl_coefficient)
+    assert float(params["trl.beta"]) > 0  # KL on: TRL keeps a reference
+    assert params["trl.num_generations"] == str(g.group_size)
+    assert params["trl.per_device_train_batch_size"] == str(g.per_device_batch_size * g.group_size)
+    assert params["trl.learning_rate"] == str(g.learning_rate) and params["trl.epsilon"] == str(g.clip_range)
+    assert params["train.prompts"] == "40" and params["train.flagged_prompts"] == "0"
+    assert all(KEY not in v for v in params.values())
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert {"adapter", "samples.jsonl", "train_log.jsonl", "config.yaml", "health.json"} <= top
+    adapter = {a.path for a in client.list_artifacts(run_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= adapter
+
+
+@pytest.mark.slow
+def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
+    """(b) round N+1 continues the champion: TRL keeps a frozen copy as the KL reference."""
+    from hermes_lab.train import train
+
+    start = trained.res.adapter_dir
+    before = _adapter_tensors(start)
+    cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 2, "round.runs_dir": str(ROOT / "runs")})
+    res = train(cfg, prompt_set, tmp_path / "train_b", start_adapter=str(start), evaluate_heldout=False)
+    assert res.steps == 2
+    after = _adapter_tensors(res.adapter_dir)
+    assert after.keys() == before.keys()  # the "default" adapter only; the frozen "ref" copy is not saved
+    changed = [k for k in after if not (after[k] == before[k]).all()]
+    assert changed, "the continued adapter is identical to the start adapter: nothing trained"
+    assert _adapter_tensors(start).keys() == before.keys()  # the start adapter on disk is untouched
+    assert all((_adapter_tensors(start)[k] == before[k]).all() for k in before)
+    steps = _step_rows(tmp_path / "train_b")
+    # KL is measured against the start adapter, not the bare base: zero before the first update, although
+    # the start adapter has drifted from the base (run (a)'s last step measured that drift)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert _step_rows(trained.out)[-1]["kl"] > 1e-4
+    assert json.loads((tmp_path / "train_b" / "run.json").read_text())["start_adapter"] == str(start)
+    run = mlflow_store.MlflowClient().get_run(res.mlflow_run_id)
+    assert run.data.params["train.start_adapter"] == str(start)
+
+
+@pytest.mark.slow
+def test_users_yaml_as_is_with_fake_judge(tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store,
+                                          fake_openai, capfd):
+    """(c) params/hermes_grpo_lora.yaml untouched; the four env vars; only grpo.max_steps=1 overridden."""
+    from hermes_lab.train import train
+
+    fake_openai.api_key = KEY
+    monkeypatch.setenv("HERMES_POLICY_MODEL", str(tiny_policy))
+    monkeypatch.setenv("TAOTOKEN_BASE_URL", fake_openai.url)
+    monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
+    monkeypatch.setenv("HERMES_REWARD_MODEL", "judge-1")
+    monkeypatch.chdir(tmp_path)  # the user's runs_dir is ./runs: the judge cache lands in tmp_path
+    cfg = load_config(USER_YAML, {"grpo.max_steps": 1})
+    t0 = time.time()
+    res = train(cfg, prompt_set, tmp_path / "train_c", evaluate_heldout=False)
+    print(f"train (c): user's YAML, 1 step x 8 micro-batches in {time.time() - t0:.1f} s")
+    assert res.steps == 1
+    assert (res.adapter_dir / "adapter_config.json").is_file()
+    acfg = json.loads((res.adapter_dir / "adapter_config.json").read_text())
+    assert set(acfg["target_modules"]) == {"q_proj", "v_proj", "k_proj", "o_proj"} and acfg["lora_dropout"] == 0.05
+    chats = [r for r in fake_openai.requests if r.path == "/v1/chat/completions"]
+    assert chats, "the comparison reward never reached the judge"
+    assert all(r.headers["authorization"] == f"Bearer {KEY}" and r.body["model"] == "judge-1" for r in chats)
+    assert (tmp_path / "runs" / "cache" / "judge.jsonl").is_file()
+    (row,) = _step_rows(tmp_path / "train_c")
+    assert PER_STEP_KEYS | {"rewards/comparison/mean"} <= set(row)
+    assert 0 <= row["rewards/comparison/mean"] <= 5
+    params = mlflow_store.MlflowClient().get_run(res.mlflow_run_id).data.params
+    assert params["trl.gradient_accumulation_steps"] == "8" and params["trl.per_device_train_batch_size"] == "16"
+    assert params["reward.model"] == "judge-1" and params["model.base_model"] == str(tiny_policy)
+    assert all(KEY not in v for v in params.values())
+    printed = capfd.readouterr()
+    assert KEY not in printed.out + printed.err
+    for f in (tmp_path / "train_c").rglob("*"):
+        if f.is_file() and f.suffix in {".json", ".jsonl", ".yaml"}:
+            assert KEY not in f.read_text(errors="ignore"), f
+
+
+@pytest.mark.slow
+def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store):
+    """(d) a user reward returning NaN stops training at the first step, with the diagnosis."""
+    from hermes_lab.rewards import RewardError
+    from hermes_lab.train import train
+
+    mod = f"nan_reward_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{mod}.py").write_text(
+        "import math\n"
+        "def flaky(prompts, completions, **kw):\n"
+        "    return [math.nan if i == 3 else 1.0 for i in range(len(completions))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 3, "reward.types": ["system", f"{mod}:flaky"],
+                                      "round.runs_dir": str(ROOT / "runs")})
+    with pytest.raises(RewardError, match="reward 'flaky' returned nan.*poisons the GRPO advantage"):
+        train(cfg, prompt_set, tmp_path / "train_d", evaluate_heldout=False)
+    assert not (tmp_path / "train_d" / "adapter").exists()
+    runs = mlflow_store.search_runs(experiment_names=["hermes-lab"], output_format="list")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+# ========================================================================================= torchrun
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
+                    reason="torchrun is not installed next to this Python")
+def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
+    """``torchrun --nproc_per_node 2 -m hermes_lab.train`` on CPU (gloo): it completes, and only the main
+    process writes the adapter, train_log.jsonl and the MLflow run."""
+    cfg = yaml.safe_load(EMBEDDED_YAML.read_text())
+    cfg["model"]["base_model"] = str(tiny_policy)
+    cfg["grpo"]["per_device_batch_size"] = 2  # 2 prompts x 8 per process: 4 prompts a step in all
+    (tmp_path / "dist.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", TAOTOKEN_API_KEY=KEY)
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    t0 = time.time()
+    p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                        "-m", "hermes_lab.train", "--config", str(tmp_path / "dist.yaml"), "--data", str(prompt_set),
+                        "--output", str(tmp_path / "out"), "--max-steps", "2", "--no-eval"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    print(f"torchrun x2: {time.time() - t0:.1f} s")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.count("adapter: ") == 1, p.stdout  # only rank 0 reports
+    out = tmp_path / "out"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    steps = _step_rows(out)
+    assert [r["step"] for r in steps] == [1, 2]  # one line a step, not one per process
+    assert steps[-1]["epoch"] == pytest.approx(2 * 2 * 2 / 40)  # data-parallel: 2 processes x 2 prompts a step
+    runs = mlflow.search_runs(experiment_names=["hermes-lab"], output_format="list")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert sorted(m.step for m in mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "reward")) == [1, 2]
+    assert KEY not in p.stdout + p.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
