@@ -35,6 +35,7 @@ import numpy as np
 from hermes_lab import ab
 from hermes_lab import tasks as T
 from hermes_lab.config import ConfigError, HermesConfig, load_config
+from hermes_lab.jsonl import iter_objects
 
 log = logging.getLogger("hermes_lab.ab")
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the simulated clock's start (SimulatedClock's default)
@@ -106,17 +107,10 @@ class Traffic:
         if not p.is_file():
             raise FileNotFoundError(f"replay log not found: {p}")
         rows = []
-        with p.open(encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-                if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
-                    raise ValueError(f"{p}:{i}: each line needs a string 'prompt'")
-                rows.append((i, r))
+        for i, r in iter_objects(p):
+            if not isinstance(r.get("prompt"), str):
+                raise ValueError(f"{p}:{i}: each line needs a string 'prompt'")
+            rows.append((i, r))
         if not rows:
             raise ValueError(f"{p}: no requests to replay")
         if all("t" in r for _, r in rows):

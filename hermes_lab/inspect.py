@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hermes_lab.jsonl import iter_objects
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
@@ -75,24 +77,15 @@ def load_train_log(path: str | Path) -> pd.DataFrame:
     if not p.is_file():
         raise FileNotFoundError(f"training log not found: {p}")
     rows: dict[int, dict[str, float]] = {}
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            if "step" not in rec:
-                raise ValueError(f"{p}:{lineno}: no 'step' key (every log line needs the optimizer step)")
-            try:
-                step = int(rec["step"])
-            except (TypeError, ValueError):
-                raise ValueError(f"{p}:{lineno}: 'step' must be an integer, got {rec['step']!r}") from None
-            vals = {k: v for k, v in ((k, _num(v)) for k, v in rec.items() if k != "step") if v is not None}
-            rows.setdefault(step, {}).update(vals)  # e.g. the end-of-training summary shares the last step
+    for lineno, rec in iter_objects(p):
+        if "step" not in rec:
+            raise ValueError(f"{p}:{lineno}: no 'step' key (every log line needs the optimizer step)")
+        try:
+            step = int(rec["step"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{p}:{lineno}: 'step' must be an integer, got {rec['step']!r}") from None
+        vals = {k: v for k, v in ((k, _num(v)) for k, v in rec.items() if k != "step") if v is not None}
+        rows.setdefault(step, {}).update(vals)  # e.g. the end-of-training summary shares the last step
     if not rows:
         raise ValueError(f"{p}: no log lines")
     return _frame(rows, str(p))

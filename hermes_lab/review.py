@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config import ConfigError, HermesConfig, load_config
+from hermes_lab.jsonl import iter_objects, write_json_atomic
 from hermes_lab.tasks import family_of, verify
 
 DEFAULT_STORE = "runs/review/labels.jsonl"
@@ -78,15 +79,7 @@ def load_queue(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"review queue not found: {p} (the prep stage writes it: run it first)")
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{p}:{i}: expected a JSON object")
+    for i, rec in iter_objects(p):
         missing = [k for k in QUEUE_KEYS if k not in rec]
         if missing:
             raise ValueError(f"{p}:{i}: missing key '{missing[0]}' (a review record needs {', '.join(QUEUE_KEYS)})")
@@ -631,11 +624,7 @@ def review_gate(queue_path: str | os.PathLike[str], store_path: str | os.PathLik
     if write:
         rd = Path(round_dir) if round_dir else (queue_path.parent.parent if queue_path.parent.name == "prep"
                                                 else queue_path.parent)
-        out = rd / "review" / "gate.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".json.tmp")  # atomic: the round runner never reads half a file
-        tmp.write_text(json.dumps(result.to_dict(), indent=2), encoding="utf-8")
-        os.replace(tmp, out)
+        write_json_atomic(rd / "review" / "gate.json", result.to_dict())  # the round runner reads it
     _log_mlflow(result, cfg, simulate)
     return result
 

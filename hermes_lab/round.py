@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config import HermesConfig, load_config
+from hermes_lab.jsonl import write_json_atomic
 from hermes_lab.state import FlywheelState, SimulatedClock, parse_time, state_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,12 +132,6 @@ def _progress(round_dir: Path) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _save_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def _baseline_dir(cfg: HermesConfig, state: FlywheelState) -> str:
     from hermes_lab.policy import resolve_model_name
 
@@ -194,6 +189,8 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         if prog:
             prog["status"] = "running"
         rd.mkdir(parents=True, exist_ok=True)
+        if cfg.model.base_model == "embedded:tiny" and not quiet:
+            _report_tiny(cfg)
         if state.simulated_now is None and cfg.round.simulated_clock:
             state.simulated_now = SimulatedClock().now().isoformat()
         state.save(sp)  # stage notebooks read the simulated clock and the negatives from it
@@ -205,7 +202,7 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
             mlflow.log_params(tracking.safe_params({"round.params": params_path, "round.number": n,
                                                     "round.champion": state.champion_adapter or "base"}))
             mlflow.end_run()
-            _save_json(rd / "progress.json", prog)
+            write_json_atomic(rd / "progress.json", prog)
         parent = prog["parent_run_id"]
         status, decision = "running", None
         for stage, nb in STAGES:
@@ -226,12 +223,12 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
             except RoundError:
                 prog["status"] = "failed"
                 prog["timings"][stage] = round(time.time() - t0, 1)
-                _save_json(rd / "progress.json", prog)
+                write_json_atomic(rd / "progress.json", prog)
                 _log_notebook(parent, rd / nb)
                 raise
             prog["completed"].append(stage)
             prog["timings"][stage] = round(time.time() - t0, 1)
-            _save_json(rd / "progress.json", prog)
+            write_json_atomic(rd / "progress.json", prog)
             if stage == "prep":  # the negatives are now in this round's prompt set: don't carry them twice
                 state.negative_files = []
             if stage == "train":  # the cooldown counts from the training, whatever the A/B says
@@ -243,7 +240,7 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         decision = summary.get("decision")
         # awaiting review: the same round continues (--resume) once the labels are in
         prog["status"] = "awaiting review" if status == "awaiting review" else "done"
-        _save_json(rd / "progress.json", prog)
+        write_json_atomic(rd / "progress.json", prog)
         if status != "awaiting review":
             state.last_round = n
         state.history.append({"round": n, "status": summary["status"], "decision": decision,
@@ -258,6 +255,17 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         if not quiet:
             print_summary(summary)
         return RoundResult(n, rd, summary["status"], decision, summary)
+
+
+def _report_tiny(cfg: HermesConfig) -> None:
+    """Build (or reuse) the embedded policy and say how good the base is: GRPO's starting point."""
+    from hermes_lab.policy import build_tiny_policy
+
+    d = build_tiny_policy(cfg.round.runs_dir, cfg.model.seed)
+    rep = _read(d / "build.json")
+    fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
+    print(f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
+          f"tasks {rep.get('pass_rate', 0):.1%} ({fams}); report in {d / 'build.json'}", flush=True)
 
 
 def _log_notebook(parent: str, path: Path) -> None:
@@ -313,7 +321,7 @@ def _finish(cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dic
                "pass_rate": pass_rate, "eval": ev, "champion": state.champion_adapter,
                "stopped_at": prog.get("stopped_at"), "parent_run_id": prog["parent_run_id"],
                "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision")} if ab else None}
-    _save_json(rd / "summary.json", summary)
+    write_json_atomic(rd / "summary.json", summary)
     return summary
 
 

@@ -176,7 +176,7 @@ def _cli(args, env_over, cwd):
     env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
     env.update(env_over)
     return subprocess.run([sys.executable, "-m", "hermes_lab.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_cli_missing_policy_env_var_is_one_line_exit_2(tmp_path):
@@ -280,31 +280,30 @@ def _adapter_tensors(adapter: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def trained(tiny_policy, prompt_set, tmp_path_factory):
-    """(a) once per session: the embedded YAML, 4 steps, nested under a parent run, MLflow in a SQLite store."""
+    """(a) once per session: the embedded YAML, 4 steps, nested under a parent run, MLflow in a SQLite store.
+
+    The environment and working directory are patched for the training only, and restored before the tests
+    that read the results run (a session fixture must not leave the rest of the session in its tmp dir)."""
     import mlflow
 
     from hermes_lab.train import train
 
     tmp = tmp_path_factory.mktemp("train_a")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp}/mlflow.db")
-    mp.setenv("TAOTOKEN_API_KEY", KEY)  # set, as on the user's machine: it must reach no param or file
-    mp.chdir(tmp)
-    try:
-        mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
-        mlflow.create_experiment("hermes-lab", artifact_location=(tmp / "mlartifacts").as_uri())
-        with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("hermes-lab").experiment_id,
-                              run_name="round-01") as parent:
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.setenv("TAOTOKEN_API_KEY", KEY)  # set, as on the user's machine: it must reach no param or file
+        mp.chdir(tmp)
+        mlflow.set_tracking_uri(uri)
+        exp_id = mlflow.create_experiment("hermes-lab", artifact_location=(tmp / "mlartifacts").as_uri())
+        with mlflow.start_run(experiment_id=exp_id, run_name="round-01") as parent:
             parent_id = parent.info.run_id
         cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 4, "round.runs_dir": str(ROOT / "runs")})
         t0 = time.time()
         res = train(cfg, prompt_set, tmp / "train", parent_run_id=parent_id, evaluate_heldout=False)
         seconds = time.time() - t0
-        client = mlflow.MlflowClient()
-        yield SimpleNamespace(res=res, out=tmp / "train", parent_id=parent_id, client=client, cfg=cfg,
-                              seconds=seconds, tmp=tmp)
-    finally:
-        mp.undo()
+    return SimpleNamespace(res=res, out=tmp / "train", parent_id=parent_id, client=mlflow.MlflowClient(uri),
+                           cfg=cfg, seconds=seconds, tmp=tmp)
 
 
 @pytest.mark.slow
@@ -325,14 +324,15 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert PER_STEP_KEYS <= set(r), sorted(r)
-        assert 0 <= r["reward"] <= 5 * 1.25 and r["learning_rate"] > 0
+        assert 0 <= r["reward"] <= 5 * sum(trained.cfg.reward.weights or [1.0, 1.0]) and r["learning_rate"] > 0
         assert "rewards/comparison/mean" in r
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the identity: no drift yet
 
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["reward_fn"] for s in samples} == {"system", "comparison"}
     assert all(T.parse_prompt(s["prompt"]) is not None for s in samples)
-    assert {s["step"] for s in samples} == {1, 2, 3, 4}  # the step numbers of train_log.jsonl and MLflow
+    sample_steps = {s["step"] for s in samples}  # the step numbers of train_log.jsonl and MLflow
+    assert sample_steps <= {1, 2, 3, 4} and 4 in sample_steps
     health = json.loads((out / "health.json").read_text())
     assert health["steps"] == 4 and health["flagged_prompts"] == []
     meta = json.loads((out / "run.json").read_text())
@@ -481,7 +481,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
     p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
                         "-m", "hermes_lab.train", "--config", str(tmp_path / "dist.yaml"), "--data", str(prompt_set),
                         "--output", str(tmp_path / "out"), "--max-steps", "2", "--no-eval"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     print(f"torchrun x2: {time.time() - t0:.1f} s")
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.count("adapter: ") == 1, p.stdout  # only rank 0 reports
