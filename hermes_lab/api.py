@@ -1,9 +1,9 @@
-"""Model API access: one client for OpenAI-compatible endpoints, and the API judge of the comparison reward.
+"""Model API access: one client for OpenAI-compatible endpoints, its typed errors, and key/proxy helpers.
 
-Used by the reward judge (``reward.model`` at ``reward.base_url``) and by a remotely served policy
-(``model.base_url``). Reads the environment only: the base URL and the key live in environment variables
-(the config names the variable, ``api_key_env``; the key is never in a config). Writes nothing but the
-judge cache (JSONL, default ``runs/cache/judge.jsonl``), so a rerun does not ask the judge again.
+Used by the comparison reward's judge (``hermes_lab.judge``: ``reward.model`` at ``reward.base_url``), by a
+remotely served policy (``model.base_url``) and by ``hermes-lab doctor``. Reads the environment only: the
+base URL and the key live in environment variables (the config names the variable, ``api_key_env``; the key
+is never in a config). Writes nothing under runs/ (the judge's cache is ``hermes_lab.judge``'s).
 
 The user's connectivity check is ``curl -s $TAOTOKEN_BASE_URL/v1/models -H "Authorization: Bearer $KEY"``;
 the client sends exactly that. Check a setup with
@@ -33,7 +33,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from email.utils import parsedate_to_datetime
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -88,10 +87,6 @@ class ApiConnectionError(ApiError):
 
 class ApiSkipped(ApiError):
     """Not sent: an earlier request of the same batch failed in a way every request would (auth, network)."""
-
-
-class JudgeParseError(ApiError):
-    """The judge's reply holds no usable score; the message quotes the raw reply."""
 
 
 # ------------------------------------------------------------------------------------ secrets and URLs
@@ -610,166 +605,3 @@ def _server_message(resp: httpx.Response) -> str:
     if isinstance(err, dict):
         err = err.get("message") or err.get("detail") or err.get("code") or ""
     return str(err or body.get("detail") or body.get("message") or "")[:300]
-
-
-# ----------------------------------------------------------------------------------------------- judge
-JUDGE_PROMPT_VERSION = "v1"  # part of the cache key: changing the prompt must not reuse old scores
-JUDGE_SYSTEM = ("You grade a candidate response against a reference response for the same task. "
-                "Reply with a single number from 0 to {scale} and nothing else.")
-JUDGE_USER = ("<task>\n{prompt}\n</task>\n<reference>\n{reference}\n</reference>\n<response>\n{response}\n"
-              "</response>\nScore the response against the reference on 0..{scale}: {scale} = as good as the "
-              "reference (same result), 0 = wrong, empty or off-task. Reply with the number only.")
-_NUM = r"[-+]?\d+(?:\.\d+)?"
-
-
-def parse_score(text: str, scale: float = 5) -> float:
-    """A score on 0..scale from a judge reply: '4', '**4**', 'Score: 4/5', '4 out of 5', '8/10' (rescaled),
-    or prose holding exactly one number. Reasoning (<think>...</think>) is ignored. Else JudgeParseError
-    quoting the raw reply."""
-    t = re.sub(r"<think>.*?</think>", "", text or "", flags=re.S | re.I).strip()
-    value: float | None = None
-    den: float | None = None
-    bare = t.strip(" \t\n.*`'\"")
-    if re.fullmatch(_NUM, bare):
-        value = float(bare)
-    else:
-        m = (re.search(rf"\b(?:score|rating|grade)\b\W{{0,6}}({_NUM})(?:\s*(?:/|out of)\s*({_NUM}))?", t, re.I)
-             or re.search(rf"({_NUM})\s*(?:/|out of)\s*({_NUM})", t, re.I))
-        if m:
-            value, den = float(m.group(1)), float(m.group(2)) if m.group(2) else None
-        else:
-            nums = set(re.findall(_NUM, t))
-            if len(nums) == 1:
-                value = float(nums.pop())
-    if value is None:
-        raise JudgeParseError(f"judge reply holds no score on 0..{scale:g}; raw reply: {text[:300]!r}")
-    if den and den != scale:
-        value = value / den * scale
-    if not 0 <= value <= scale:
-        raise JudgeParseError(f"judge score {value:g} is outside 0..{scale:g}; raw reply: {text[:300]!r}")
-    return value
-
-
-class _JsonlCache:
-    """key -> record, appended to a JSONL file (one line per answer) and read back whole at start.
-
-    Appends of one short line are atomic enough for two processes; a torn last line is skipped."""
-
-    def __init__(self, path: str | os.PathLike[str] | None):
-        self.path = Path(path) if path else None
-        self._lock = threading.Lock()
-        self._data: dict[str, dict[str, Any]] = {}
-        if self.path and self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                    self._data[rec["key"]] = rec
-                except (ValueError, KeyError, TypeError):
-                    continue
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        return self._data.get(key)
-
-    def put(self, key: str, rec: dict[str, Any]) -> None:
-        rec = {"key": key, **rec}
-        with self._lock:
-            self._data[key] = rec
-            if self.path:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with self.path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class ApiJudge:
-    """The comparison reward through the API: scores each response against its reference on 0..scale.
-
-    Asks ``model`` once per distinct (prompt, response, reference), ``concurrency`` at a time, with the
-    client's retries; answers are cached on disk (key: sha256 of model, prompt, response, reference,
-    scale and prompt version), so a rerun asks only for what is new. ``stats`` counts requests and hits."""
-
-    def __init__(self, client: ApiClient, model: str | None = None, *, scale: float = 5, concurrency: int = 8,
-                 cache_path: str | os.PathLike[str] | None = None, temperature: float = 0.0,
-                 max_tokens: int | None = 64):
-        self.client = client
-        self.model = (model or client.model or "").strip()
-        if not self.model:
-            raise ApiConfigError("the judge needs a model id (reward.model): base URL, key and model id "
-                                 "must all be set.")
-        self.scale, self.concurrency = float(scale), concurrency
-        self.temperature, self.max_tokens = temperature, max_tokens
-        self.cache = _JsonlCache(cache_path)
-        self.stats = {"requests": 0, "cache_hits": 0}
-
-    @classmethod
-    def from_config(cls, cfg: Any, cache_path: str | os.PathLike[str] | None = None, **client_kw: Any) -> ApiJudge:
-        """From a HermesConfig's reward section; the cache defaults to <runs_dir>/cache/judge.jsonl."""
-        r = cfg.reward
-        if not r.model or r.model.strip().lower() == "local":
-            raise ApiConfigError("reward.model is empty or 'local': the comparison reward then uses the local "
-                                 "judge, not the API (set reward.model to a judge served at reward.base_url).")
-        client = ApiClient.from_config(cfg, "reward", **client_kw)
-        if cache_path is None:
-            cache_path = Path(cfg.round.runs_dir) / "cache" / "judge.jsonl"
-        return cls(client, r.model, scale=r.scale, concurrency=r.judge_concurrency, cache_path=cache_path)
-
-    def __repr__(self) -> str:
-        return f"ApiJudge(model={self.model!r}, scale={self.scale:g}, client={self.client!r})"
-
-    def cache_key(self, prompt: str, response: str, reference: str) -> str:
-        blob = json.dumps([self.model, prompt, response, reference, self.scale, JUDGE_PROMPT_VERSION])
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-    def messages(self, prompt: str, response: str, reference: str) -> list[dict[str, str]]:
-        s = f"{self.scale:g}"
-        return [{"role": "system", "content": JUDGE_SYSTEM.format(scale=s)},
-                {"role": "user", "content": JUDGE_USER.format(prompt=prompt, response=response,
-                                                              reference=reference, scale=s)}]
-
-    def score(self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str],
-              progress: bool | None = None) -> list[float]:
-        """Scores on 0..scale, one per response. Raises the first error (typed) once every other answer
-        is cached, so a rerun only asks again for what failed."""
-        if not len(prompts) == len(responses) == len(references):
-            raise ValueError(f"judge: prompts ({len(prompts)}), responses ({len(responses)}) and references "
-                             f"({len(references)}) must have the same length")
-        scores: list[float | None] = [None] * len(prompts)
-        todo: dict[str, list[int]] = {}
-        for i, (p, r, ref) in enumerate(zip(prompts, responses, references)):
-            key = self.cache_key(p, r, ref)
-            hit = self.cache.get(key)
-            if hit is not None:
-                scores[i] = float(hit["score"])
-                self.stats["cache_hits"] += 1
-            else:
-                todo.setdefault(key, []).append(i)
-        keys = list(todo)
-        if keys:
-            batch = [self.messages(prompts[todo[k][0]], responses[todo[k][0]], references[todo[k][0]]) for k in keys]
-            self.stats["requests"] += len(keys)
-            replies = self.client.chat_many(batch, self.concurrency, return_exceptions=True,
-                                            progress=len(keys) >= 100 if progress is None else progress,
-                                            model=self.model, temperature=self.temperature,
-                                            max_tokens=self.max_tokens)
-            failures: list[ApiError] = []
-            for key, reply in zip(keys, replies):
-                if isinstance(reply, ApiError):
-                    failures.append(reply)
-                    continue
-                try:
-                    value = parse_score(reply, self.scale)
-                except JudgeParseError as e:
-                    failures.append(e)
-                    continue
-                self.cache.put(key, {"score": value, "model": self.model, "raw": reply[:200], "ts": time.time()})
-                for i in todo[key]:
-                    scores[i] = value
-            if failures:
-                log.warning("judge: %d of %d requests failed; the other answers are cached", len(failures), len(keys))
-                raise next((e for e in failures if not isinstance(e, ApiSkipped)), failures[0])
-        return [float(s) for s in scores]  # type: ignore[arg-type]
-
-    def score_one(self, prompt: str, response: str, reference: str) -> float:
-        return self.score([prompt], [response], [reference])[0]

@@ -11,7 +11,7 @@ Every reward lies on the user's 0..scale range (reward.scale, 5 by default):
   treats as "not applicable" for that function rather than as zero.
 - ``comparison``: comparison feedback, the completion judged against the logged reference response
   (the best response prep found for that prompt). With ``reward.model`` set to a model id it asks an
-  OpenAI-compatible judge (``hermes_lab.api.ApiJudge``: batched, concurrent, retried, cached); with no
+  OpenAI-compatible judge (``hermes_lab.judge.ApiJudge``: batched, concurrent, retried, cached); with no
   model or ``local`` it uses the local judge below, so the embedded default runs offline.
 - ``"pkg.module:function"`` in ``reward.types``: any user function, the open-r1/TRL escape hatch.
 
@@ -95,7 +95,7 @@ def make_comparison_reward(cfg: HermesConfig) -> RewardFn:
     r = cfg.reward
     scale, thr = float(r.scale), float(r.success_threshold)
     if r.model and r.model != "local":
-        from hermes_lab.api import ApiJudge
+        from hermes_lab.judge import ApiJudge
 
         judge = ApiJudge.from_config(cfg)
 

@@ -1,5 +1,5 @@
-"""hermes_lab.api through real HTTP (tests/fake_openai.py): base URLs, errors, retries, concurrency, the judge,
-and that the key never shows up in exceptions, reprs, logs or printed output."""
+"""hermes_lab.api through real HTTP (tests/fake_openai.py): base URLs, errors, retries, concurrency, the judge
+(hermes_lab.judge), and that the key never shows up in exceptions, reprs, logs or printed output."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +10,7 @@ from fake_openai import free_port, judge_score
 
 from hermes_lab import api
 from hermes_lab.config import load_config
+from hermes_lab.judge import ApiJudge, JudgeParseError, parse_score
 
 KEY = "sk-test-SECRET-8f3a9c2e71"
 WRONG = "sk-wrong-KEY-0000111122"
@@ -226,13 +227,13 @@ def test_key_never_in_repr_logs_or_output(fake, monkeypatch, caplog, capsys):
     ("<think>3 or 5? maybe 1</think>\n5", 5), ("I would give it a 2.", 2),
 ])
 def test_parse_score(reply, score):
-    assert api.parse_score(reply, 5) == score
+    assert parse_score(reply, 5) == score
 
 
 @pytest.mark.parametrize("reply", ["no idea", "between 2 and 3", "7", "-1"])
 def test_parse_score_rejects_with_the_raw_reply(reply):
-    with pytest.raises(api.JudgeParseError, match="raw reply") as e:
-        api.parse_score(reply, 5)
+    with pytest.raises(JudgeParseError, match="raw reply") as e:
+        parse_score(reply, 5)
     assert repr(reply) in str(e.value)
 
 
@@ -242,7 +243,7 @@ def test_judge_scores_batches_and_caches_on_disk(fake, tmp_path):
     prompts = ["add 2 3", "reverse abc", "upper hi", "add 2 3"]
     responses = ["5", "cba", "HX", "5"]
     refs = ["5", "cba", "HI", "5"]
-    judge = api.ApiJudge(client(fake.url), scale=5, concurrency=4, cache_path=cache)
+    judge = ApiJudge(client(fake.url), scale=5, concurrency=4, cache_path=cache)
     scores = judge.score(prompts, responses, refs)
     assert scores == [judge_score(r, ref) for r, ref in zip(responses, refs)] == [5, 5, 2, 5]
     assert fake.count("/v1/chat/completions") == 3  # the duplicate asked once
@@ -252,22 +253,22 @@ def test_judge_scores_batches_and_caches_on_disk(fake, tmp_path):
 
     assert judge.score(prompts, responses, refs) == scores  # second call: no request
     assert fake.count("/v1/chat/completions") == 3 and judge.stats["cache_hits"] == 4
-    again = api.ApiJudge(client(fake.url), cache_path=cache)  # a rerun reads the file
+    again = ApiJudge(client(fake.url), cache_path=cache)  # a rerun reads the file
     assert again.score_one("upper hi", "HX", "HI") == 2 and fake.count("/v1/chat/completions") == 3
     assert len(cache.read_text().splitlines()) == 3 and KEY not in cache.read_text()
 
 
 def test_judge_survives_429s_and_timeouts(fake, tmp_path):
     fake.configure(fail_429=3, retry_after="0", delay_s=0.5, delay_n=1)
-    judge = api.ApiJudge(client(fake.url, timeout=0.25, retries=4), concurrency=2, cache_path=tmp_path / "c.jsonl")
+    judge = ApiJudge(client(fake.url, timeout=0.25, retries=4), concurrency=2, cache_path=tmp_path / "c.jsonl")
     assert judge.score(["p1", "p2", "p3"], ["x", "yy", "z"], ["x", "yy", "q"]) == [5, 5, 0]
     assert fake.count() >= 3 + 3  # three answered, plus the 429s and the timed-out one
 
 
 def test_judge_unparseable_reply_is_an_error_quoting_it_and_not_cached(fake, tmp_path):
     fake.chat_reply = "I cannot decide."
-    judge = api.ApiJudge(client(fake.url), cache_path=tmp_path / "c.jsonl")
-    with pytest.raises(api.JudgeParseError, match="I cannot decide"):
+    judge = ApiJudge(client(fake.url), cache_path=tmp_path / "c.jsonl")
+    with pytest.raises(JudgeParseError, match="I cannot decide"):
         judge.score(["p"], ["a"], ["b"])
     assert len(judge.cache) == 0
 
@@ -279,12 +280,12 @@ def test_judge_from_the_users_config(fake, tmp_path, monkeypatch):
                         "  scale: 5\n  judge_timeout_s: 3\n  judge_retries: 1\n  judge_concurrency: 2\n"
                         f"round:\n  runs_dir: {tmp_path / 'runs'}\n")
     cfg = load_config(cfg_path)
-    judge = api.ApiJudge.from_config(cfg)
+    judge = ApiJudge.from_config(cfg)
     assert (judge.model, judge.client.base_url, judge.client.timeout, judge.client.retries) == \
         ("judge-1", fake.url, 3.0, 1)
     assert judge.score_one("p", "abc", "abc") == 5
     assert (tmp_path / "runs" / "cache" / "judge.jsonl").is_file()
     with pytest.raises(api.ApiConfigError, match="local"):
-        api.ApiJudge.from_config(load_config(cfg_path, overrides={"reward.model": "local"}))
+        ApiJudge.from_config(load_config(cfg_path, overrides={"reward.model": "local"}))
     with pytest.raises(api.ApiConfigError, match="reward.base_url"):
-        api.ApiJudge.from_config(load_config(cfg_path, overrides={"reward.base_url": ""}))
+        ApiJudge.from_config(load_config(cfg_path, overrides={"reward.base_url": ""}))

@@ -16,6 +16,7 @@ import pytest
 
 from hermes_lab import review
 from hermes_lab.config import load_config
+from hermes_lab.review_app import ReviewApp
 from hermes_lab.tasks import corrupt, generate_tasks, verify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def live(store_path) -> dict:
 def test_click_writes_fsynced_line_and_reopen_resumes(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="alice")
+    app = ReviewApp(q, store, reviewer="alice")
     assert app.index == 0 and app.buttons[0].tooltip and "0" in app.buttons[0].description
     app.buttons[5].click()
     app.note.value = "near miss"
@@ -68,17 +69,17 @@ def test_click_writes_fsynced_line_and_reopen_resumes(queue, tmp_path):
     assert app.progress.value == 2 and app.index == 2
 
     # "kernel restart": a new app over the same store resumes at alice's next unlabelled item
-    app2 = review.ReviewApp(q, store, reviewer="alice")
+    app2 = ReviewApp(q, store, reviewer="alice")
     assert app2.index == 2 and app2.progress.value == 2
     assert recs[2]["prompt"] in app2.prompt_html.value
     # another reviewer starts from the top
-    assert review.ReviewApp(q, store, reviewer="bob").index == 0
+    assert ReviewApp(q, store, reviewer="bob").index == 0
 
 
 def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="alice")
+    app = ReviewApp(q, store, reviewer="alice")
     app.buttons[5].click()
     app.buttons[1].click()
     with open(store, "ab") as f:  # the kernel died in the middle of the third write
@@ -88,7 +89,7 @@ def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
     assert loaded.truncated and len(loaded.records) == 2
 
     with pytest.warns(UserWarning):
-        app2 = review.ReviewApp(q, store, reviewer="alice")
+        app2 = ReviewApp(q, store, reviewer="alice")
     assert "truncated" in app2.message and app2.index == 2
     app2.buttons[4].click()  # the next write starts on a clean line
     loaded = review.read_labels(store)
@@ -103,7 +104,7 @@ def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
 def test_undo_appends_tombstone_and_goes_back(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="alice")
+    app = ReviewApp(q, store, reviewer="alice")
     app.buttons[5].click()
     app.buttons[0].click()
     before = store.read_bytes()
@@ -116,7 +117,7 @@ def test_undo_appends_tombstone_and_goes_back(queue, tmp_path):
     app.buttons[3].click()  # relabel the undone item
     assert live(store)[(recs[1]["review_id"], "alice")]["label"] == 3.0
     # undo again twice walks back through the history, across "restarts"
-    app2 = review.ReviewApp(q, store, reviewer="alice")
+    app2 = ReviewApp(q, store, reviewer="alice")
     app2.undo()
     app2.undo()
     assert live(store) == {} and app2.index == 0 and app2.undo() is None
@@ -126,7 +127,7 @@ def test_undo_appends_tombstone_and_goes_back(queue, tmp_path):
 def test_skip_comes_back_later(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="alice")
+    app = ReviewApp(q, store, reviewer="alice")
     app.skip_button.click()
     assert app.index == 1 and not store.exists()  # a skip is not a label
     for _ in range(len(recs) - 1):
@@ -141,7 +142,7 @@ def test_untrusted_output_is_escaped_and_reward_hidden(tmp_path):
     q = tmp_path / "prep" / "review_queue.jsonl"
     evil = '<script>alert("x")</script><img src=x onerror=alert(1)>'
     make_queue(q, n=3, response_override={0: evil}, reward_fn=lambda i, t, r: 4.321)
-    app = review.ReviewApp(q, tmp_path / "l.jsonl", reviewer="alice")
+    app = ReviewApp(q, tmp_path / "l.jsonl", reviewer="alice")
     shown = " ".join(str(getattr(w, "value", "")) for w in
                      [app.header, app.prompt_html, app.response_html, app.progress_label, app.status])
     assert "<script>" not in shown and "<img" not in shown
@@ -152,7 +153,7 @@ def test_untrusted_output_is_escaped_and_reward_hidden(tmp_path):
 def test_reviewer_required_and_keys_box(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="")
+    app = ReviewApp(q, store, reviewer="")
     assert app.buttons[3].disabled and app.index is None
     app.buttons[3].click()
     assert not store.exists()
@@ -170,7 +171,7 @@ def test_reviewer_required_and_keys_box(queue, tmp_path):
 def test_passfail_mode(queue, tmp_path):
     q, recs = queue
     store = tmp_path / "labels.jsonl"
-    app = review.ReviewApp(q, store, reviewer="dave", mode="passfail")
+    app = ReviewApp(q, store, reviewer="dave", mode="passfail")
     assert set(app.buttons) == {"pass", "fail"}
     app.buttons["pass"].click()
     app.keys.value = "f"
