@@ -312,10 +312,9 @@ def _finish(cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dic
         for f in (rd / "trajectories.jsonl", rd / "ab" / "requests.jsonl"):
             if f.exists():
                 state.negative_files.append(str(f))
-    pass_rate = None
-    if regression:
-        key = "candidate" if decision == "promote" else "baseline"
-        pass_rate = (regression.get(key) or {}).get("pass_rate")
+    # the champion's held-out sampled pass rate on the train stage's fixed task set (same tasks and seed
+    # every round, so rounds compare): the candidate's if it was promoted, else the policy it started from
+    pass_rate = (ev.get("after") if decision == "promote" else ev.get("before") or {}).get("pass_rate") if ev else None
     summary = {"round": n, "status": status, "decision": decision, "gates": gates,
                "timings_s": prog["timings"], "total_s": round(sum(prog["timings"].values()), 1),
                "pass_rate": pass_rate, "eval": ev, "champion": state.champion_adapter,
