@@ -250,7 +250,10 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
             for nb_path in sorted(rd.glob("*.ipynb")):
                 mlflow.log_artifact(str(nb_path), artifact_path="notebooks")
             mlflow.log_artifact(str(rd / "summary.json"))
-            mlflow.set_tags({"round.status": summary["status"], "round.decision": decision or ""})
+            mlflow.set_tags({"round.status": summary["status"], "round.decision": decision or "",
+                             **{f"gate.{g['gate']}": "pass" if g["passed"] else "stop" for g in summary["gates"]}})
+            if summary.get("pass_rate") is not None:
+                mlflow.log_metric("champion.pass_rate", summary["pass_rate"])
             mlflow.log_metrics({f"time.{k}": v for k, v in prog["timings"].items()})
         if not quiet:
             print_summary(summary)

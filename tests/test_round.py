@@ -27,7 +27,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     tiny = build_tiny_policy(REPO / "runs", seed=0)
     os.symlink(tiny, runs / "policies" / tiny.name)  # built once per machine, reused
     cfg["round"]["runs_dir"] = str(runs)
-    cfg["execute"]["num_tasks"] = 520
+    cfg["execute"]["num_tasks"] = 600  # ~8% exact duplicates: still >= min_samples new samples
     cfg["grpo"]["max_steps"] = 12
     cfg["validate"]["eval_tasks_per_family"] = 16
     cfg.setdefault("ab", {})["request_rate"] = 0.04
@@ -64,7 +64,7 @@ def test_status_explains_why_no_round_is_due(tmp_path):
     s = R.status(str(params))
     assert not s["due"]
     assert any(r.startswith("cooldown: 19.0 h left") for r in s["reasons"])
-    assert any(r.startswith("samples: 520 of 5000") for r in s["reasons"])
+    assert any(r.startswith("samples: 600 of 5000") for r in s["reasons"])
     p = subprocess.run([*HERMES, "status", "--params", str(params)], capture_output=True, text=True)
     assert p.returncode == 3 and "not due" in p.stdout
 
@@ -152,3 +152,6 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     train = children[children["tags.mlflow.runName"] == "train"].iloc[0]
     hist = mlflow.MlflowClient().get_metric_history(train["run_id"], "reward")
     assert len(hist) >= 10
+    parent_run = mlflow.get_run(parent)
+    assert parent_run.data.tags["gate.regression"] in {"pass", "stop"}
+    assert parent_run.data.tags["round.status"] == summary["status"]
