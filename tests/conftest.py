@@ -22,3 +22,16 @@ def fake_openai(monkeypatch):
     server = FakeOpenAI().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A real SQLite MLflow store with the 'hermes-lab' experiment; artifacts under tmp_path (never ./mlruns)."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    yield mlflow
+    while mlflow.active_run() is not None:
+        mlflow.end_run()

@@ -190,16 +190,6 @@ def test_load_train_log_errors_name_file_and_line(tmp_path):
         I.load_train_log(tmp_path / "nowhere")
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    import mlflow
-
-    yield mlflow
-    while mlflow.active_run():
-        mlflow.end_run()
-
-
 def log_run(mlflow, df: pd.DataFrame, tmp_path) -> str:
     from hermes_lab import tracking
 

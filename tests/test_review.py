@@ -335,17 +335,6 @@ def test_bad_queue_names_file_and_line(tmp_path):
     assert review.main(["--queue", str(tmp_path / "nope.jsonl")]) == 2
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    """A real SQLite MLflow store; artifacts under tmp_path (never ./mlruns in the repo)."""
-    import mlflow
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
-    return mlflow
-
-
 def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
     from hermes_lab import tracking
 

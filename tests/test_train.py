@@ -251,19 +251,6 @@ def prompt_set(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    """A real SQLite MLflow store; artifacts under tmp_path (never ./mlruns in the repo)."""
-    import mlflow
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
-    yield mlflow
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
-
-
 def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
 
