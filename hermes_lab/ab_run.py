@@ -615,14 +615,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hermes_lab.ab_run", description="Staged A/B rollout -> ab_report.json")
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run_cli(args)
-    except ConfigError as e:
-        print(f"ab_run: config error: {e}", file=sys.stderr)
-        return 2
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.ab_run", add_arguments, run_cli, argv, description="Staged A/B rollout -> ab_report.json")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 # command -> (module, one-line help). Modules keep heavy imports (torch, trl, mlflow) inside functions
 # so that `hermes-lab --help` stays fast.
@@ -47,15 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
+    """Run a command; a config problem is one line on stderr and exit 2, never a traceback."""
     from hermes_lab.config import ConfigError
 
     try:
-        return int(args._run(args) or 0)
+        return int(runner(args) or 0)
     except ConfigError as e:
-        print(f"hermes-lab {args.command}: config error: {e}", file=sys.stderr)
+        print(f"{name}: config error: {e}", file=sys.stderr)
         return 2
+
+
+def run_module(module: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+               run_cli: Callable[[argparse.Namespace], int | None], argv: list[str] | None = None,
+               description: str | None = None) -> int:
+    """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    add_arguments(p)
+    return _run(run_cli, p.parse_args(argv), f"python -m {module}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _run(args._run, args, f"hermes-lab {args.command}")
 
 
 if __name__ == "__main__":

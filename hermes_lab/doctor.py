@@ -341,9 +341,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hermes-lab doctor", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.doctor", add_arguments, run_cli, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

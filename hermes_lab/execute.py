@@ -77,9 +77,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hermes_lab.execute", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run_cli(p.parse_args(argv))
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.execute", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

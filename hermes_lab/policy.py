@@ -284,9 +284,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hermes_lab.policy", description="Build the embedded tiny policy.")
-    add_arguments(p)
-    return run_cli(p.parse_args(argv))
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.policy", add_arguments, run_cli, argv, description="Build the embedded tiny policy.")
 
 
 if __name__ == "__main__":

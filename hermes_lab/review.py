@@ -561,14 +561,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hermes_lab.review", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_cli(args)
-    except ConfigError as e:
-        print(f"hermes-lab review: config error: {e}", file=sys.stderr)
-        return 2
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.review", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

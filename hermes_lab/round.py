@@ -455,9 +455,9 @@ add_arguments, run_cli = add_arguments_round, run_cli_round
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hermes_lab.round", description=__doc__.split("\n")[0])
-    add_arguments_round(p)
-    return run_cli_round(p.parse_args(argv))
+    from hermes_lab.cli import run_module
+
+    return run_module("hermes_lab.round", add_arguments_round, run_cli_round, argv, description=__doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -404,8 +404,17 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides = {"grpo.max_steps": args.max_steps} if args.max_steps else None
     cfg = load_config(args.config, overrides)
-    res = train(cfg, args.data, args.output, parent_run_id=args.parent_run_id or None,
-                start_adapter=args.start_adapter, evaluate_heldout=not args.no_eval)
+    from hermes_lab.rewards import RewardError
+
+    try:
+        res = train(cfg, args.data, args.output, parent_run_id=args.parent_run_id or None,
+                    start_adapter=args.start_adapter, evaluate_heldout=not args.no_eval)
+    except FileNotFoundError as e:  # --data: the message names the path
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RewardError, TrainingHealthError) as e:  # the message is the diagnosis; a traceback adds nothing
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not _is_main():
         return 0
     print(f"adapter: {res.adapter_dir}  ({res.steps} steps, {res.seconds} s, MLflow run {res.mlflow_run_id})")
@@ -418,23 +427,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.config import ConfigError
-    from hermes_lab.rewards import RewardError
+    from hermes_lab.cli import run_module
 
-    p = argparse.ArgumentParser(prog="python -m hermes_lab.train", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run_cli(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:  # --data: the message names the path
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RewardError, TrainingHealthError) as e:  # the message is the diagnosis; a traceback adds nothing
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_module("hermes_lab.train", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 
 
 if __name__ == "__main__":
