@@ -39,6 +39,7 @@ only the main process writes files and MLflow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -313,7 +314,8 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
         dump_config(cfg, out / "config.yaml")
     callback = make_callback(cfg, log_path, samples, is_main)
     run_id = None
-    ctx = tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment) if is_main else _null()
+    ctx = (tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment) if is_main
+           else contextlib.nullcontext())  # only rank 0 tracks
     with ctx as run:
         if run is not None:
             run_id = run.info.run_id
@@ -379,14 +381,6 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------- CLI
