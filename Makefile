@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
 ROUNDS ?= 3
 
-.PHONY: setup round flywheel status test test-fast lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status test test-fast lint lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -32,8 +32,12 @@ flywheel: setup
 status: setup
 	$(BIN)/hermes-lab status --params $(PARAMS)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -9,6 +9,7 @@ arm, per look cumulative, p95 latency), measured in the same run.
 
     .venv/bin/python benchmarks/bench_ab_analysis.py [--rows 10000000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,15 @@ def synth(rows: int, seed: int = 0) -> tuple[dict[str, np.ndarray], list[ab.Stag
     reward[error] = 0.0
     lat = np.exp(rng.normal(np.log(120), 0.35, rows))
     fam = rng.integers(0, len(T.FAMILIES), rows)
-    return {"t": t, "stage": stage, "arm": arm, "reward": reward, "error": error, "latency_ms": lat,
-            "family": fam}, stages
+    return {
+        "t": t,
+        "stage": stage,
+        "arm": arm,
+        "reward": reward,
+        "error": error,
+        "latency_ms": lat,
+        "family": fam,
+    }, stages
 
 
 def pandas_baseline(cols: dict[str, np.ndarray], stages: list[ab.Stage]) -> float:
@@ -45,8 +53,13 @@ def pandas_baseline(cols: dict[str, np.ndarray], stages: list[ab.Stage]) -> floa
     t0 = time.perf_counter()
     df = pd.DataFrame(cols)
     df["look"] = (df["t"] // 900).astype(np.int64)
-    df.groupby(["stage", "arm"]).agg(n=("reward", "size"), mean=("reward", "mean"), var=("reward", "var"),
-                                     err=("error", "mean"), p95=("latency_ms", lambda x: x.quantile(0.95)))
+    df.groupby(["stage", "arm"]).agg(
+        n=("reward", "size"),
+        mean=("reward", "mean"),
+        var=("reward", "var"),
+        err=("error", "mean"),
+        p95=("latency_ms", lambda x: x.quantile(0.95)),
+    )
     df.groupby(["stage", "family", "arm"])["reward"].agg(["size", "mean", "var"])
     per_look = df.groupby(["stage", "look", "arm"])["reward"].agg(["size", "sum"])
     per_look.groupby(level=["stage", "arm"]).cumsum()
@@ -60,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     cols, stages = synth(args.rows)
     fams = list(T.FAMILIES)
     st = ab.Settings()
-    ab.analyse_log({k: v[:1000] for k, v in cols.items()}, stages, st, fams)  # imports (scipy, statsmodels) off the clock
+    ab.analyse_log(
+        {k: v[:1000] for k, v in cols.items()}, stages, st, fams
+    )  # imports (scipy, statsmodels) off the clock
     t0 = time.perf_counter()
     res = ab.analyse_log(cols, stages, st, fams)
     ours = time.perf_counter() - t0
@@ -71,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pandas groupby (aggregates only):          {base:6.2f} s")
     print(f"ratio ours / pandas: {ours / base:.2f}")
     for s in res["stages"]:
-        print(f"  stage {s['index']}: delta {s['delta']:+.4f}  CS [{s['sequential']['cs_lower']:+.4f}, "
-              f"{s['sequential']['cs_upper']:+.4f}]  -> {s['sequential_decision']} (user rule: {s['user_decision']})")
+        print(
+            f"  stage {s['index']}: delta {s['delta']:+.4f}  CS [{s['sequential']['cs_lower']:+.4f}, "
+            f"{s['sequential']['cs_upper']:+.4f}]  -> {s['sequential_decision']} (user rule: {s['user_decision']})"
+        )
     ok = ours <= GOAL_S * args.rows / 10_000_000
     print(f"goal <= {GOAL_S:g} s per 10M rows: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -16,6 +16,7 @@ promotion and <= 5% false rollback under all stage looks. Finishes in well under
 
     .venv/bin/python benchmarks/bench_ab_decisions.py [--reps 2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,14 @@ import numpy as np
 
 from hermes_lab import ab
 
-P_BASE, LIFT = 0.45, 0.12         # baseline pass rate; the stated effect: +12 points of pass rate
+P_BASE, LIFT = 0.45, 0.12  # baseline pass rate; the stated effect: +12 points of pass rate
 RATE, LOOK, EXT, MISS_ERR = 0.25, 900.0, 1.0, 0.03
 PLAN = [[0.1, 7200], [0.3, 14400], [1.0, 0]]
 
 
-def simulate_stage(reps: int, stage: ab.Stage, p_c: float, st: ab.Settings, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def simulate_stage(
+    reps: int, stage: ab.Stage, p_c: float, st: ab.Settings, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Decision codes of ``reps`` independent runs of one stage, for each rule: {rule: (code, look_time)}."""
     n = int(RATE * stage.seconds * (1 + EXT))
     looks = stage.look_times()
@@ -73,8 +76,13 @@ def rollout(reps: int, p_c: float, st: ab.Settings, rng: np.random.Generator) ->
                 widened = alive & (code == ab.PROMOTE)
             alive &= code == ab.PROMOTE
         final[alive] = ab.PROMOTE
-        res[rule] = {"widen": widened.mean(), "promoted": alive.mean(), "rollback": (final == ab.ROLLBACK).mean(),
-                     "hold": (final == ab.HOLD).mean(), "keep": (final == ab.KEEP).mean()}
+        res[rule] = {
+            "widen": widened.mean(),
+            "promoted": alive.mean(),
+            "rollback": (final == ab.ROLLBACK).mean(),
+            "hold": (final == ab.HOLD).mean(),
+            "keep": (final == ab.KEEP).mean(),
+        }
     res["delta"] = sims[0]["delta"]
     return res
 
@@ -87,25 +95,36 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     st = ab.Settings()
     rng = np.random.default_rng(args.seed)
-    scen = {"A/A": rollout(args.reps, P_BASE, st, rng), "better": rollout(args.reps, P_BASE + LIFT, st, rng),
-            "worse": rollout(args.reps, P_BASE - LIFT, st, rng)}
+    scen = {
+        "A/A": rollout(args.reps, P_BASE, st, rng),
+        "better": rollout(args.reps, P_BASE + LIFT, st, rng),
+        "worse": rollout(args.reps, P_BASE - LIFT, st, rng),
+    }
     names = {"user": "user rule, every look", "user_end": "user rule, stage end", "sequential": "ours (sequential)"}
-    print(f"{args.reps} rollouts per scenario; plan {PLAN[:2]} then 100%, {RATE} req/s, a look every {LOOK:.0f} s, "
-          f"extension x{EXT:g}; stated effect: pass rate {P_BASE:.0%} -> {P_BASE + LIFT:.0%} "
-          f"(delta ~ {scen['better']['delta']:+.2f} reward; harm: {scen['worse']['delta']:+.2f})")
-    head = f"{'rule':24s} {'A/A false widen':>15s} {'A/A false 100%':>14s} {'A/A false rollbk':>16s} {'A/A hold':>8s}" \
-           f" {'power (100%)':>12s} {'harm rolled back':>16s}"
+    print(
+        f"{args.reps} rollouts per scenario; plan {PLAN[:2]} then 100%, {RATE} req/s, a look every {LOOK:.0f} s, "
+        f"extension x{EXT:g}; stated effect: pass rate {P_BASE:.0%} -> {P_BASE + LIFT:.0%} "
+        f"(delta ~ {scen['better']['delta']:+.2f} reward; harm: {scen['worse']['delta']:+.2f})"
+    )
+    head = (
+        f"{'rule':24s} {'A/A false widen':>15s} {'A/A false 100%':>14s} {'A/A false rollbk':>16s} {'A/A hold':>8s}"
+        f" {'power (100%)':>12s} {'harm rolled back':>16s}"
+    )
     print(head)
     print("-" * len(head))
     for rule, label in names.items():
         aa, up, down = scen["A/A"][rule], scen["better"][rule], scen["worse"][rule]
-        print(f"{label:24s} {aa['widen']:15.1%} {aa['promoted']:14.1%} {aa['rollback']:16.1%} {aa['hold']:8.1%}"
-              f" {up['promoted']:12.1%} {down['rollback']:16.1%}")
+        print(
+            f"{label:24s} {aa['widen']:15.1%} {aa['promoted']:14.1%} {aa['rollback']:16.1%} {aa['hold']:8.1%}"
+            f" {up['promoted']:12.1%} {down['rollback']:16.1%}"
+        )
     ours = scen["A/A"]["sequential"]
     se = np.sqrt(0.05 * 0.95 / args.reps)
     ok = ours["widen"] <= 0.05 and ours["rollback"] <= 0.05
-    print(f"goal (ours): false promotion <= 5% and false rollback <= 5% under all looks "
-          f"(Monte Carlo s.e. ~{se:.1%}): {'PASS' if ok else 'FAIL'}")
+    print(
+        f"goal (ours): false promotion <= 5% and false rollback <= 5% under all looks "
+        f"(Monte Carlo s.e. ~{se:.1%}): {'PASS' if ok else 'FAIL'}"
+    )
     print(f"time: {time.perf_counter() - t0:.1f} s")
     return 0 if ok else 1
 

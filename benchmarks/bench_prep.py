@@ -7,6 +7,7 @@ Plots are skipped (make_plots=False); the review sample is included. Not a test:
 
     .venv/bin/python benchmarks/bench_prep.py [--records 1000000] [--keep DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,12 +40,21 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
             if i % 2:
                 t = pool[rng.randrange(len(pool))]
                 resp = t.answer if rng.random() < 0.4 else tasks.corrupt(t.answer, rng)
-                rec = {"prompt": t.prompt, "response": resp, "reward": tasks.verify(t.prompt, resp), "task_id": t.task_id}
+                rec = {
+                    "prompt": t.prompt,
+                    "response": resp,
+                    "reward": tasks.verify(t.prompt, resp),
+                    "task_id": t.task_id,
+                }
             else:
                 j = rng.randrange(n_syn)
-                rec = {"prompt": f"Summarise support ticket #{j} in one line and name the product.",
-                       "response": f"{rng.choice(words)} {rng.choice(words)} #{rng.randrange(50)}",
-                       "reward": round(rng.uniform(0, 5), 3), "task_id": f"ticket-{j:07d}", "family": "support"}
+                rec = {
+                    "prompt": f"Summarise support ticket #{j} in one line and name the product.",
+                    "response": f"{rng.choice(words)} {rng.choice(words)} #{rng.randrange(50)}",
+                    "reward": round(rng.uniform(0, 5), 3),
+                    "task_id": f"ticket-{j:07d}",
+                    "family": "support",
+                }
             rec["request_id"] = f"req-{i:08d}"
             lines.append(json.dumps(rec) + "\n")
             if len(lines) >= 100_000:
@@ -75,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     res = run_prep([data], root / "prep", cfg, make_plots=False)
     t_prep = time.perf_counter() - t
     k = res.summary["counts"]
-    print(f"prep: {t_prep:.1f} s ({res.summary['timing_s']}) -> {k['accepted']:,} accepted, "
-          f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
-          f"{res.summary['split']['grpo_prompts']:,} GRPO / {res.summary['split']['heldout_prompts']:,} held-out "
-          f"prompts; {args.records / t_prep / 1e3:.0f} k records/s, {size / t_prep / 2**20:.1f} MiB/s")
+    print(
+        f"prep: {t_prep:.1f} s ({res.summary['timing_s']}) -> {k['accepted']:,} accepted, "
+        f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
+        f"{res.summary['split']['grpo_prompts']:,} GRPO / {res.summary['split']['heldout_prompts']:,} held-out "
+        f"prompts; {args.records / t_prep / 1e3:.0f} k records/s, {size / t_prep / 2**20:.1f} MiB/s"
+    )
 
     import datasets
 
@@ -87,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache"))
     t_hf = time.perf_counter() - t
     print(f"datasets.load_dataset('json'): {t_hf:.1f} s for {len(ds):,} rows (cold cache)")
-    print(f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x; goal <= {GOAL_S:.0f} s: "
-          f"{'met' if t_prep <= GOAL_S else 'MISSED'}")
+    print(
+        f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x; goal <= {GOAL_S:.0f} s: "
+        f"{'met' if t_prep <= GOAL_S else 'MISSED'}"
+    )
     tmp_ctx.cleanup()
     return 0 if t_prep <= GOAL_S else 1
 

@@ -13,12 +13,14 @@ step (the same callback timer is added to both trainers), so model loading is no
 those steps (less sensitive to other processes on a shared machine) and the end-to-end wall time of each arm
 (load, train, save, log) are printed too. Arms alternate A B B A ... to spread drift on a
 shared machine, where the medians still swing by 10-30% with other people's jobs; the goal is judged on each
-arm's fastest run (timeit's rule: the least-disturbed measurement), the medians are printed beside it. Identical seeds make both arms sample the same completions: the reward curves should match,
+arm's fastest run (timeit's rule: the least-disturbed measurement), the medians are printed beside it.
+Identical seeds make both arms sample the same completions: the reward curves should match,
 which the script checks (it is the proof that the settings are the same). Not a test: run it by hand or via
 ``make bench``.
 
     .venv/bin/python benchmarks/bench_train.py [--steps 20] [--warmup 2] [--rounds 3] [--prompts 200] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +48,13 @@ def make_dataset(path: Path, n: int) -> None:
     rng = random.Random(0)
     ts = T.generate_tasks(n, split="train", seed=0)
     refs = [t.answer if i % 2 == 0 else T.corrupt(t.answer, rng) for i, t in enumerate(ts)]
-    Dataset.from_dict({"prompt": [t.prompt for t in ts], "reference": refs,
-                       "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)]}).save_to_disk(str(path))
+    Dataset.from_dict(
+        {
+            "prompt": [t.prompt for t in ts],
+            "reference": refs,
+            "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)],
+        }
+    ).save_to_disk(str(path))
 
 
 def timed_trainer_class() -> tuple[type, list[list[tuple[float, float]]]]:
@@ -111,15 +118,29 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     ds, _, completion = filter_long_prompts(load_from_disk(str(data)), tok, cfg)
-    funcs = [R.REGISTRY[name](cfg) if name in R.REGISTRY else R.import_callable(name, "reward.types entry")
-             for name in cfg.reward.types]  # unwrapped: no guard, no sample log
+    funcs = [
+        R.REGISTRY[name](cfg) if name in R.REGISTRY else R.import_callable(name, "reward.types entry")
+        for name in cfg.reward.types
+    ]  # unwrapped: no guard, no sample log
     weights = list(cfg.reward.weights) if cfg.reward.weights else [1.0] * len(funcs)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     lc = cfg.lora
-    peft_config = LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
-                             target_modules=list(lc.target_modules), bias=lc.bias, task_type=lc.task_type)
-    trainer = timed(model=model, reward_funcs=funcs, args=GRPOConfig(**grpo_kwargs(cfg, out, completion, weights)),
-                    train_dataset=ds, processing_class=tok, peft_config=peft_config)
+    peft_config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.lora_alpha,
+        lora_dropout=lc.lora_dropout,
+        target_modules=list(lc.target_modules),
+        bias=lc.bias,
+        task_type=lc.task_type,
+    )
+    trainer = timed(
+        model=model,
+        reward_funcs=funcs,
+        args=GRPOConfig(**grpo_kwargs(cfg, out, completion, weights)),
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=peft_config,
+    )
     trainer.train()
     trainer.model.save_pretrained(str(out / "adapter"), selected_adapters=["default"])
     tok.save_pretrained(str(out / "adapter"))
@@ -134,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="steps per run before the clock starts")
     ap.add_argument("--rounds", type=int, default=3, help="runs per arm, alternating A B B A A B ...")
     ap.add_argument("--prompts", type=int, default=200, help="prompts in the dataset")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine, "
-                    "where 2 spinning OpenMP threads slow down many-fold when another process takes a core)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadier on a shared machine, "
+        "where 2 spinning OpenMP threads slow down many-fold when another process takes a core)",
+    )
     ap.add_argument("--config", default=str(ROOT / "params" / "embedded.yaml"), help="training YAML")
     args = ap.parse_args(argv)
 
@@ -162,31 +188,45 @@ def main(argv: list[str] | None = None) -> int:
         mlflow.create_experiment("hermes-lab", artifact_location=(tmp / "mlartifacts").as_uri())
         data = tmp / "grpo_dataset"
         make_dataset(data, args.prompts)
-        cfg = load_config(args.config, {"grpo.max_steps": args.warmup + args.steps, "model.base_model": str(tiny),
-                                        "round.runs_dir": str(tmp / "runs")})
+        cfg = load_config(
+            args.config,
+            {
+                "grpo.max_steps": args.warmup + args.steps,
+                "model.base_model": str(tiny),
+                "round.runs_dir": str(tmp / "runs"),
+            },
+        )
         timed, records = timed_trainer_class()
         order = [("hermes", "bare") if i % 2 == 0 else ("bare", "hermes") for i in range(args.rounds)]
         results: dict[str, list[dict[str, Any]]] = {"hermes": [], "bare": []}
-        print(f"tiny policy {tiny.name}; {args.config}: group {cfg.grpo.group_size} x {cfg.grpo.per_device_batch_size} "
-              f"prompts, {args.warmup} warmup + {args.steps} measured steps per run; order "
-              f"{' '.join(a[0].upper() for pair in order for a in pair)} (H=hermes, B=bare); torch threads "
-              f"{torch.get_num_threads()}")
+        print(
+            f"tiny policy {tiny.name}; {args.config}: group {cfg.grpo.group_size} x {cfg.grpo.per_device_batch_size} "
+            f"prompts, {args.warmup} warmup + {args.steps} measured steps per run; order "
+            f"{' '.join(a[0].upper() for pair in order for a in pair)} (H=hermes, B=bare); torch threads "
+            f"{torch.get_num_threads()}"
+        )
         for i, pair in enumerate(order):
             for arm in pair:
                 out = tmp / f"{arm}-{i}"
                 fn = run_hermes if arm == "hermes" else run_bare
-                with open(tmp / f"{arm}-{i}.log", "w") as quiet, contextlib.redirect_stdout(quiet), \
-                        contextlib.redirect_stderr(quiet):  # TRL's progress bar and log lines, the same for both
+                with (
+                    open(tmp / f"{arm}-{i}.log", "w") as quiet,
+                    contextlib.redirect_stdout(quiet),
+                    contextlib.redirect_stderr(quiet),
+                ):  # TRL's progress bar and log lines, the same for both
                     wall, logs = fn(cfg, data, out, timed)
                 ends = records[-1]
                 assert len(ends) == args.warmup + args.steps, (arm, len(ends))
                 loop = ends[-1][0] - ends[args.warmup - 1][0]
                 cpu = ends[-1][1] - ends[args.warmup - 1][1]
                 sps = args.steps / loop
-                results[arm].append({"sps": sps, "loop": loop, "cpu": cpu, "wall": wall,
-                                     "rewards": [r["reward"] for r in logs]})
-                print(f"  run {i + 1} {arm:6s}: {args.steps} steps in {loop:6.2f} s = {sps:.3f} steps/s "
-                      f"(CPU {cpu:6.2f} s); end to end {wall:6.2f} s")
+                results[arm].append(
+                    {"sps": sps, "loop": loop, "cpu": cpu, "wall": wall, "rewards": [r["reward"] for r in logs]}
+                )
+                print(
+                    f"  run {i + 1} {arm:6s}: {args.steps} steps in {loop:6.2f} s = {sps:.3f} steps/s "
+                    f"(CPU {cpu:6.2f} s); end to end {wall:6.2f} s"
+                )
 
     med = {arm: statistics.median(r["sps"] for r in rs) for arm, rs in results.items()}
     loop = {arm: statistics.median(r["loop"] for r in rs) for arm, rs in results.items()}
@@ -198,21 +238,35 @@ def main(argv: list[str] | None = None) -> int:
     # not per-step minima, so the workbench's periodic costs (the MLflow flush every METRIC_FLUSH_S) stay in
     best = {arm: min(r["loop"] for r in rs) for arm, rs in results.items()}
     robust = best["bare"] / best["hermes"]
-    same = all(abs(a - b) < 1e-4 for h, b_ in zip(results["hermes"], results["bare"])
-               for a, b in zip(h["rewards"], b_["rewards"]))
+    same = all(
+        abs(a - b) < 1e-4
+        for h, b_ in zip(results["hermes"], results["bare"])
+        for a, b in zip(h["rewards"], b_["rewards"])
+    )
     print(f"bare TRL : {med['bare']:.3f} steps/s (median loop {loop['bare']:.2f} s; end to end {wall['bare']:.2f} s)")
-    print(f"hermes   : {med['hermes']:.3f} steps/s (median loop {loop['hermes']:.2f} s; end to end {wall['hermes']:.2f} s)")
+    print(
+        f"hermes   : {med['hermes']:.3f} steps/s (median loop {loop['hermes']:.2f} s; "
+        f"end to end {wall['hermes']:.2f} s)"
+    )
     print(f"ratio hermes/bare steps/s (medians): {ratio:.3f}  (overhead {100 * (1 - ratio):+.1f}%)")
     print(f"per-round loop time ratios hermes/bare (adjacent runs): {', '.join(f'{r:.3f}' for r in pairs)}")
-    print(f"CPU time of the measured steps, hermes/bare: {cpu['hermes']:.2f} s / {cpu['bare']:.2f} s = "
-          f"{cpu['hermes'] / cpu['bare']:.3f}  (less sensitive to other processes than wall time; misses I/O waits)")
-    print(f"fastest run of each arm: bare {best['bare']:.2f} s = {args.steps / best['bare']:.3f} steps/s, hermes "
-          f"{best['hermes']:.2f} s = {args.steps / best['hermes']:.3f} steps/s; "
-          f"{1000 * (best['hermes'] - best['bare']) / args.steps:+.1f} ms a step")
-    print(f"ratio hermes/bare steps/s (fastest runs): {robust:.3f}  (overhead {100 * (1 - robust):+.1f}%; goal <= "
-          f"{100 * (1 - GOAL_RATIO):.0f}%: {'met' if robust >= GOAL_RATIO else 'NOT met'})")
-    print(f"end-to-end ratio hermes/bare time: {wall['hermes'] / wall['bare']:.3f}  (includes MLflow run, params, "
-          f"files and artifact logging)")
+    print(
+        f"CPU time of the measured steps, hermes/bare: {cpu['hermes']:.2f} s / {cpu['bare']:.2f} s = "
+        f"{cpu['hermes'] / cpu['bare']:.3f}  (less sensitive to other processes than wall time; misses I/O waits)"
+    )
+    print(
+        f"fastest run of each arm: bare {best['bare']:.2f} s = {args.steps / best['bare']:.3f} steps/s, hermes "
+        f"{best['hermes']:.2f} s = {args.steps / best['hermes']:.3f} steps/s; "
+        f"{1000 * (best['hermes'] - best['bare']) / args.steps:+.1f} ms a step"
+    )
+    print(
+        f"ratio hermes/bare steps/s (fastest runs): {robust:.3f}  (overhead {100 * (1 - robust):+.1f}%; goal <= "
+        f"{100 * (1 - GOAL_RATIO):.0f}%: {'met' if robust >= GOAL_RATIO else 'NOT met'})"
+    )
+    print(
+        f"end-to-end ratio hermes/bare time: {wall['hermes'] / wall['bare']:.3f}  (includes MLflow run, params, "
+        f"files and artifact logging)"
+    )
     print(f"same settings check (per-step rewards of both arms identical): {'yes' if same else 'NO'}")
     return 0
 

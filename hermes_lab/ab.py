@@ -36,14 +36,16 @@ What gates the rollout by default (``ab.rule: sequential``) and why:
 Vectorised throughout (bincount over (look, arm) keys): a 10M-request log is analysed in seconds
 (benchmarks/bench_ab_analysis.py).
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,8 +94,9 @@ class ABRouter:
 
 
 # ------------------------------------------------------------------------------- the user's analysis
-def compare(baseline_scores: Sequence[float], candidate_scores: Sequence[float],
-            threshold: float = 3.0) -> dict[str, Any]:
+def compare(
+    baseline_scores: Sequence[float], candidate_scores: Sequence[float], threshold: float = 3.0
+) -> dict[str, Any]:
     """The SPEC's comparison: means, delta, success shares (>= 3), Welch p, significant."""
     from scipy import stats
 
@@ -107,11 +110,17 @@ def compare(baseline_scores: Sequence[float], candidate_scores: Sequence[float],
             p = float(stats.ttest_ind(c, b, equal_var=False).pvalue)
     else:
         p = float("nan")  # Welch needs two observations per arm
-    return {"baseline_mean": bm, "candidate_mean": cm, "delta": cm - bm,
-            "baseline_success": float((b >= threshold).mean()) if b.size else float("nan"),
-            "candidate_success": float((c >= threshold).mean()) if c.size else float("nan"),
-            "p_value": p, "significant": bool(p < 0.05 and cm > bm),
-            "n_baseline": int(b.size), "n_candidate": int(c.size)}
+    return {
+        "baseline_mean": bm,
+        "candidate_mean": cm,
+        "delta": cm - bm,
+        "baseline_success": float((b >= threshold).mean()) if b.size else float("nan"),
+        "candidate_success": float((c >= threshold).mean()) if c.size else float("nan"),
+        "p_value": p,
+        "significant": bool(p < 0.05 and cm > bm),
+        "n_baseline": int(b.size),
+        "n_candidate": int(c.size),
+    }
 
 
 def decide_user_rule(result: dict[str, Any], alpha: float = 0.05) -> tuple[str, str]:
@@ -147,10 +156,17 @@ class Settings:
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
         ab, rw = cfg.ab, cfg.reward
-        return cls(alpha=ab.alpha, srm_alpha=ab.srm_alpha, max_error_rate=ab.max_error_rate,
-                   max_latency_ratio=ab.max_latency_ratio, min_per_arm=ab.min_per_arm,
-                   cs_sd=ab.cs_sd or 0.35 * rw.scale, scale=rw.scale, threshold=rw.success_threshold,
-                   rule=ab.rule)
+        return cls(
+            alpha=ab.alpha,
+            srm_alpha=ab.srm_alpha,
+            max_error_rate=ab.max_error_rate,
+            max_latency_ratio=ab.max_latency_ratio,
+            min_per_arm=ab.min_per_arm,
+            cs_sd=ab.cs_sd or 0.35 * rw.scale,
+            scale=rw.scale,
+            threshold=rw.success_threshold,
+            rule=ab.rule,
+        )
 
 
 @dataclass
@@ -175,22 +191,26 @@ class Stage:
 
     def look_times(self, until: float | None = None) -> np.ndarray:
         """Grid looks, the planned end always among them; cut at ``until`` (which becomes the last look)."""
-        grid = self.start + np.arange(1, int(np.ceil(self.seconds * (1 + self.max_extension) / self.look_every)) + 1) * self.look_every
+        grid = (
+            self.start
+            + np.arange(1, int(np.ceil(self.seconds * (1 + self.max_extension) / self.look_every)) + 1)
+            * self.look_every
+        )
         grid = np.unique(np.append(np.minimum(grid, self.hard_end), self.planned_end))
         if until is not None and until < self.hard_end:
             grid = np.append(grid[grid < until], until)
         return grid
 
 
-def plan_stages(stages: Sequence[Sequence[float]], request_rate: float, look_every: float,
-                max_extension: float) -> list[Stage]:
+def plan_stages(
+    stages: Sequence[Sequence[float]], request_rate: float, look_every: float, max_extension: float
+) -> list[Stage]:
     """Stages with ratio < 1 are tested; the first ratio >= 1 (or 0 seconds) means 'promoted'."""
     out, start = [], 0.0
     for i, (ratio, seconds) in enumerate(stages):
         if ratio >= 1 or seconds <= 0:
             break
-        out.append(Stage(i, float(ratio), start, float(seconds), max_extension, look_every,
-                         request_rate * seconds))
+        out.append(Stage(i, float(ratio), start, float(seconds), max_extension, look_every, request_rate * seconds))
         start += seconds * (1 + max_extension)  # nominal; the runner starts a stage when the last one acts
     return out
 
@@ -202,8 +222,9 @@ def _mixture_x(alpha: float) -> float:
     from scipy.optimize import minimize_scalar
 
     L = math.log(1 / alpha)
-    return float(minimize_scalar(lambda x: (1 + 1 / x) * (math.log1p(x) + 2 * L),
-                                 bounds=(1e-3, 1e4), method="bounded").x)
+    return float(
+        minimize_scalar(lambda x: (1 + 1 / x) * (math.log1p(x) + 2 * L), bounds=(1e-3, 1e4), method="bounded").x
+    )
 
 
 def cs_halfwidth(V: np.ndarray, alpha: float, v_star: float) -> np.ndarray:
@@ -292,9 +313,17 @@ def mann_whitney(c: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- vectorised look statistics
-def look_sums(t: np.ndarray, arm: np.ndarray, reward: np.ndarray, error: np.ndarray, latency_ms: np.ndarray,
-              look_times: np.ndarray, group: np.ndarray | None = None, n_groups: int = 1,
-              unit: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def look_sums(
+    t: np.ndarray,
+    arm: np.ndarray,
+    reward: np.ndarray,
+    error: np.ndarray,
+    latency_ms: np.ndarray,
+    look_times: np.ndarray,
+    group: np.ndarray | None = None,
+    n_groups: int = 1,
+    unit: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
     """Cumulative per-arm sums at each look, shape (groups, looks, 2) (arm 0 baseline, 1 candidate).
 
     One bincount per quantity over the key (group, look, arm): a row belongs to the first look at or
@@ -313,8 +342,14 @@ def look_sums(t: np.ndarray, arm: np.ndarray, reward: np.ndarray, error: np.ndar
 
     r = reward[keep].astype(np.float64)
     ll = np.log(np.maximum(latency_ms[keep], 1.0))
-    out = {"n": cum(None), "s1": cum(r), "s2": cum(r * r), "nerr": cum(error[keep].astype(np.float64)),
-           "l1": cum(ll), "l2": cum(ll * ll)}
+    out = {
+        "n": cum(None),
+        "s1": cum(r),
+        "s2": cum(r * r),
+        "nerr": cum(error[keep].astype(np.float64)),
+        "l1": cum(ll),
+        "l2": cum(ll * ll),
+    }
     nb = len(LAT_BINS) - 1  # uniform bins: the index is arithmetic, no search
     lb = np.minimum(((ll - LAT_BINS[0]) * (nb / (LAT_BINS[-1] - LAT_BINS[0]))).astype(np.int64), nb - 1)
     out["hist"] = np.cumsum(np.bincount(key * nb + lb, minlength=size * nb).reshape(*shape, nb), axis=1)
@@ -341,37 +376,57 @@ def look_stats(sums: dict[str, np.ndarray], ratio: float, plan_k: float, st: Set
     n = sums["n"].astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = sums["s1"] / n
-        var = np.maximum(sums["s2"] - n * mean ** 2, 0) / (n - 1)  # sample variance, ddof=1 like scipy
+        var = np.maximum(sums["s2"] - n * mean**2, 0) / (n - 1)  # sample variance, ddof=1 like scipy
         if "uSS" in sums:  # cluster-robust variance of a ratio-of-sums mean (units are the i.i.d. draws)
-            vm = np.maximum(sums["uSS"] - 2 * mean * sums["uSN"] + mean ** 2 * sums["uNN"], 0) / n ** 2
+            vm = np.maximum(sums["uSS"] - 2 * mean * sums["uSN"] + mean**2 * sums["uNN"], 0) / n**2
         else:
             vm = var / n
         # one pseudo-observation at the largest variance a [0, scale] score can have: early looks whose
         # few scores happen to be equal must not produce a zero-width interval
-        vm = vm + (st.scale ** 2 / 4) / n ** 2
+        vm = vm + (st.scale**2 / 4) / n**2
         delta = mean[..., 1] - mean[..., 0]
         V = vm[..., 1] + vm[..., 0]
-        hw = cs_halfwidth(V, st.alpha, st.cs_sd ** 2 * plan_k)
+        hw = cs_halfwidth(V, st.alpha, st.cs_sd**2 * plan_k)
         err = sums["nerr"] / n
         err_V = (err * (1 - err) / n).sum(-1) + 0.25 / n[..., 1] ** 2 + 0.25 / n[..., 0] ** 2
         err_d = err[..., 1] - err[..., 0]
         lm = sums["l1"] / n
-        lvar = np.maximum(sums["l2"] - n * lm ** 2, 0) / (n - 1)
+        lvar = np.maximum(sums["l2"] - n * lm**2, 0) / (n - 1)
         l_d = lm[..., 1] - lm[..., 0]
         l_V = (lvar / n).sum(-1)
-        welch = stats.ttest_ind_from_stats(mean[..., 1], np.sqrt(var[..., 1]), n[..., 1],
-                                           mean[..., 0], np.sqrt(var[..., 0]), n[..., 0], equal_var=False).pvalue
+        welch = stats.ttest_ind_from_stats(
+            mean[..., 1],
+            np.sqrt(var[..., 1]),
+            n[..., 1],
+            mean[..., 0],
+            np.sqrt(var[..., 0]),
+            n[..., 0],
+            equal_var=False,
+        ).pvalue
     hist = sums["hist"]
     cnt = hist.cumsum(-1)
     idx = np.argmax(cnt >= 0.95 * np.maximum(cnt[..., -1:], 1), axis=-1)  # first bin reaching 95%
     p95 = np.exp((LAT_BINS[idx] + LAT_BINS[idx + 1]) / 2)
     enough = (n[..., 1] >= st.min_per_arm) & (n[..., 0] >= st.min_per_arm)
-    return {"n_b": n[..., 0], "n_c": n[..., 1], "mean_b": mean[..., 0], "mean_c": mean[..., 1],
-            "delta": delta, "V": V, "lo": np.where(enough, delta - hw, -np.inf),
-            "hi": np.where(enough, delta + hw, np.inf), "welch_p": np.where(np.isfinite(welch), welch, 1.0),
-            "err_b": err[..., 0], "err_c": err[..., 1], "err_lo": err_d - cs_halfwidth(err_V, st.alpha, 0.05 * plan_k),
-            "p95_b": p95[..., 0], "p95_c": p95[..., 1], "lat_lo": l_d - cs_halfwidth(l_V, st.alpha, 0.1 * plan_k),
-            "srm_p": srm_pvalue(n[..., 1], n[..., 0], ratio), "enough": enough}
+    return {
+        "n_b": n[..., 0],
+        "n_c": n[..., 1],
+        "mean_b": mean[..., 0],
+        "mean_c": mean[..., 1],
+        "delta": delta,
+        "V": V,
+        "lo": np.where(enough, delta - hw, -np.inf),
+        "hi": np.where(enough, delta + hw, np.inf),
+        "welch_p": np.where(np.isfinite(welch), welch, 1.0),
+        "err_b": err[..., 0],
+        "err_c": err[..., 1],
+        "err_lo": err_d - cs_halfwidth(err_V, st.alpha, 0.05 * plan_k),
+        "p95_b": p95[..., 0],
+        "p95_c": p95[..., 1],
+        "lat_lo": l_d - cs_halfwidth(l_V, st.alpha, 0.1 * plan_k),
+        "srm_p": srm_pvalue(n[..., 1], n[..., 0], ratio),
+        "enough": enough,
+    }
 
 
 def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:
@@ -387,8 +442,15 @@ def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:
     d = S["delta"]
     # the user's rule, gated by the same minimum sample (a rule read at n = 3 is not worth simulating)
     user = np.where(enough & (d < 0), ROLLBACK, np.where(enough & (d > 0) & (S["welch_p"] < st.alpha), PROMOTE, KEEP))
-    return {"sequential": seq, "user": user, "err_guard": err_guard, "lat_guard": lat_guard, "srm": srm,
-            "harm": harm, "benefit": benefit}
+    return {
+        "sequential": seq,
+        "user": user,
+        "err_guard": err_guard,
+        "lat_guard": lat_guard,
+        "srm": srm,
+        "harm": harm,
+        "benefit": benefit,
+    }
 
 
 def first_action(codes: np.ndarray, look_times: np.ndarray, planned_end: float) -> tuple[np.ndarray, np.ndarray]:
@@ -402,27 +464,34 @@ def first_action(codes: np.ndarray, look_times: np.ndarray, planned_end: float) 
     return np.where(any_act, code, KEEP), idx
 
 
-def explain(S: dict[str, np.ndarray], C: dict[str, np.ndarray], i: int, st: Settings, code: int,
-            before_end: bool) -> list[str]:
+def explain(
+    S: dict[str, np.ndarray], C: dict[str, np.ndarray], i: int, st: Settings, code: int, before_end: bool
+) -> list[str]:
     """Why the sequential rule decided ``code`` at look ``i``, in words."""
     g = lambda k: float(np.asarray(S[k])[i])  # noqa: E731
     r = []
     if not bool(np.asarray(S["enough"])[i]):
         r.append(f"fewer than {st.min_per_arm} requests in an arm: no statistical decision yet")
     if C["err_guard"][i]:
-        r.append(f"guardrail: candidate error rate {g('err_c'):.1%} vs baseline {g('err_b'):.1%} "
-                 f"(> +{st.max_error_rate:.1%}, significant)")
+        r.append(
+            f"guardrail: candidate error rate {g('err_c'):.1%} vs baseline {g('err_b'):.1%} "
+            f"(> +{st.max_error_rate:.1%}, significant)"
+        )
     if C["lat_guard"][i]:
         r.append(f"guardrail: p95 latency ratio {g('p95_c') / g('p95_b'):.2f} > {st.max_latency_ratio} (significant)")
     if C["srm"][i]:
-        r.append(f"sample ratio mismatch: chi-square p = {g('srm_p'):.2g} < {st.srm_alpha}; the split is broken, "
-                 "check the router before trusting any number")
+        r.append(
+            f"sample ratio mismatch: chi-square p = {g('srm_p'):.2g} < {st.srm_alpha}; the split is broken, "
+            "check the router before trusting any number"
+        )
     cs = f"{1 - st.alpha:.0%} confidence sequence for delta [{g('lo'):+.3f}, {g('hi'):+.3f}]"
     if C["harm"][i]:
         r.append(f"significant harm: {cs} lies entirely below 0")
     elif C["benefit"][i]:
-        r.append(f"significant improvement: {cs} lies entirely above 0"
-                 + (" (promotion waits for the stage's planned end)" if before_end else ""))
+        r.append(
+            f"significant improvement: {cs} lies entirely above 0"
+            + (" (promotion waits for the stage's planned end)" if before_end else "")
+        )
     elif np.isfinite(g("lo")):
         r.append(f"inconclusive: {cs} contains 0")
     r.append(f"decision: {DECISIONS[code]}")
@@ -444,28 +513,45 @@ def _breakdown(m: dict[str, np.ndarray], i: int, st: Settings) -> dict[str, Any]
     with np.errstate(divide="ignore", invalid="ignore"):
         bm, cm = m["s1"][i] / m["n"][i]
         vb, vc = np.maximum(m["s2"][i] - m["n"][i] * np.array([bm, cm]) ** 2, 0) / (m["n"][i] - 1)
-    p = float(stats.ttest_ind_from_stats(cm, np.sqrt(vc), n_c, bm, np.sqrt(vb), n_b, equal_var=False).pvalue) \
-        if n_b > 1 and n_c > 1 else float("nan")
+    p = (
+        float(stats.ttest_ind_from_stats(cm, np.sqrt(vc), n_c, bm, np.sqrt(vb), n_b, equal_var=False).pvalue)
+        if n_b > 1 and n_c > 1
+        else float("nan")
+    )
     sb, sc = (int(x) for x in m["k"][i])
-    return {"n_baseline": n_b, "n_candidate": n_c, "baseline_mean": _scalar(bm), "candidate_mean": _scalar(cm),
-            "delta": _scalar(cm - bm), "p_value": _scalar(p), "significant": bool(p < st.alpha and cm > bm),
-            "baseline_success": _scalar(sb / n_b if n_b else np.nan),
-            "candidate_success": _scalar(sc / n_c if n_c else np.nan),
-            "baseline_success_ci": wilson(sb, n_b, st.alpha), "candidate_success_ci": wilson(sc, n_c, st.alpha),
-            "var_delta": _scalar(vc / n_c + vb / n_b) if n_b > 1 and n_c > 1 else None}
+    return {
+        "n_baseline": n_b,
+        "n_candidate": n_c,
+        "baseline_mean": _scalar(bm),
+        "candidate_mean": _scalar(cm),
+        "delta": _scalar(cm - bm),
+        "p_value": _scalar(p),
+        "significant": bool(p < st.alpha and cm > bm),
+        "baseline_success": _scalar(sb / n_b if n_b else np.nan),
+        "candidate_success": _scalar(sc / n_c if n_c else np.nan),
+        "baseline_success_ci": wilson(sb, n_b, st.alpha),
+        "candidate_success_ci": wilson(sc, n_c, st.alpha),
+        "var_delta": _scalar(vc / n_c + vb / n_b) if n_b > 1 and n_c > 1 else None,
+    }
 
 
-def _slice_moments(code: np.ndarray, n_codes: int, arm: np.ndarray, r: np.ndarray, success: np.ndarray) -> dict[str, np.ndarray]:
+def _slice_moments(
+    code: np.ndarray, n_codes: int, arm: np.ndarray, r: np.ndarray, success: np.ndarray
+) -> dict[str, np.ndarray]:
     """n, sum, sum of squares and successes per (slice code, arm): shape (n_codes, 2)."""
     key = code.astype(np.int64) * 2 + arm
     size = n_codes * 2
-    return {"n": np.bincount(key, minlength=size).reshape(n_codes, 2).astype(np.float64),
-            "s1": np.bincount(key, r, size).reshape(n_codes, 2), "s2": np.bincount(key, r * r, size).reshape(n_codes, 2),
-            "k": np.bincount(key, success, size).reshape(n_codes, 2)}
+    return {
+        "n": np.bincount(key, minlength=size).reshape(n_codes, 2).astype(np.float64),
+        "s1": np.bincount(key, r, size).reshape(n_codes, 2),
+        "s2": np.bincount(key, r * r, size).reshape(n_codes, 2),
+        "k": np.bincount(key, success, size).reshape(n_codes, 2),
+    }
 
 
-def stage_path(cols: dict[str, np.ndarray], stage: Stage, st: Settings,
-               until: float | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+def stage_path(
+    cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float | None = None
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Look times, per-look statistics and both rules' codes for one stage's own rows."""
     t = cols["t"]
     if until is None:  # a log without its stop time: the data ran to the look that covers its last row
@@ -480,8 +566,9 @@ def stage_path(cols: dict[str, np.ndarray], stage: Stage, st: Settings,
     return looks, S, rule_codes(S, st)
 
 
-def stage_action(cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float,
-                 rule: str) -> tuple[str, float] | None:
+def stage_action(
+    cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float, rule: str
+) -> tuple[str, float] | None:
     """What the rollout does now: (decision, look time) once ``rule`` acts, else None (keep going)."""
     looks, _, C = stage_path(cols, stage, st, until)
     code, i = first_action(C[rule], looks, stage.planned_end)
@@ -491,16 +578,26 @@ def stage_action(cols: dict[str, np.ndarray], stage: Stage, st: Settings, until:
     return DECISIONS[code], float(looks[i])
 
 
-def analyse_stage(cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float | None = None,
-                  family_names: Sequence[str] = ()) -> dict[str, Any]:
+def analyse_stage(
+    cols: dict[str, np.ndarray],
+    stage: Stage,
+    st: Settings,
+    until: float | None = None,
+    family_names: Sequence[str] = (),
+) -> dict[str, Any]:
     """One stage's own data: the look path, both rules' decisions, and the final-look statistics.
 
     ``cols`` holds the stage's rows only (t, arm, reward, error, latency_ms, family codes, optional unit).
     ``until``: the time the stage's traffic stopped (default: the first look at or after its last row).
     """
     looks, S, C = stage_path(cols, stage, st, until)
-    out: dict[str, Any] = {"index": stage.index, "ratio": stage.ratio, "start": stage.start,
-                           "planned_seconds": stage.seconds, "planned_end": stage.planned_end}
+    out: dict[str, Any] = {
+        "index": stage.index,
+        "ratio": stage.ratio,
+        "start": stage.start,
+        "planned_seconds": stage.seconds,
+        "planned_end": stage.planned_end,
+    }
     for rule in ("sequential", "user"):
         code, i = first_action(C[rule], looks, stage.planned_end)
         code, i = int(code), int(i)
@@ -521,26 +618,48 @@ def analyse_stage(cols: dict[str, np.ndarray], stage: Stage, st: Settings, until
     out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, arm, r, success), 0, st))
     out["mann_whitney"] = {k: _scalar(v) for k, v in mann_whitney(c, b).items()}
     last = len(looks) - 1
-    out["srm"] = {"p_value": _scalar(S["srm_p"][last]), "expected_ratio": stage.ratio,
-                  "observed_ratio": _scalar(S["n_c"][last] / max(S["n_c"][last] + S["n_b"][last], 1)),
-                  "mismatch": bool(C["srm"][last])}
+    out["srm"] = {
+        "p_value": _scalar(S["srm_p"][last]),
+        "expected_ratio": stage.ratio,
+        "observed_ratio": _scalar(S["n_c"][last] / max(S["n_c"][last] + S["n_b"][last], 1)),
+        "mismatch": bool(C["srm"][last]),
+    }
     lat, err = cols["latency_ms"], cols["error"]
     p95 = [float(np.percentile(x, 95)) if len(x) else float("nan") for x in (lat[~cand], lat[cand])]
     out["guardrails"] = {
-        "error_rate_baseline": _scalar(S["err_b"][last]), "error_rate_candidate": _scalar(S["err_c"][last]),
-        "error_rate_failed": bool(C["err_guard"][last]), "max_error_rate": st.max_error_rate,
-        "latency_p95_baseline_ms": _scalar(p95[0]), "latency_p95_candidate_ms": _scalar(p95[1]),
+        "error_rate_baseline": _scalar(S["err_b"][last]),
+        "error_rate_candidate": _scalar(S["err_c"][last]),
+        "error_rate_failed": bool(C["err_guard"][last]),
+        "max_error_rate": st.max_error_rate,
+        "latency_p95_baseline_ms": _scalar(p95[0]),
+        "latency_p95_candidate_ms": _scalar(p95[1]),
         "latency_p95_ratio": _scalar(p95[1] / p95[0]) if p95[0] else None,
-        "latency_failed": bool(C["lat_guard"][last]), "max_latency_ratio": st.max_latency_ratio,
-        "errors_baseline": int(err[~cand].sum()), "errors_candidate": int(err[cand].sum())}
-    out["sequential"] = {"cs_lower": _scalar(S["lo"][last]), "cs_upper": _scalar(S["hi"][last]),
-                         "method": "asymptotic confidence sequence (normal mixture), Waudby-Smith et al. 2024",
-                         "alpha": st.alpha, "tuned_variance": st.cs_sd ** 2 * float(S["plan_k"]),
-                         "looks": [{"t": float(looks[k]), "n_baseline": int(S["n_b"][k]), "n_candidate": int(S["n_c"][k]),
-                                    "delta": _scalar(S["delta"][k]), "cs_lower": _scalar(S["lo"][k]),
-                                    "cs_upper": _scalar(S["hi"][k]), "p_value": _scalar(S["welch_p"][k]),
-                                    "sequential": DECISIONS[int(C["sequential"][k])], "user": DECISIONS[int(C["user"][k])]}
-                                   for k in range(len(looks))]}
+        "latency_failed": bool(C["lat_guard"][last]),
+        "max_latency_ratio": st.max_latency_ratio,
+        "errors_baseline": int(err[~cand].sum()),
+        "errors_candidate": int(err[cand].sum()),
+    }
+    out["sequential"] = {
+        "cs_lower": _scalar(S["lo"][last]),
+        "cs_upper": _scalar(S["hi"][last]),
+        "method": "asymptotic confidence sequence (normal mixture), Waudby-Smith et al. 2024",
+        "alpha": st.alpha,
+        "tuned_variance": st.cs_sd**2 * float(S["plan_k"]),
+        "looks": [
+            {
+                "t": float(looks[k]),
+                "n_baseline": int(S["n_b"][k]),
+                "n_candidate": int(S["n_c"][k]),
+                "delta": _scalar(S["delta"][k]),
+                "cs_lower": _scalar(S["lo"][k]),
+                "cs_upper": _scalar(S["hi"][k]),
+                "p_value": _scalar(S["welch_p"][k]),
+                "sequential": DECISIONS[int(C["sequential"][k])],
+                "user": DECISIONS[int(C["user"][k])],
+            }
+            for k in range(len(looks))
+        ],
+    }
     fam = cols.get("family")
     out["per_family"] = {}
     if fam is not None and len(family_names):
@@ -562,12 +681,22 @@ def stratify(items: Sequence[dict[str, Any]], alpha: float = 0.05) -> dict[str, 
     d = float(np.dot(w, [x for x, _ in ds]) / w.sum())
     se = float(1 / np.sqrt(w.sum()))
     z = stats.norm.ppf(1 - alpha / 2)
-    return {"delta": d, "se": se, "ci": [d - z * se, d + z * se], "p_value": float(2 * stats.norm.sf(abs(d) / se)),
-            "stages": len(ds), "note": "fixed-horizon summary across stages; decisions use each stage's own CS"}
+    return {
+        "delta": d,
+        "se": se,
+        "ci": [d - z * se, d + z * se],
+        "p_value": float(2 * stats.norm.sf(abs(d) / se)),
+        "stages": len(ds),
+        "note": "fixed-horizon summary across stages; decisions use each stage's own CS",
+    }
 
 
-def rollout_decision(stage_results: Sequence[dict[str, Any]], stages: Sequence[Sequence[float]],
-                     rule: str = "sequential", complete: bool = True) -> dict[str, Any]:
+def rollout_decision(
+    stage_results: Sequence[dict[str, Any]],
+    stages: Sequence[Sequence[float]],
+    rule: str = "sequential",
+    complete: bool = True,
+) -> dict[str, Any]:
     """The rollout's outcome from its stages' decisions under ``rule``: the first roll back / hold stops
     it; every stage promoted up to a ratio-1.0 stage means promoted; otherwise the current stage's
     decision (promote = widen to the next ratio)."""
@@ -585,8 +714,13 @@ def rollout_decision(stage_results: Sequence[dict[str, Any]], stages: Sequence[S
 
 
 # -------------------------------------------------------------------------------------- whole logs
-def analyse_log(cols: dict[str, np.ndarray], stages: Sequence[Stage], st: Settings,
-                family_names: Sequence[str] = (), stage_until: dict[int, float] | None = None) -> dict[str, Any]:
+def analyse_log(
+    cols: dict[str, np.ndarray],
+    stages: Sequence[Stage],
+    st: Settings,
+    family_names: Sequence[str] = (),
+    stage_until: dict[int, float] | None = None,
+) -> dict[str, Any]:
     """Analyse a request log (columns t, stage, arm, reward, error, latency_ms, family[, unit]) stage by stage.
 
     Rows are sliced per stage with searchsorted when the log is in stage order (a chronological log
@@ -608,6 +742,10 @@ def analyse_log(cols: dict[str, np.ndarray], stages: Sequence[Stage], st: Settin
     fams = {}
     for name in family_names:
         fams[name] = stratify([r["per_family"][name] for r in results if name in r["per_family"]], st.alpha)
-        fams[name].update({k: sum((r["per_family"].get(name) or {}).get(k, 0) for r in results)
-                           for k in ("n_baseline", "n_candidate")})
+        fams[name].update(
+            {
+                k: sum((r["per_family"].get(name) or {}).get(k, 0) for r in results)
+                for k in ("n_baseline", "n_candidate")
+            }
+        )
     return {"overall": overall, "stratified": stratify(results, st.alpha), "stages": results, "per_family": fams}

@@ -17,9 +17,11 @@ Traffic runs on a simulated clock: arrival times are drawn (Poisson at ``ab.requ
 sleeps, so the SPEC's 10%/2 h -> 30%/4 h -> 100% rollout takes as long as generating its responses. The
 requests of one look window are generated per arm in one batched call. Statistics: ``hermes_lab.ab``.
 """
+
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -56,18 +58,28 @@ def check_ab_config(cfg: HermesConfig, ratio: float | None = None) -> list[list[
         stages[0][0] = float(ratio)
     elif a.traffic_ratio != stages[0][0]:
         if a.traffic_ratio != ABSection().traffic_ratio and stages[0][0] != ABSection().stages[0][0]:
-            raise ConfigError(f"{src}: ab.traffic_ratio ({a.traffic_ratio}) and the first ratio of ab.stages "
-                              f"({stages[0][0]}) disagree; set one of them")
+            raise ConfigError(
+                f"{src}: ab.traffic_ratio ({a.traffic_ratio}) and the first ratio of ab.stages "
+                f"({stages[0][0]}) disagree; set one of them"
+            )
         if a.traffic_ratio != ABSection().traffic_ratio:
             stages[0][0] = float(a.traffic_ratio)
     ratios = [s[0] for s in stages]
-    if any(not 0 < r <= 1 for r in ratios) or any(b < a_ for a_, b in zip(ratios, ratios[1:])) or ratios[0] >= 1:
-        raise ConfigError(f"{src}: ab.stages ratios must lie in (0, 1], start below 1 (a test needs a baseline) "
-                          f"and never decrease (a monotone ramp keeps candidate units candidates), got {ratios}")
-    for key, ok in (("request_rate", a.request_rate > 0), ("look_every", a.look_every > 0),
-                    ("alpha", 0 < a.alpha < 1), ("srm_alpha", 0 < a.srm_alpha < 1),
-                    ("max_extension", a.max_extension >= 0), ("unit", a.unit in ("request", "user")),
-                    ("task_split", a.task_split in ("heldout", "any", "train")), ("min_per_arm", a.min_per_arm >= 2)):
+    if any(not 0 < r <= 1 for r in ratios) or any(b < a_ for a_, b in itertools.pairwise(ratios)) or ratios[0] >= 1:
+        raise ConfigError(
+            f"{src}: ab.stages ratios must lie in (0, 1], start below 1 (a test needs a baseline) "
+            f"and never decrease (a monotone ramp keeps candidate units candidates), got {ratios}"
+        )
+    for key, ok in (
+        ("request_rate", a.request_rate > 0),
+        ("look_every", a.look_every > 0),
+        ("alpha", 0 < a.alpha < 1),
+        ("srm_alpha", 0 < a.srm_alpha < 1),
+        ("max_extension", a.max_extension >= 0),
+        ("unit", a.unit in ("request", "user")),
+        ("task_split", a.task_split in ("heldout", "any", "train")),
+        ("min_per_arm", a.min_per_arm >= 2),
+    ):
         if not ok:
             raise ConfigError(f"{src}: ab.{key} has an invalid value: {getattr(a, key)!r}")
     return stages
@@ -139,9 +151,15 @@ def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
     if key not in cache:
         from hermes_lab.policy import load_policy
 
-        base, adapter = (spec if isinstance(spec, tuple) else (str(spec), None))
-        cache[key] = load_policy(str(base), adapter=adapter, runs_dir=cfg.round.runs_dir, seed=cfg.model.seed,
-                                 dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+        base, adapter = spec if isinstance(spec, tuple) else (str(spec), None)
+        cache[key] = load_policy(
+            str(base),
+            adapter=adapter,
+            runs_dir=cfg.round.runs_dir,
+            seed=cfg.model.seed,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     return cache[key]
 
 
@@ -154,10 +172,20 @@ def _name(spec: Any) -> str:
 
 
 # -------------------------------------------------------------------------------------------- runner
-def run_ab(cfg: HermesConfig, baseline: Any, candidate: Any, *, ratio: float | None = None,
-           duration: float = 0, output: str | Path = REPORT_NAME, log_dir: str | Path | None = None,
-           replay: str | Path | None = None, seed: int = 0,
-           score_fn: Callable[[list[str], list[str]], list[float]] | None = None, plots: bool = True) -> dict[str, Any]:
+def run_ab(
+    cfg: HermesConfig,
+    baseline: Any,
+    candidate: Any,
+    *,
+    ratio: float | None = None,
+    duration: float = 0,
+    output: str | Path = REPORT_NAME,
+    log_dir: str | Path | None = None,
+    replay: str | Path | None = None,
+    seed: int = 0,
+    score_fn: Callable[[list[str], list[str]], list[float]] | None = None,
+    plots: bool = True,
+) -> dict[str, Any]:
     """Run the staged rollout and write the report, the request log and the plots; returns the report.
 
     ``baseline``/``candidate``: a path or id, or a policy object with ``generate``. ``duration``: cap on
@@ -196,16 +224,27 @@ def run_ab(cfg: HermesConfig, baseline: Any, candidate: Any, *, ratio: float | N
     stages_run: list[ab.Stage] = []
     stage_until: dict[int, float] = {}
     pos, start, stopped_by = 0, 0.0, None
-    log.info("A/B rollout: %d stages planned, %.0f simulated seconds at most, %d requests",
-             len(plan), horizon, len(traffic.t))
+    log.info(
+        "A/B rollout: %d stages planned, %.0f simulated seconds at most, %d requests",
+        len(plan),
+        horizon,
+        len(traffic.t),
+    )
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(traffic.t), desc="A/B requests", mininterval=2, disable=not (sys.stderr.isatty() or "ipykernel" in sys.modules))
+    bar = tqdm(
+        total=len(traffic.t),
+        desc="A/B requests",
+        mininterval=2,
+        disable=not (sys.stderr.isatty() or "ipykernel" in sys.modules),
+    )
     with log_path.open("w", encoding="utf-8") as logf:
         for stg0 in plan:
             if start >= horizon:
                 break
-            stg = ab.Stage(stg0.index, stg0.ratio, start, stg0.seconds, stg0.max_extension, stg0.look_every, stg0.planned_n)
+            stg = ab.Stage(
+                stg0.index, stg0.ratio, start, stg0.seconds, stg0.max_extension, stg0.look_every, stg0.planned_n
+            )
             stages_run.append(stg)
             router = ab.ABRouter(names[0], names[1], stg.ratio, a.salt)
             lo_row = len(cols["t"])
@@ -217,8 +256,22 @@ def run_ab(cfg: HermesConfig, baseline: Any, candidate: Any, *, ratio: float | N
                 idx = list(range(pos, hi))
                 pos = hi
                 if idx:
-                    _serve(idx, traffic, router, pols, names, score_fn, cfg, seed, stg, lat_rng, cols, logf,
-                           fam_index, unit_codes)
+                    _serve(
+                        idx,
+                        traffic,
+                        router,
+                        pols,
+                        names,
+                        score_fn,
+                        cfg,
+                        seed,
+                        stg,
+                        lat_rng,
+                        cols,
+                        logf,
+                        fam_index,
+                        unit_codes,
+                    )
                     bar.update(len(idx))
                 prev = look
                 part = {k: np.asarray(v[lo_row:]) for k, v in cols.items()}
@@ -238,8 +291,20 @@ def run_ab(cfg: HermesConfig, baseline: Any, candidate: Any, *, ratio: float | N
     if a.unit != "user":
         arr.pop("unit", None)
     analysis = ab.analyse_log(arr, stages_run, st, fam_names, stage_until)
-    report = build_report(cfg, analysis, stage_list, st, names, seed=seed, duration=duration, horizon=horizon,
-                          stopped_by=stopped_by, log_path=log_path, replay=replay, wall=time.time() - wall0)
+    report = build_report(
+        cfg,
+        analysis,
+        stage_list,
+        st,
+        names,
+        seed=seed,
+        duration=duration,
+        horizon=horizon,
+        stopped_by=stopped_by,
+        log_path=log_path,
+        replay=replay,
+        wall=time.time() - wall0,
+    )
     pngs = make_plots(arr, report, log_dir / "plots", fam_names) if plots else []
     report["plots"] = [str(p) for p in pngs]
     output.write_text(json.dumps(report, indent=2), encoding="utf-8")
@@ -248,9 +313,22 @@ def run_ab(cfg: HermesConfig, baseline: Any, candidate: Any, *, ratio: float | N
     return report
 
 
-def _serve(idx: list[int], traffic: Traffic, router: ab.ABRouter, pols: dict[int, Any], names: dict[int, str],
-           score: Callable, cfg: HermesConfig, seed: int, stg: ab.Stage, lat_rng: np.random.Generator,
-           cols: dict[str, list], logf: Any, fam_index: dict[str, int], unit_codes: dict[str, int]) -> None:
+def _serve(
+    idx: list[int],
+    traffic: Traffic,
+    router: ab.ABRouter,
+    pols: dict[int, Any],
+    names: dict[int, str],
+    score: Callable,
+    cfg: HermesConfig,
+    seed: int,
+    stg: ab.Stage,
+    lat_rng: np.random.Generator,
+    cols: dict[str, list],
+    logf: Any,
+    fam_index: dict[str, int],
+    unit_codes: dict[str, int],
+) -> None:
     """Route one look window's requests, generate each arm's responses in one batched call, score, log."""
     units = [traffic.units[i] for i in idx]
     arms = router.assign(units)
@@ -264,8 +342,9 @@ def _serve(idx: list[int], traffic: Traffic, router: ab.ABRouter, pols: dict[int
         # one seed per (window, arm): reruns are identical, arms never share a sampling stream
         gen_seed = seed * 1_000_003 + sel[0] * 2 + arm
         kw = {"batch_size": cfg.execute.batch_size} if _takes_batch_size(pols[arm]) else {}
-        out = pols[arm].generate(prompts, temperature=cfg.execute.temperature,
-                                 max_new_tokens=cfg.execute.max_new_tokens, seed=gen_seed, **kw)
+        out = pols[arm].generate(
+            prompts, temperature=cfg.execute.temperature, max_new_tokens=cfg.execute.max_new_tokens, seed=gen_seed, **kw
+        )
         responses.update(zip(sel, out))
     prompts = [traffic.prompts[i] for i in idx]
     resp = [responses[i] for i in idx]
@@ -280,18 +359,36 @@ def _serve(idx: list[int], traffic: Traffic, router: ab.ABRouter, pols: dict[int
         lat = round(float(base[k] + a.latency_ms_per_char * len(r)), 2)
         fam = T.family_of(traffic.prompts[i]) or "other"
         t = round(float(traffic.t[i]), 3)
-        rec = {"request_id": traffic.ids[i], "unit": units[k], "arm": "candidate" if arm else "baseline",
-               "stage": stg.index, "ratio": stg.ratio, "status": status, "latency_ms": lat,
-               "reward": rewards[k], "response": r, "prompt": traffic.prompts[i], "task_id": traffic.task_ids[i],
-               "family": fam, "t": t, "timestamp": (EPOCH + timedelta(seconds=t)).isoformat(),
-               "policy": names[arm]}
+        rec = {
+            "request_id": traffic.ids[i],
+            "unit": units[k],
+            "arm": "candidate" if arm else "baseline",
+            "stage": stg.index,
+            "ratio": stg.ratio,
+            "status": status,
+            "latency_ms": lat,
+            "reward": rewards[k],
+            "response": r,
+            "prompt": traffic.prompts[i],
+            "task_id": traffic.task_ids[i],
+            "family": fam,
+            "t": t,
+            "timestamp": (EPOCH + timedelta(seconds=t)).isoformat(),
+            "policy": names[arm],
+        }
         lines.append(json.dumps(rec))
         if debug:
             log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], status)
-        for key, val in (("t", t), ("stage", stg.index), ("arm", arm), ("reward", rewards[k]),
-                         ("error", status == "error"), ("latency_ms", lat),
-                         ("family", fam_index.get(fam, len(fam_index))),
-                         ("unit", unit_codes.setdefault(units[k], len(unit_codes)))):
+        for key, val in (
+            ("t", t),
+            ("stage", stg.index),
+            ("arm", arm),
+            ("reward", rewards[k]),
+            ("error", status == "error"),
+            ("latency_ms", lat),
+            ("family", fam_index.get(fam, len(fam_index))),
+            ("unit", unit_codes.setdefault(units[k], len(unit_codes))),
+        ):
             cols[key].append(val)
     logf.write("\n".join(lines) + "\n")
 
@@ -308,10 +405,15 @@ def _takes_batch_size(policy: Any) -> bool:
 
 def _cols(c: dict[str, Any]) -> dict[str, Any]:
     """Typed columns for hermes_lab.ab (a list-built dict or one read back from a log)."""
-    out = {"t": np.asarray(c["t"], np.float64), "stage": np.asarray(c["stage"], np.int64),
-           "arm": np.asarray(c["arm"], np.int8), "reward": np.asarray(c["reward"], np.float64),
-           "error": np.asarray(c["error"], bool), "latency_ms": np.asarray(c["latency_ms"], np.float64),
-           "family": np.asarray(c["family"], np.int64)}
+    out = {
+        "t": np.asarray(c["t"], np.float64),
+        "stage": np.asarray(c["stage"], np.int64),
+        "arm": np.asarray(c["arm"], np.int8),
+        "reward": np.asarray(c["reward"], np.float64),
+        "error": np.asarray(c["error"], bool),
+        "latency_ms": np.asarray(c["latency_ms"], np.float64),
+        "family": np.asarray(c["family"], np.int64),
+    }
     if c.get("unit") is not None:
         out["unit"] = np.asarray(c["unit"], np.int64)
     return out
@@ -323,10 +425,18 @@ def read_log(path: str | Path) -> tuple[dict[str, np.ndarray], list[str]]:
 
     df = pd.read_json(path, lines=True)
     fams = list(T.FAMILIES) + ["other"]
-    cols = _cols({"t": df["t"], "stage": df["stage"], "arm": (df["arm"] == "candidate").astype(int),
-                  "reward": df["reward"], "error": df["status"] != "ok", "latency_ms": df["latency_ms"],
-                  "family": df["family"].map({f: i for i, f in enumerate(fams)}).fillna(len(fams) - 1),
-                  "unit": pd.factorize(df["unit"])[0]})
+    cols = _cols(
+        {
+            "t": df["t"],
+            "stage": df["stage"],
+            "arm": (df["arm"] == "candidate").astype(int),
+            "reward": df["reward"],
+            "error": df["status"] != "ok",
+            "latency_ms": df["latency_ms"],
+            "family": df["family"].map({f: i for i, f in enumerate(fams)}).fillna(len(fams) - 1),
+            "unit": pd.factorize(df["unit"])[0],
+        }
+    )
     return cols, fams
 
 
@@ -342,9 +452,21 @@ def _clean(o: Any) -> Any:
 
 
 # -------------------------------------------------------------------------------------------- report
-def build_report(cfg: HermesConfig, analysis: dict[str, Any], stage_list: list[list[float]], st: ab.Settings,
-                 names: dict[int, str], *, seed: int, duration: float, horizon: float, stopped_by: str | None,
-                 log_path: Path, replay: Any, wall: float) -> dict[str, Any]:
+def build_report(
+    cfg: HermesConfig,
+    analysis: dict[str, Any],
+    stage_list: list[list[float]],
+    st: ab.Settings,
+    names: dict[int, str],
+    *,
+    seed: int,
+    duration: float,
+    horizon: float,
+    stopped_by: str | None,
+    log_path: Path,
+    replay: Any,
+    wall: float,
+) -> dict[str, Any]:
     """ab_report.json: the user's fields first, then our decision and everything behind it."""
     stages = analysis["stages"]
     ours = ab.rollout_decision(stages, stage_list, "sequential")
@@ -357,31 +479,84 @@ def build_report(cfg: HermesConfig, analysis: dict[str, Any], stage_list: list[l
     else:
         reasons = [last.get("user_rule_reason", "no traffic was analysed"), f"decision: {chosen['decision']}"]
     if stopped_by == "duration" and last:
-        reasons.insert(0, f"--duration {duration:g} s ended the rollout in stage {last['index']} "
-                          f"(ratio {last['ratio']:g}); promotion waits for the stage's planned end")
+        reasons.insert(
+            0,
+            f"--duration {duration:g} s ended the rollout in stage {last['index']} "
+            f"(ratio {last['ratio']:g}); promotion waits for the stage's planned end",
+        )
     if chosen["decision"] == "promote":
-        reasons.append("promoted to 100%" if chosen.get("promoted") else f"widen traffic to {chosen['final_ratio']:.0%}")
+        reasons.append(
+            "promoted to 100%" if chosen.get("promoted") else f"widen traffic to {chosen['final_ratio']:.0%}"
+        )
     report = {
-        **{k: overall[k] for k in ("delta", "p_value", "significant", "baseline_mean", "candidate_mean",
-                                   "baseline_success", "candidate_success", "n_baseline", "n_candidate")},
-        "decision": chosen["decision"], "reasons": reasons, "rule": st.rule,
-        "final_ratio": chosen["final_ratio"], "promoted": bool(chosen.get("promoted", False)),
+        **{
+            k: overall[k]
+            for k in (
+                "delta",
+                "p_value",
+                "significant",
+                "baseline_mean",
+                "candidate_mean",
+                "baseline_success",
+                "candidate_success",
+                "n_baseline",
+                "n_candidate",
+            )
+        },
+        "decision": chosen["decision"],
+        "reasons": reasons,
+        "rule": st.rule,
+        "final_ratio": chosen["final_ratio"],
+        "promoted": bool(chosen.get("promoted", False)),
         "rolled_back": chosen["decision"] == "roll back",
         "negative": chosen["decision"] == "roll back",  # the round's data is marked negative for the next one
         "decisions": {"sequential": ours["decision"], "user": users["decision"]},
-        "user_rule": {"rollout": users, "on_overall": dict(zip(("decision", "reason"), ab.decide_user_rule(overall, st.alpha))),
-                      "per_stage": [{"stage": s["index"], "decision": s["user_decision"], "reason": s["user_rule_reason"],
-                                     "look": s["user_look"]} for s in stages]},
-        "sequential_rule": {"rollout": ours, "per_stage": [{"stage": s["index"], "decision": s["sequential_decision"],
-                                                            "reasons": s["reasons"], "look": s["sequential_look"]} for s in stages]},
+        "user_rule": {
+            "rollout": users,
+            "on_overall": dict(zip(("decision", "reason"), ab.decide_user_rule(overall, st.alpha))),
+            "per_stage": [
+                {
+                    "stage": s["index"],
+                    "decision": s["user_decision"],
+                    "reason": s["user_rule_reason"],
+                    "look": s["user_look"],
+                }
+                for s in stages
+            ],
+        },
+        "sequential_rule": {
+            "rollout": ours,
+            "per_stage": [
+                {
+                    "stage": s["index"],
+                    "decision": s["sequential_decision"],
+                    "reasons": s["reasons"],
+                    "look": s["sequential_look"],
+                }
+                for s in stages
+            ],
+        },
         "overall_note": "delta/p_value/significant pool all requests (the user's formula); stages are decided on "
-                        "their own data, see 'stages' and 'stratified'",
-        "stratified": analysis["stratified"], "stages": stages, "per_family": analysis["per_family"],
-        "srm": last.get("srm"), "guardrails": last.get("guardrails"), "sequential": last.get("sequential", {}),
-        "baseline": names[0], "candidate": names[1], "seed": seed, "duration": duration,
-        "stages_planned": stage_list, "simulated_seconds": horizon, "stopped_by": stopped_by,
-        "n_requests": overall["n_baseline"] + overall["n_candidate"], "log": str(log_path),
-        "replay": str(replay) if replay else None, "config": cfg.to_dict()["ab"], "wall_seconds": round(wall, 2)}
+        "their own data, see 'stages' and 'stratified'",
+        "stratified": analysis["stratified"],
+        "stages": stages,
+        "per_family": analysis["per_family"],
+        "srm": last.get("srm"),
+        "guardrails": last.get("guardrails"),
+        "sequential": last.get("sequential", {}),
+        "baseline": names[0],
+        "candidate": names[1],
+        "seed": seed,
+        "duration": duration,
+        "stages_planned": stage_list,
+        "simulated_seconds": horizon,
+        "stopped_by": stopped_by,
+        "n_requests": overall["n_baseline"] + overall["n_candidate"],
+        "log": str(log_path),
+        "replay": str(replay) if replay else None,
+        "config": cfg.to_dict()["ab"],
+        "wall_seconds": round(wall, 2),
+    }
     return _clean(report)
 
 
@@ -398,7 +573,14 @@ def plot_scores(cols: dict[str, np.ndarray], report: dict[str, Any]) -> Any:
         for arm, name, color in ((0, "baseline", "tab:blue"), (1, "candidate", "tab:orange")):
             x = cols["reward"][m & (cols["arm"] == arm)]
             if len(x):
-                ax.hist(x, bins=bins, density=True, alpha=0.55, color=color, label=f"{name} (n={len(x)}, mean {x.mean():.2f})")
+                ax.hist(
+                    x,
+                    bins=bins,
+                    density=True,
+                    alpha=0.55,
+                    color=color,
+                    label=f"{name} (n={len(x)}, mean {x.mean():.2f})",
+                )
         ax.set_title(f"stage {s['index']}: candidate {s['ratio']:.0%}")
         ax.set_xlabel("reward")
         ax.legend(fontsize=8)
@@ -425,7 +607,9 @@ def plot_sequence(report: dict[str, Any]) -> Any:
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xlabel("simulated hours (dotted: planned stage ends)")
     ax.set_ylabel("delta (candidate - baseline)")
-    ax.set_title(f"delta and its {1 - report['config']['alpha']:.0%} confidence sequence; decision: {report['decision']}")
+    ax.set_title(
+        f"delta and its {1 - report['config']['alpha']:.0%} confidence sequence; decision: {report['decision']}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -437,13 +621,23 @@ def plot_breakdown(report: dict[str, Any]) -> Any:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
     st = [s for s in report["stages"] if s.get("var_delta")]
-    a1.errorbar([f"{s['index']} ({s['ratio']:.0%})" for s in st], [s["delta"] for s in st],
-                yerr=[1.96 * math.sqrt(s["var_delta"]) for s in st], fmt="o", capsize=4)
+    a1.errorbar(
+        [f"{s['index']} ({s['ratio']:.0%})" for s in st],
+        [s["delta"] for s in st],
+        yerr=[1.96 * math.sqrt(s["var_delta"]) for s in st],
+        fmt="o",
+        capsize=4,
+    )
     a1.set_title("per stage (each stage's own data)")
     fam = {k: v for k, v in report["per_family"].items() if v.get("delta") is not None}
-    a2.errorbar(list(fam), [v["delta"] for v in fam.values()],
-                yerr=[[v["delta"] - v["ci"][0] for v in fam.values()], [v["ci"][1] - v["delta"] for v in fam.values()]],
-                fmt="o", capsize=4, color="tab:green")
+    a2.errorbar(
+        list(fam),
+        [v["delta"] for v in fam.values()],
+        yerr=[[v["delta"] - v["ci"][0] for v in fam.values()], [v["ci"][1] - v["delta"] for v in fam.values()]],
+        fmt="o",
+        capsize=4,
+        color="tab:green",
+    )
     a2.set_title("per family (stratified by stage)")
     for ax in (a1, a2):
         ax.axhline(0, color="black", lw=0.8)
@@ -452,8 +646,13 @@ def plot_breakdown(report: dict[str, Any]) -> Any:
     return fig
 
 
-def make_plots(cols: dict[str, np.ndarray], report: dict[str, Any], out_dir: str | Path,
-               fam_names: Sequence[str] = (), close: bool = True) -> list[Path]:
+def make_plots(
+    cols: dict[str, np.ndarray],
+    report: dict[str, Any],
+    out_dir: str | Path,
+    fam_names: Sequence[str] = (),
+    close: bool = True,
+) -> list[Path]:
     """Save the three plots as PNG (logged to MLflow when a run is active); returns their paths."""
     import matplotlib
 
@@ -464,8 +663,11 @@ def make_plots(cols: dict[str, np.ndarray], report: dict[str, Any], out_dir: str
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in (("ab_scores", plot_scores(cols, report)), ("ab_sequence", plot_sequence(report)),
-                      ("ab_breakdown", plot_breakdown(report))):
+    for name, fig in (
+        ("ab_scores", plot_scores(cols, report)),
+        ("ab_sequence", plot_sequence(report)),
+        ("ab_breakdown", plot_breakdown(report)),
+    ):
         p = out_dir / f"{name}.png"
         if "mlflow" in sys.modules:  # tracking imports mlflow; skip that cost when nothing is tracked
             from hermes_lab import tracking
@@ -490,21 +692,41 @@ def log_to_mlflow(cfg: HermesConfig, report: dict[str, Any], output: Path, log_p
     if mlflow.active_run() is None:
         return False
     params = {f"ab.{k}": v for k, v in report["config"].items()}
-    params.update({"ab.baseline": report["baseline"], "ab.candidate": report["candidate"],
-                   "ab.seed": report["seed"], "ab.duration": report["duration"], "ab.replay": report["replay"]})
+    params.update(
+        {
+            "ab.baseline": report["baseline"],
+            "ab.candidate": report["candidate"],
+            "ab.seed": report["seed"],
+            "ab.duration": report["duration"],
+            "ab.replay": report["replay"],
+        }
+    )
     try:
         tracking.log_params(params)
     except mlflow.exceptions.MlflowException as e:  # same key logged earlier with another value
         log.warning("MLflow params not logged: %s", e)
-    m = {"ab_delta": report["delta"], "ab_p_value": report["p_value"], "ab_significant": float(report["significant"]),
-         "ab_n_requests": report["n_requests"], "ab_stratified_delta": report["stratified"]["delta"],
-         "ab_final_ratio": report["final_ratio"], "ab_promoted": float(report["promoted"])}
+    m = {
+        "ab_delta": report["delta"],
+        "ab_p_value": report["p_value"],
+        "ab_significant": float(report["significant"]),
+        "ab_n_requests": report["n_requests"],
+        "ab_stratified_delta": report["stratified"]["delta"],
+        "ab_final_ratio": report["final_ratio"],
+        "ab_promoted": float(report["promoted"]),
+    }
     for s in report["stages"]:
         i = s["index"]
-        m.update({f"ab_stage{i}_delta": s["delta"], f"ab_stage{i}_p_value": s["p_value"],
-                  f"ab_stage{i}_cs_lower": s["sequential"]["cs_lower"], f"ab_stage{i}_cs_upper": s["sequential"]["cs_upper"],
-                  f"ab_stage{i}_n_candidate": s["n_candidate"], f"ab_stage{i}_n_baseline": s["n_baseline"],
-                  f"ab_stage{i}_srm_p": s["srm"]["p_value"]})
+        m.update(
+            {
+                f"ab_stage{i}_delta": s["delta"],
+                f"ab_stage{i}_p_value": s["p_value"],
+                f"ab_stage{i}_cs_lower": s["sequential"]["cs_lower"],
+                f"ab_stage{i}_cs_upper": s["sequential"]["cs_upper"],
+                f"ab_stage{i}_n_candidate": s["n_candidate"],
+                f"ab_stage{i}_n_baseline": s["n_baseline"],
+                f"ab_stage{i}_srm_p": s["srm"]["p_value"],
+            }
+        )
     mlflow.log_metrics({k: float(v) for k, v in m.items() if v is not None})
     mlflow.set_tags({"ab.decision": report["decision"], "ab.user_decision": report["decisions"]["user"]})
     mlflow.log_artifact(str(output), artifact_path="ab")
@@ -524,8 +746,15 @@ def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", c
     return b, c
 
 
-def notebook_run(cfg: HermesConfig, round_dir: str | Path, parent_run_id: str = "", baseline: str = "",
-                 candidate: str = "", duration: float = 0, seed: int = 0) -> dict[str, Any]:
+def notebook_run(
+    cfg: HermesConfig,
+    round_dir: str | Path,
+    parent_run_id: str = "",
+    baseline: str = "",
+    candidate: str = "",
+    duration: float = 0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """What 40_ab_analysis.ipynb does: reuse round_dir/ab/ab_report.json if it exists, else run the
     rollout; plots (PNG + MLflow) in an 'ab' run nested under the round's run."""
     from hermes_lab import tracking
@@ -550,58 +779,111 @@ def stage_table(report: dict[str, Any]) -> Any:
     """One row per stage: the user's fields, the CS, SRM, guardrails, both rules' decisions."""
     import pandas as pd
 
-    return pd.DataFrame([{
-        "stage": s["index"], "ratio": s["ratio"], "n_baseline": s["n_baseline"], "n_candidate": s["n_candidate"],
-        "baseline_mean": s["baseline_mean"], "candidate_mean": s["candidate_mean"], "delta": s["delta"],
-        "p_value": s["p_value"], "cs_lower": s["sequential"]["cs_lower"], "cs_upper": s["sequential"]["cs_upper"],
-        "candidate_success": s["candidate_success"], "candidate_success_ci": s["candidate_success_ci"],
-        "mann_whitney_p": s["mann_whitney"]["p_value"], "srm_p": s["srm"]["p_value"],
-        "p95_ratio": s["guardrails"]["latency_p95_ratio"], "sequential": s["sequential_decision"],
-        "user_rule": s["user_decision"]} for s in report["stages"]]).set_index("stage")
+    return pd.DataFrame(
+        [
+            {
+                "stage": s["index"],
+                "ratio": s["ratio"],
+                "n_baseline": s["n_baseline"],
+                "n_candidate": s["n_candidate"],
+                "baseline_mean": s["baseline_mean"],
+                "candidate_mean": s["candidate_mean"],
+                "delta": s["delta"],
+                "p_value": s["p_value"],
+                "cs_lower": s["sequential"]["cs_lower"],
+                "cs_upper": s["sequential"]["cs_upper"],
+                "candidate_success": s["candidate_success"],
+                "candidate_success_ci": s["candidate_success_ci"],
+                "mann_whitney_p": s["mann_whitney"]["p_value"],
+                "srm_p": s["srm"]["p_value"],
+                "p95_ratio": s["guardrails"]["latency_p95_ratio"],
+                "sequential": s["sequential_decision"],
+                "user_rule": s["user_decision"],
+            }
+            for s in report["stages"]
+        ]
+    ).set_index("stage")
 
 
 def family_table(report: dict[str, Any]) -> Any:
     import pandas as pd
 
-    return pd.DataFrame([{"family": f, "n_baseline": v.get("n_baseline"), "n_candidate": v.get("n_candidate"),
-                          "delta": v["delta"], "ci_low": v["ci"][0], "ci_high": v["ci"][1], "p_value": v["p_value"]}
-                         for f, v in report["per_family"].items()]).set_index("family")
+    return pd.DataFrame(
+        [
+            {
+                "family": f,
+                "n_baseline": v.get("n_baseline"),
+                "n_candidate": v.get("n_candidate"),
+                "delta": v["delta"],
+                "ci_low": v["ci"][0],
+                "ci_high": v["ci"][1],
+                "p_value": v["p_value"],
+            }
+            for f, v in report["per_family"].items()
+        ]
+    ).set_index("family")
 
 
 def summary(report: dict[str, Any]) -> str:
     """The decision and why, as a few lines of text."""
     d = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    lines = [f"decision: {report['decision']} (rule: {report['rule']}; the user's rule says: {report['decisions']['user']})",
-             f"delta {d(report['delta'], '+.3f')}  p {d(report['p_value'], '.3g')}  significant {report['significant']}"
-             f"  (n = {report['n_baseline']} baseline / {report['n_candidate']} candidate)"]
+    lines = [
+        f"decision: {report['decision']} (rule: {report['rule']}; the user's rule says: {report['decisions']['user']})",
+        f"delta {d(report['delta'], '+.3f')}  p {d(report['p_value'], '.3g')}  significant {report['significant']}"
+        f"  (n = {report['n_baseline']} baseline / {report['n_candidate']} candidate)",
+    ]
     lines += [f"  - {r}" for r in report["reasons"]]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default=None, help="HermesConfig YAML (ab section: stages, request_rate, salt, alpha, "
-                   "srm_alpha, guardrails, rule). Default: built-in defaults")
-    p.add_argument("--baseline", required=True, help="baseline policy: model dir, LoRA adapter dir, hub id or embedded:tiny")
-    p.add_argument("--candidate", required=True, help="candidate policy: model dir, LoRA adapter dir, hub id or embedded:tiny")
-    p.add_argument("--ratio", type=float, default=None, help="candidate share of the first stage (default: ab.traffic_ratio)")
-    p.add_argument("--duration", type=float, default=0, help="cap on simulated seconds (0: all stages; 7200: the first stage only)")
+    p.add_argument(
+        "--params",
+        default=None,
+        help="HermesConfig YAML (ab section: stages, request_rate, salt, alpha, "
+        "srm_alpha, guardrails, rule). Default: built-in defaults",
+    )
+    p.add_argument(
+        "--baseline", required=True, help="baseline policy: model dir, LoRA adapter dir, hub id or embedded:tiny"
+    )
+    p.add_argument(
+        "--candidate", required=True, help="candidate policy: model dir, LoRA adapter dir, hub id or embedded:tiny"
+    )
+    p.add_argument(
+        "--ratio", type=float, default=None, help="candidate share of the first stage (default: ab.traffic_ratio)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=0, help="cap on simulated seconds (0: all stages; 7200: the first stage only)"
+    )
     p.add_argument("--output", default=REPORT_NAME, help="report path (default: ab_report.json)")
-    p.add_argument("--replay", default=None, help="replay this request log (JSONL with 'prompt') instead of simulated traffic")
+    p.add_argument(
+        "--replay", default=None, help="replay this request log (JSONL with 'prompt') instead of simulated traffic"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of traffic, sampling and latency")
     p.add_argument("--log-dir", default=None, help="where requests.jsonl and plots/ go (default: beside --output)")
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument("-v", "--verbose", action="store_true", help="DEBUG logging: one line per request (request_id, arm, status)")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="DEBUG logging: one line per request (request_id, arm, status)"
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("urllib3", "alembic", "matplotlib", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = load_config(args.params)
-    kw = dict(ratio=args.ratio, duration=args.duration, output=args.output, log_dir=args.log_dir,
-              replay=args.replay, seed=args.seed)
+    kw = dict(
+        ratio=args.ratio,
+        duration=args.duration,
+        output=args.output,
+        log_dir=args.log_dir,
+        replay=args.replay,
+        seed=args.seed,
+    )
     if args.no_mlflow:
         report = run_ab(cfg, args.baseline, args.candidate, **kw)
     else:
@@ -617,7 +899,9 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from hermes_lab.cli import run_module
 
-    return run_module("hermes_lab.ab_run", add_arguments, run_cli, argv, description="Staged A/B rollout -> ab_report.json")
+    return run_module(
+        "hermes_lab.ab_run", add_arguments, run_cli, argv, description="Staged A/B rollout -> ab_report.json"
+    )
 
 
 if __name__ == "__main__":

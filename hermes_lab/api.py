@@ -16,6 +16,7 @@ status, content-type and the first bytes), ApiConnectionError (.kind: refused, d
 network), ApiStatusError (other HTTP errors, or 429/5xx once retries are spent), ApiConfigError.
 The key never reaches a log line, an exception, a repr or MLflow: messages pass through ``redact``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -53,8 +54,16 @@ BODY_HEAD = 300  # bytes of a bad body shown in errors
 class ApiError(RuntimeError):
     """Base of the model-API errors. The message is redacted: it never holds the key."""
 
-    def __init__(self, message: str, *, status: int | None = None, url: str | None = None,
-                 request_id: str | None = None, content_type: str | None = None, body_head: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        url: str | None = None,
+        request_id: str | None = None,
+        content_type: str | None = None,
+        body_head: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.url, self.request_id = status, url, request_id
         self.content_type, self.body_head = content_type, body_head
@@ -151,13 +160,17 @@ def normalize_base_url(url: str | None, source: str = "base URL") -> str:
     ``.../v1/chat/completions`` or ``.../v1/models``), because the user's curl is ``$BASE/v1/models``
     while many SDKs want the root with /v1."""
     if url is None or not str(url).strip():
-        raise ApiConfigError(f"{source} is empty: base URL, key and model id must all be set "
-                             "(a request sent to an SDK's default base URL gets 401).")
+        raise ApiConfigError(
+            f"{source} is empty: base URL, key and model id must all be set "
+            "(a request sent to an SDK's default base URL gets 401)."
+        )
     u = str(url).strip()
     p = urlsplit(u)
     if p.scheme not in ("http", "https") or not p.hostname:
-        raise ApiConfigError(f"{source}={safe_url(u)!r} is not an http(s) URL: write the API root, "
-                             "e.g. https://api.example.com (the part before /v1/models).")
+        raise ApiConfigError(
+            f"{source}={safe_url(u)!r} is not an http(s) URL: write the API root, "
+            "e.g. https://api.example.com (the part before /v1/models)."
+        )
     path = p.path.rstrip("/")
     for suffix in ("/chat/completions", "/completions", "/models"):
         if path.endswith(suffix):
@@ -245,8 +258,10 @@ def describe_key(key: str) -> tuple[str, str]:
         if claims.get("iss"):
             why += f", issuer {str(claims['iss'])[:60]}"
     if why:
-        return "oauth", (f"this looks like an OAuth access token, not an API key ({why}); the two must not "
-                         "be mixed: create an API key for this endpoint")
+        return "oauth", (
+            f"this looks like an OAuth access token, not an API key ({why}); the two must not "
+            "be mixed: create an API key for this endpoint"
+        )
     return "api_key", f"looks like an API key ({len(k)} characters)"
 
 
@@ -272,10 +287,21 @@ class ApiClient:
     Retry-After); at most ``concurrency`` requests in flight across threads. DEBUG log (logger
     "hermes_lab.api"): request id, method, path, status and time of every attempt."""
 
-    def __init__(self, base_url: str | None, api_key_env: str = API_KEY_ENV, model: str | None = None, *,
-                 timeout: float = 30.0, retries: int = 4, backoff_s: float = 0.5, backoff_max_s: float = 20.0,
-                 retry_after_max_s: float = 60.0, concurrency: int = 8, base_url_source: str | None = None,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str | None,
+        api_key_env: str = API_KEY_ENV,
+        model: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 20.0,
+        retry_after_max_s: float = 60.0,
+        concurrency: int = 8,
+        base_url_source: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
         self.base_url_source = base_url_source or "base URL"
         self.base_url = normalize_base_url(base_url, self.base_url_source)
         self.api_key_env = api_key_env
@@ -283,8 +309,10 @@ class ApiClient:
         if raw.lower().startswith("bearer "):  # a pasted header value: we add 'Bearer ' ourselves
             raw = raw[7:].strip()
         if not raw:
-            raise ApiConfigError(f"{api_key_env} is not set: base URL, key and model id must all be set "
-                                 f"(export {api_key_env}=<your API key>).")
+            raise ApiConfigError(
+                f"{api_key_env} is not set: base URL, key and model id must all be set "
+                f"(export {api_key_env}=<your API key>)."
+            )
         self._key = Secret(raw)
         self.model = model.strip() if model else None
         self.timeout, self.retries = float(timeout), max(0, int(retries))
@@ -296,15 +324,19 @@ class ApiClient:
         try:
             # trust_env: honour HTTP(S)_PROXY/NO_PROXY/SSL_CERT_FILE like curl does; a broken proxy value
             # fails here already (socks without socksio, a bad port), so name the variables.
-            self._http = httpx.Client(timeout=httpx.Timeout(self.timeout), follow_redirects=True,
-                                      limits=httpx.Limits(max_connections=self.concurrency + 2,
-                                                          max_keepalive_connections=self.concurrency),
-                                      transport=transport)
+            self._http = httpx.Client(
+                timeout=httpx.Timeout(self.timeout),
+                follow_redirects=True,
+                limits=httpx.Limits(max_connections=self.concurrency + 2, max_keepalive_connections=self.concurrency),
+                transport=transport,
+            )
         except (ImportError, ValueError, httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
             set_vars = ", ".join(f"{n}={show_proxy(v)}" for n, v in os.environ.items() if n in PROXY_VARS and v)
-            raise ApiConnectionError(f"local proxy failed: the proxy settings cannot be used ({set_vars}): "
-                                     f"{self._redact(str(e))}. Unset the variable or fix its value.",
-                                     kind="proxy") from None
+            raise ApiConnectionError(
+                f"local proxy failed: the proxy settings cannot be used ({set_vars}): "
+                f"{self._redact(str(e))}. Unset the variable or fix its value.",
+                kind="proxy",
+            ) from None
 
     @classmethod
     def from_config(cls, cfg: Any, section: str = "reward", **kw: Any) -> ApiClient:
@@ -319,13 +351,20 @@ class ApiClient:
         return cls(sec.base_url, sec.api_key_env, model, base_url_source=where, **kw)
 
     def __repr__(self) -> str:
-        return (f"ApiClient(base_url={safe_url(self.base_url)!r}, model={self.model!r}, "
-                f"api_key_env={self.api_key_env!r})")
+        return (
+            f"ApiClient(base_url={safe_url(self.base_url)!r}, model={self.model!r}, api_key_env={self.api_key_env!r})"
+        )
 
     def describe(self) -> dict[str, Any]:
         """Secret-free settings, fit for MLflow params."""
-        return {"base_url": safe_url(self.base_url), "model": self.model, "api_key_env": self.api_key_env,
-                "timeout_s": self.timeout, "retries": self.retries, "concurrency": self.concurrency}
+        return {
+            "base_url": safe_url(self.base_url),
+            "model": self.model,
+            "api_key_env": self.api_key_env,
+            "timeout_s": self.timeout,
+            "retries": self.retries,
+            "concurrency": self.concurrency,
+        }
 
     def close(self) -> None:
         self._http.close()
@@ -346,17 +385,29 @@ class ApiClient:
         body = _json_or_none(resp)
         data = body.get("data") if isinstance(body, dict) else body
         if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
-            raise self._bad_body("Error reading models", resp, rid, "Expected {\"data\": [{\"id\": ...}, ...]}; an "
-                                 "HTML page comes from a proxy or middlebox, or a base URL that is not the API")
+            raise self._bad_body(
+                "Error reading models",
+                resp,
+                rid,
+                'Expected {"data": [{"id": ...}, ...]}; an '
+                "HTML page comes from a proxy or middlebox, or a base URL that is not the API",
+            )
         return [str(m["id"]) for m in data]
 
-    def chat(self, messages: str | Sequence[Mapping[str, Any]], model: str | None = None,
-             temperature: float = 0.0, max_tokens: int | None = None, **extra: Any) -> str:
+    def chat(
+        self,
+        messages: str | Sequence[Mapping[str, Any]],
+        model: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        **extra: Any,
+    ) -> str:
         """One chat completion; returns choices[0].message.content. A string is one user message."""
         model = (model or self.model or "").strip()
         if not model:
-            raise ApiConfigError("no model id: base URL, key and model id must all be set "
-                                 "(pass model= or configure one).")
+            raise ApiConfigError(
+                "no model id: base URL, key and model id must all be set (pass model= or configure one)."
+            )
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         payload: dict[str, Any] = {"model": model, "messages": list(messages), "temperature": temperature}
@@ -365,8 +416,10 @@ class ApiClient:
         payload.update(extra)
         resp, rid = self._request("POST", "/chat/completions", payload, model=model)
         body = _json_or_none(resp)
-        hint = (f"A wrong model id ({model!r}) often answers an error page; an HTML page comes from a proxy "
-                "or middlebox, or a base URL that is not the API")
+        hint = (
+            f"A wrong model id ({model!r}) often answers an error page; an HTML page comes from a proxy "
+            "or middlebox, or a base URL that is not the API"
+        )
         if isinstance(body, dict) and "error" in body and "choices" not in body:
             hint = f"The server sent an error object: {_server_message(resp)!r}. " + hint
         try:
@@ -377,13 +430,24 @@ class ApiClient:
         if isinstance(content, list):  # content parts: keep the text ones
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if content is None:
-            raise self._bad_body("Error reading choices", resp, rid,
-                                 f"The message content is null (finish_reason="
-                                 f"{choice.get('finish_reason')!r}): a refusal, a tool call or max_tokens too small")
+            raise self._bad_body(
+                "Error reading choices",
+                resp,
+                rid,
+                f"The message content is null (finish_reason="
+                f"{choice.get('finish_reason')!r}): a refusal, a tool call or max_tokens too small",
+            )
         return str(content)
 
-    def chat_many(self, batch: Sequence[str | Sequence[Mapping[str, Any]]], concurrency: int | None = None, *,
-                  return_exceptions: bool = False, progress: bool = False, **kw: Any) -> list[Any]:
+    def chat_many(
+        self,
+        batch: Sequence[str | Sequence[Mapping[str, Any]]],
+        concurrency: int | None = None,
+        *,
+        return_exceptions: bool = False,
+        progress: bool = False,
+        **kw: Any,
+    ) -> list[Any]:
         """``chat`` over many conversations, ``concurrency`` at a time, results in input order.
 
         An auth, config or connection error (after retries) stops the batch: what has not started yet is
@@ -422,14 +486,19 @@ class ApiClient:
         return results
 
     # -------------------------------------------------------------------------------------- transport
-    def _request(self, method: str, path: str, payload: Any = None,
-                 model: str | None = None) -> tuple[httpx.Response, str]:
+    def _request(
+        self, method: str, path: str, payload: Any = None, model: str | None = None
+    ) -> tuple[httpx.Response, str]:
         url = f"{self.base_url}/v1{path}"
         attempts = self.retries + 1
         for attempt in range(1, attempts + 1):
             rid = uuid.uuid4().hex[:12]
-            headers = {"Authorization": f"Bearer {self._key.reveal()}", "Accept": "application/json",
-                       "X-Request-ID": rid, "User-Agent": "hermes-lab"}
+            headers = {
+                "Authorization": f"Bearer {self._key.reveal()}",
+                "Accept": "application/json",
+                "X-Request-ID": rid,
+                "User-Agent": "hermes-lab",
+            }
             t0 = time.perf_counter()
             try:
                 with self._slots:
@@ -437,10 +506,19 @@ class ApiClient:
             except httpx.HTTPError as e:
                 ms = (time.perf_counter() - t0) * 1000
                 err = self._connection_error(e, url, rid, attempt)
-                log.debug("req=%s %s /v1%s -> %s after %.0f ms (attempt %d/%d)",
-                          rid, method, path, err.kind, ms, attempt, attempts)
-                retryable = isinstance(e, (httpx.TimeoutException, httpx.NetworkError,
-                                           httpx.RemoteProtocolError, httpx.ProxyError))
+                log.debug(
+                    "req=%s %s /v1%s -> %s after %.0f ms (attempt %d/%d)",
+                    rid,
+                    method,
+                    path,
+                    err.kind,
+                    ms,
+                    attempt,
+                    attempts,
+                )
+                retryable = isinstance(
+                    e, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError)
+                )
                 if retryable and attempt < attempts:
                     delay = self._backoff(attempt)
                     log.debug("req=%s retrying in %.2f s", rid, delay)
@@ -449,8 +527,17 @@ class ApiClient:
                 raise err from None
             ms = (time.perf_counter() - t0) * 1000
             srv = resp.headers.get("x-request-id")
-            log.debug("req=%s %s /v1%s -> %d in %.0f ms (attempt %d/%d)%s", rid, method, path,
-                      resp.status_code, ms, attempt, attempts, f" server-id={srv}" if srv else "")
+            log.debug(
+                "req=%s %s /v1%s -> %d in %.0f ms (attempt %d/%d)%s",
+                rid,
+                method,
+                path,
+                resp.status_code,
+                ms,
+                attempt,
+                attempts,
+                f" server-id={srv}" if srv else "",
+            )
             if resp.status_code in RETRY_STATUSES and attempt < attempts:
                 delay = self._retry_delay(resp, attempt)
                 log.debug("req=%s retrying in %.2f s", rid, delay)
@@ -493,29 +580,38 @@ class ApiClient:
             proxy_var, value = self.proxy
             phost = (urlsplit(value if "://" in value else f"http://{value}").hostname or "").lower()
             local = phost in ("localhost", "::1") or phost.startswith("127.")
-            msg = (f"{'local proxy failed' if local else 'proxy failed'}: requests to {p.hostname} go through "
-                   f"{proxy_var}={show_proxy(value)} and it failed ({kind}: {cause}). "
-                   f"A stale proxy variable is the usual cause: unset {proxy_var} or fix the proxy, or add "
-                   f"{p.hostname} to NO_PROXY")
+            msg = (
+                f"{'local proxy failed' if local else 'proxy failed'}: requests to {p.hostname} go through "
+                f"{proxy_var}={show_proxy(value)} and it failed ({kind}: {cause}). "
+                f"A stale proxy variable is the usual cause: unset {proxy_var} or fix the proxy, or add "
+                f"{p.hostname} to NO_PROXY"
+            )
             kind = "proxy"
         elif kind == "refused":
-            msg = (f"connection refused by {where}: nothing listens there. Is the server up, and is the "
-                   f"host/port in {self.base_url_source} right?")
+            msg = (
+                f"connection refused by {where}: nothing listens there. Is the server up, and is the "
+                f"host/port in {self.base_url_source} right?"
+            )
         elif kind == "dns":
             msg = f"DNS lookup failed for host '{p.hostname}': check the spelling of {self.base_url_source}"
         elif kind == "timeout":
             phase = "connect" if isinstance(e, httpx.ConnectTimeout) else "read"
-            msg = (f"timeout: no answer from {where} within {self.timeout:g} s ({phase} timeout): the server is "
-                   "overloaded or slow, or a firewall drops the packets; retry later or raise the timeout")
+            msg = (
+                f"timeout: no answer from {where} within {self.timeout:g} s ({phase} timeout): the server is "
+                "overloaded or slow, or a firewall drops the packets; retry later or raise the timeout"
+            )
         elif kind == "proxy":
             msg = f"proxy failed talking to {where}: {cause}"
         elif kind == "tls":
-            msg = (f"TLS handshake with {where} failed ({cause}): a middlebox intercepting HTTPS? "
-                   "Set SSL_CERT_FILE to its CA bundle")
+            msg = (
+                f"TLS handshake with {where} failed ({cause}): a middlebox intercepting HTTPS? "
+                "Set SSL_CERT_FILE to its CA bundle"
+            )
         else:
             msg = f"network error talking to {where}: {cause}"
-        return ApiConnectionError(self._redact(msg + tries), kind=kind, proxy_var=proxy_var,
-                                  url=safe_url(url), request_id=rid)
+        return ApiConnectionError(
+            self._redact(msg + tries), kind=kind, proxy_var=proxy_var, url=safe_url(url), request_id=rid
+        )
 
     def _body_head(self, resp: httpx.Response) -> str:
         return self._redact(resp.content[:BODY_HEAD].decode("utf-8", errors="replace"))
@@ -523,14 +619,21 @@ class ApiClient:
     def _bad_body(self, what: str, resp: httpx.Response, rid: str, hint: str) -> ApiBadBody:
         ctype = resp.headers.get("content-type", "") or "none"
         head = self._body_head(resp)
-        msg = (f"{what}: the body of {resp.request.method} {safe_url(str(resp.request.url))} is not the expected "
-               f"JSON (HTTP {resp.status_code}, content-type {ctype}, {len(resp.content)} bytes; request {rid}). "
-               f"{hint}. First bytes of the raw body: {head!r}")
-        return ApiBadBody(self._redact(msg), status=resp.status_code, url=safe_url(str(resp.request.url)),
-                          request_id=rid, content_type=ctype, body_head=head)
+        msg = (
+            f"{what}: the body of {resp.request.method} {safe_url(str(resp.request.url))} is not the expected "
+            f"JSON (HTTP {resp.status_code}, content-type {ctype}, {len(resp.content)} bytes; request {rid}). "
+            f"{hint}. First bytes of the raw body: {head!r}"
+        )
+        return ApiBadBody(
+            self._redact(msg),
+            status=resp.status_code,
+            url=safe_url(str(resp.request.url)),
+            request_id=rid,
+            content_type=ctype,
+            body_head=head,
+        )
 
-    def _status_error(self, resp: httpx.Response, rid: str, method: str, attempt: int,
-                      model: str | None) -> ApiError:
+    def _status_error(self, resp: httpx.Response, rid: str, method: str, attempt: int, model: str | None) -> ApiError:
         status, url = resp.status_code, safe_url(str(resp.request.url))
         ctype = resp.headers.get("content-type", "") or "none"
         head = self._body_head(resp)
@@ -541,13 +644,15 @@ class ApiClient:
         host = (urlsplit(self.base_url).hostname or "").lower()
         if status in (401, 403):
             kind, why = describe_key(self._key.reveal())
-            msg = (f"{lead} The server refused the key. Usual causes: base URL, key and model id must all be "
-                   f"set ({self.base_url_source} -> {safe_url(self.base_url)}, {self.api_key_env}"
-                   + (f", model {model or self.model!r}" if model or self.model else "")
-                   + f"); the key is sent in an 'Authorization: Bearer' header, so store only the bare key "
-                   f"in {self.api_key_env}; a request that went to a default base URL gets 401; the key "
-                   "is expired, revoked or belongs to another provider."
-                   + (" 403 can also mean the key may not use this model." if status == 403 else ""))
+            msg = (
+                f"{lead} The server refused the key. Usual causes: base URL, key and model id must all be "
+                f"set ({self.base_url_source} -> {safe_url(self.base_url)}, {self.api_key_env}"
+                + (f", model {model or self.model!r}" if model or self.model else "")
+                + f"); the key is sent in an 'Authorization: Bearer' header, so store only the bare key "
+                f"in {self.api_key_env}; a request that went to a default base URL gets 401; the key "
+                "is expired, revoked or belongs to another provider."
+                + (" 403 can also mean the key may not use this model." if status == 403 else "")
+            )
             if kind == "oauth":
                 msg += f" {self.api_key_env}: {why}."
             if host in SDK_DEFAULT_HOSTS:
@@ -555,8 +660,11 @@ class ApiClient:
             return ApiAuthError(self._redact(msg + said), **kw)
         hint = ""
         if status == 404:
-            hint = (f" Is the model id {model!r} served here (hermes-lab doctor lists them)?" if model else
-                    f" Is {self.base_url_source} the API root (the part before /v1/models)?")
+            hint = (
+                f" Is the model id {model!r} served here (hermes-lab doctor lists them)?"
+                if model
+                else f" Is {self.base_url_source} the API root (the part before /v1/models)?"
+            )
         elif status in RETRY_STATUSES:
             hint = f" Gave up after {attempt} attempts (rate limit or server trouble): retry later."
         return ApiStatusError(self._redact(lead + hint + said), **kw)
@@ -579,8 +687,16 @@ def _classify(e: BaseException) -> str:
             return "timeout"
         seen = seen.__cause__ or seen.__context__
     text = str(e).lower()
-    if any(s in text for s in ("name or service not known", "nodename nor servname", "getaddrinfo",
-                               "name resolution", "no address associated")):
+    if any(
+        s in text
+        for s in (
+            "name or service not known",
+            "nodename nor servname",
+            "getaddrinfo",
+            "name resolution",
+            "no address associated",
+        )
+    ):
         return "dns"
     if "connection refused" in text:
         return "refused"

@@ -4,6 +4,7 @@
     hermes-lab --help
     hermes-lab <command> --help
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,13 @@ def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Name
         return 2
 
 
-def run_module(module: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-               run_cli: Callable[[argparse.Namespace], int | None], argv: list[str] | None = None,
-               description: str | None = None) -> int:
+def run_module(
+    module: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run_cli: Callable[[argparse.Namespace], int | None],
+    argv: list[str] | None = None,
+    description: str | None = None,
+) -> int:
     """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     add_arguments(p)

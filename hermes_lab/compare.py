@@ -7,6 +7,7 @@ per-step training curves) and ``runs/round-*/summary.json``; writes PNG plots un
     papermill notebooks/50_round_compare.ipynb runs/compare.ipynb -p config_path params/embedded.yaml
     make mlflow-ui        # the same store in the MLflow UI
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,12 @@ def rounds_table(cfg: HermesConfig) -> Any:
     rows = []
     for p in sorted(Path(cfg.round.runs_dir).glob("round-*/summary.json")):
         s = json.loads(p.read_text())
-        row: dict[str, Any] = {"round": s["round"], "status": s["status"], "decision": s.get("decision"),
-                               "total_s": s.get("total_s")}
+        row: dict[str, Any] = {
+            "round": s["round"],
+            "status": s["status"],
+            "decision": s.get("decision"),
+            "total_s": s.get("total_s"),
+        }
         for g in s.get("gates", []):
             row[f"gate:{g['gate']}"] = "pass" if g.get("passed") else "stop"
         ev = s.get("eval") or {}
@@ -76,8 +81,11 @@ def step_curves(cfg: HermesConfig, keys: tuple[str, ...] = ("reward", "kl")) -> 
             continue
         for k in keys:
             hist = client.get_metric_history(train["run_id"], k)
-            frames.append(pd.DataFrame({"round": s["round"], "metric": k, "step": [m.step for m in hist],
-                                        "value": [m.value for m in hist]}))
+            frames.append(
+                pd.DataFrame(
+                    {"round": s["round"], "metric": k, "step": [m.step for m in hist], "value": [m.value for m in hist]}
+                )
+            )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -100,8 +108,10 @@ def plot_rounds(cfg: HermesConfig, table: Any, out_dir: str | Path) -> list[Path
         axes[0].set_title("held-out sampled pass rate (train stage)")
         axes[0].set_xlabel("round")
         if table["ab_delta"].notna().any():
-            colors = ["tab:green" if d == "promote" else "tab:red" if d == "roll back" else "tab:gray"
-                      for d in table["decision"]]
+            colors = [
+                "tab:green" if d == "promote" else "tab:red" if d == "roll back" else "tab:gray"
+                for d in table["decision"]
+            ]
             axes[1].bar(table.index.astype(str), table["ab_delta"].fillna(0), color=colors)
         axes[1].axhline(0, color="black", lw=0.8)
         axes[1].set_title("A/B delta (green: promoted, red: rolled back)")
@@ -109,8 +119,18 @@ def plot_rounds(cfg: HermesConfig, table: Any, out_dir: str | Path) -> list[Path
         plt.close(fig)
     curves = step_curves(cfg)
     if not curves.empty:
-        g = sns.relplot(data=curves, x="step", y="value", hue="round", col="metric", kind="line",
-                        facet_kws={"sharey": False}, height=3.2, aspect=1.4, palette="viridis")
+        g = sns.relplot(
+            data=curves,
+            x="step",
+            y="value",
+            hue="round",
+            col="metric",
+            kind="line",
+            facet_kws={"sharey": False},
+            height=3.2,
+            aspect=1.4,
+            palette="viridis",
+        )
         paths.append(log_figure(g.figure, out / "curves_by_round.png"))
         plt.close(g.figure)
     return paths

@@ -17,6 +17,7 @@ Secrets never live here: ``api_key_env`` holds the *name* of the environment var
 
     hermes-lab config --params params/hermes_grpo_lora.yaml      # print the resolved config
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,13 +45,21 @@ def _f(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
 
 @dataclass
 class ModelSection:
-    base_model: str = _f(EMBEDDED_MODEL, "Policy to train: a Hugging Face id, a local path, or 'embedded:tiny' "
-                         "(the tiny local policy the embedded default builds itself).")
+    base_model: str = _f(
+        EMBEDDED_MODEL,
+        "Policy to train: a Hugging Face id, a local path, or 'embedded:tiny' "
+        "(the tiny local policy the embedded default builds itself).",
+    )
     base_url: str | None = _f(None, "OpenAI-compatible API root for a remotely served policy (optional).")
-    api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the API key "
-                          "(the key itself is never written in a config).")
-    adapter: str | None = _f(None, "LoRA adapter to start from (a path). Empty: the round uses the champion "
-                             "adapter if there is one, else the bare base model.")
+    api_key_env: str = _f(
+        "TAOTOKEN_API_KEY",
+        "NAME of the environment variable holding the API key (the key itself is never written in a config).",
+    )
+    adapter: str | None = _f(
+        None,
+        "LoRA adapter to start from (a path). Empty: the round uses the champion "
+        "adapter if there is one, else the bare base model.",
+    )
     dtype: str = _f("auto", "Torch dtype to load the policy in: auto, float32, bfloat16, float16.")
     trust_remote_code: bool = _f(False, "Pass trust_remote_code to from_pretrained (off: never run hub code).")
     seed: int = _f(0, "Seed of the embedded tiny policy (its build is deterministic by seed).")
@@ -69,13 +78,15 @@ class LoraSection:
 @dataclass
 class GrpoSection:
     group_size: int = _f(8, "Completions sampled per prompt (TRL num_generations).")
-    kl_coefficient: float = _f(0.04, "KL penalty (TRL beta). TRL's default 0.0 disables KL and the reference "
-                               "model; we always pass this value.")
+    kl_coefficient: float = _f(
+        0.04, "KL penalty (TRL beta). TRL's default 0.0 disables KL and the reference model; we always pass this value."
+    )
     clip_range: float = _f(0.2, "Policy-ratio clipping (TRL epsilon).")
     learning_rate: float = _f(1.0e-5, "AdamW learning rate (TRL's default 1e-6 is too low for LoRA).")
     max_steps: int = _f(300, "Optimizer steps.")
-    per_device_batch_size: int = _f(2, "Prompts per device per micro-batch (TRL counts completions: we "
-                                    "multiply by group_size when mapping).")
+    per_device_batch_size: int = _f(
+        2, "Prompts per device per micro-batch (TRL counts completions: we multiply by group_size when mapping)."
+    )
     gradient_accumulation: int = _f(8, "Micro-batches per optimizer step.")
     temperature: float = _f(0.9, "Sampling temperature; 0.8-1.0 keeps groups diverse.")
     max_completion_length: int = _f(256, "Max new tokens per completion (prompt + this <= data.max_seq_len).")
@@ -94,12 +105,16 @@ class GrpoSection:
 
 @dataclass
 class RewardSection:
-    model: str | None = _f(None, "Judge model id for the comparison reward (OpenAI-compatible). Empty or "
-                           "'local': the local judge.")
+    model: str | None = _f(
+        None, "Judge model id for the comparison reward (OpenAI-compatible). Empty or 'local': the local judge."
+    )
     base_url: str | None = _f(None, "OpenAI-compatible API root of the judge.")
     api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the judge's key.")
-    types: list[str] = _f(["system", "comparison"], "Reward functions: system (tests pass / verifier), "
-                          "comparison (judge vs the reference response), or 'module:function'.")
+    types: list[str] = _f(
+        ["system", "comparison"],
+        "Reward functions: system (tests pass / verifier), "
+        "comparison (judge vs the reference response), or 'module:function'.",
+    )
     weights: list[float] | None = _f(None, "One weight per entry of types (default: all 1).")
     system: str = _f("verifier", "System feedback: 'verifier' (embedded task verifiers) or 'module:function'.")
     scale: float = _f(5, "Reward scale: rewards lie in 0..scale.")
@@ -119,8 +134,11 @@ class DataSection:
     review_fraction: float = _f(0.1, "Share of new records sampled for human spot-check.")
     outlier_z: float = _f(4.0, "Robust z-score (median/MAD) past which a reward counts as an outlier.")
     negative_weight: int = _f(2, "Times a negative (rolled-back round) prompt is repeated as a hard prompt.")
-    max_line_bytes: int = _f(16 * 2**20, "Trajectory lines longer than this many bytes are rejected as 'line too "
-                             "long' (read in bounded memory); valid lines below it are accepted however long.")
+    max_line_bytes: int = _f(
+        16 * 2**20,
+        "Trajectory lines longer than this many bytes are rejected as 'line too "
+        "long' (read in bounded memory); valid lines below it are accepted however long.",
+    )
     seed: int = _f(0, "Seed of the human review sample (the same data and seed give the same sample).")
 
 
@@ -135,20 +153,31 @@ class ExecuteSection:
 
 @dataclass
 class ReviewSection:
-    simulate: bool = _f(False, "Unattended rounds only: the task verifier acts as a simulated reviewer "
-                        "(labels marked simulated).")
-    min_labels: int = _f(30, "Labels needed before the agreement gate can decide (the whole queue when the "
-                         "queue is smaller).")
+    simulate: bool = _f(
+        False, "Unattended rounds only: the task verifier acts as a simulated reviewer (labels marked simulated)."
+    )
+    min_labels: int = _f(
+        30, "Labels needed before the agreement gate can decide (the whole queue when the queue is smaller)."
+    )
     min_agreement: float = _f(0.9, "Reward-model/human agreement needed to train.")
     label_mode: str = _f("score", "Label buttons: score (0..5) or passfail.")
-    agreement_metric: str = _f("threshold", "Raw agreement the gate compares with min_agreement: threshold "
-                               "(reward model and reviewer on the same side of reward.success_threshold) or "
-                               "within1 (|reward - label| <= 1; score labels only).")
-    min_kappa: float = _f(0.0, "Also block when Cohen's kappa on pass/fail is below this (0: report only). Kappa "
-                          "discounts chance agreement: with 95% passes on both sides, 90% raw agreement can be "
-                          "kappa ~0.")
-    kappa_weights: str = _f("quadratic", "Weights of the ordinal kappa on integer-binned scores: quadratic "
-                            "(a 5-vs-0 miss costs 25x a 1-point miss) or linear.")
+    agreement_metric: str = _f(
+        "threshold",
+        "Raw agreement the gate compares with min_agreement: threshold "
+        "(reward model and reviewer on the same side of reward.success_threshold) or "
+        "within1 (|reward - label| <= 1; score labels only).",
+    )
+    min_kappa: float = _f(
+        0.0,
+        "Also block when Cohen's kappa on pass/fail is below this (0: report only). Kappa "
+        "discounts chance agreement: with 95% passes on both sides, 90% raw agreement can be "
+        "kappa ~0.",
+    )
+    kappa_weights: str = _f(
+        "quadratic",
+        "Weights of the ordinal kappa on integer-binned scores: quadratic "
+        "(a 5-vs-0 miss costs 25x a 1-point miss) or linear.",
+    )
 
 
 @dataclass
@@ -158,27 +187,43 @@ class ValidateSection:
     tolerance: float = _f(0.05, "Max allowed drop in pass rate on any family before the candidate is stopped.")
     temperature: float = _f(0.9, "Sampling temperature of the regression eval, the same for baseline and candidate.")
     seed: int = _f(0, "Seed of the regression eval (task generation and sampling), the same for both arms.")
-    alpha: float = _f(0.05, "Significance level of the one-sided two-proportion test reported per family, and "
-                      "of the reward-trend test in the curve diagnostics.")
-    require_significance: bool = _f(False, "Stop a candidate only when its drop exceeds the tolerance AND the "
-                                    "two-proportion test says it is significant (off: the tolerance rule alone).")
-    kl_spike_k: float = _f(6.0, "Diagnostics: a KL value more than k robust std (1.4826*MAD) above the rolling "
-                           "median of the previous steps is a spike.")
+    alpha: float = _f(
+        0.05,
+        "Significance level of the one-sided two-proportion test reported per family, and "
+        "of the reward-trend test in the curve diagnostics.",
+    )
+    require_significance: bool = _f(
+        False,
+        "Stop a candidate only when its drop exceeds the tolerance AND the "
+        "two-proportion test says it is significant (off: the tolerance rule alone).",
+    )
+    kl_spike_k: float = _f(
+        6.0,
+        "Diagnostics: a KL value more than k robust std (1.4826*MAD) above the rolling "
+        "median of the previous steps is a spike.",
+    )
     kl_spike_min_jump: float = _f(0.02, "Diagnostics: a KL spike must also jump by at least this much (absolute).")
-    kl_spike_ratio: float = _f(3.0, "Diagnostics: a KL spike must also reach this many times the value the "
-                               "previous steps predict (per-batch KL wiggles 1.5x in a healthy run).")
+    kl_spike_ratio: float = _f(
+        3.0,
+        "Diagnostics: a KL spike must also reach this many times the value the "
+        "previous steps predict (per-batch KL wiggles 1.5x in a healthy run).",
+    )
     curve_window: int = _f(10, "Diagnostics: rolling window (logging steps) for the KL spike median/MAD.")
-    trend_window: float = _f(0.25, "Diagnostics: share of steps in the first/last window compared to decide "
-                             "whether the reward rises.")
-    reward_outlier_z: float = _f(6.0, "Diagnostics: robust z (residual from a rolling median over MAD) past "
-                                 "which a per-step reward is an outlier.")
+    trend_window: float = _f(
+        0.25, "Diagnostics: share of steps in the first/last window compared to decide whether the reward rises."
+    )
+    reward_outlier_z: float = _f(
+        6.0,
+        "Diagnostics: robust z (residual from a rolling median over MAD) past which a per-step reward is an outlier.",
+    )
 
 
 @dataclass
 class ABSection:
     traffic_ratio: float = _f(0.1, "Candidate share in the first stage.")
-    stages: list[list[float]] = _f([[0.1, 7200], [0.3, 14400], [1.0, 0]], "Rollout stages as [ratio, seconds]; "
-                                    "a final ratio 1.0 means promoted.")
+    stages: list[list[float]] = _f(
+        [[0.1, 7200], [0.3, 14400], [1.0, 0]], "Rollout stages as [ratio, seconds]; a final ratio 1.0 means promoted."
+    )
     request_rate: float = _f(0.25, "Simulated requests per second.")
     salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")
     alpha: float = _f(0.05, "Significance level.")
@@ -186,20 +231,34 @@ class ABSection:
     max_error_rate: float = _f(0.02, "Guardrail: candidate error rate above baseline by more than this rolls back.")
     max_latency_ratio: float = _f(1.5, "Guardrail: candidate p95 latency over baseline p95 above this rolls back.")
     rule: str = _f("sequential", "Decision rule: sequential (always-valid) or user (the SPEC's p<0.05 rule).")
-    look_every: float = _f(900.0, "Seconds between two interim looks within a stage. Harm, guardrails and SRM are "
-                           "checked at every look; promotion only from the stage's planned end.")
-    max_extension: float = _f(1.0, "An inconclusive stage is extended by up to this many times its planned length; "
-                              "still inconclusive then: the rollout stops at 'keep observing'.")
+    look_every: float = _f(
+        900.0,
+        "Seconds between two interim looks within a stage. Harm, guardrails and SRM are "
+        "checked at every look; promotion only from the stage's planned end.",
+    )
+    max_extension: float = _f(
+        1.0,
+        "An inconclusive stage is extended by up to this many times its planned length; "
+        "still inconclusive then: the rollout stops at 'keep observing'.",
+    )
     min_per_arm: int = _f(30, "Requests (units) each arm needs before any statistical decision.")
-    cs_sd: float = _f(0.0, "Score SD the confidence sequence is tuned for (it is narrowest at the planned stage "
-                      "end; validity does not depend on it). 0: 0.35 x reward.scale.")
-    unit: str = _f("request", "Randomisation unit in simulated traffic: request, or user (requests of one user "
-                   "share an arm; the analysis then uses unit-level, cluster-robust variances).")
+    cs_sd: float = _f(
+        0.0,
+        "Score SD the confidence sequence is tuned for (it is narrowest at the planned stage "
+        "end; validity does not depend on it). 0: 0.35 x reward.scale.",
+    )
+    unit: str = _f(
+        "request",
+        "Randomisation unit in simulated traffic: request, or user (requests of one user "
+        "share an arm; the analysis then uses unit-level, cluster-robust variances).",
+    )
     num_users: int = _f(2000, "Simulated user pool when unit is user.")
     task_split: str = _f("heldout", "Tasks the simulated traffic draws: heldout (never trained on) or any.")
     latency_median_ms: float = _f(120.0, "Simulated latency: median of the lognormal base latency (ms).")
     latency_sigma: float = _f(0.35, "Simulated latency: sigma of the lognormal base latency.")
-    latency_ms_per_char: float = _f(4.0, "Simulated latency: extra ms per response character (longer answers are slower).")
+    latency_ms_per_char: float = _f(
+        4.0, "Simulated latency: extra ms per response character (longer answers are slower)."
+    )
 
 
 @dataclass
@@ -252,15 +311,17 @@ def _interpolate(text: str, source: str, env: dict[str, str]) -> str:
         cut = m_comment.start() if m_comment else len(line)
         code, sep, comment = line[:cut], "", line[cut:]
 
-        def sub(m: re.Match[str]) -> str:
+        def sub(m: re.Match[str], code: str = code, i: int = i) -> str:
             name, default = m.group(1), m.group(2)
             if name in env and env[name] != "":
                 return env[name]
             if default is not None:
                 return default
             key = code.split(":", 1)[0].strip() or "?"
-            raise ConfigError(f"{source}:{i + 1}: environment variable {name} is not set (used by key '{key}'). "
-                              f"Set it, e.g. `export {name}=...`, or write ${{{name}:-default}}.")
+            raise ConfigError(
+                f"{source}:{i + 1}: environment variable {name} is not set (used by key '{key}'). "
+                f"Set it, e.g. `export {name}=...`, or write ${{{name}:-default}}."
+            )
 
         lines[i] = _VAR.sub(sub, code) + sep + comment
     return "".join(lines)
@@ -290,7 +351,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value.lower() in {"true", "1", "yes"}
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())
+        ):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
@@ -370,8 +433,11 @@ def _check(cfg: HermesConfig, src: str) -> None:
         bad("review.label_mode", "must be score or passfail")
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None,
-                env: dict[str, str] | None = None) -> HermesConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> HermesConfig:
     """Read, interpolate, type and check a config. ``overrides`` are dotted keys ('grpo.max_steps': 5)."""
     env = dict(os.environ) if env is None else env
     raw: dict[str, Any] = {}

@@ -1,8 +1,9 @@
 """`hermes-lab config`: print the resolved config (secrets are never in it), or explain every key.
 
-    hermes-lab config --params params/hermes_grpo_lora.yaml
-    hermes-lab config --explain
+hermes-lab config --params params/hermes_grpo_lora.yaml
+hermes-lab config --explain
 """
+
 from __future__ import annotations
 
 import argparse

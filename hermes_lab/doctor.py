@@ -11,9 +11,11 @@ and exits 1 when any check fails. The key is never printed (only a short fingerp
     hermes-lab doctor --params params/hermes_grpo_lora.yaml --debug
     python -m hermes_lab.doctor --model-env HERMES_REWARD_MODEL --timeout 5
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import os
@@ -49,18 +51,31 @@ class Target:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url-env", default=api.BASE_URL_ENV,
-                        help="Variable holding the API root (default %(default)s).")
-    parser.add_argument("--key-env", default=api.API_KEY_ENV,
-                        help="Variable holding the API key (default %(default)s). The key is never printed.")
-    parser.add_argument("--model-env", action="append", default=None, metavar="VAR",
-                        help="Variable holding a model id to look for; repeatable (default: "
-                             f"{' and '.join(DEFAULT_MODEL_ENVS)}; with --params: none besides the config's).")
-    parser.add_argument("--params", default=None,
-                        help="Config YAML: check its model.base_url / reward.base_url and model ids instead.")
+    parser.add_argument(
+        "--base-url-env", default=api.BASE_URL_ENV, help="Variable holding the API root (default %(default)s)."
+    )
+    parser.add_argument(
+        "--key-env",
+        default=api.API_KEY_ENV,
+        help="Variable holding the API key (default %(default)s). The key is never printed.",
+    )
+    parser.add_argument(
+        "--model-env",
+        action="append",
+        default=None,
+        metavar="VAR",
+        help="Variable holding a model id to look for; repeatable (default: "
+        f"{' and '.join(DEFAULT_MODEL_ENVS)}; with --params: none besides the config's).",
+    )
+    parser.add_argument(
+        "--params", default=None, help="Config YAML: check its model.base_url / reward.base_url and model ids instead."
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="Seconds per request (default %(default)s).")
-    parser.add_argument("--chat", action="store_true",
-                        help="Also send a one-word chat to each model (checks it answers, not just that it is listed).")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="Also send a one-word chat to each model (checks it answers, not just that it is listed).",
+    )
     parser.add_argument("--debug", action="store_true", help="Log each request's id, status and timing to stderr.")
 
 
@@ -84,22 +99,40 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
 
     m, r = cfg.model, cfg.reward
     if m.base_url:
-        add("model.base_url", m.base_url, m.api_key_env, "model.base_model",
-            None if m.base_model.startswith("embedded:") else m.base_model)
+        add(
+            "model.base_url",
+            m.base_url,
+            m.api_key_env,
+            "model.base_model",
+            None if m.base_model.startswith("embedded:") else m.base_model,
+        )
     if r.model and r.model.strip().lower() != "local":
         if r.base_url:
             add("reward.base_url", r.base_url, r.api_key_env, "reward.model", r.model)
         else:
-            checks.append(Check("config", FAIL, f"{params}: reward.model is '{r.model}' but reward.base_url is empty: "
-                                "base URL, key and model id must all be set (a request sent to a default base "
-                                "URL gets 401)"))
+            checks.append(
+                Check(
+                    "config",
+                    FAIL,
+                    f"{params}: reward.model is '{r.model}' but reward.base_url is empty: "
+                    "base URL, key and model id must all be set (a request sent to a default base "
+                    "URL gets 401)",
+                )
+            )
     if found:
-        what = "; ".join(f"{t.label} with {', '.join(f'{w}={i}' for w, i in t.models) or 'no model id'}"
-                         for t in found.values())
+        what = "; ".join(
+            f"{t.label} with {', '.join(f'{w}={i}' for w, i in t.models) or 'no model id'}" for t in found.values()
+        )
         checks.append(Check("config", PASS, f"{params}: {what}"))
     elif not any(c.status == FAIL for c in checks):
-        checks.append(Check("config", WARN, f"{params}: no remote endpoint (model.base_url and reward.base_url are "
-                            "empty); checking the environment variables instead"))
+        checks.append(
+            Check(
+                "config",
+                WARN,
+                f"{params}: no remote endpoint (model.base_url and reward.base_url are "
+                "empty); checking the environment variables instead",
+            )
+        )
     return list(found.values())
 
 
@@ -107,10 +140,16 @@ def _variables_check(names: list[str], base_url_env: str) -> Check:
     missing = [n for n in dict.fromkeys(names) if not os.environ.get(n, "").strip()]
     if not missing:
         return Check("variables", PASS, f"set: {', '.join(dict.fromkeys(names))}")
-    hint = (f"; without {base_url_env} a client falls back to its default base URL, which answers 401"
-            if base_url_env in missing else "")
-    return Check("variables", FAIL, f"not set: {', '.join(missing)}. Base URL, key and model id must all be set"
-                 f"{hint}: export {missing[0]}=...")
+    hint = (
+        f"; without {base_url_env} a client falls back to its default base URL, which answers 401"
+        if base_url_env in missing
+        else ""
+    )
+    return Check(
+        "variables",
+        FAIL,
+        f"not set: {', '.join(missing)}. Base URL, key and model id must all be set{hint}: export {missing[0]}=...",
+    )
 
 
 # ------------------------------------------------------------------------------------------- proxies
@@ -123,7 +162,7 @@ def _probe(host: str, port: int, timeout: float) -> str | None:
         return f"host '{host}' does not resolve (DNS)"
     except ConnectionRefusedError:
         return f"nothing listens on {host}:{port} (connection refused)"
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return f"no answer from {host}:{port} within {timeout:g} s"
     except OSError as e:
         return f"cannot reach {host}:{port} ({e.strerror or e})"
@@ -168,11 +207,23 @@ def _proxy_checks(roots: list[str], timeout: float) -> list[Check]:
             label = "local proxy failed" if local else "proxy unreachable"
             if users:
                 hosts = ", ".join(sorted({urlsplit(r).hostname or "" for r in users}))
-                out.append(Check(f"proxy {name}", FAIL, f"{label}: {shown}: {problem}; requests to {hosts} go "
-                                 f"through it. Unset it (`unset {name}`) or fix the proxy, or add the host to NO_PROXY"))
+                out.append(
+                    Check(
+                        f"proxy {name}",
+                        FAIL,
+                        f"{label}: {shown}: {problem}; requests to {hosts} go "
+                        f"through it. Unset it (`unset {name}`) or fix the proxy, or add the host to NO_PROXY",
+                    )
+                )
             else:
-                out.append(Check(f"proxy {name}", WARN, f"stale proxy variable: {shown}: {problem}. Not used for "
-                                 f"the API ({why_not}), but other tools fail through it: `unset {name}`"))
+                out.append(
+                    Check(
+                        f"proxy {name}",
+                        WARN,
+                        f"stale proxy variable: {shown}: {problem}. Not used for "
+                        f"the API ({why_not}), but other tools fail through it: `unset {name}`",
+                    )
+                )
         elif users:
             out.append(Check(f"proxy {name}", PASS, f"{shown} answers; requests to the API go through it"))
         else:
@@ -191,8 +242,12 @@ def _base_check(t: Target, name: str) -> tuple[Check, str | None]:
     raw = (t.base_url or "").strip().rstrip("/")
     note = "" if raw in (root, root + "/v1") else f" ('{api.safe_url(raw)}' holds an endpoint path; using the root)"
     if host in api.SDK_DEFAULT_HOSTS:
-        return Check(name, WARN, f"{root} is the OpenAI SDK default base URL: a key from another provider gets "
-                     f"401 there; is {t.label} meant to point at it?{note}"), root
+        return Check(
+            name,
+            WARN,
+            f"{root} is the OpenAI SDK default base URL: a key from another provider gets "
+            f"401 there; is {t.label} meant to point at it?{note}",
+        ), root
     if p.scheme == "http" and not (host in ("localhost", "::1") or host.startswith("127.")):
         return Check(name, WARN, f"{root} is plain http: the key travels unencrypted{note}"), root
     return Check(name, PASS, f"{root} (requests go to {root}/v1/...){note}"), root
@@ -239,11 +294,20 @@ def _endpoint_checks(t: Target, prefix: str, timeout: float, chat: bool) -> list
             out.append(Check(mname, WARN, f"'{mid}': the server lists no models, cannot confirm"))
         else:
             close = [i for i in ids if i.lower() == mid.lower()] or difflib.get_close_matches(mid, ids, n=3, cutoff=0.5)
-            seen = (f"close matches: {', '.join(close)}" if close else
-                    f"served: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''}")
-            out.append(Check(mname, FAIL, f"wrong model id: {where}='{mid}' is not among the {len(ids)} models "
-                             f"served at {root}; {seen}. A wrong model id makes chat answer an error page "
-                             "('Error reading choices')"))
+            seen = (
+                f"close matches: {', '.join(close)}"
+                if close
+                else f"served: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''}"
+            )
+            out.append(
+                Check(
+                    mname,
+                    FAIL,
+                    f"wrong model id: {where}='{mid}' is not among the {len(ids)} models "
+                    f"served at {root}; {seen}. A wrong model id makes chat answer an error page "
+                    "('Error reading choices')",
+                )
+            )
     if chat and client is not None and ids:
         for where, mid in t.models:
             if mid not in ids:
@@ -260,9 +324,14 @@ def _endpoint_checks(t: Target, prefix: str, timeout: float, chat: bool) -> list
     return out
 
 
-def run_checks(base_url_env: str = api.BASE_URL_ENV, key_env: str = api.API_KEY_ENV,
-               model_envs: list[str] | None = None, params: str | None = None, timeout: float = 10.0,
-               chat: bool = False) -> list[Check]:
+def run_checks(
+    base_url_env: str = api.BASE_URL_ENV,
+    key_env: str = api.API_KEY_ENV,
+    model_envs: list[str] | None = None,
+    params: str | None = None,
+    timeout: float = 10.0,
+    chat: bool = False,
+) -> list[Check]:
     """Every check, in order; details are redacted (no key value anywhere)."""
     checks: list[Check] = []
     targets = _config_targets(params, checks) if params else []
@@ -281,10 +350,8 @@ def run_checks(base_url_env: str = api.BASE_URL_ENV, key_env: str = api.API_KEY_
     checks.insert(0, _variables_check(names, base_url_env))
     roots = []
     for t in targets:
-        try:
+        with contextlib.suppress(api.ApiConfigError):
             roots.append(api.normalize_base_url(t.base_url))
-        except api.ApiConfigError:
-            pass
     checks += _proxy_checks(roots, timeout)
     for t in targets:
         prefix = f"[{t.label}] " if len(targets) > 1 else ""
@@ -317,8 +384,9 @@ def render(checks: list[Check], file=None) -> None:
     if failed:
         console.print(Text(f"doctor: {len(failed)} check(s) failed: {', '.join(failed)}", style="bold red"))
     else:
-        console.print(Text(f"doctor: all checks passed{f' ({warned} warning(s))' if warned else ''}",
-                           style="bold green"))
+        console.print(
+            Text(f"doctor: all checks passed{f' ({warned} warning(s))' if warned else ''}", style="bold green")
+        )
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ also feed the A/B traffic logs of the previous round into prep).
 
     hermes-lab execute --params params/embedded.yaml --output runs/round-01/trajectories.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,19 +28,36 @@ from hermes_lab import tasks as T
 from hermes_lab.config import HermesConfig, load_config
 
 
-def execute(cfg: HermesConfig, output: str | os.PathLike[str], adapter: str | None = None, seed: int = 0,
-            now: datetime | None = None, policy: Any = None, progress: bool = True) -> dict[str, Any]:
+def execute(
+    cfg: HermesConfig,
+    output: str | os.PathLike[str],
+    adapter: str | None = None,
+    seed: int = 0,
+    now: datetime | None = None,
+    policy: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL."""
     from hermes_lab.policy import load_policy
 
     ex = cfg.execute
-    pol = policy or load_policy(cfg.model.base_model, adapter=adapter, runs_dir=cfg.round.runs_dir,
-                                seed=cfg.model.seed, dtype=cfg.model.dtype,
-                                trust_remote_code=cfg.model.trust_remote_code)
+    pol = policy or load_policy(
+        cfg.model.base_model,
+        adapter=adapter,
+        runs_dir=cfg.round.runs_dir,
+        seed=cfg.model.seed,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     tasks_ = T.generate_tasks(ex.num_tasks, split="train", seed=seed, families=ex.families or None)
-    responses = pol.generate([t.prompt for t in tasks_], temperature=ex.temperature,
-                             max_new_tokens=ex.max_new_tokens, seed=seed, batch_size=ex.batch_size,
-                             progress=progress)
+    responses = pol.generate(
+        [t.prompt for t in tasks_],
+        temperature=ex.temperature,
+        max_new_tokens=ex.max_new_tokens,
+        seed=seed,
+        batch_size=ex.batch_size,
+        progress=progress,
+    )
     start = now or datetime.now(timezone.utc)
     rng = uuid.UUID(int=(seed * 2654435761) % (1 << 128))  # deterministic request ids per seed
     out = Path(output)
@@ -50,10 +68,16 @@ def execute(cfg: HermesConfig, output: str | os.PathLike[str], adapter: str | No
         for i, (t, r) in enumerate(zip(tasks_, responses)):
             reward = T.score(t.answer, r, cfg.reward.scale)
             passed += reward >= cfg.reward.success_threshold
-            rec = {"prompt": t.prompt, "response": r, "reward": reward, "task_id": t.task_id, "family": t.family,
-                   "request_id": str(uuid.uuid5(rng, str(i))),
-                   "timestamp": (start + timedelta(seconds=i)).isoformat(),
-                   "policy": adapter or cfg.model.base_model}
+            rec = {
+                "prompt": t.prompt,
+                "response": r,
+                "reward": reward,
+                "task_id": t.task_id,
+                "family": t.family,
+                "request_id": str(uuid.uuid5(rng, str(i))),
+                "timestamp": (start + timedelta(seconds=i)).isoformat(),
+                "policy": adapter or cfg.model.base_model,
+            }
             f.write(json.dumps(rec) + "\n")
     os.replace(tmp, out)  # a half-written file never looks like a finished execution log
     n = len(tasks_)

@@ -17,6 +17,7 @@ Writes under ``<round_dir>/validate/``:
 The notebook notebooks/30_inspect_validate.ipynb calls the same functions. Heavy imports (pandas,
 matplotlib, mlflow, scipy) live inside functions so that ``hermes-lab --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,8 @@ def load_train_log(path: str | Path) -> pd.DataFrame:
 
 def _normalise_key(key: str, keys: set[str]) -> str:
     # some integrations prefix training metrics with "train/"; TRL's own names are what the rules use
-    if key.startswith("train/") and key[len("train/"):] not in keys:
-        return key[len("train/"):]
+    if key.startswith("train/") and key[len("train/") :] not in keys:
+        return key[len("train/") :]
     return key
 
 
@@ -127,8 +128,12 @@ def read_run_json(train_dir: str | Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def load_curves(train_dir: str | Path | None = None, run_id: str | None = None,
-                tracking_uri: str | None = None, runs_dir: str | Path = "runs") -> pd.DataFrame:
+def load_curves(
+    train_dir: str | Path | None = None,
+    run_id: str | None = None,
+    tracking_uri: str | None = None,
+    runs_dir: str | Path = "runs",
+) -> pd.DataFrame:
     """Curves of one training run: MLflow first (``run_id`` or run.json's), else train_log.jsonl.
 
     ``df.attrs["source"]`` says which one was used, ``df.attrs["fallback"]`` why MLflow was not.
@@ -202,8 +207,9 @@ def earlier_train_dirs(round_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(out)]
 
 
-def load_comparisons(items: list[str | Path], tracking_uri: str | None = None,
-                     runs_dir: str | Path = "runs") -> dict[str, pd.DataFrame]:
+def load_comparisons(
+    items: list[str | Path], tracking_uri: str | None = None, runs_dir: str | Path = "runs"
+) -> dict[str, pd.DataFrame]:
     """Curves of earlier rounds by label; an item is a train dir or an MLflow run id. Bad ones are skipped
     with a printed note: a missing old round must not stop today's inspection."""
     out: dict[str, pd.DataFrame] = {}
@@ -224,16 +230,22 @@ def load_comparisons(items: list[str | Path], tracking_uri: str | None = None,
 
 
 # ------------------------------------------------------------------------------------------- diagnostics
-def _diag(rule: str, severity: str, message: str, advice: str = "", step: Any = None,
-          value: Any = None) -> dict[str, Any]:
+def _diag(
+    rule: str, severity: str, message: str, advice: str = "", step: Any = None, value: Any = None
+) -> dict[str, Any]:
     v = None if value is None or not math.isfinite(float(value)) else float(value)
-    return {"rule": rule, "severity": severity, "step": None if step is None else int(step), "value": v,
-            "message": message, "advice": advice}
+    return {
+        "rule": rule,
+        "severity": severity,
+        "step": None if step is None else int(step),
+        "value": v,
+        "message": message,
+        "advice": advice,
+    }
 
 
 def _finite(df: pd.DataFrame, col: str) -> pd.Series:
     import numpy as np
-
     import pandas as pd
 
     if col not in df.columns:
@@ -259,7 +271,7 @@ def _neighbour_median(a: Any, window: int) -> Any:
     for i in range(n):
         # a full-size window shifted inwards at both ends: three edge points would be a noisy median
         lo = max(0, min(i - h, n - 1 - 2 * h))
-        nb = np.concatenate([a[lo:i], a[i + 1:lo + 2 * h + 1]])
+        nb = np.concatenate([a[lo:i], a[i + 1 : lo + 2 * h + 1]])
         out[i] = np.median(nb) if nb.size else a[i]
     return out
 
@@ -280,13 +292,19 @@ def check_nan(df: pd.DataFrame) -> dict[str, Any]:
     msg = f"NaN/inf at step {first} in {', '.join(cols)}"
     if more:
         msg += f" (later also in {', '.join(more)})"
-    return _diag("nan", "fail", msg, step=first,
-                 advice="Look for reward outliers in the training data and normalise the rewards (clip to "
-                        "0..scale, scale_rewards); lower grpo.learning_rate if the loss still blows up.")
+    return _diag(
+        "nan",
+        "fail",
+        msg,
+        step=first,
+        advice="Look for reward outliers in the training data and normalise the rewards (clip to "
+        "0..scale, scale_rewards); lower grpo.learning_rate if the loss still blows up.",
+    )
 
 
-def check_kl_spike(df: pd.DataFrame, window: int = 10, k: float = 6.0, min_jump: float = 0.02,
-                   ratio: float = 3.0) -> dict[str, Any]:
+def check_kl_spike(
+    df: pd.DataFrame, window: int = 10, k: float = 6.0, min_jump: float = 0.02, ratio: float = 3.0
+) -> dict[str, Any]:
     """A KL value that jumps over the rolling median of the previous ``window`` steps (plus their trend)
     by more than ``k`` robust standard deviations (1.4826 * MAD, at least 10% of the median), by at
     least ``min_jump`` in absolute terms and to at least ``ratio`` times the expected value. Per-batch KL
@@ -312,25 +330,34 @@ def check_kl_spike(df: pd.DataFrame, window: int = 10, k: float = 6.0, min_jump:
     jump = s - expected
     hit = (jump > k * scale) & (jump > min_jump) & (s >= ratio * expected)
     if not hit.any():
-        return _diag("kl_spike", "ok", f"KL has no spike (max {s.max():.4g} at step {int(s.idxmax())})",
-                     step=int(s.idxmax()), value=s.max())
+        return _diag(
+            "kl_spike",
+            "ok",
+            f"KL has no spike (max {s.max():.4g} at step {int(s.idxmax())})",
+            step=int(s.idxmax()),
+            value=s.max(),
+        )
     # Sustained (the next steps stay up: the policy moved away) fails; an isolated batch that KL comes
     # straight back from warns. A spike in the last logged step cannot be told apart: it fails.
     steps = list(s.index)
     sustained = []
     for st in s.index[hit.to_numpy()]:
-        after = s.iloc[steps.index(st) + 1:steps.index(st) + 1 + SUSTAIN_STEPS]
+        after = s.iloc[steps.index(st) + 1 : steps.index(st) + 1 + SUSTAIN_STEPS]
         sustained.append(after.empty or float(after.median()) > expected[st] + 0.5 * jump[st])
     hits = [int(st) for st in s.index[hit.to_numpy()]]
     first = next((st for st, sus in zip(hits, sustained) if sus), hits[0])
     kind = "sustained" if any(sustained) else "isolated: KL came back down in the next steps"
     peak_step = int(s[hit].idxmax())
-    return _diag("kl_spike", "fail" if any(sustained) else "warn",
-                 f"KL spike at step {first}: {s[first]:.4g} where the last {int(count[first])} steps predict "
-                 f"{expected[first]:.4g} ({kind}; peak {s[peak_step]:.4g} at step {peak_step}; {len(hits)} "
-                 f"spiking step(s))",
-                 step=first, value=s[first],
-                 advice=f"KL spike at step {first}: the policy ran off; raise kl_coefficient and rerun.")
+    return _diag(
+        "kl_spike",
+        "fail" if any(sustained) else "warn",
+        f"KL spike at step {first}: {s[first]:.4g} where the last {int(count[first])} steps predict "
+        f"{expected[first]:.4g} ({kind}; peak {s[peak_step]:.4g} at step {peak_step}; {len(hits)} "
+        f"spiking step(s))",
+        step=first,
+        value=s[first],
+        advice=f"KL spike at step {first}: the policy ran off; raise kl_coefficient and rerun.",
+    )
 
 
 def check_kl_high(df: pd.DataFrame, kl_warn: float = 0.5) -> dict[str, Any]:
@@ -340,17 +367,23 @@ def check_kl_high(df: pd.DataFrame, kl_warn: float = 0.5) -> dict[str, Any]:
         return _diag("kl_high", "ok", "no KL logged: nothing to check")
     over = s[s > kl_warn]
     if over.empty:
-        return _diag("kl_high", "ok", f"KL stays below {kl_warn:g} (max {s.max():.4g})",
-                     step=int(s.idxmax()), value=s.max())
+        return _diag(
+            "kl_high", "ok", f"KL stays below {kl_warn:g} (max {s.max():.4g})", step=int(s.idxmax()), value=s.max()
+        )
     first = int(over.index[0])
-    return _diag("kl_high", "warn", f"KL exceeds {kl_warn:g} from step {first} (max {s.max():.4g})",
-                 step=first, value=over.iloc[0],
-                 advice="KL is not staying bounded: raise grpo.kl_coefficient (or lower the learning rate) "
-                        "and rerun.")
+    return _diag(
+        "kl_high",
+        "warn",
+        f"KL exceeds {kl_warn:g} from step {first} (max {s.max():.4g})",
+        step=first,
+        value=over.iloc[0],
+        advice="KL is not staying bounded: raise grpo.kl_coefficient (or lower the learning rate) and rerun.",
+    )
 
 
-def check_reward_rising(df: pd.DataFrame, window_frac: float = 0.25, alpha: float = 0.05,
-                        reward_max: float | None = None) -> dict[str, Any]:
+def check_reward_rising(
+    df: pd.DataFrame, window_frac: float = 0.25, alpha: float = 0.05, reward_max: float | None = None
+) -> dict[str, Any]:
     """Compare the first and the last window of the reward with a one-sided Welch t-test, plus a
     Theil-Sen slope: 'ok' when the rise is significant, 'warn' when flat, 'fail' when it falls."""
     import numpy as np
@@ -358,12 +391,21 @@ def check_reward_rising(df: pd.DataFrame, window_frac: float = 0.25, alpha: floa
 
     s = _finite(df, "reward")
     if s.size == 0:
-        return _diag("reward_rising", "warn", "no reward curve logged", advice="Check the training log: "
-                     "the trainer must log 'reward' every logging step.")
+        return _diag(
+            "reward_rising",
+            "warn",
+            "no reward curve logged",
+            advice="Check the training log: the trainer must log 'reward' every logging step.",
+        )
     if s.size < 6:
-        return _diag("reward_rising", "warn", f"only {s.size} reward points: too few to judge the trend",
-                     step=int(s.index[-1]), value=s.iloc[-1],
-                     advice="Train longer (grpo.max_steps) or log more often (grpo.logging_steps).")
+        return _diag(
+            "reward_rising",
+            "warn",
+            f"only {s.size} reward points: too few to judge the trend",
+            step=int(s.index[-1]),
+            value=s.iloc[-1],
+            advice="Train longer (grpo.max_steps) or log more often (grpo.logging_steps).",
+        )
     w = max(3, int(round(s.size * window_frac)))
     first, last = s.iloc[:w].to_numpy(), s.iloc[-w:].to_numpy()
     slope = float(stats.theilslopes(s.to_numpy(), s.index.to_numpy(dtype=float))[0])
@@ -371,21 +413,35 @@ def check_reward_rising(df: pd.DataFrame, window_frac: float = 0.25, alpha: floa
     with np.errstate(all="ignore"):
         p_up = float(stats.ttest_ind(last, first, equal_var=False, alternative="greater").pvalue)
         p_down = float(stats.ttest_ind(last, first, equal_var=False, alternative="less").pvalue)
-    desc = (f"reward {first.mean():.3g} over the first {w} steps -> {last.mean():.3g} over the last {w} "
-            f"(delta {d:+.3g}, slope {slope:+.3g}/step")
+    desc = (
+        f"reward {first.mean():.3g} over the first {w} steps -> {last.mean():.3g} over the last {w} "
+        f"(delta {d:+.3g}, slope {slope:+.3g}/step"
+    )
     step, val = int(s.index[-1]), float(last.mean())
     if reward_max and first.mean() >= 0.95 * reward_max:
         return _diag("reward_rising", "ok", desc + "): reward already near its maximum", step=step, value=val)
     if d > 0 and (p_up < alpha or (math.isnan(p_up) and slope > 0)):
         return _diag("reward_rising", "ok", desc + f", p={p_up:.3g}): reward rises", step=step, value=val)
     if d < 0 and (p_down < alpha or (math.isnan(p_down) and slope < 0)):
-        return _diag("reward_rising", "fail", desc + f", p={p_down:.3g}): reward falls", step=step, value=val,
-                     advice="Reward falls during training: the policy is getting worse. Check the reward "
-                            "functions for bugs and the KL (raise kl_coefficient), lower the learning rate.")
-    return _diag("reward_rising", "warn", desc + f", p={p_up:.3g}): reward is not rising", step=step, value=val,
-                 advice="Reward is flat: check groups have reward spread (frac_reward_zero_std; raise "
-                        "temperature), spot-check the reward model against human labels (>= 90% agreement), "
-                        "then raise learning_rate or max_steps.")
+        return _diag(
+            "reward_rising",
+            "fail",
+            desc + f", p={p_down:.3g}): reward falls",
+            step=step,
+            value=val,
+            advice="Reward falls during training: the policy is getting worse. Check the reward "
+            "functions for bugs and the KL (raise kl_coefficient), lower the learning rate.",
+        )
+    return _diag(
+        "reward_rising",
+        "warn",
+        desc + f", p={p_up:.3g}): reward is not rising",
+        step=step,
+        value=val,
+        advice="Reward is flat: check groups have reward spread (frac_reward_zero_std; raise "
+        "temperature), spot-check the reward model against human labels (>= 90% agreement), "
+        "then raise learning_rate or max_steps.",
+    )
 
 
 def check_zero_std_groups(df: pd.DataFrame, warn: float = 0.8, reward_max: float | None = None) -> dict[str, Any]:
@@ -395,24 +451,31 @@ def check_zero_std_groups(df: pd.DataFrame, warn: float = 0.8, reward_max: float
         return _diag("zero_std_groups", "ok", "frac_reward_zero_std not logged: nothing to check")
     mean = float(s.mean())
     if mean <= warn:
-        return _diag("zero_std_groups", "ok", f"groups have reward spread (mean frac_reward_zero_std "
-                     f"{mean:.2f} <= {warn:g})", step=int(s.idxmax()), value=mean)
+        return _diag(
+            "zero_std_groups",
+            "ok",
+            f"groups have reward spread (mean frac_reward_zero_std {mean:.2f} <= {warn:g})",
+            step=int(s.idxmax()),
+            value=mean,
+        )
     over = s[s > warn]
     first = int(over.index[0]) if not over.empty else int(s.index[0])
     sev = "fail" if float(s.min()) >= 0.999 else "warn"
-    msg = (f"{mean:.0%} of groups (mean over {s.size} steps) have all-equal rewards; above {warn:g} "
-           f"from step {first}")
+    msg = f"{mean:.0%} of groups (mean over {s.size} steps) have all-equal rewards; above {warn:g} from step {first}"
     r = _finite(df, "reward")
     solved = reward_max and r.size and float(r.loc[r.index >= first].mean()) >= 0.9 * reward_max
-    advice = ("All rewards equal in a group means zero advantage: raise temperature (grpo.temperature, "
-              "0.8-1.0 keeps groups diverse) or group_size.")
+    advice = (
+        "All rewards equal in a group means zero advantage: raise temperature (grpo.temperature, "
+        "0.8-1.0 keeps groups diverse) or group_size."
+    )
     if solved:
         advice += " The reward is near its maximum too: the prompts are solved; harder prompts give more signal."
     return _diag("zero_std_groups", sev, msg, step=first, value=mean, advice=advice)
 
 
-def check_reward_outliers(df: pd.DataFrame, z: float = 6.0, window: int = 7,
-                          reward_max: float | None = None) -> dict[str, Any]:
+def check_reward_outliers(
+    df: pd.DataFrame, z: float = 6.0, window: int = 7, reward_max: float | None = None
+) -> dict[str, Any]:
     """Per-step reward (and per-function means) against the median of the neighbouring steps: robust z
     of the residual (residual / (1.4826 * MAD)). Detrending first keeps a rising reward from looking like
     outliers. Reports the worst one."""
@@ -436,17 +499,32 @@ def check_reward_outliers(df: pd.DataFrame, z: float = 6.0, window: int = 7,
         return _diag("reward_outliers", "ok", f"no per-step reward outliers (robust z <= {z:g})")
     zmax, st, c, v = max(found)
     steps = sorted({t[1] for t in found})
-    return _diag("reward_outliers", "warn",
-                 f"{len(steps)} step(s) with outlying reward (robust z > {z:g}), first at step {steps[0]}; "
-                 f"worst {c}={v:.4g} at step {st} (z={zmax:.1f})", step=st, value=v,
-                 advice="Look for reward outliers in the data (prep flags them) and normalise the rewards; "
-                        "an outlier-driven update can end in NaN loss.")
+    return _diag(
+        "reward_outliers",
+        "warn",
+        f"{len(steps)} step(s) with outlying reward (robust z > {z:g}), first at step {steps[0]}; "
+        f"worst {c}={v:.4g} at step {st} (z={zmax:.1f})",
+        step=st,
+        value=v,
+        advice="Look for reward outliers in the data (prep flags them) and normalise the rewards; "
+        "an outlier-driven update can end in NaN loss.",
+    )
 
 
-def diagnose(df: pd.DataFrame, *, kl_warn: float = 0.5, zero_std_warn: float = 0.8, kl_spike_k: float = 6.0,
-             kl_spike_min_jump: float = 0.02, kl_spike_ratio: float = 3.0, window: int = 10,
-             trend_window: float = 0.25, alpha: float = 0.05, outlier_z: float = 6.0,
-             reward_max: float | None = None) -> list[dict[str, Any]]:
+def diagnose(
+    df: pd.DataFrame,
+    *,
+    kl_warn: float = 0.5,
+    zero_std_warn: float = 0.8,
+    kl_spike_k: float = 6.0,
+    kl_spike_min_jump: float = 0.02,
+    kl_spike_ratio: float = 3.0,
+    window: int = 10,
+    trend_window: float = 0.25,
+    alpha: float = 0.05,
+    outlier_z: float = 6.0,
+    reward_max: float | None = None,
+) -> list[dict[str, Any]]:
     """Every rule of thumb on one run's curves; one entry per rule (severity 'ok' when clean)."""
     return [
         check_nan(df),
@@ -465,11 +543,19 @@ def diagnose_with_config(df: pd.DataFrame, cfg: Any) -> list[dict[str, Any]]:
     weights = cfg.reward.weights or [1.0] * len(cfg.reward.types)
     # TRL's "reward" is the weighted sum of the reward functions, so its ceiling is scale * sum(weights)
     reward_max = cfg.reward.scale * (sum(weights) if n_fn == 0 or n_fn == len(weights) else n_fn)
-    return diagnose(df, kl_warn=cfg.grpo.kl_warn, zero_std_warn=cfg.grpo.zero_std_warn,
-                    kl_spike_k=v.kl_spike_k, kl_spike_min_jump=v.kl_spike_min_jump,
-                    kl_spike_ratio=v.kl_spike_ratio, window=v.curve_window,
-                    trend_window=v.trend_window, alpha=v.alpha, outlier_z=v.reward_outlier_z,
-                    reward_max=reward_max)
+    return diagnose(
+        df,
+        kl_warn=cfg.grpo.kl_warn,
+        zero_std_warn=cfg.grpo.zero_std_warn,
+        kl_spike_k=v.kl_spike_k,
+        kl_spike_min_jump=v.kl_spike_min_jump,
+        kl_spike_ratio=v.kl_spike_ratio,
+        window=v.curve_window,
+        trend_window=v.trend_window,
+        alpha=v.alpha,
+        outlier_z=v.reward_outlier_z,
+        reward_max=reward_max,
+    )
 
 
 def worst(diags: list[dict[str, Any]]) -> str:
@@ -490,14 +576,27 @@ class _Panel:
 PANELS = [
     _Panel("reward", "Reward (mean +/- std over completions)", "reward", ["reward"], ["reward"]),
     _Panel("kl", "KL to the reference policy", "KL", ["kl"], ["kl"]),
-    _Panel("frac_reward_zero_std", "Groups with zero reward spread", "fraction", ["frac_reward_zero_std"],
-           ["frac_reward_zero_std"]),
+    _Panel(
+        "frac_reward_zero_std",
+        "Groups with zero reward spread",
+        "fraction",
+        ["frac_reward_zero_std"],
+        ["frac_reward_zero_std"],
+    ),
     _Panel("entropy", "Policy entropy", "nats/token", ["entropy"], ["entropy"]),
-    _Panel("completion_lengths", "Completion length", "tokens",
-           ["completions/mean_length", "completions/min_length", "completions/max_length"],
-           ["completions/mean_length"]),
-    _Panel("clip_ratios", "Clipping: policy ratio (clip_ratio/*) and truncated completions", "fraction",
-           ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/clipped_ratio"]),
+    _Panel(
+        "completion_lengths",
+        "Completion length",
+        "tokens",
+        ["completions/mean_length", "completions/min_length", "completions/max_length"],
+        ["completions/mean_length"],
+    ),
+    _Panel(
+        "clip_ratios",
+        "Clipping: policy ratio (clip_ratio/*) and truncated completions",
+        "fraction",
+        ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/clipped_ratio"],
+    ),
     _Panel("learning_rate", "Learning rate", "lr", ["learning_rate"]),
     _Panel("loss_grad_norm", "Loss and gradient norm", "value", ["loss", "grad_norm"], ["loss"]),
 ]
@@ -507,8 +606,7 @@ def _has(df: pd.DataFrame, col: str) -> bool:
     return col in df.columns and bool(df[col].notna().any())
 
 
-def _plot_panel(panel: _Panel, df: pd.DataFrame, compare: dict[str, pd.DataFrame],
-                marks: dict[str, list[int]]) -> Any:
+def _plot_panel(panel: _Panel, df: pd.DataFrame, compare: dict[str, pd.DataFrame], marks: dict[str, list[int]]) -> Any:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -529,8 +627,15 @@ def _plot_panel(panel: _Panel, df: pd.DataFrame, compare: dict[str, pd.DataFrame
         for c in panel.overlay:
             if _has(other, c):
                 s = other[c].dropna()
-                ax.plot(s.index, s.to_numpy(), color=palette[len(cols) + j], lw=1.1, ls="--", alpha=0.8,
-                        label=f"{label}: {c}")
+                ax.plot(
+                    s.index,
+                    s.to_numpy(),
+                    color=palette[len(cols) + j],
+                    lw=1.1,
+                    ls="--",
+                    alpha=0.8,
+                    label=f"{label}: {c}",
+                )
     for c in cols:
         for st in marks.get(c, []):
             if st in df.index:
@@ -549,8 +654,11 @@ def _plot_reward_functions(df: pd.DataFrame, compare: dict[str, pd.DataFrame]) -
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    names = [c[len("rewards/"):-len("/mean")] for c in df.columns
-             if c.startswith("rewards/") and c.endswith("/mean") and _has(df, c)]
+    names = [
+        c[len("rewards/") : -len("/mean")]
+        for c in df.columns
+        if c.startswith("rewards/") and c.endswith("/mean") and _has(df, c)
+    ]
     if not names:
         return None
     with sns.axes_style("whitegrid"):
@@ -573,8 +681,13 @@ def _plot_reward_functions(df: pd.DataFrame, compare: dict[str, pd.DataFrame]) -
     return fig
 
 
-def plot_curves(df: pd.DataFrame, out_dir: str | Path, compare: dict[str, pd.DataFrame] | None = None,
-                diagnostics: list[dict[str, Any]] | None = None, close: bool = True) -> dict[str, Path]:
+def plot_curves(
+    df: pd.DataFrame,
+    out_dir: str | Path,
+    compare: dict[str, pd.DataFrame] | None = None,
+    diagnostics: list[dict[str, Any]] | None = None,
+    close: bool = True,
+) -> dict[str, Path]:
     """Render every panel whose metrics were logged; PNGs under ``out_dir`` (and the active MLflow run).
     A panel with no logged metric is skipped rather than drawn empty. ``close=False`` leaves the figures
     open so a notebook shows them."""
@@ -583,8 +696,13 @@ def plot_curves(df: pd.DataFrame, out_dir: str | Path, compare: dict[str, pd.Dat
     from hermes_lab import tracking
 
     compare = compare or {}
-    marks = {"kl": [d["step"] for d in diagnostics or [] if d["rule"] == "kl_spike" and d["severity"] != "ok"
-                    and d["step"] is not None]}
+    marks = {
+        "kl": [
+            d["step"]
+            for d in diagnostics or []
+            if d["rule"] == "kl_spike" and d["severity"] != "ok" and d["step"] is not None
+        ]
+    }
     out_dir = Path(out_dir)
     written: dict[str, Path] = {}
     figs = [(p.name, _plot_panel(p, df, compare, marks)) for p in PANELS[:1]]
@@ -608,14 +726,29 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
         s = df[c].dropna()
         if s.empty:
             continue
-        rows.append({"metric": c, "first": s.iloc[0], "last": s.iloc[-1], "min": s.min(), "max": s.max(),
-                     "mean": s.mean(), "n": int(s.size)})
+        rows.append(
+            {
+                "metric": c,
+                "first": s.iloc[0],
+                "last": s.iloc[-1],
+                "min": s.min(),
+                "max": s.max(),
+                "mean": s.mean(),
+                "n": int(s.size),
+            }
+        )
     return pd.DataFrame(rows).set_index("metric") if rows else pd.DataFrame()
 
 
 # ------------------------------------------------------------------------------------------- the stage
-def inspect_run(train_dir: str | Path, out_dir: str | Path, cfg: Any, compare: list[str | Path] | None = None,
-                run_id: str | None = None, close: bool = True) -> dict[str, Any]:
+def inspect_run(
+    train_dir: str | Path,
+    out_dir: str | Path,
+    cfg: Any,
+    compare: list[str | Path] | None = None,
+    run_id: str | None = None,
+    close: bool = True,
+) -> dict[str, Any]:
     """Load, plot, diagnose; write ``out_dir/diagnostics.json``; log to the active MLflow run if any.
     Returns {"curves", "compare", "diagnostics", "plots", "worst", "path"}."""
     import mlflow
@@ -627,9 +760,15 @@ def inspect_run(train_dir: str | Path, out_dir: str | Path, cfg: Any, compare: l
     out_dir = Path(out_dir)
     plots = plot_curves(df, out_dir / "plots", compare=others, diagnostics=diags, close=close)
     report = {
-        "train_dir": str(train_dir), "source": df.attrs.get("source"), "fallback": df.attrs.get("fallback"),
-        "n_steps": int(len(df)), "last_step": int(df.index.max()), "worst": worst(diags),
-        "compared_with": list(others), "plots": {k: str(v) for k, v in plots.items()}, "diagnostics": diags,
+        "train_dir": str(train_dir),
+        "source": df.attrs.get("source"),
+        "fallback": df.attrs.get("fallback"),
+        "n_steps": int(len(df)),
+        "last_step": int(df.index.max()),
+        "worst": worst(diags),
+        "compared_with": list(others),
+        "plots": {k: str(v) for k, v in plots.items()},
+        "diagnostics": diags,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "diagnostics.json"
@@ -639,8 +778,14 @@ def inspect_run(train_dir: str | Path, out_dir: str | Path, cfg: Any, compare: l
         mlflow.set_tag("diagnostics.worst", report["worst"])
         for sev in SEVERITIES[1:]:
             mlflow.log_metric(f"diagnostics/{sev}_count", sum(d["severity"] == sev for d in diags))
-    return {"curves": df, "compare": others, "diagnostics": diags, "plots": plots, "worst": report["worst"],
-            "path": path}
+    return {
+        "curves": df,
+        "compare": others,
+        "diagnostics": diags,
+        "plots": plots,
+        "worst": report["worst"],
+        "path": path,
+    }
 
 
 def diagnostics_table(diags: list[dict[str, Any]]) -> pd.DataFrame:
@@ -655,8 +800,12 @@ def diagnostics_table(diags: list[dict[str, Any]]) -> pd.DataFrame:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-dir", required=True, help="Training output dir (train_log.jsonl, run.json).")
     p.add_argument("--run-id", default=None, help="MLflow run id of the training run (default: run.json's).")
-    p.add_argument("--compare", nargs="*", default=None,
-                   help="Earlier train dirs or run ids to overlay (default: earlier runs/round-*/train).")
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=None,
+        help="Earlier train dirs or run ids to overlay (default: earlier runs/round-*/train).",
+    )
     p.add_argument("--params", default=None, help="YAML config (thresholds: grpo guards, validate section).")
     p.add_argument("--output", required=True, help="Where diagnostics.json and plots/ go.")
     p.add_argument("--strict", action="store_true", help="Exit 3 when a diagnostic fails.")

@@ -4,6 +4,7 @@ Every reader of a JSONL file the workbench wrote (train logs, review queues, req
 same thing: objects with their 1-based line numbers, blank lines skipped, and an error that names the
 file and line. User input (trajectories) goes through prep's own, more forgiving ingest instead.
 """
+
 from __future__ import annotations
 
 import json

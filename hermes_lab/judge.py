@@ -19,6 +19,7 @@ In code: ``ApiJudge.from_config(cfg).score(prompts, responses, references)``. ``
 reply ('4', 'Score: 4/5', '8/10' rescaled, ...); a reply without a usable score raises JudgeParseError
 quoting it, and is not cached.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,11 +44,15 @@ class JudgeParseError(ApiError):
 
 
 JUDGE_PROMPT_VERSION = "v1"  # part of the cache key: changing the prompt must not reuse old scores
-JUDGE_SYSTEM = ("You grade a candidate response against a reference response for the same task. "
-                "Reply with a single number from 0 to {scale} and nothing else.")
-JUDGE_USER = ("<task>\n{prompt}\n</task>\n<reference>\n{reference}\n</reference>\n<response>\n{response}\n"
-              "</response>\nScore the response against the reference on 0..{scale}: {scale} = as good as the "
-              "reference (same result), 0 = wrong, empty or off-task. Reply with the number only.")
+JUDGE_SYSTEM = (
+    "You grade a candidate response against a reference response for the same task. "
+    "Reply with a single number from 0 to {scale} and nothing else."
+)
+JUDGE_USER = (
+    "<task>\n{prompt}\n</task>\n<reference>\n{reference}\n</reference>\n<response>\n{response}\n"
+    "</response>\nScore the response against the reference on 0..{scale}: {scale} = as good as the "
+    "reference (same result), 0 = wrong, empty or off-task. Reply with the number only."
+)
 _NUM = r"[-+]?\d+(?:\.\d+)?"
 
 
@@ -62,8 +67,9 @@ def parse_score(text: str, scale: float = 5) -> float:
     if re.fullmatch(_NUM, bare):
         value = float(bare)
     else:
-        m = (re.search(rf"\b(?:score|rating|grade)\b\W{{0,6}}({_NUM})(?:\s*(?:/|out of)\s*({_NUM}))?", t, re.I)
-             or re.search(rf"({_NUM})\s*(?:/|out of)\s*({_NUM})", t, re.I))
+        m = re.search(
+            rf"\b(?:score|rating|grade)\b\W{{0,6}}({_NUM})(?:\s*(?:/|out of)\s*({_NUM}))?", t, re.I
+        ) or re.search(rf"({_NUM})\s*(?:/|out of)\s*({_NUM})", t, re.I)
         if m:
             value, den = float(m.group(1)), float(m.group(2)) if m.group(2) else None
         else:
@@ -119,14 +125,23 @@ class ApiJudge:
     client's retries; answers are cached on disk (key: sha256 of model, prompt, response, reference,
     scale and prompt version), so a rerun asks only for what is new. ``stats`` counts requests and hits."""
 
-    def __init__(self, client: ApiClient, model: str | None = None, *, scale: float = 5, concurrency: int = 8,
-                 cache_path: str | os.PathLike[str] | None = None, temperature: float = 0.0,
-                 max_tokens: int | None = 64):
+    def __init__(
+        self,
+        client: ApiClient,
+        model: str | None = None,
+        *,
+        scale: float = 5,
+        concurrency: int = 8,
+        cache_path: str | os.PathLike[str] | None = None,
+        temperature: float = 0.0,
+        max_tokens: int | None = 64,
+    ):
         self.client = client
         self.model = (model or client.model or "").strip()
         if not self.model:
-            raise ApiConfigError("the judge needs a model id (reward.model): base URL, key and model id "
-                                 "must all be set.")
+            raise ApiConfigError(
+                "the judge needs a model id (reward.model): base URL, key and model id must all be set."
+            )
         self.scale, self.concurrency = float(scale), concurrency
         self.temperature, self.max_tokens = temperature, max_tokens
         self.cache = _JsonlCache(cache_path)
@@ -137,8 +152,10 @@ class ApiJudge:
         """From a HermesConfig's reward section; the cache defaults to <runs_dir>/cache/judge.jsonl."""
         r = cfg.reward
         if not r.model or r.model.strip().lower() == "local":
-            raise ApiConfigError("reward.model is empty or 'local': the comparison reward then uses the local "
-                                 "judge, not the API (set reward.model to a judge served at reward.base_url).")
+            raise ApiConfigError(
+                "reward.model is empty or 'local': the comparison reward then uses the local "
+                "judge, not the API (set reward.model to a judge served at reward.base_url)."
+            )
         client = ApiClient.from_config(cfg, "reward", **client_kw)
         if cache_path is None:
             cache_path = Path(cfg.round.runs_dir) / "cache" / "judge.jsonl"
@@ -153,17 +170,24 @@ class ApiJudge:
 
     def messages(self, prompt: str, response: str, reference: str) -> list[dict[str, str]]:
         s = f"{self.scale:g}"
-        return [{"role": "system", "content": JUDGE_SYSTEM.format(scale=s)},
-                {"role": "user", "content": JUDGE_USER.format(prompt=prompt, response=response,
-                                                              reference=reference, scale=s)}]
+        return [
+            {"role": "system", "content": JUDGE_SYSTEM.format(scale=s)},
+            {
+                "role": "user",
+                "content": JUDGE_USER.format(prompt=prompt, response=response, reference=reference, scale=s),
+            },
+        ]
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str],
-              progress: bool | None = None) -> list[float]:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str], progress: bool | None = None
+    ) -> list[float]:
         """Scores on 0..scale, one per response. Raises the first error (typed) once every other answer
         is cached, so a rerun only asks again for what failed."""
         if not len(prompts) == len(responses) == len(references):
-            raise ValueError(f"judge: prompts ({len(prompts)}), responses ({len(responses)}) and references "
-                             f"({len(references)}) must have the same length")
+            raise ValueError(
+                f"judge: prompts ({len(prompts)}), responses ({len(responses)}) and references "
+                f"({len(references)}) must have the same length"
+            )
         scores: list[float | None] = [None] * len(prompts)
         todo: dict[str, list[int]] = {}
         for i, (p, r, ref) in enumerate(zip(prompts, responses, references)):
@@ -178,10 +202,15 @@ class ApiJudge:
         if keys:
             batch = [self.messages(prompts[todo[k][0]], responses[todo[k][0]], references[todo[k][0]]) for k in keys]
             self.stats["requests"] += len(keys)
-            replies = self.client.chat_many(batch, self.concurrency, return_exceptions=True,
-                                            progress=len(keys) >= 100 if progress is None else progress,
-                                            model=self.model, temperature=self.temperature,
-                                            max_tokens=self.max_tokens)
+            replies = self.client.chat_many(
+                batch,
+                self.concurrency,
+                return_exceptions=True,
+                progress=len(keys) >= 100 if progress is None else progress,
+                model=self.model,
+                temperature=self.temperature,
+                max_tokens=self.max_tokens,
+            )
             failures: list[ApiError] = []
             for key, reply in zip(keys, replies):
                 if isinstance(reply, ApiError):

@@ -9,14 +9,16 @@ The embedded default needs no hub download. It is a Qwen2-style causal LM (so Lo
 v_proj/o_proj exist) of about 0.3M parameters with a character-level tokenizer built with the
 ``tokenizers`` library, trained for about a minute on a deliberately *noisy teacher*: on a share of the
 training examples the teacher's answer is corrupted (a swapped, dropped, doubled or replaced
-character, or a format slip: a trailing period, quotes, chatter). The policy therefore learns the right answer as its main mode with plausible wrong answers
-beside it, and its *sampled* pass rate at temperature 0.9 lands mid-range: the headroom GRPO is for.
+character, or a format slip: a trailing period, quotes, chatter). The policy therefore learns the right
+answer as its main mode with plausible wrong answers beside it, and its *sampled* pass rate at temperature
+0.9 lands mid-range: the headroom GRPO is for.
 
 Everything is loaded through ``AutoModelForCausalLM`` / ``AutoTokenizer``, so ``load_policy`` takes a
 Qwen2.5-0.5B id or path just as well. The tokenizer is saved with ``tokenizer_class:
 PreTrainedTokenizerFast`` because AutoTokenizer would otherwise pick Qwen2's tokenizer class from the
 model config and re-tokenize differently (tests/test_policy.py checks the round trip).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +35,9 @@ from typing import Any
 
 from hermes_lab import tasks as T
 
-TINY_VERSION = 5          # bump when the recipe changes: a new cache dir is built
+TINY_VERSION = 5  # bump when the recipe changes: a new cache dir is built
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-NOISE = 0.5               # share of teacher answers that are corrupted
+NOISE = 0.5  # share of teacher answers that are corrupted
 TINY_STEPS = 900
 TINY_BATCH = 128
 
@@ -64,8 +66,9 @@ def build_tokenizer() -> Any:
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *_byte_alphabet()])}
-    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD,
-                          padding_side="left", model_max_length=256)
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD, padding_side="left", model_max_length=256
+    )
 
 
 def _tiny_model(vocab_size: int, seed: int) -> Any:
@@ -73,9 +76,19 @@ def _tiny_model(vocab_size: int, seed: int) -> Any:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -116,13 +129,18 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int) -> tuple[Any, Any]:
     labels = torch.full((n, width), -100, dtype=torch.long)
     for i, (p, a) in enumerate(rows):  # right padding for training; generation pads left
         seq = p + a
-        ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, len(p):len(seq)] = torch.tensor(a)
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(p) : len(seq)] = torch.tensor(a)
     return ids, labels
 
 
-def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, force: bool = False,
-                      quiet: bool = False, steps: int = TINY_STEPS) -> Path:
+def build_tiny_policy(
+    runs_dir: str | os.PathLike[str] = "runs",
+    seed: int = 0,
+    force: bool = False,
+    quiet: bool = False,
+    steps: int = TINY_STEPS,
+) -> Path:
     """Build (or reuse) the embedded tiny base policy; returns its directory.
 
     ``steps`` other than the recipe's builds a separate, smaller policy (tests of determinism)."""
@@ -162,9 +180,14 @@ def build_tiny_policy(runs_dir: str | os.PathLike[str] = "runs", seed: int = 0, 
         policy = load_policy(str(tmp))
         held = T.generate_tasks(200, split="heldout", seed=seed)
         report = evaluate(policy, held, temperature=0.9, samples_per_task=2, seed=seed)
-        report.update(seed=seed, version=TINY_VERSION, noise=NOISE, steps=steps,
-                      build_seconds=round(time.time() - t0, 1),
-                      parameters=sum(p.numel() for p in model.parameters()))
+        report.update(
+            seed=seed,
+            version=TINY_VERSION,
+            noise=NOISE,
+            steps=steps,
+            build_seconds=round(time.time() - t0, 1),
+            parameters=sum(p.numel() for p in model.parameters()),
+        )
         (tmp / "build.json").write_text(json.dumps(report, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
@@ -181,8 +204,15 @@ class Policy:
     def __repr__(self) -> str:
         return f"Policy({self.name!r}, adapter={self.adapter!r})"
 
-    def generate(self, prompts: list[str], temperature: float = 0.9, max_new_tokens: int = 16, seed: int = 0,
-                 batch_size: int = 64, progress: bool = False) -> list[str]:
+    def generate(
+        self,
+        prompts: list[str],
+        temperature: float = 0.9,
+        max_new_tokens: int = 16,
+        seed: int = 0,
+        batch_size: int = 64,
+        progress: bool = False,
+    ) -> list[str]:
         """One completion per prompt (temperature 0: greedy). Deterministic for a given seed."""
         import torch
         from tqdm.auto import tqdm
@@ -191,19 +221,20 @@ class Policy:
         tok.padding_side = "left"
         starts = range(0, len(prompts), batch_size)
         for i in tqdm(starts, desc=f"generate {self.name}", disable=not progress, mininterval=2):
-            chunk = prompts[i:i + batch_size]
+            chunk = prompts[i : i + batch_size]
             enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(self.model.device) for k, v in enc.items()}
             torch.manual_seed(seed * 1_000_003 + i)
-            kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                                      eos_token_id=tok.eos_token_id)
+            kw: dict[str, Any] = dict(
+                max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+            )
             if temperature > 0:
                 kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
             else:
                 kw.update(do_sample=False)
             with torch.no_grad():
                 gen = self.model.generate(**enc, **kw)
-            new = gen[:, enc["input_ids"].shape[1]:]
+            new = gen[:, enc["input_ids"].shape[1] :]
             out.extend(tok.batch_decode(new, skip_special_tokens=True))
         return out
 
@@ -219,9 +250,15 @@ def resolve_model_name(name: str, runs_dir: str | os.PathLike[str] = "runs", see
     return name
 
 
-def load_policy(name_or_path: str, adapter: str | None = None, runs_dir: str | os.PathLike[str] = "runs",
-                seed: int = 0, dtype: str = "auto", trust_remote_code: bool = False,
-                device: str | None = None) -> Policy:
+def load_policy(
+    name_or_path: str,
+    adapter: str | None = None,
+    runs_dir: str | os.PathLike[str] = "runs",
+    seed: int = 0,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    device: str | None = None,
+) -> Policy:
     """Load a policy from a hub id, a local dir, 'embedded:tiny', or a LoRA adapter dir (its base is read
     from adapter_config.json). ``adapter`` stacks a LoRA adapter on the base."""
     import torch
@@ -247,8 +284,15 @@ def load_policy(name_or_path: str, adapter: str | None = None, runs_dir: str | o
 
 
 # ------------------------------------------------------------------------------------------- evaluation
-def evaluate(policy: Policy, tasks: list[T.Task], temperature: float = 0.9, samples_per_task: int = 1,
-             seed: int = 0, max_new_tokens: int = 16, threshold: float = 3.0) -> dict[str, Any]:
+def evaluate(
+    policy: Policy,
+    tasks: list[T.Task],
+    temperature: float = 0.9,
+    samples_per_task: int = 1,
+    seed: int = 0,
+    max_new_tokens: int = 16,
+    threshold: float = 3.0,
+) -> dict[str, Any]:
     """Sampled pass rate and mean reward, overall and per family (pass: verifier score >= threshold)."""
     prompts = [t.prompt for t in tasks for _ in range(samples_per_task)]
     answers = [t for t in tasks for _ in range(samples_per_task)]
@@ -259,11 +303,18 @@ def evaluate(policy: Policy, tasks: list[T.Task], temperature: float = 0.9, samp
     allv = [v for vs in per.values() for v in vs]
 
     def stats(vs: list[float]) -> dict[str, Any]:
-        return {"pass_rate": round(sum(v >= threshold for v in vs) / len(vs), 4),
-                "mean_reward": round(sum(vs) / len(vs), 4), "n": len(vs)}
+        return {
+            "pass_rate": round(sum(v >= threshold for v in vs) / len(vs), 4),
+            "mean_reward": round(sum(vs) / len(vs), 4),
+            "n": len(vs),
+        }
 
-    return {**stats(allv), "temperature": temperature, "samples_per_task": samples_per_task,
-            "per_family": {f: stats(vs) for f, vs in sorted(per.items())}}
+    return {
+        **stats(allv),
+        "temperature": temperature,
+        "samples_per_task": samples_per_task,
+        "per_family": {f: stats(vs) for f, vs in sorted(per.items())},
+    }
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -34,6 +34,7 @@ Exit codes: 0 ok, 2 bad input (PrepError), 3 a gate refused (GateRefused); summa
     hermes-lab prep --input runs/round-01/trajectories.jsonl --output runs/round-01/prep --params params/embedded.yaml
     python -m hermes_lab.prep --input a.jsonl b.jsonl --output DIR [--override-cooldown --reason TEXT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, pa
 
 BOM = b"\xef\xbb\xbf"
 REQUIRED = ("prompt", "response", "reward", "task_id")
-RAW_KEEP = 4096          # bytes of a too-long line kept in rejects.jsonl
+RAW_KEEP = 4096  # bytes of a too-long line kept in rejects.jsonl
 PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 
@@ -141,12 +142,15 @@ class _Ingest:
 
     def __init__(self, out: Path, scale: float, max_line_bytes: int):
         self.scale, self.cap = scale, max_line_bytes
-        self.cols: dict[str, list[Any]] = {k: [] for k in ("prompt", "response", "reward", "task_id", "family",
-                                                            "file", "line", "negative")}
+        self.cols: dict[str, list[Any]] = {
+            k: [] for k in ("prompt", "response", "reward", "task_id", "family", "file", "line", "negative")
+        }
         self.seen: dict[tuple[str, str, str], str] = {}
         self.files: list[dict[str, Any]] = []
-        self.sinks = {name: open(out / f"{name}.jsonl", "w", encoding="utf-8", newline="\n")
-                      for name in ("accepted", "negatives", "duplicates", "rejects")}
+        self.sinks = {
+            name: open(out / f"{name}.jsonl", "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in close())
+            for name in ("accepted", "negatives", "duplicates", "rejects")
+        }
 
     def close(self) -> None:
         for f in self.sinks.values():
@@ -157,16 +161,32 @@ class _Ingest:
         st["by_reason"][reason] += 1
         if len(st["first_errors"]) < 5:
             st["first_errors"].append(f"line {lineno}: {reason}" + (f" ({detail})" if detail else ""))
-        rec = {"file": st["file"], "line": lineno, "reason": reason, "detail": detail,
-               "raw": raw.decode("utf-8", errors="backslashreplace"), **extra}
+        rec = {
+            "file": st["file"],
+            "line": lineno,
+            "reason": reason,
+            "detail": detail,
+            "raw": raw.decode("utf-8", errors="backslashreplace"),
+            **extra,
+        }
         self.sinks["rejects"].write(json.dumps(rec) + "\n")
 
     def scan(self, path: Path, role: str, round_no: int | None) -> dict[str, Any]:
         from tqdm import tqdm
 
-        st: dict[str, Any] = {"file": str(path), "role": role, "round": round_no, "lines": 0, "blank": 0,
-                              "read": 0, "accepted": 0, "rejected": 0, "duplicates": 0,
-                              "by_reason": Counter(), "first_errors": []}
+        st: dict[str, Any] = {
+            "file": str(path),
+            "role": role,
+            "round": round_no,
+            "lines": 0,
+            "blank": 0,
+            "read": 0,
+            "accepted": 0,
+            "rejected": 0,
+            "duplicates": 0,
+            "by_reason": Counter(),
+            "first_errors": [],
+        }
         fidx, negative = len(self.files), role == "negative"
         self.files.append(st)
         c = self.cols
@@ -178,8 +198,14 @@ class _Ingest:
         enc = json.encoder.encode_basestring_ascii  # C encoder: a duplicate costs no dict dumps
         file_js = enc(st["file"])
         size = path.stat().st_size
-        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"prep {path.name}", disable=size < PROGRESS_MIN,
-                   mininterval=1.0)
+        bar = tqdm(
+            total=size,
+            unit="B",
+            unit_scale=True,
+            desc=f"prep {path.name}",
+            disable=size < PROGRESS_MIN,
+            mininterval=1.0,
+        )
         lineno = pending = read = blank = accepted = dups = 0
         with open(path, "rb") as f:
             readline = f.readline
@@ -199,8 +225,14 @@ class _Ingest:
                         total += len(chunk)
                     pending += total - len(raw)
                     read += 1
-                    self._reject(st, lineno, "line too long", f"{total} bytes > data.max_line_bytes {cap}",
-                                 raw[:RAW_KEEP], raw_truncated=True)
+                    self._reject(
+                        st,
+                        lineno,
+                        "line too long",
+                        f"{total} bytes > data.max_line_bytes {cap}",
+                        raw[:RAW_KEEP],
+                        raw_truncated=True,
+                    )
                     continue
                 line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw.rstrip(b"\r")
                 if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
@@ -230,8 +262,9 @@ class _Ingest:
                 first = seen.get(key)
                 if first is not None:
                     dups += 1
-                    dup_out.write(f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {enc(first)}, '
-                                  f'"raw": {enc(text)}}}\n')
+                    dup_out.write(
+                        f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {enc(first)}, "raw": {enc(text)}}}\n'
+                    )
                     continue
                 seen[key] = f"{st['file']}:{lineno}"
                 accepted += 1
@@ -306,14 +339,16 @@ def _split_of(task_id: str, fraction: float, cache: dict[str, bool]) -> bool:
 class _Prompt:
     """One row of the GRPO / held-out prompt set, accumulated over the records of its prompt."""
 
-    __slots__ = ("task_id", "family", "reference", "ref_reward", "n", "total", "neg_source", "neg_round", "n_out")
+    __slots__ = ("family", "n", "n_out", "neg_round", "neg_source", "ref_reward", "reference", "task_id", "total")
 
     def __init__(self, task_id: str | None, family: str, response: str, reward: float):
         self.task_id, self.family, self.reference, self.ref_reward = task_id, family, response, reward
         self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
 
 
-def _group(ing: _Ingest, fams: list[str], is_out: Any, frac: float) -> tuple[dict[str, _Prompt], dict[str, _Prompt], int]:
+def _group(
+    ing: _Ingest, fams: list[str], is_out: Any, frac: float
+) -> tuple[dict[str, _Prompt], dict[str, _Prompt], int]:
     """Split by task_id hash and group by prompt. A prompt also logged under a held-out task_id is held out
     whole (no prompt leaks either); a held-out row always names a held-out task_id."""
     c, files = ing.cols, ing.files
@@ -322,7 +357,9 @@ def _group(ing: _Ingest, fams: list[str], is_out: Any, frac: float) -> tuple[dic
     held_prompts = {p for p, h in zip(c["prompt"], held) if h}
     groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
     moved = 0
-    for i, (p, resp, r, tid, neg) in enumerate(zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])):
+    for i, (p, resp, r, tid, neg) in enumerate(
+        zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])
+    ):
         h = held[i] or p in held_prompts
         moved += h and not held[i]
         g = groups[h].get(p)
@@ -344,20 +381,22 @@ def _prompt_table(groups: dict[str, _Prompt], neg_weight: int) -> Any:
     import pyarrow as pa
 
     gs = list(groups.values())
-    return pa.table({
-        "prompt": pa.array(list(groups), pa.string()),
-        "task_id": pa.array([g.task_id for g in gs], pa.string()),
-        "family": pa.array([g.family for g in gs], pa.string()),
-        "reference": pa.array([g.reference for g in gs], pa.string()),
-        "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
-        "n_logged": pa.array([g.n for g in gs], pa.int64()),
-        "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
-        "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
-        "weight": pa.array([neg_weight if g.neg_source is not None else 1 for g in gs], pa.int64()),
-        "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
-        "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
-        "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
-    })
+    return pa.table(
+        {
+            "prompt": pa.array(list(groups), pa.string()),
+            "task_id": pa.array([g.task_id for g in gs], pa.string()),
+            "family": pa.array([g.family for g in gs], pa.string()),
+            "reference": pa.array([g.reference for g in gs], pa.string()),
+            "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
+            "n_logged": pa.array([g.n for g in gs], pa.int64()),
+            "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
+            "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
+            "weight": pa.array([neg_weight if g.neg_source is not None else 1 for g in gs], pa.int64()),
+            "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
+            "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
+            "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
+        }
+    )
 
 
 def expand_by_weight(dataset: Any) -> Any:
@@ -390,7 +429,9 @@ def _review_sample(ing: _Ingest, fams: list[str], cfg: HermesConfig, path: Path)
     low, high = 0.3 * scale, cfg.reward.success_threshold  # on the 5 scale: low < 1.5, high >= 3
     seed, rf = cfg.data.seed, cfg.data.review_fraction
     strata: dict[tuple[str, str], list[tuple[bytes, str, int]]] = {}
-    for i, (p, resp, r, tid, neg) in enumerate(zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])):
+    for i, (p, resp, r, tid, neg) in enumerate(
+        zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])
+    ):
         if neg:
             continue
         rid = hashlib.sha1((tid + p + resp).encode("utf-8")).hexdigest()[:12]
@@ -403,13 +444,28 @@ def _review_sample(ing: _Ingest, fams: list[str], cfg: HermesConfig, path: Path)
     with open(path, "w", encoding="utf-8") as f:
         for _, rid, i in sorted(picked):
             p, resp, r = c["prompt"][i], c["response"][i], c["reward"][i]
-            f.write(json.dumps({"review_id": rid, "task_id": c["task_id"][i], "family": fams[i], "prompt": p,
-                                "response": resp, "reward": r,
-                                "reward_band": "low" if r < low else "high" if r >= high else "mid",
-                                "simulated_label": tasks.verify(p, resp, scale) if tasks.family_of(p) else None})
-                    + "\n")  # ASCII escapes: readers that splitlines() must not split on U+2028
-    return {"fraction": rf, "seed": seed, "population": sum(map(len, strata.values())), "size": len(picked),
-            "strata": {f"{fa}|{b}": len(m) for (fa, b), m in sorted(strata.items())}}
+            f.write(
+                json.dumps(
+                    {
+                        "review_id": rid,
+                        "task_id": c["task_id"][i],
+                        "family": fams[i],
+                        "prompt": p,
+                        "response": resp,
+                        "reward": r,
+                        "reward_band": "low" if r < low else "high" if r >= high else "mid",
+                        "simulated_label": tasks.verify(p, resp, scale) if tasks.family_of(p) else None,
+                    }
+                )
+                + "\n"
+            )  # ASCII escapes: readers that splitlines() must not split on U+2028
+    return {
+        "fraction": rf,
+        "seed": seed,
+        "population": sum(map(len, strata.values())),
+        "size": len(picked),
+        "strata": {f"{fa}|{b}": len(m) for (fa, b), m in sorted(strata.items())},
+    }
 
 
 def _fmt_span(td: timedelta) -> str:
@@ -417,12 +473,19 @@ def _fmt_span(td: timedelta) -> str:
     return f"{minutes // 60}h {minutes % 60}m"
 
 
-def evaluate_gates(new_samples: int, cfg: HermesConfig, state: FlywheelState | None, now: datetime,
-                   override_cooldown: bool = False, override_reason: str = "") -> list[dict[str, Any]]:
+def evaluate_gates(
+    new_samples: int,
+    cfg: HermesConfig,
+    state: FlywheelState | None,
+    now: datetime,
+    override_cooldown: bool = False,
+    override_reason: str = "",
+) -> list[dict[str, Any]]:
     """The data gates, as {name, passed, detail}: volume (min_samples) and the hard cooldown."""
     need = cfg.data.min_samples
-    gates = [{"name": "min_samples", "passed": new_samples >= need,
-              "detail": f"{new_samples} new samples (need >= {need})"}]
+    gates = [
+        {"name": "min_samples", "passed": new_samples >= need, "detail": f"{new_samples} new samples (need >= {need})"}
+    ]
     last = parse_time(state.last_train_time) if state is not None else None
     hours = cfg.data.cooldown_hours
     if last is None:
@@ -431,15 +494,26 @@ def evaluate_gates(new_samples: int, cfg: HermesConfig, state: FlywheelState | N
     stamp = last.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     left = timedelta(hours=hours) - (now - last)
     if left <= timedelta(0):
-        gates.append({"name": "cooldown", "passed": True,
-                      "detail": f"{_fmt_span(now - last)} since last training {stamp} (cooldown {hours:g}h)"})
+        gates.append(
+            {
+                "name": "cooldown",
+                "passed": True,
+                "detail": f"{_fmt_span(now - last)} since last training {stamp} (cooldown {hours:g}h)",
+            }
+        )
     elif override_cooldown:
-        gates.append({"name": "cooldown", "passed": True, "overridden": True,
-                      "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp}); "
-                                f"OVERRIDDEN: {override_reason}"})
+        gates.append(
+            {
+                "name": "cooldown",
+                "passed": True,
+                "overridden": True,
+                "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp}); OVERRIDDEN: {override_reason}",
+            }
+        )
     else:
-        gates.append({"name": "cooldown", "passed": False,
-                      "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp})"})
+        gates.append(
+            {"name": "cooldown", "passed": False, "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp})"}
+        )
     return gates
 
 
@@ -462,8 +536,13 @@ def _plots(out: Path, fams: list[str], rewards: Any, by_reason: Counter, scale: 
     ax = fig.subplots()
     fam_arr = np.asarray(fams, dtype=object)
     for fam, count in Counter(fams).most_common(8):
-        ax.hist(rewards[fam_arr == fam], bins=np.linspace(0, scale, 21), histtype="step", linewidth=1.5,
-                label=f"{fam} (n={count})")
+        ax.hist(
+            rewards[fam_arr == fam],
+            bins=np.linspace(0, scale, 21),
+            histtype="step",
+            linewidth=1.5,
+            label=f"{fam} (n={count})",
+        )
     ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
     if fams:
         ax.legend(fontsize=8)
@@ -492,11 +571,22 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
     if mlflow.active_run() is None:
         return
     ov = summary["override"]
-    log_params({"prep.inputs": ",".join(summary["inputs"]), "prep.negatives": ",".join(summary["negatives"]),
-                "prep.override_cooldown": ov["cooldown"], "prep.override_reason": ov["reason"]})
+    log_params(
+        {
+            "prep.inputs": ",".join(summary["inputs"]),
+            "prep.negatives": ",".join(summary["negatives"]),
+            "prep.override_cooldown": ov["cooldown"],
+            "prep.override_reason": ov["reason"],
+        }
+    )
     mlflow.log_metrics({f"prep.{k}": float(v) for k, v in summary["counts"].items()})
-    mlflow.set_tags({"prep.status": summary["status"], "prep.gates_passed": str(summary["gates_passed"]).lower(),
-                     "cooldown_override": str(bool(ov["cooldown"])).lower()})
+    mlflow.set_tags(
+        {
+            "prep.status": summary["status"],
+            "prep.gates_passed": str(summary["gates_passed"]).lower(),
+            "cooldown_override": str(bool(ov["cooldown"])).lower(),
+        }
+    )
     for name in ("summary", "review_queue"):
         if name in paths and paths[name].exists():
             mlflow.log_artifact(str(paths[name]), artifact_path="prep")
@@ -507,9 +597,18 @@ def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
     paths["summary"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
 
 
-def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig, state: FlywheelState | None = None,
-             clock: Clock | None = None, override_cooldown: bool = False, override_reason: str = "",
-             negatives: list[str | Path] | None = None, *, make_plots: bool = True) -> PrepResult:
+def run_prep(
+    inputs: list[str | Path],
+    output_dir: str | Path,
+    cfg: HermesConfig,
+    state: FlywheelState | None = None,
+    clock: Clock | None = None,
+    override_cooldown: bool = False,
+    override_reason: str = "",
+    negatives: list[str | Path] | None = None,
+    *,
+    make_plots: bool = True,
+) -> PrepResult:
     """Ingest, validate, distill and gate. Raises PrepError (bad input) or GateRefused, after writing summary.json."""
     import numpy as np
 
@@ -522,8 +621,10 @@ def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig
         raise PrepError("no input file given")
     if clock is None:
         clock = state.clock(True) if state is not None and cfg.round.simulated_clock else WallClock()
-    neg_files = [(Path(p), _round_of(str(p), state, i), "state.negative_files")
-                 for i, p in enumerate(state.negative_files if state else [])]
+    neg_files = [
+        (Path(p), _round_of(str(p), state, i), "state.negative_files")
+        for i, p in enumerate(state.negative_files if state else [])
+    ]
     neg_files += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
     for p in map(Path, inputs):
         if not p.is_file():
@@ -533,8 +634,9 @@ def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig
             raise PrepError(f"negative file not found: {p} (listed in {origin})")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {n: out / f"{n}.jsonl" for n in ("accepted", "negatives", "duplicates", "rejects", "outliers",
-                                              "review_queue")} | {"summary": out / "summary.json"}
+    paths = {
+        n: out / f"{n}.jsonl" for n in ("accepted", "negatives", "duplicates", "rejects", "outliers", "review_queue")
+    } | {"summary": out / "summary.json"}
     ing = _Ingest(out, float(cfg.reward.scale), cfg.data.max_line_bytes)
     try:
         files = [ing.scan(Path(p), "input", None) for p in inputs]
@@ -547,22 +649,31 @@ def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig
     counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
     by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
     summary: dict[str, Any] = {
-        "stage": "prep", "status": "ok", "now": clock.now().isoformat(), "output_dir": str(out),
-        "inputs": [str(p) for p in inputs], "negatives": [str(p) for p, _, _ in neg_files],
+        "stage": "prep",
+        "status": "ok",
+        "now": clock.now().isoformat(),
+        "output_dir": str(out),
+        "inputs": [str(p) for p in inputs],
+        "negatives": [str(p) for p, _, _ in neg_files],
         "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
-        "counts": counts, "by_reason": dict(by_reason.most_common()),
+        "counts": counts,
+        "by_reason": dict(by_reason.most_common()),
         "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
         "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
-        "gates": [], "gates_passed": False,
+        "gates": [],
+        "gates_passed": False,
     }
     too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
     if too_bad:
         summary["status"] = "bad_input"
         _write_summary(summary, paths)
         _log_mlflow(summary, paths)
-        msgs = [f"{f['file']}: {f['rejected']} of {f['read']} non-blank lines rejected "
-                f"({f['rejected'] / f['read']:.1%} > data.max_bad_fraction {cfg.data.max_bad_fraction:.0%}); "
-                f"first: {'; '.join(f['first_errors'])}" for f in too_bad]
+        msgs = [
+            f"{f['file']}: {f['rejected']} of {f['read']} non-blank lines rejected "
+            f"({f['rejected'] / f['read']:.1%} > data.max_bad_fraction {cfg.data.max_bad_fraction:.0%}); "
+            f"first: {'; '.join(f['first_errors'])}"
+            for f in too_bad
+        ]
         raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
 
     c = ing.cols
@@ -572,10 +683,21 @@ def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig
     is_out = np.abs(z) > cfg.data.outlier_z
     with open(paths["outliers"], "w", encoding="utf-8") as f:
         for i in np.flatnonzero(is_out).tolist():
-            f.write(json.dumps({"file": files[c["file"][i]]["file"], "line": c["line"][i], "task_id": c["task_id"][i],
-                                "reward": c["reward"][i], "z": round(float(z[i]), 3)}) + "\n")
-    summary["outliers"].update(count=int(is_out.sum()),
-                               action="flagged and kept; rewards outside 0..scale were rejected at ingest")
+            f.write(
+                json.dumps(
+                    {
+                        "file": files[c["file"][i]]["file"],
+                        "line": c["line"][i],
+                        "task_id": c["task_id"][i],
+                        "reward": c["reward"][i],
+                        "z": round(float(z[i]), 3),
+                    }
+                )
+                + "\n"
+            )
+    summary["outliers"].update(
+        count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
+    )
 
     grpo, held, moved = _group(ing, fams, is_out, cfg.data.holdout_fraction)
     w = cfg.data.negative_weight
@@ -585,22 +707,33 @@ def run_prep(inputs: list[str | Path], output_dir: str | Path, cfg: HermesConfig
     held_tids = set(tables["heldout_dataset"]["task_id"].to_pylist())
     n_neg = sum(g.neg_source is not None for g in grpo.values())
     summary["split"] = {
-        "holdout_fraction": cfg.data.holdout_fraction, "grpo_prompts": len(grpo), "heldout_prompts": len(held),
-        "grpo_rows_weighted": len(grpo) + n_neg * (w - 1), "grpo_task_ids": len(grpo_tids),
-        "heldout_task_ids": len(held_tids), "task_id_overlap": len(grpo_tids & held_tids),
-        "records_moved_to_heldout": moved, "negative_prompts": n_neg, "negative_weight": w}
+        "holdout_fraction": cfg.data.holdout_fraction,
+        "grpo_prompts": len(grpo),
+        "heldout_prompts": len(held),
+        "grpo_rows_weighted": len(grpo) + n_neg * (w - 1),
+        "grpo_task_ids": len(grpo_tids),
+        "heldout_task_ids": len(held_tids),
+        "task_id_overlap": len(grpo_tids & held_tids),
+        "records_moved_to_heldout": moved,
+        "negative_prompts": n_neg,
+        "negative_weight": w,
+    }
     summary["review"] = _review_sample(ing, fams, cfg, paths["review_queue"])
     summary["families"] = dict(Counter(fams).most_common())
     if make_plots:
         paths.update(_plots(out, fams, rewards, by_reason, float(cfg.reward.scale)))
     t_distill = time.perf_counter()
 
-    summary["gates"] = evaluate_gates(counts["new_samples"], cfg, state, clock.now(), override_cooldown,
-                                      override_reason)
+    summary["gates"] = evaluate_gates(
+        counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
+    )
     summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
     summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
-    summary["timing_s"] = {"ingest": round(t_ingest - t0, 3), "distill": round(t_distill - t_ingest, 3),
-                           "total": round(time.perf_counter() - t0, 3)}
+    summary["timing_s"] = {
+        "ingest": round(t_ingest - t0, 3),
+        "distill": round(t_distill - t_ingest, 3),
+        "total": round(time.perf_counter() - t0, 3),
+    }
     _write_summary(summary, paths)
     _log_mlflow(summary, paths)
     result = PrepResult(summary, out, paths)
@@ -615,16 +748,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s)")
     parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
     parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. --set data.min_samples=100 (repeatable)")
-    parser.add_argument("--negatives", nargs="+", default=[], metavar="FILE",
-                        help="trajectories of rolled-back rounds, carried as negative samples "
-                             "(added to state.negative_files)")
-    parser.add_argument("--state", default=None, metavar="JSON",
-                        help="flywheel state (default: <round.runs_dir>/state.json when it exists)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set data.min_samples=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--negatives",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="trajectories of rolled-back rounds, carried as negative samples (added to state.negative_files)",
+    )
+    parser.add_argument(
+        "--state",
+        default=None,
+        metavar="JSON",
+        help="flywheel state (default: <round.runs_dir>/state.json when it exists)",
+    )
     parser.add_argument("--simulated-now", default=None, metavar="ISO", help="use a simulated clock at this time")
-    parser.add_argument("--override-cooldown", action="store_true",
-                        help="train despite the cooldown (needs --reason; recorded in MLflow and summary.json)")
+    parser.add_argument(
+        "--override-cooldown",
+        action="store_true",
+        help="train despite the cooldown (needs --reason; recorded in MLflow and summary.json)",
+    )
     parser.add_argument("--reason", default="", metavar="TEXT", help="why the cooldown is overridden")
 
 
@@ -646,9 +795,16 @@ def run_cli(args: argparse.Namespace) -> int:
             clock = SimulatedClock(parse_time(args.simulated_now)) if args.simulated_now else None
         except ValueError:
             raise PrepError(f"--simulated-now: not an ISO time: {args.simulated_now!r}") from None
-        res = run_prep(args.input, args.output, cfg, state=state, clock=clock,
-                       override_cooldown=args.override_cooldown, override_reason=args.reason,
-                       negatives=args.negatives)
+        res = run_prep(
+            args.input,
+            args.output,
+            cfg,
+            state=state,
+            clock=clock,
+            override_cooldown=args.override_cooldown,
+            override_reason=args.reason,
+            negatives=args.negatives,
+        )
     except GateRefused as e:
         print(f"hermes-lab prep: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -656,9 +812,11 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"hermes-lab prep: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     k = res.summary["counts"]
-    print(f"prep: {k['accepted']} accepted, {k['rejected']} rejected, {k['duplicates']} duplicates, "
-          f"{k['blank']} blank; {res.summary['split']['grpo_prompts']} GRPO prompts, "
-          f"{res.summary['split']['heldout_prompts']} held out; gates passed -> {res.output_dir}")
+    print(
+        f"prep: {k['accepted']} accepted, {k['rejected']} rejected, {k['duplicates']} duplicates, "
+        f"{k['blank']} blank; {res.summary['split']['grpo_prompts']} GRPO prompts, "
+        f"{res.summary['split']['heldout_prompts']} held out; gates passed -> {res.output_dir}"
+    )
     if k["rejected"]:
         print(f"prep: rejected lines are in {res.paths['rejects']}: {res.summary['by_reason']}", file=sys.stderr)
     return 0

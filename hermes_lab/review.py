@@ -32,6 +32,7 @@ Agreement (reward model vs reviewer, one pair per labelled item; several reviewe
 - ci: Wilson 95% interval of the gated agreement (proportion_confint, method="wilson"); it stays sane at
   agreement near 1 and n ~ 30, where the normal interval leaves [0, 1].
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,8 +124,10 @@ def read_labels(path: str | os.PathLike[str]) -> LoadResult:
             records.append(json.loads(tail))  # complete record, only its newline is missing
         except (json.JSONDecodeError, UnicodeDecodeError):
             result.truncated = True
-            result.message = (f"{p}: ignored a truncated last line ({len(tail)} bytes): the kernel stopped "
-                              f"mid-write. {len(records)} records loaded; that last click is lost, redo it.")
+            result.message = (
+                f"{p}: ignored a truncated last line ({len(tail)} bytes): the kernel stopped "
+                f"mid-write. {len(records)} records loaded; that last click is lost, redo it."
+            )
             warnings.warn(result.message, stacklevel=2)
     return result
 
@@ -170,8 +173,17 @@ class LabelStore:
                 f.write(data[cut:] + b"\n")
             os.truncate(self.path, cut)
 
-    def make_record(self, review_id: str, reviewer: str, label: float | None, *, mode: str = "score",
-                    note: str = "", simulated: bool = False, undo_of: str | None = None) -> dict[str, Any]:
+    def make_record(
+        self,
+        review_id: str,
+        reviewer: str,
+        label: float | None,
+        *,
+        mode: str = "score",
+        note: str = "",
+        simulated: bool = False,
+        undo_of: str | None = None,
+    ) -> dict[str, Any]:
         if label is not None:
             label = float(label)
             if not 0 <= label <= self.scale:
@@ -180,9 +192,17 @@ class LabelStore:
                 raise ValueError(f"pass/fail labels are 0 or {self.scale:g}, got {label}")
         if not reviewer:
             raise ValueError("reviewer id is empty: every label records who gave it")
-        return {"label_id": uuid.uuid4().hex[:16], "review_id": str(review_id), "reviewer": reviewer,
-                "label": label, "mode": mode, "note": note, "simulated": bool(simulated), "undo_of": undo_of,
-                "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
+        return {
+            "label_id": uuid.uuid4().hex[:16],
+            "review_id": str(review_id),
+            "reviewer": reviewer,
+            "label": label,
+            "mode": mode,
+            "note": note,
+            "simulated": bool(simulated),
+            "undo_of": undo_of,
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        }
 
     def append_many(self, recs: list[dict[str, Any]]) -> None:
         """One unbuffered write() and one fsync per batch (per click in the app): a crash can tear only
@@ -198,7 +218,7 @@ class LabelStore:
             self._repair_tail(fd)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -224,8 +244,18 @@ class LabelStore:
             return None
         order = {r["label_id"]: i for i, r in enumerate(self.records)}
         last = max(mine, key=lambda r: order[r["label_id"]])
-        self.append_many([self.make_record(last["review_id"], reviewer, None, mode=last.get("mode", "score"),
-                                           simulated=last.get("simulated", False), undo_of=last["label_id"])])
+        self.append_many(
+            [
+                self.make_record(
+                    last["review_id"],
+                    reviewer,
+                    None,
+                    mode=last.get("mode", "score"),
+                    simulated=last.get("simulated", False),
+                    undo_of=last["label_id"],
+                )
+            ]
+        )
         return last
 
     def labelled_ids(self, reviewer: str) -> set[str]:
@@ -256,16 +286,23 @@ def kappa_from_table(table: Any, wt: str | None = None) -> float | None:
         return None
     k = t.shape[0]
     dist = np.subtract.outer(np.arange(k), np.arange(k))
-    w = {None: dist != 0, "linear": np.abs(dist), "quadratic": dist ** 2}[wt]
+    w = {None: dist != 0, "linear": np.abs(dist), "quadratic": dist**2}[wt]
     p = t / t.sum()
     if (w * np.outer(p.sum(1), p.sum(0))).sum() == 0:  # chance disagreement is 0: kappa is 0/0
         return None
     return float(cohens_kappa(t, wt=wt, return_results=False))  # no variance: it warns on tiny tables
 
 
-def agreement_stats(rewards: list[float], labels: list[float], scored: list[bool] | None = None, *,
-                    scale: float = 5.0, threshold: float = 3.0, weights: str = "quadratic",
-                    alpha: float = 0.05) -> AgreementStats:
+def agreement_stats(
+    rewards: list[float],
+    labels: list[float],
+    scored: list[bool] | None = None,
+    *,
+    scale: float = 5.0,
+    threshold: float = 3.0,
+    weights: str = "quadratic",
+    alpha: float = 0.05,
+) -> AgreementStats:
     """Reward model vs reviewer on paired items. ``scored[i]``: label i is a 0..scale score (not pass/fail)."""
     import numpy as np
     from statsmodels.stats.proportion import proportion_confint
@@ -284,13 +321,20 @@ def agreement_stats(rewards: list[float], labels: list[float], scored: list[bool
 
     def binned(x: Any) -> Any:  # round half up, as a reviewer reads 2.5 on a 0..5 scale
         return np.clip(np.floor(x + 0.5), 0, k - 1).astype(int)
+
     scores = np.zeros((k, k), int)
     np.add.at(scores, (binned(r[s]), binned(h[s])), 1)
     return AgreementStats(
-        n=n, agreement=agree / n if n else None, ci=ci,
-        within1=float((np.abs(r[s] - h[s]) <= 1 + 1e-9).mean()) if s.any() else None, n_scored=int(s.sum()),
-        kappa=kappa_from_table(confusion), kappa_weighted=kappa_from_table(scores, weights),
-        confusion=confusion.tolist(), confusion_scores=scores.tolist())
+        n=n,
+        agreement=agree / n if n else None,
+        ci=ci,
+        within1=float((np.abs(r[s] - h[s]) <= 1 + 1e-9).mean()) if s.any() else None,
+        n_scored=int(s.sum()),
+        kappa=kappa_from_table(confusion),
+        kappa_weighted=kappa_from_table(scores, weights),
+        confusion=confusion.tolist(),
+        confusion_scores=scores.tolist(),
+    )
 
 
 # ------------------------------------------------------------------------------------------- the gate
@@ -352,8 +396,15 @@ def simulate_labels(items: list[dict[str, Any]], store: LabelStore) -> tuple[int
         else:  # not one of the embedded tasks: no verifier can stand in for a human here
             unknown += 1
             continue
-        recs.append(store.make_record(it["review_id"], SIMULATED_REVIEWER, min(max(value, 0.0), store.scale),
-                                      note="task verifier", simulated=True))
+        recs.append(
+            store.make_record(
+                it["review_id"],
+                SIMULATED_REVIEWER,
+                min(max(value, 0.0), store.scale),
+                note="task verifier",
+                simulated=True,
+            )
+        )
     store.append_many(recs)
     return len(recs), unknown
 
@@ -362,9 +413,15 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
-def review_gate(queue_path: str | os.PathLike[str], store_path: str | os.PathLike[str] = DEFAULT_STORE,
-                cfg: HermesConfig | None = None, simulate: bool | None = None, *,
-                round_dir: str | os.PathLike[str] | None = None, write: bool = True) -> GateResult:
+def review_gate(
+    queue_path: str | os.PathLike[str],
+    store_path: str | os.PathLike[str] = DEFAULT_STORE,
+    cfg: HermesConfig | None = None,
+    simulate: bool | None = None,
+    *,
+    round_dir: str | os.PathLike[str] | None = None,
+    write: bool = True,
+) -> GateResult:
     """Compare the reward model with the labels of ``queue_path``'s items and decide.
 
     ``simulate`` None follows cfg.review.simulate. ``round_dir`` (default: the queue's round, i.e. the
@@ -421,42 +478,72 @@ def review_gate(queue_path: str | os.PathLike[str], store_path: str | os.PathLik
         status, msg = AWAITING, f"The review queue {queue_path} is empty: check prep (data.review_fraction)."
     elif n < n_required or value is None:
         status = AWAITING
-        msg = (f"{n} labels so far, {n_required} needed (queue: {len(items)} items). Open notebooks/review.ipynb with "
-               f"queue_path='{queue_path}', set your reviewer id and label {max(n_required - n, 1)} more"
-               + (" in score mode (within1 needs scores)" if value is None and n >= n_required else "")
-               + ", then rerun the gate. Unattended rounds: review.simulate: true (labels marked simulated).")
+        msg = (
+            f"{n} labels so far, {n_required} needed (queue: {len(items)} items). Open notebooks/review.ipynb with "
+            f"queue_path='{queue_path}', set your reviewer id and label {max(n_required - n, 1)} more"
+            + (" in score mode (within1 needs scores)" if value is None and n >= n_required else "")
+            + ", then rerun the gate. Unattended rounds: review.simulate: true (labels marked simulated)."
+        )
     else:
         worst = min(per_family, key=lambda f: per_family[f]["agreement"])
-        stats_txt = (f"{rc.agreement_metric} agreement {_pct(value)} with {who} on {n} labels "
-                     f"(Wilson 95% CI {_pct(st.ci[0])}-{_pct(st.ci[1])}), kappa "
-                     f"{'n/a' if st.kappa is None else f'{st.kappa:.2f}'}")
+        stats_txt = (
+            f"{rc.agreement_metric} agreement {_pct(value)} with {who} on {n} labels "
+            f"(Wilson 95% CI {_pct(st.ci[0])}-{_pct(st.ci[1])}), kappa "
+            f"{'n/a' if st.kappa is None else f'{st.kappa:.2f}'}"
+        )
         if value < rc.min_agreement:
             status = BLOCKED
-            msg = (f"Blocked: {stats_txt}, below review.min_agreement {rc.min_agreement:.0%}. Fix the reward model "
-                   f"before training the policy (reward.types / reward.system / the judge); worst family: {worst} "
-                   f"({_pct(per_family[worst]['agreement'])}).")
+            msg = (
+                f"Blocked: {stats_txt}, below review.min_agreement {rc.min_agreement:.0%}. Fix the reward model "
+                f"before training the policy (reward.types / reward.system / the judge); worst family: {worst} "
+                f"({_pct(per_family[worst]['agreement'])})."
+            )
         elif rc.min_kappa > 0 and (st.kappa or 0.0) < rc.min_kappa:
             status = BLOCKED
-            msg = (f"Blocked: {stats_txt}, below review.min_kappa {rc.min_kappa:.2f}: the raw agreement is mostly "
-                   "chance (nearly all items on one side). Fix the reward model before training the policy.")
+            msg = (
+                f"Blocked: {stats_txt}, below review.min_kappa {rc.min_kappa:.2f}: the raw agreement is mostly "
+                "chance (nearly all items on one side). Fix the reward model before training the policy."
+            )
         else:
             status, msg = PASS, f"Pass: {stats_txt}."
             if st.kappa is not None and st.kappa < 0.4:
-                notes.append("Kappa is low although raw agreement is high: most items sit on one side of the "
-                             "threshold, so much of the agreement is chance. Look at the failures.")
+                notes.append(
+                    "Kappa is low although raw agreement is high: most items sit on one side of the "
+                    "threshold, so much of the agreement is chance. Look at the failures."
+                )
             if st.ci[0] < rc.min_agreement:
                 notes.append(f"The CI reaches below {rc.min_agreement:.0%}: more labels would make this sure.")
     if n_sim:
         msg = f"[SIMULATED: {n_sim} of {n} labels are the task verifier's, not a human's] " + msg
     result = GateResult(
-        status=status, agreement=st.agreement, kappa=st.kappa, ci=st.ci, n_labels=n, per_family=per_family,
-        message=" ".join([msg, *notes]), n_required=n_required, n_queue=len(items), metric=rc.agreement_metric,
-        min_agreement=rc.min_agreement, success_threshold=thr, within1=st.within1, kappa_weighted=st.kappa_weighted, simulated=n_sim > 0,
-        n_simulated=n_sim, reviewers=sorted(reviewers), confusion=st.confusion,
-        confusion_scores=st.confusion_scores, queue_path=str(queue_path), store_path=str(store_path))
+        status=status,
+        agreement=st.agreement,
+        kappa=st.kappa,
+        ci=st.ci,
+        n_labels=n,
+        per_family=per_family,
+        message=" ".join([msg, *notes]),
+        n_required=n_required,
+        n_queue=len(items),
+        metric=rc.agreement_metric,
+        min_agreement=rc.min_agreement,
+        success_threshold=thr,
+        within1=st.within1,
+        kappa_weighted=st.kappa_weighted,
+        simulated=n_sim > 0,
+        n_simulated=n_sim,
+        reviewers=sorted(reviewers),
+        confusion=st.confusion,
+        confusion_scores=st.confusion_scores,
+        queue_path=str(queue_path),
+        store_path=str(store_path),
+    )
     if write:
-        rd = Path(round_dir) if round_dir else (queue_path.parent.parent if queue_path.parent.name == "prep"
-                                                else queue_path.parent)
+        rd = (
+            Path(round_dir)
+            if round_dir
+            else (queue_path.parent.parent if queue_path.parent.name == "prep" else queue_path.parent)
+        )
         write_json_atomic(rd / "review" / "gate.json", result.to_dict())  # the round runner reads it
     _log_mlflow(result, cfg, simulate)
     return result
@@ -473,15 +560,28 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
     if mlflow.active_run() is None:
         return
     rc = cfg.review
-    tracking.log_params({"review.min_agreement": rc.min_agreement, "review.min_labels": rc.min_labels,
-                         "review.agreement_metric": rc.agreement_metric, "review.kappa_weights": rc.kappa_weights,
-                         "review.min_kappa": rc.min_kappa, "review.simulate": simulate,
-                         "review.queue": result.queue_path, "review.labels": result.store_path})
-    metrics = {"review_agreement": result.agreement, "review_within1": result.within1,
-               "review_kappa": result.kappa, "review_kappa_weighted": result.kappa_weighted,
-               "review_n_labels": result.n_labels, "review_n_simulated": result.n_simulated,
-               "review_ci_low": result.ci[0] if result.ci else None,
-               "review_ci_high": result.ci[1] if result.ci else None}
+    tracking.log_params(
+        {
+            "review.min_agreement": rc.min_agreement,
+            "review.min_labels": rc.min_labels,
+            "review.agreement_metric": rc.agreement_metric,
+            "review.kappa_weights": rc.kappa_weights,
+            "review.min_kappa": rc.min_kappa,
+            "review.simulate": simulate,
+            "review.queue": result.queue_path,
+            "review.labels": result.store_path,
+        }
+    )
+    metrics = {
+        "review_agreement": result.agreement,
+        "review_within1": result.within1,
+        "review_kappa": result.kappa,
+        "review_kappa_weighted": result.kappa_weighted,
+        "review_n_labels": result.n_labels,
+        "review_n_simulated": result.n_simulated,
+        "review_ci_low": result.ci[0] if result.ci else None,
+        "review_ci_high": result.ci[1] if result.ci else None,
+    }
     metrics.update({f"review_agreement_{f}": v["agreement"] for f, v in result.per_family.items()})
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
     mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
@@ -493,9 +593,17 @@ def summary_frame(result: GateResult) -> Any:
     """Per-family table (pandas) for the notebooks; a ``simulated`` column keeps simulation visible."""
     import pandas as pd
 
-    rows = {**result.per_family, "ALL": {"n": result.n_labels, "agreement": result.agreement, "ci": result.ci,
-                                         "within1": result.within1, "kappa": result.kappa,
-                                         "kappa_weighted": result.kappa_weighted}}
+    rows = {
+        **result.per_family,
+        "ALL": {
+            "n": result.n_labels,
+            "agreement": result.agreement,
+            "ci": result.ci,
+            "within1": result.within1,
+            "kappa": result.kappa,
+            "kappa_weighted": result.kappa_weighted,
+        },
+    }
     df = pd.DataFrame.from_dict(rows, orient="index")[["n", "agreement", "ci", "within1", "kappa", "kappa_weighted"]]
     df["simulated"] = result.simulated
     return df
@@ -522,13 +630,15 @@ def plot_agreement(result: GateResult) -> Any:
 
 
 def format_result(result: GateResult) -> str:
-    lines = [f"review gate: {result.status.upper()}" + ("  [SIMULATED labels]" if result.simulated else ""),
-             f"  labels {result.n_labels} ({result.n_required} needed, queue {result.n_queue}), "
-             f"reviewers: {', '.join(result.reviewers) or '-'}",
-             f"  agreement {_pct(result.agreement)} (CI {_pct(result.ci[0]) if result.ci else 'n/a'}-"
-             f"{_pct(result.ci[1]) if result.ci else 'n/a'}), within1 {_pct(result.within1)}, kappa "
-             f"{'n/a' if result.kappa is None else f'{result.kappa:.2f}'}, weighted kappa "
-             f"{'n/a' if result.kappa_weighted is None else f'{result.kappa_weighted:.2f}'}"]
+    lines = [
+        f"review gate: {result.status.upper()}" + ("  [SIMULATED labels]" if result.simulated else ""),
+        f"  labels {result.n_labels} ({result.n_required} needed, queue {result.n_queue}), "
+        f"reviewers: {', '.join(result.reviewers) or '-'}",
+        f"  agreement {_pct(result.agreement)} (CI {_pct(result.ci[0]) if result.ci else 'n/a'}-"
+        f"{_pct(result.ci[1]) if result.ci else 'n/a'}), within1 {_pct(result.within1)}, kappa "
+        f"{'n/a' if result.kappa is None else f'{result.kappa:.2f}'}, weighted kappa "
+        f"{'n/a' if result.kappa_weighted is None else f'{result.kappa_weighted:.2f}'}",
+    ]
     for fam, s in result.per_family.items():
         lines.append(f"    {fam:<10} n={s['n']:<4} agreement {_pct(s['agreement'])}  within1 {_pct(s['within1'])}")
     lines.append("  " + result.message)
@@ -537,11 +647,16 @@ def format_result(result: GateResult) -> str:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)")
+    parser.add_argument(
+        "--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)"
+    )
     parser.add_argument("--labels", default=DEFAULT_STORE, help=f"label store (default {DEFAULT_STORE})")
     parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
-    parser.add_argument("--simulate", action="store_true",
-                        help="the task verifier acts as a simulated reviewer (labels marked simulated)")
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="the task verifier acts as a simulated reviewer (labels marked simulated)",
+    )
     parser.add_argument("--round-dir", default=None, help="where review/gate.json goes (default: the queue's round)")
     parser.add_argument("--json", action="store_true", help="print the gate result as JSON")
 
@@ -549,8 +664,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     cfg = load_config(args.params)
     try:
-        result = review_gate(args.queue, args.labels, cfg, simulate=args.simulate or cfg.review.simulate,
-                             round_dir=args.round_dir)
+        result = review_gate(
+            args.queue, args.labels, cfg, simulate=args.simulate or cfg.review.simulate, round_dir=args.round_dir
+        )
     except ConfigError:
         raise
     except (FileNotFoundError, ValueError) as e:

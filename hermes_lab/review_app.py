@@ -19,6 +19,7 @@ without a frontend extension (e.g. ipyevents, not a dependency). So the labeller
 it once, then type a digit (or p/f, s = skip, u = undo) and Enter; the box stays focused. Buttons carry
 the key in their tooltip.
 """
+
 from __future__ import annotations
 
 import html
@@ -32,16 +33,26 @@ def _pre(text: str) -> str:
     # model output is untrusted: everything shown goes through html.escape
     if not text:
         return "<i>(empty)</i>"
-    return ('<div style="max-height:18em;overflow:auto"><pre style="white-space:pre-wrap;margin:0">'
-            f"{html.escape(text)}</pre></div>")
+    return (
+        '<div style="max-height:18em;overflow:auto"><pre style="white-space:pre-wrap;margin:0">'
+        f"{html.escape(text)}</pre></div>"
+    )
 
 
 class ReviewApp:
     """ipywidgets labeller. ``display(app.widget)``; ``app.buttons`` maps 0..scale (score mode) or
     "pass"/"fail" to their Buttons. The reward model's score is never shown while labelling."""
 
-    def __init__(self, queue_path: str | os.PathLike[str], store_path: str | os.PathLike[str] = DEFAULT_STORE,
-                 reviewer: str = "", mode: str = "score", *, scale: float = 5.0, min_labels: int | None = None):
+    def __init__(
+        self,
+        queue_path: str | os.PathLike[str],
+        store_path: str | os.PathLike[str] = DEFAULT_STORE,
+        reviewer: str = "",
+        mode: str = "score",
+        *,
+        scale: float = 5.0,
+        min_labels: int | None = None,
+    ):
         import ipywidgets as w
 
         if mode not in ("score", "passfail"):
@@ -56,13 +67,18 @@ class ReviewApp:
         self.buttons: dict[Any, Any] = {}
         if mode == "score":
             for v in range(int(self.scale) + 1):
-                self.buttons[v] = w.Button(description=str(v), layout=w.Layout(width="3.5em"),
-                                           tooltip=f"Label {v} of {self.scale:g} (key: {v} + Enter in Keys)")
+                self.buttons[v] = w.Button(
+                    description=str(v),
+                    layout=w.Layout(width="3.5em"),
+                    tooltip=f"Label {v} of {self.scale:g} (key: {v} + Enter in Keys)",
+                )
         else:
-            self.buttons["pass"] = w.Button(description="Pass", button_style="success",
-                                            tooltip=f"Pass = {self.scale:g} (key: p + Enter in Keys)")
-            self.buttons["fail"] = w.Button(description="Fail", button_style="danger",
-                                            tooltip="Fail = 0 (key: f + Enter in Keys)")
+            self.buttons["pass"] = w.Button(
+                description="Pass", button_style="success", tooltip=f"Pass = {self.scale:g} (key: p + Enter in Keys)"
+            )
+            self.buttons["fail"] = w.Button(
+                description="Fail", button_style="danger", tooltip="Fail = 0 (key: f + Enter in Keys)"
+            )
         for key, b in self.buttons.items():
             b.on_click(lambda _b, key=key: self.label(key))
         self.skip_button = w.Button(description="Skip", tooltip="Skip for now; it comes back later (key: s)")
@@ -70,21 +86,34 @@ class ReviewApp:
         self.skip_button.on_click(lambda _b: self.skip())
         self.undo_button.on_click(lambda _b: self.undo())
         keys = "0-5" if mode == "score" else "p/f"
-        self.keys = w.Text(description="Keys", continuous_update=False,
-                           placeholder=f"{keys}, s skip, u undo, then Enter")
+        self.keys = w.Text(
+            description="Keys", continuous_update=False, placeholder=f"{keys}, s skip, u undo, then Enter"
+        )
         self.keys.observe(self._on_keys, "value")
         self.note = w.Text(description="Note", placeholder="optional, saved with the next label")
-        self.reviewer_box = w.Text(value=self.reviewer, description="Reviewer", continuous_update=False,
-                                   placeholder="your name or id (required)")
+        self.reviewer_box = w.Text(
+            value=self.reviewer,
+            description="Reviewer",
+            continuous_update=False,
+            placeholder="your name or id (required)",
+        )
         self.reviewer_box.observe(self._on_reviewer, "value")
         self.progress = w.IntProgress(min=0, max=max(1, len(self.items)), description="Labelled")
         self.progress_label = w.Label()
         self.header, self.prompt_html, self.response_html, self.status = w.HTML(), w.HTML(), w.HTML(), w.HTML()
-        self.widget = w.VBox([
-            w.HBox([self.reviewer_box, self.progress, self.progress_label]), self.header,
-            w.HTML("<b>Prompt</b>"), self.prompt_html, w.HTML("<b>Response</b>"), self.response_html,
-            w.HBox(list(self.buttons.values()) + [self.skip_button, self.undo_button]),
-            w.HBox([self.keys, self.note]), self.status])
+        self.widget = w.VBox(
+            [
+                w.HBox([self.reviewer_box, self.progress, self.progress_label]),
+                self.header,
+                w.HTML("<b>Prompt</b>"),
+                self.prompt_html,
+                w.HTML("<b>Response</b>"),
+                self.response_html,
+                w.HBox(list(self.buttons.values()) + [self.skip_button, self.undo_button]),
+                w.HBox([self.keys, self.note]),
+                self.status,
+            ]
+        )
         if self.store.recovered:
             self._say(self.store.recovered)
         self._advance()
@@ -138,7 +167,7 @@ class ReviewApp:
         elif self.mode == "score" and key.isdigit() and int(key) in self.buttons:
             self.label(int(key))
         else:
-            self._say(f"Unknown key {key!r}: use {'0-%d' % int(self.scale) if self.mode == 'score' else 'p/f'}, s or u.")
+            self._say(f"Unknown key {key!r}: use {f'0-{int(self.scale)}' if self.mode == 'score' else 'p/f'}, s or u.")
 
     def _on_reviewer(self, change: dict[str, Any]) -> None:
         self.reviewer, self.index = str(change["new"]).strip(), None
@@ -166,7 +195,9 @@ class ReviewApp:
 
     def _render(self) -> None:
         n = len(self.items)
-        done = len(self.store.labelled_ids(self.reviewer) & {it["review_id"] for it in self.items}) if self.reviewer else 0
+        done = (
+            len(self.store.labelled_ids(self.reviewer) & {it["review_id"] for it in self.items}) if self.reviewer else 0
+        )
         self.progress.value = done
         need = f" · the gate needs {min(self.min_labels, n)}" if self.min_labels else ""
         who = self.reviewer or "(no reviewer yet)"
@@ -176,13 +207,18 @@ class ReviewApp:
             b.disabled = not active
         self.undo_button.disabled = not self.reviewer
         if self.index is None:
-            self.header.value = (f"<b>All {n} items are labelled by {html.escape(who)}.</b> Run the gate: "
-                                 "notebooks/15_review_gate.ipynb or <code>hermes-lab review --queue ...</code>"
-                                 if self.reviewer else "<b>Type your reviewer id above to start.</b>")
+            self.header.value = (
+                f"<b>All {n} items are labelled by {html.escape(who)}.</b> Run the gate: "
+                "notebooks/15_review_gate.ipynb or <code>hermes-lab review --queue ...</code>"
+                if self.reviewer
+                else "<b>Type your reviewer id above to start.</b>"
+            )
             self.prompt_html.value = self.response_html.value = ""
             return
         it = self.items[self.index]
-        self.header.value = (f"<b>Item {self.index + 1} of {n}</b> · family <code>{html.escape(str(it['family']))}"
-                             f"</code> · task <code>{html.escape(str(it['task_id']))}</code>")
+        self.header.value = (
+            f"<b>Item {self.index + 1} of {n}</b> · family <code>{html.escape(str(it['family']))}"
+            f"</code> · task <code>{html.escape(str(it['task_id']))}</code>"
+        )
         self.prompt_html.value = _pre(str(it["prompt"]))
         self.response_html.value = _pre(str(it["response"]))

@@ -23,6 +23,7 @@ the verifier, which is why the embedded default weights it lower.
 Every function is wrapped by a guard: a NaN or infinite reward stops training with a diagnosis (TRL
 would otherwise nan-average it away or, worse, propagate a NaN loss).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -83,8 +84,7 @@ def make_system_reward(cfg: HermesConfig) -> RewardFn:
     return system
 
 
-def local_judge(completion: str, reference: str, ref_reward: float | None, scale: float,
-                threshold: float) -> float:
+def local_judge(completion: str, reference: str, ref_reward: float | None, scale: float, threshold: float) -> float:
     sim = difflib.SequenceMatcher(None, completion.strip(), (reference or "").strip()).ratio()
     if ref_reward is None or ref_reward >= threshold:
         return round(scale * sim, 4)
@@ -99,16 +99,22 @@ def make_comparison_reward(cfg: HermesConfig) -> RewardFn:
 
         judge = ApiJudge.from_config(cfg)
 
-        def comparison(prompts: list[Any], completions: list[Any], reference: list[str] | None = None,
-                       **kw: Any) -> list[float | None]:
+        def comparison(
+            prompts: list[Any], completions: list[Any], reference: list[str] | None = None, **kw: Any
+        ) -> list[float | None]:
             if reference is None:
                 raise RewardError("comparison reward needs a 'reference' column in the GRPO dataset (prep writes it)")
             return judge.score([_text(p) for p in prompts], [_text(c) for c in completions], list(reference))
 
         return comparison
 
-    def comparison(prompts: list[Any], completions: list[Any], reference: list[str] | None = None,
-                   ref_reward: list[float] | None = None, **kw: Any) -> list[float | None]:
+    def comparison(
+        prompts: list[Any],
+        completions: list[Any],
+        reference: list[str] | None = None,
+        ref_reward: list[float] | None = None,
+        **kw: Any,
+    ) -> list[float | None]:
         if reference is None:
             return [None] * len(completions)
         rr = ref_reward if ref_reward is not None else [None] * len(completions)
@@ -142,11 +148,13 @@ def _guard(fn: RewardFn, name: str, samples: SampleLog | None) -> RewardFn:
                 raise RewardError(
                     f"reward '{name}' returned {v} for prompt {_text(prompts[i])[:80]!r} / completion "
                     f"{_text(completions[i])[:80]!r}. A NaN/inf reward poisons the GRPO advantage and the loss: "
-                    f"look for reward outliers in the data, normalise or clip the reward, then rerun.")
+                    f"look for reward outliers in the data, normalise or clip the reward, then rerun."
+                )
         if samples is not None:
             for p, c, v in zip(prompts, completions, out):
-                samples.rows.append({"step": samples.step, "reward_fn": name, "prompt": _text(p),
-                                     "completion": _text(c), "reward": v})
+                samples.rows.append(
+                    {"step": samples.step, "reward_fn": name, "prompt": _text(p), "completion": _text(c), "reward": v}
+                )
         return out
 
     guarded.__name__ = name  # TRL logs rewards/<__name__>/mean
@@ -162,8 +170,10 @@ def get_reward_funcs(cfg: HermesConfig, samples: SampleLog | None = None) -> tup
         elif ":" in name:
             fn, label = import_callable(name, "reward.types entry"), name.rsplit(":", 1)[1]
         else:
-            raise RewardError(f"unknown reward '{name}' in reward.types. Valid names: "
-                              f"{', '.join(REGISTRY)}, or 'package.module:function'")
+            raise RewardError(
+                f"unknown reward '{name}' in reward.types. Valid names: "
+                f"{', '.join(REGISTRY)}, or 'package.module:function'"
+            )
         funcs.append(_guard(fn, label, samples))
     weights = list(cfg.reward.weights) if cfg.reward.weights else [1.0] * len(funcs)
     return funcs, weights

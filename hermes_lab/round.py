@@ -18,6 +18,7 @@ notebook and cell named, and the executed notebook is kept.
 Secrets are never papermill parameters (they would be written into the executed notebooks): stages
 read keys from the environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,12 @@ STAGES = [
     ("compare", "50_round_compare.ipynb"),
 ]
 # exception names a stage raises when its gate says no -> the round's status
-GATE_STOPS = {"GateRefused": "skipped: data gate", "ReviewGateStop": "awaiting review",
-              "RegressionGateStop": "stopped: regression gate", "TrainingHealthError": "stopped: training health"}
+GATE_STOPS = {
+    "GateRefused": "skipped: data gate",
+    "ReviewGateStop": "awaiting review",
+    "RegressionGateStop": "stopped: regression gate",
+    "TrainingHealthError": "stopped: training health",
+}
 
 
 class RoundError(RuntimeError):
@@ -86,8 +91,9 @@ class RoundLock:
             self.f.seek(0)
             holder = self.f.read().strip() or "?"
             self.f.close()
-            raise RoundLocked(f"another round is running on {self.path.parent} ({holder}); wait for it or use "
-                              f"another round.runs_dir") from None
+            raise RoundLocked(
+                f"another round is running on {self.path.parent} ({holder}); wait for it or use another round.runs_dir"
+            ) from None
         self.f.seek(0)
         self.f.truncate()
         self.f.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -110,14 +116,24 @@ def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | 
     if unknown:
         raise RoundError(f"{name}: unknown parameter(s) {unknown}; the notebook takes {sorted(known)}")
     try:
-        pm.execute_notebook(str(src), str(out), parameters=params, kernel_name="python3", cwd=str(REPO),
-                            log_output=True, progress_bar=False, execution_timeout=timeout_s)
+        pm.execute_notebook(
+            str(src),
+            str(out),
+            parameters=params,
+            kernel_name="python3",
+            cwd=str(REPO),
+            log_output=True,
+            progress_bar=False,
+            execution_timeout=timeout_s,
+        )
     except pm.PapermillExecutionError as e:
         stop = GATE_STOPS.get(e.ename)
         if stop:
             raise GateStop(stop, f"{e.ename}: {e.evalue}") from None
-        raise RoundError(f"{name} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: {e.evalue}. "
-                         f"Executed notebook kept at {out}") from None
+        raise RoundError(
+            f"{name} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: {e.evalue}. "
+            f"Executed notebook kept at {out}"
+        ) from None
 
 
 class GateStop(Exception):
@@ -138,8 +154,9 @@ def _baseline_dir(cfg: HermesConfig, state: FlywheelState) -> str:
     return state.champion_adapter or resolve_model_name(cfg.model.base_model, cfg.round.runs_dir, cfg.model.seed)
 
 
-def _stage_params(stage: str, cfg: HermesConfig, params_path: str, rd: Path, parent: str, state: FlywheelState,
-                  n: int) -> dict[str, Any]:
+def _stage_params(
+    stage: str, cfg: HermesConfig, params_path: str, rd: Path, parent: str, state: FlywheelState, n: int
+) -> dict[str, Any]:
     runs = Path(cfg.round.runs_dir)
     common = {"config_path": params_path, "round_dir": str(rd), "parent_run_id": parent}
     champion = state.champion_adapter or ""
@@ -150,8 +167,11 @@ def _stage_params(stage: str, cfg: HermesConfig, params_path: str, rd: Path, par
         prev_ab = runs / f"round-{n - 1:02d}" / "ab" / "requests.jsonl"
         if prev_ab.exists():  # the last round's A/B traffic logs: execution logs of both policies
             inputs.append(str(prev_ab))
-        return common | {"trajectories": ",".join(inputs), "state_path": str(state_path(runs)),
-                         "simulated_now": state.simulated_now or ""}
+        return common | {
+            "trajectories": ",".join(inputs),
+            "state_path": str(state_path(runs)),
+            "simulated_now": state.simulated_now or "",
+        }
     if stage == "review":
         return common | {"labels_path": str(runs / "review" / "labels.jsonl")}
     if stage == "train":
@@ -182,8 +202,10 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         rd = _round_dir(runs, n)
         prog = _progress(rd)
         if prog and not resume:
-            raise RoundError(f"{rd} holds an unfinished round ({prog.get('status')}, stages done: "
-                             f"{prog.get('completed')}); continue it with --resume or remove the folder")
+            raise RoundError(
+                f"{rd} holds an unfinished round ({prog.get('status')}, stages done: "
+                f"{prog.get('completed')}); continue it with --resume or remove the folder"
+            )
         if resume and not prog:
             raise RoundError(f"nothing to resume: {rd} has no progress.json")
         if prog:
@@ -197,10 +219,19 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         tracking.setup(runs, cfg.round.experiment)
         if not prog:
             run = mlflow.start_run(run_name=f"round-{n:02d}", tags={"hermes.round": str(n)})
-            prog = {"round": n, "parent_run_id": run.info.run_id, "completed": [], "timings": {},
-                    "status": "running", "params": params_path}
-            mlflow.log_params(tracking.safe_params({"round.params": params_path, "round.number": n,
-                                                    "round.champion": state.champion_adapter or "base"}))
+            prog = {
+                "round": n,
+                "parent_run_id": run.info.run_id,
+                "completed": [],
+                "timings": {},
+                "status": "running",
+                "params": params_path,
+            }
+            mlflow.log_params(
+                tracking.safe_params(
+                    {"round.params": params_path, "round.number": n, "round.champion": state.champion_adapter or "base"}
+                )
+            )
             mlflow.end_run()
             write_json_atomic(rd / "progress.json", prog)
         parent = prog["parent_run_id"]
@@ -243,15 +274,21 @@ def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> Ro
         write_json_atomic(rd / "progress.json", prog)
         if status != "awaiting review":
             state.last_round = n
-        state.history.append({"round": n, "status": summary["status"], "decision": decision,
-                              "pass_rate": summary.get("pass_rate")})
+        state.history.append(
+            {"round": n, "status": summary["status"], "decision": decision, "pass_rate": summary.get("pass_rate")}
+        )
         state.save(sp)
         with mlflow.start_run(run_id=parent):
             for nb_path in sorted(rd.glob("*.ipynb")):
                 mlflow.log_artifact(str(nb_path), artifact_path="notebooks")
             mlflow.log_artifact(str(rd / "summary.json"))
-            mlflow.set_tags({"round.status": summary["status"], "round.decision": decision or "",
-                             **{f"gate.{g['gate']}": "pass" if g["passed"] else "stop" for g in summary["gates"]}})
+            mlflow.set_tags(
+                {
+                    "round.status": summary["status"],
+                    "round.decision": decision or "",
+                    **{f"gate.{g['gate']}": "pass" if g["passed"] else "stop" for g in summary["gates"]},
+                }
+            )
             if summary.get("pass_rate") is not None:
                 mlflow.log_metric("champion.pass_rate", summary["pass_rate"])
             mlflow.log_metrics({f"time.{k}": v for k, v in prog["timings"].items()})
@@ -267,8 +304,11 @@ def _report_tiny(cfg: HermesConfig) -> None:
     d = build_tiny_policy(cfg.round.runs_dir, cfg.model.seed)
     rep = _read(d / "build.json")
     fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
-    print(f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
-          f"tasks {rep.get('pass_rate', 0):.1%} ({fams}); report in {d / 'build.json'}", flush=True)
+    print(
+        f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
+        f"tasks {rep.get('pass_rate', 0):.1%} ({fams}); report in {d / 'build.json'}",
+        flush=True,
+    )
 
 
 def _log_notebook(parent: str, path: Path) -> None:
@@ -284,8 +324,9 @@ def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _finish(cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dict[str, Any],
-            status: str) -> dict[str, Any]:
+def _finish(
+    cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dict[str, Any], status: str
+) -> dict[str, Any]:
     """Collect the gates, apply the A/B decision (promote / roll back), write summary.json."""
     prep = _read(rd / "prep" / "summary.json")
     review = _read(rd / "review" / "gate.json")
@@ -293,13 +334,29 @@ def _finish(cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dic
     regression = _read(rd / "validate" / "regression.json")
     ab = _read(rd / "ab" / "ab_report.json")
     ev = _read(rd / "train" / "eval.json")
-    gates = [{"gate": g.get("name"), "passed": g.get("passed"), "detail": g.get("detail")} for g in prep.get("gates", [])]
+    gates = [
+        {"gate": g.get("name"), "passed": g.get("passed"), "detail": g.get("detail")} for g in prep.get("gates", [])
+    ]
     if review:
-        gates.append({"gate": "review_agreement", "passed": review.get("status") == "pass", "detail": review.get("message")})
+        gates.append(
+            {"gate": "review_agreement", "passed": review.get("status") == "pass", "detail": review.get("message")}
+        )
     if "train" in prog["completed"]:
-        gates.append({"gate": "training_health", "passed": True, "detail": "; ".join(health.get("warnings", [])) or "no warnings"})
+        gates.append(
+            {
+                "gate": "training_health",
+                "passed": True,
+                "detail": "; ".join(health.get("warnings", [])) or "no warnings",
+            }
+        )
     if regression:
-        gates.append({"gate": "regression", "passed": regression.get("passed"), "detail": "; ".join(regression.get("reasons", [])) or "no family regressed"})
+        gates.append(
+            {
+                "gate": "regression",
+                "passed": regression.get("passed"),
+                "detail": "; ".join(regression.get("reasons", [])) or "no family regressed",
+            }
+        )
     decision = ab.get("decision") if ab else None
     if ab:
         gates.append({"gate": "ab_decision", "passed": decision == "promote", "detail": decision})
@@ -318,11 +375,20 @@ def _finish(cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dic
     # the champion's held-out sampled pass rate on the train stage's fixed task set (same tasks and seed
     # every round, so rounds compare): the candidate's if it was promoted, else the policy it started from
     pass_rate = (ev.get("after") if decision == "promote" else ev.get("before") or {}).get("pass_rate") if ev else None
-    summary = {"round": n, "status": status, "decision": decision, "gates": gates,
-               "timings_s": prog["timings"], "total_s": round(sum(prog["timings"].values()), 1),
-               "pass_rate": pass_rate, "eval": ev, "champion": state.champion_adapter,
-               "stopped_at": prog.get("stopped_at"), "parent_run_id": prog["parent_run_id"],
-               "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision")} if ab else None}
+    summary = {
+        "round": n,
+        "status": status,
+        "decision": decision,
+        "gates": gates,
+        "timings_s": prog["timings"],
+        "total_s": round(sum(prog["timings"].values()), 1),
+        "pass_rate": pass_rate,
+        "eval": ev,
+        "champion": state.champion_adapter,
+        "stopped_at": prog.get("stopped_at"),
+        "parent_run_id": prog["parent_run_id"],
+        "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision")} if ab else None,
+    }
     write_json_atomic(rd / "summary.json", summary)
     return summary
 
@@ -337,7 +403,9 @@ def _register_champion(cfg: HermesConfig, rd: Path) -> None:
         return
     client, name = MlflowClient(), cfg.round.registered_model
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
-        client.create_registered_model(name, description="hermes-lab policies (LoRA adapters); alias 'champion' is live")
+        client.create_registered_model(
+            name, description="hermes-lab policies (LoRA adapters); alias 'champion' is live"
+        )
     # a plain artifact version (MLflow 3's register_model wants a logged model; the adapter is a PEFT folder)
     source = f"{mlflow.get_run(run_id).info.artifact_uri}/adapter"
     mv = client.create_model_version(name, source=source, run_id=run_id, tags={"round": rd.name})
@@ -396,17 +464,28 @@ def status(params_path: str) -> dict[str, Any]:
     pending = cfg.execute.num_tasks  # the embedded execute stage produces these each round
     prev_ab = runs / f"round-{state.last_round:02d}" / "ab" / "requests.jsonl"
     if prev_ab.exists():
-        pending += sum(1 for _ in open(prev_ab, encoding="utf-8"))
+        with open(prev_ab, encoding="utf-8") as f:
+            pending += sum(1 for _ in f)
     if pending < cfg.data.min_samples:
         reasons.append(f"samples: {pending} of {cfg.data.min_samples} new samples")
     unfinished = _progress(_round_dir(runs, state.last_round + 1))
     if unfinished.get("status") == "awaiting review":
-        reasons.append(f"review pending: open notebooks/review.ipynb and label the queue of round "
-                       f"{state.last_round + 1}, then hermes-lab round --resume")
+        reasons.append(
+            f"review pending: open notebooks/review.ipynb and label the queue of round "
+            f"{state.last_round + 1}, then hermes-lab round --resume"
+        )
     elif unfinished.get("status") in {"running", "failed"}:
-        reasons.append(f"round {state.last_round + 1} is unfinished ({unfinished['status']}): hermes-lab round --resume")
-    return {"due": not reasons, "reasons": reasons, "last_round": state.last_round,
-            "champion": state.champion_adapter or "base", "now": now.isoformat(), "pending_samples": pending}
+        reasons.append(
+            f"round {state.last_round + 1} is unfinished ({unfinished['status']}): hermes-lab round --resume"
+        )
+    return {
+        "due": not reasons,
+        "reasons": reasons,
+        "last_round": state.last_round,
+        "champion": state.champion_adapter or "base",
+        "now": now.isoformat(),
+        "pending_samples": pending,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -421,8 +500,13 @@ def run_cli_round(args: argparse.Namespace) -> int:
     except (RoundError, RoundLocked) as e:
         print(f"hermes-lab round: {e}", file=sys.stderr)
         return 1
-    return 0 if r.status in {"promoted", "rolled back"} or r.status.startswith(("candidate held", "skipped")) \
-        or r.status == "awaiting review" else 4
+    return (
+        0
+        if r.status in {"promoted", "rolled back"}
+        or r.status.startswith(("candidate held", "skipped"))
+        or r.status == "awaiting review"
+        else 4
+    )
 
 
 def add_arguments_flywheel(p: argparse.ArgumentParser) -> None:
@@ -445,7 +529,9 @@ def add_arguments_status(p: argparse.ArgumentParser) -> None:
 
 def run_cli_status(args: argparse.Namespace) -> int:
     s = status(args.params)
-    print(f"round {s['last_round'] + 1} is {'due' if s['due'] else 'not due'} (champion: {s['champion']}, now {s['now']})")
+    print(
+        f"round {s['last_round'] + 1} is {'due' if s['due'] else 'not due'} (champion: {s['champion']}, now {s['now']})"
+    )
     for r in s["reasons"]:
         print(f"  - {r}")
     return 0 if s["due"] else 3

@@ -6,6 +6,7 @@ training time, the champion adapter, the rounds whose data is negative, and the 
 The clock is injectable: the real one is UTC wall time; a ``SimulatedClock`` (embedded flywheel, tests)
 lives in the state file and is advanced explicitly, so the 24 h cooldown holds without waiting a day.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,14 +50,14 @@ def parse_time(s: str | None) -> datetime | None:
 
 @dataclass
 class FlywheelState:
-    last_train_time: str | None = None      # ISO time of the last training (cooldown gate)
-    samples_at_last_train: int = 0           # records seen when the last training ran (data trigger)
-    champion_adapter: str | None = None      # path of the promoted adapter, None: the base policy
+    last_train_time: str | None = None  # ISO time of the last training (cooldown gate)
+    samples_at_last_train: int = 0  # records seen when the last training ran (data trigger)
+    champion_adapter: str | None = None  # path of the promoted adapter, None: the base policy
     champion_round: int | None = None
     negative_rounds: list[int] = field(default_factory=list)  # rounds rolled back: their data is negative
-    negative_files: list[str] = field(default_factory=list)   # their trajectories, fed to the next prep
+    negative_files: list[str] = field(default_factory=list)  # their trajectories, fed to the next prep
     last_round: int = 0
-    simulated_now: str | None = None         # the simulated clock, when the flywheel uses one
+    simulated_now: str | None = None  # the simulated clock, when the flywheel uses one
     history: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod

@@ -20,6 +20,7 @@ Task ids are ``<family>-<8 hex of sha1(prompt)>``: stable across runs, machines 
 by prompt hash too (``heldout`` when the hash falls in the last 15%), so held-out prompts never appear
 in training data whatever the seed.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -119,8 +120,9 @@ def check_families(families: list[str] | tuple[str, ...] | None) -> tuple[str, .
     return fams
 
 
-def generate_tasks(n: int, split: str = "train", seed: int = 0,
-                   families: list[str] | tuple[str, ...] | None = None) -> list[Task]:
+def generate_tasks(
+    n: int, split: str = "train", seed: int = 0, families: list[str] | tuple[str, ...] | None = None
+) -> list[Task]:
     """``n`` tasks, round-robin over families, deterministic in (n, split, seed, families)."""
     if split not in {"train", "heldout", "any"}:
         raise ValueError(f"split must be train, heldout or any, got {split!r}")

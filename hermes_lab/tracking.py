@@ -9,6 +9,7 @@ round's run with the ``mlflow.parentRunId`` tag (what ``nested=True`` sets in-pr
 
     mlflow ui --backend-store-uri sqlite:///runs/mlflow.db      # browse rounds
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,8 +81,13 @@ def safe_params(params: dict[str, Any]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def stage_run(name: str, parent_run_id: str | None = None, runs_dir: str | os.PathLike[str] = "runs",
-              experiment: str = "hermes-lab", tags: dict[str, str] | None = None) -> Iterator[Any]:
+def stage_run(
+    name: str,
+    parent_run_id: str | None = None,
+    runs_dir: str | os.PathLike[str] = "runs",
+    experiment: str = "hermes-lab",
+    tags: dict[str, str] | None = None,
+) -> Iterator[Any]:
     """An MLflow run for one stage, nested under ``parent_run_id`` when given (also across processes)."""
     import mlflow
 
@@ -99,7 +105,7 @@ def log_params(params: dict[str, Any]) -> None:
     clean = safe_params(params)
     items = list(clean.items())
     for i in range(0, len(items), 90):  # MLflow accepts at most 100 params per batch
-        mlflow.log_params(dict(items[i:i + 90]))
+        mlflow.log_params(dict(items[i : i + 90]))
 
 
 def log_figure(fig: Any, path: str | os.PathLike[str]) -> Path:

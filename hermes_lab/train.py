@@ -6,7 +6,8 @@ trajectories JSONL, which is run through prep first) and writes under ``--output
 (completions with their rewards), ``config.yaml`` (resolved, no secrets), ``health.json`` (guard
 verdicts), ``eval.json`` (held-out pass rate before/after) and ``run.json`` (MLflow run id, base, adapter).
 
-    python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep --output runs/round-01/train
+    python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep \
+        --output runs/round-01/train
     hermes-lab train --config params/embedded.yaml --data trajectories.jsonl --output checkpoints/round-01
 
 The user's keys map onto TRL and PEFT like this (TRL's own defaults are never relied on):
@@ -36,6 +37,7 @@ Multi-process: the entry point is a plain script, so ``accelerate launch -m herm
 ``torchrun --nproc_per_node 2 -m hermes_lab.train ...`` run it data-parallel (gloo on CPU, NCCL on GPU);
 only the main process writes files and MLflow.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,23 +120,35 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
 
     budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
     if completion >= budget:
-        raise ConfigError(f"grpo.max_completion_length={completion} leaves no room for a prompt within "
-                          f"data.max_seq_len={budget}: raise data.max_seq_len or lower grpo.max_completion_length")
+        raise ConfigError(
+            f"grpo.max_completion_length={completion} leaves no room for a prompt within "
+            f"data.max_seq_len={budget}: raise data.max_seq_len or lower grpo.max_completion_length"
+        )
     prompts = list(ds["prompt"])
     lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     keep = [i for i, n in enumerate(lens) if n + completion <= budget]
     kept = set(keep)
-    flagged = [{"prompt": prompts[i][:200], "prompt_tokens": lens[i],
-                "reason": f"prompt + completion ({lens[i]} + {completion}) > data.max_seq_len {budget}"}
-               for i in range(len(lens)) if i not in kept]
+    flagged = [
+        {
+            "prompt": prompts[i][:200],
+            "prompt_tokens": lens[i],
+            "reason": f"prompt + completion ({lens[i]} + {completion}) > data.max_seq_len {budget}",
+        }
+        for i in range(len(lens))
+        if i not in kept
+    ]
     if not keep:
-        raise ValueError(f"every prompt is longer than data.max_seq_len={budget} allows "
-                         f"(with grpo.max_completion_length={completion}); raise it")
+        raise ValueError(
+            f"every prompt is longer than data.max_seq_len={budget} allows "
+            f"(with grpo.max_completion_length={completion}); raise it"
+        )
     return ds.select(keep), flagged, completion
 
 
 # ------------------------------------------------------------------------------------------- mapping
-def grpo_kwargs(cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]) -> dict[str, Any]:
+def grpo_kwargs(
+    cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]
+) -> dict[str, Any]:
     """The GRPOConfig keyword arguments for a HermesConfig (the table in the module docstring)."""
     import torch
 
@@ -159,8 +173,8 @@ def grpo_kwargs(cfg: HermesConfig, output_dir: Path, max_completion_length: int,
         seed=g.seed,
         use_vllm=g.use_vllm,
         gradient_checkpointing=g.gradient_checkpointing,
-        report_to="none",           # our callback logs to MLflow itself: nesting and names stay ours
-        save_strategy="no",         # the adapter is saved once, at the end, where the round expects it
+        report_to="none",  # our callback logs to MLflow itself: nesting and names stay ours
+        save_strategy="no",  # the adapter is saved once, at the end, where the round expects it
         bf16=on_gpu and torch.cuda.is_bf16_supported(),
         use_cpu=not on_gpu,
         dataloader_num_workers=0,
@@ -204,17 +218,24 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             if loss is not None and not math.isfinite(float(loss)):
                 raise TrainingHealthError(
                     f"NaN/inf loss at step {step}: look for reward outliers (prep's outlier report), normalise or "
-                    f"clip rewards, and lower the learning rate ({cfg.grpo.learning_rate}) before rerunning.")
+                    f"clip rewards, and lower the learning rate ({cfg.grpo.learning_rate}) before rerunning."
+                )
             kl = logs.get("kl")
             if kl is not None and math.isfinite(kl):
                 hist = self.kl_hist[-5:]
                 med = sorted(hist)[len(hist) // 2] if hist else None
                 if kl > cfg.grpo.kl_warn:
-                    self._warn("kl_high", f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
-                                          f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.")
+                    self._warn(
+                        "kl_high",
+                        f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
+                        f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.",
+                    )
                 elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
-                    self._warn("kl_rising", f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
-                                            f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).")
+                    self._warn(
+                        "kl_rising",
+                        f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
+                        f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).",
+                    )
                 self.kl_hist.append(kl)
             zero = logs.get("frac_reward_zero_std")
             if zero is not None:
@@ -222,9 +243,12 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
                 self.zero_hist.append(zero)
                 avg = sum(self.zero_hist[-5:]) / len(self.zero_hist[-5:])
                 if len(self.zero_hist) >= 5 and avg > cfg.grpo.zero_std_warn:
-                    self._warn("zero_std", f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
-                                           f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) "
-                                           f"or group_size.")
+                    self._warn(
+                        "zero_std",
+                        f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
+                        f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) "
+                        f"or group_size.",
+                    )
             if not is_main:
                 return
             row = {"step": step, "epoch": state.epoch, **logs}
@@ -236,8 +260,11 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
                 from mlflow.entities import Metric
 
                 ts = int(time.time() * 1000)
-                self._pending.extend(Metric(k, float(v), ts, step) for k, v in logs.items()
-                                     if isinstance(v, (int, float)) and math.isfinite(float(v)))
+                self._pending.extend(
+                    Metric(k, float(v), ts, step)
+                    for k, v in logs.items()
+                    if isinstance(v, (int, float)) and math.isfinite(float(v))
+                )
                 if time.monotonic() - self._flushed_at >= METRIC_FLUSH_S:
                     self.flush()
 
@@ -257,7 +284,7 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
                 return
             client = mlflow.MlflowClient()
             for i in range(0, len(pending), 1000):
-                client.log_batch(run.info.run_id, metrics=pending[i:i + 1000])
+                client.log_batch(run.info.run_id, metrics=pending[i : i + 1000])
 
     return HermesCallback()
 
@@ -267,9 +294,15 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.PathLike[str],
-          parent_run_id: str | None = None, start_adapter: str | None = None, evaluate_heldout: bool = True,
-          eval_tasks_per_family: int = 60) -> TrainResult:
+def train(
+    cfg: HermesConfig,
+    data: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    parent_run_id: str | None = None,
+    start_adapter: str | None = None,
+    evaluate_heldout: bool = True,
+    eval_tasks_per_family: int = 60,
+) -> TrainResult:
     """Run one GRPO + LoRA training. Returns where the adapter is and what happened."""
     import torch
     from peft import LoraConfig, PeftModel
@@ -303,8 +336,14 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
         model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
     else:
         lc = cfg.lora
-        peft_config = LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
-                                 target_modules=list(lc.target_modules), bias=lc.bias, task_type=lc.task_type)
+        peft_config = LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.lora_alpha,
+            lora_dropout=lc.lora_dropout,
+            target_modules=list(lc.target_modules),
+            bias=lc.bias,
+            task_type=lc.task_type,
+        )
 
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
@@ -314,23 +353,41 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
         dump_config(cfg, out / "config.yaml")
     callback = make_callback(cfg, log_path, samples, is_main)
     run_id = None
-    ctx = (tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment) if is_main
-           else contextlib.nullcontext())  # only rank 0 tracks
+    ctx = (
+        tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment)
+        if is_main
+        else contextlib.nullcontext()
+    )  # only rank 0 tracks
     with ctx as run:
         if run is not None:
             run_id = run.info.run_id
-            tracking.log_params({**cfg.flat_params(), **{f"trl.{k}": v for k, v in gkw.items()},
-                                 "train.prompts": len(ds), "train.flagged_prompts": len(flagged),
-                                 "train.start_adapter": start_adapter or "", "train.base": base})
-        trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=ds,
-                              processing_class=tok, peft_config=peft_config, callbacks=[callback])
+            tracking.log_params(
+                {
+                    **cfg.flat_params(),
+                    **{f"trl.{k}": v for k, v in gkw.items()},
+                    "train.prompts": len(ds),
+                    "train.flagged_prompts": len(flagged),
+                    "train.start_adapter": start_adapter or "",
+                    "train.base": base,
+                }
+            )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=funcs,
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=peft_config,
+            callbacks=[callback],
+        )
         try:
             trainer.train()
         finally:  # a run stopped by a guard keeps its curve up to the stop
             callback.flush()
         adapter_dir = out / "adapter"
-        result = TrainResult(out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings,
-                             flagged_prompts=len(flagged))
+        result = TrainResult(
+            out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings, flagged_prompts=len(flagged)
+        )
         if is_main:
             trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
             tok.save_pretrained(str(adapter_dir))
@@ -341,23 +398,35 @@ def train(cfg: HermesConfig, data: str | os.PathLike[str], output_dir: str | os.
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
                 (out / "eval.json").write_text(json.dumps(result.eval, indent=2))
             result.seconds = round(time.time() - t0, 1)
-            meta = {"mlflow_run_id": run_id, "base_model": base, "adapter": str(adapter_dir),
-                    "start_adapter": start_adapter, "steps": result.steps, "seconds": result.seconds}
+            meta = {
+                "mlflow_run_id": run_id,
+                "base_model": base,
+                "adapter": str(adapter_dir),
+                "start_adapter": start_adapter,
+                "steps": result.steps,
+                "seconds": result.seconds,
+            }
             (out / "run.json").write_text(json.dumps(meta, indent=2))
             if run is not None:
                 _log_artifacts(out, result)
     return result
 
 
-def _eval_before_after(cfg: HermesConfig, base: str, start_adapter: str | None, adapter_dir: Path,
-                       per_family: int) -> dict[str, Any]:
+def _eval_before_after(
+    cfg: HermesConfig, base: str, start_adapter: str | None, adapter_dir: Path, per_family: int
+) -> dict[str, Any]:
     """Held-out sampled pass rate of the starting policy and of the candidate (embedded tasks only)."""
     from hermes_lab import policy as P
     from hermes_lab import tasks as T
 
     tasks_ = T.generate_tasks(per_family * len(T.FAMILIES), split="heldout", seed=cfg.grpo.seed + 1)
-    kw = dict(temperature=cfg.grpo.temperature, samples_per_task=2, seed=cfg.grpo.seed,
-              max_new_tokens=cfg.execute.max_new_tokens, threshold=cfg.reward.success_threshold)
+    kw = dict(
+        temperature=cfg.grpo.temperature,
+        samples_per_task=2,
+        seed=cfg.grpo.seed,
+        max_new_tokens=cfg.execute.max_new_tokens,
+        threshold=cfg.reward.success_threshold,
+    )
     before = P.evaluate(P.load_policy(base, adapter=start_adapter), tasks_, **kw)
     after = P.evaluate(P.load_policy(base, adapter=str(adapter_dir)), tasks_, **kw)
     return {"before": before, "after": after, "gain_points": round(100 * (after["pass_rate"] - before["pass_rate"]), 1)}
@@ -372,8 +441,12 @@ def _log_artifacts(out: Path, result: TrainResult) -> None:
     mlflow.log_artifacts(str(result.adapter_dir), artifact_path="adapter")
     mlflow.log_metric("train.seconds", result.seconds)
     if result.eval:
-        mlflow.log_metrics({"eval.pass_rate_before": result.eval["before"]["pass_rate"],
-                            "eval.pass_rate_after": result.eval["after"]["pass_rate"]})
+        mlflow.log_metrics(
+            {
+                "eval.pass_rate_before": result.eval["before"]["pass_rate"],
+                "eval.pass_rate_after": result.eval["after"]["pass_rate"],
+            }
+        )
     mlflow.set_tag("health.warnings", str(len(result.warnings)))
 
 
@@ -401,8 +474,14 @@ def run_cli(args: argparse.Namespace) -> int:
     from hermes_lab.rewards import RewardError
 
     try:
-        res = train(cfg, args.data, args.output, parent_run_id=args.parent_run_id or None,
-                    start_adapter=args.start_adapter, evaluate_heldout=not args.no_eval)
+        res = train(
+            cfg,
+            args.data,
+            args.output,
+            parent_run_id=args.parent_run_id or None,
+            start_adapter=args.start_adapter,
+            evaluate_heldout=not args.no_eval,
+        )
     except FileNotFoundError as e:  # --data: the message names the path
         print(f"error: {e}", file=sys.stderr)
         return 2

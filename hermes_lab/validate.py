@@ -26,6 +26,7 @@ numbers as metrics plus the tag ``regression_gate`` = passed | stopped.
 The notebook raises ``RegressionGateStop`` when the gate stops a candidate, so papermill fails the
 stage; the round runner reads regression.json for the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,7 @@ class RegressionGateStop(RuntimeError):
     def __init__(self, report: dict[str, Any], path: str | Path | None = None):
         self.report, self.path = report, path
         where = f" (details: {path})" if path else ""
-        super().__init__("regression gate stopped the candidate: " + "; ".join(report.get("reasons") or ["?"])
-                         + where)
+        super().__init__("regression gate stopped the candidate: " + "; ".join(report.get("reasons") or ["?"]) + where)
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -91,8 +91,9 @@ def load_heldout_tasks(path: str | Path) -> tuple[list[T.Task], int]:
     return list(seen.values()), unknown
 
 
-def regression_tasks(cfg: Any, round_dir: str | Path | None = None,
-                     heldout_dir: str | Path | None = None) -> tuple[list[T.Task], dict[str, Any]]:
+def regression_tasks(
+    cfg: Any, round_dir: str | Path | None = None, heldout_dir: str | Path | None = None
+) -> tuple[list[T.Task], dict[str, Any]]:
     """The regression set and a note on where it came from (written into regression.json)."""
     per_family = cfg.validate.eval_tasks_per_family
     fams = T.check_families(cfg.execute.families or None)
@@ -178,25 +179,40 @@ def two_proportion_test(x_base: int, n_base: int, x_cand: int, n_cand: int) -> t
     return z, float(norm.cdf(z))
 
 
-def _row(base: dict[str, Any], cand: dict[str, Any], tolerance: float, alpha: float,
-         require_significance: bool) -> dict[str, Any]:
+def _row(
+    base: dict[str, Any], cand: dict[str, Any], tolerance: float, alpha: float, require_significance: bool
+) -> dict[str, Any]:
     nb, nc = int(base.get("n", 0)), int(cand.get("n", 0))
     pb, pc = float(base.get("pass_rate", 0.0)), float(cand.get("pass_rate", 0.0))
     z, p = two_proportion_test(round(pb * nb), nb, round(pc * nc), nc)
     beyond = pc < pb - tolerance - 1e-12  # the gate: a drop of more than `tolerance` (equal is allowed)
     significant = bool(p < alpha) if not math.isnan(p) else False
-    return {"baseline_pass_rate": pb, "candidate_pass_rate": pc, "delta": round(pc - pb, 6),
-            "baseline_mean_reward": base.get("mean_reward"), "candidate_mean_reward": cand.get("mean_reward"),
-            "mean_reward_delta": None if base.get("mean_reward") is None or cand.get("mean_reward") is None
-            else round(float(cand["mean_reward"]) - float(base["mean_reward"]), 6),
-            "baseline_n": nb, "candidate_n": nc, "z": None if math.isnan(z) else round(z, 4),
-            "p_value": None if math.isnan(p) else round(p, 6), "beyond_tolerance": beyond,
-            "significant_drop": significant and pc < pb,
-            "regressed": beyond and (significant or not require_significance)}
+    return {
+        "baseline_pass_rate": pb,
+        "candidate_pass_rate": pc,
+        "delta": round(pc - pb, 6),
+        "baseline_mean_reward": base.get("mean_reward"),
+        "candidate_mean_reward": cand.get("mean_reward"),
+        "mean_reward_delta": None
+        if base.get("mean_reward") is None or cand.get("mean_reward") is None
+        else round(float(cand["mean_reward"]) - float(base["mean_reward"]), 6),
+        "baseline_n": nb,
+        "candidate_n": nc,
+        "z": None if math.isnan(z) else round(z, 4),
+        "p_value": None if math.isnan(p) else round(p, 6),
+        "beyond_tolerance": beyond,
+        "significant_drop": significant and pc < pb,
+        "regressed": beyond and (significant or not require_significance),
+    }
 
 
-def compare(baseline: dict[str, Any], candidate: dict[str, Any], tolerance: float = 0.05, alpha: float = 0.05,
-            require_significance: bool = False) -> dict[str, Any]:
+def compare(
+    baseline: dict[str, Any],
+    candidate: dict[str, Any],
+    tolerance: float = 0.05,
+    alpha: float = 0.05,
+    require_significance: bool = False,
+) -> dict[str, Any]:
     """Gate decision from two ``policy.evaluate`` results. Stopped when any family (or the overall pass
     rate) has candidate < baseline - tolerance (and, with require_significance, p < alpha)."""
     overall = _row(baseline, candidate, tolerance, alpha, require_significance)
@@ -213,16 +229,24 @@ def compare(baseline: dict[str, Any], candidate: dict[str, Any], tolerance: floa
             reasons.append(_reason(f"family '{f}'", row, tolerance))
     if overall["regressed"]:
         reasons.append(_reason("overall", overall, tolerance))
-    return {"passed": not reasons, "tolerance": tolerance, "alpha": alpha,
-            "require_significance": require_significance, "overall": overall, "per_family": per_family,
-            "reasons": reasons}
+    return {
+        "passed": not reasons,
+        "tolerance": tolerance,
+        "alpha": alpha,
+        "require_significance": require_significance,
+        "overall": overall,
+        "per_family": per_family,
+        "reasons": reasons,
+    }
 
 
 def _reason(what: str, row: dict[str, Any], tolerance: float) -> str:
     p = "n/a" if row["p_value"] is None else f"{row['p_value']:.3g}"
-    return (f"{what}: candidate pass rate {row['candidate_pass_rate']:.3f} < baseline "
-            f"{row['baseline_pass_rate']:.3f} - tolerance {tolerance:g} (delta {row['delta']:+.3f}, "
-            f"n={row['candidate_n']}, one-sided p={p})")
+    return (
+        f"{what}: candidate pass rate {row['candidate_pass_rate']:.3f} < baseline "
+        f"{row['baseline_pass_rate']:.3f} - tolerance {tolerance:g} (delta {row['delta']:+.3f}, "
+        f"n={row['candidate_n']}, one-sided p={p})"
+    )
 
 
 # ------------------------------------------------------------------------------------------- evaluation
@@ -233,20 +257,39 @@ def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg:
 
     if adapter and not Path(adapter, "adapter_config.json").is_file():
         raise FileNotFoundError(f"adapter not found: {adapter} (no adapter_config.json)")
-    pol = P.load_policy(base_model, adapter=adapter, runs_dir=cfg.round.runs_dir, seed=cfg.model.seed,
-                        dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    pol = P.load_policy(
+        base_model,
+        adapter=adapter,
+        runs_dir=cfg.round.runs_dir,
+        seed=cfg.model.seed,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     v = cfg.validate
-    res = P.evaluate(pol, tasks, temperature=v.temperature, samples_per_task=v.samples_per_task, seed=v.seed,
-                     threshold=cfg.reward.success_threshold)
+    res = P.evaluate(
+        pol,
+        tasks,
+        temperature=v.temperature,
+        samples_per_task=v.samples_per_task,
+        seed=v.seed,
+        threshold=cfg.reward.success_threshold,
+    )
     del pol
     gc.collect()
     res.update(model=str(base_model), adapter=adapter)
     return res
 
 
-def regression_gate(cfg: Any, base_model: str, candidate_adapter: str, baseline_adapter: str | None = None,
-                    tasks: list[T.Task] | None = None, task_note: dict[str, Any] | None = None,
-                    output_dir: str | Path | None = None, round_dir: str | Path | None = None) -> dict[str, Any]:
+def regression_gate(
+    cfg: Any,
+    base_model: str,
+    candidate_adapter: str,
+    baseline_adapter: str | None = None,
+    tasks: list[T.Task] | None = None,
+    task_note: dict[str, Any] | None = None,
+    output_dir: str | Path | None = None,
+    round_dir: str | Path | None = None,
+) -> dict[str, Any]:
     """Evaluate both arms, decide, write ``output_dir/regression.json`` and log to the active MLflow run.
     Never raises on a stop: call ``raise_if_stopped(report)`` for that."""
     if tasks is None:
@@ -255,10 +298,19 @@ def regression_gate(cfg: Any, base_model: str, candidate_adapter: str, baseline_
     candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg)
     baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg)
     report = compare(baseline, candidate, v.tolerance, v.alpha, v.require_significance)
-    report = {"passed": report.pop("passed"), "baseline": baseline, "candidate": candidate, **report,
-              "sampling": {"temperature": v.temperature, "samples_per_task": v.samples_per_task, "seed": v.seed,
-                           "success_threshold": cfg.reward.success_threshold, "tasks": task_note or
-                           {"n_tasks": len(tasks)}}}
+    report = {
+        "passed": report.pop("passed"),
+        "baseline": baseline,
+        "candidate": candidate,
+        **report,
+        "sampling": {
+            "temperature": v.temperature,
+            "samples_per_task": v.samples_per_task,
+            "seed": v.seed,
+            "success_threshold": cfg.reward.success_threshold,
+            "tasks": task_note or {"n_tasks": len(tasks)},
+        },
+    }
     if output_dir is None and round_dir is not None:
         output_dir = Path(round_dir) / "validate"
     if output_dir is not None:
@@ -286,8 +338,12 @@ def log_report(report: dict[str, Any]) -> None:
         m[f"regression/{f}/candidate_pass_rate"] = row["candidate_pass_rate"]
         m[f"regression/{f}/baseline_pass_rate"] = row["baseline_pass_rate"]
     mlflow.log_metrics(m)
-    mlflow.set_tags({"regression_gate": "passed" if report["passed"] else "stopped",
-                     "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000]})
+    mlflow.set_tags(
+        {
+            "regression_gate": "passed" if report["passed"] else "stopped",
+            "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000],
+        }
+    )
     if report.get("path"):
         mlflow.log_artifact(report["path"])
 
@@ -302,8 +358,17 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
     import pandas as pd
 
     rows = {**report["per_family"], "overall": report["overall"]}
-    cols = ["baseline_pass_rate", "candidate_pass_rate", "delta", "baseline_mean_reward", "candidate_mean_reward",
-            "candidate_n", "p_value", "beyond_tolerance", "regressed"]
+    cols = [
+        "baseline_pass_rate",
+        "candidate_pass_rate",
+        "delta",
+        "baseline_mean_reward",
+        "candidate_mean_reward",
+        "candidate_n",
+        "p_value",
+        "beyond_tolerance",
+        "regressed",
+    ]
     df = pd.DataFrame.from_dict(rows, orient="index")[cols]
     df.index.name = "family"
     return df
@@ -313,9 +378,12 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="Base model: hub id, local path or embedded:tiny.")
     p.add_argument("--candidate-adapter", required=True, help="LoRA adapter dir of the candidate.")
-    p.add_argument("--baseline-adapter", default=None,
-                   help="LoRA adapter dir of the baseline (default: the champion in runs/state.json, else "
-                        "model.adapter, else the bare base).")
+    p.add_argument(
+        "--baseline-adapter",
+        default=None,
+        help="LoRA adapter dir of the baseline (default: the champion in runs/state.json, else "
+        "model.adapter, else the bare base).",
+    )
     p.add_argument("--params", default=None, help="YAML config (validate section: tolerance, sampling).")
     p.add_argument("--heldout", default=None, help="Held-out datasets dir (default: generated held-out tasks).")
     p.add_argument("--output", required=True, help="Where regression.json goes.")
@@ -332,11 +400,15 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = load_config(args.params)
     tasks, note = regression_tasks(cfg, heldout_dir=args.heldout)
     baseline = resolve_baseline_adapter(cfg, args.baseline_adapter)
-    ctx = contextlib.nullcontext() if args.no_mlflow else tracking.stage_run(
-        "validate", args.parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment)
+    ctx = (
+        contextlib.nullcontext()
+        if args.no_mlflow
+        else tracking.stage_run("validate", args.parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment)
+    )
     with ctx:
-        report = regression_gate(cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note,
-                                 output_dir=args.output)
+        report = regression_gate(
+            cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note, output_dir=args.output
+        )
     print(report_table(report).to_string(float_format=lambda x: f"{x:.3f}"))
     if report["passed"]:
         print(f"regression gate: passed ({report['path']})")

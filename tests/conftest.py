@@ -1,4 +1,5 @@
 """Shared pytest fixtures. Each fixture is self-contained; add yours below the others."""
+
 from __future__ import annotations
 
 import pytest

@@ -16,6 +16,7 @@ any other chat gets "OK". Misbehaves on request, through attributes (or ``config
 Every request is recorded (``requests``: method, path, lower-cased headers, JSON body);
 ``max_inflight`` is the most requests seen in flight at once. Reads and writes nothing on disk.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,31 @@ from difflib import SequenceMatcher
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-PROXY_ENV_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy",
-                  "NO_PROXY", "no_proxy")
-HTML_PAGE = ("<!DOCTYPE html>\n<html><head><title>Access denied</title></head>"
-             "<body><h1>Blocked by gateway</h1><p>Your request was blocked.</p></body></html>\n")
-_DEFAULTS: dict[str, Any] = {"api_key": None, "mode": "ok", "fail_429": 0, "retry_after": None, "fail_500": 0,
-                             "delay_s": 0.0, "delay_n": None, "chat_reply": None, "judge_format": "{score}"}
+PROXY_ENV_VARS = (
+    "HTTPS_PROXY",
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "NO_PROXY",
+    "no_proxy",
+)
+HTML_PAGE = (
+    "<!DOCTYPE html>\n<html><head><title>Access denied</title></head>"
+    "<body><h1>Blocked by gateway</h1><p>Your request was blocked.</p></body></html>\n"
+)
+_DEFAULTS: dict[str, Any] = {
+    "api_key": None,
+    "mode": "ok",
+    "fail_429": 0,
+    "retry_after": None,
+    "fail_500": 0,
+    "delay_s": 0.0,
+    "delay_n": None,
+    "chat_reply": None,
+    "judge_format": "{score}",
+}
 
 
 def free_port() -> int:
@@ -86,8 +106,9 @@ class FakeOpenAI:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True  # a handler asleep in delay_s must not block stop()
         # a short poll interval: stop() waits up to one interval for the serving loop
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True,
-                         name="fake-openai").start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True, name="fake-openai"
+        ).start()
         return self
 
     def stop(self) -> None:
@@ -143,8 +164,17 @@ class FakeOpenAI:
         auth = h.headers.get("Authorization", "")
         if self.api_key is not None and auth != f"Bearer {self.api_key}":
             sent = auth.split(" ", 1)[-1] if auth else "none"
-            return self._json(h, 401, {"error": {"message": f"Incorrect API key provided: {sent}",
-                                                 "type": "invalid_request_error", "code": "invalid_api_key"}})
+            return self._json(
+                h,
+                401,
+                {
+                    "error": {
+                        "message": f"Incorrect API key provided: {sent}",
+                        "type": "invalid_request_error",
+                        "code": "invalid_api_key",
+                    }
+                },
+            )
         with self._lock:
             e429, self.fail_429 = self.fail_429 > 0, max(0, self.fail_429 - 1)
             e500 = not e429 and self.fail_500 > 0
@@ -162,16 +192,33 @@ class FakeOpenAI:
         if self.mode == "no_choices":
             return self._json(h, 200, {"id": "cmpl-1", "object": "chat.completion"})
         if h.command == "GET" and path == "/v1/models":
-            return self._json(h, 200, {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"}
-                                                                  for m in self.models]})
+            return self._json(
+                h,
+                200,
+                {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]},
+            )
         if h.command == "POST" and path == "/v1/chat/completions":
             model = (body or {}).get("model") if isinstance(body, dict) else None
             if model not in self.models:
-                return self._json(h, 404, {"error": {"message": f"The model `{model}` does not exist",
-                                                     "code": "model_not_found"}})
-            return self._json(h, 200, {"id": "cmpl-1", "object": "chat.completion", "model": model,
-                                       "choices": [{"index": 0, "finish_reason": "stop",
-                                                    "message": {"role": "assistant", "content": self._reply(body)}}]})
+                return self._json(
+                    h, 404, {"error": {"message": f"The model `{model}` does not exist", "code": "model_not_found"}}
+                )
+            return self._json(
+                h,
+                200,
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion",
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": self._reply(body)},
+                        }
+                    ],
+                },
+            )
         return self._json(h, 404, {"error": {"message": f"Unknown path {path}"}})
 
     def _reply(self, body: dict[str, Any]) -> str:
@@ -187,8 +234,9 @@ class FakeOpenAI:
     def _json(self, h: BaseHTTPRequestHandler, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         self._send(h, status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _send(self, h: BaseHTTPRequestHandler, status: int, data: bytes, ctype: str,
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, h: BaseHTTPRequestHandler, status: int, data: bytes, ctype: str, headers: dict[str, str] | None = None
+    ) -> None:
         h.send_response(status)
         h.send_header("Content-Type", ctype)
         h.send_header("Content-Length", str(len(data)))
@@ -202,10 +250,10 @@ class FakeOpenAI:
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeOpenAI
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         self.fake._handle(self)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.fake._handle(self)
 
     def log_message(self, format: str, *args: Any) -> None:  # keep pytest output clean

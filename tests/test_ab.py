@@ -1,4 +1,5 @@
 """hermes_lab.ab: the user's router and compare() bit for bit, and the statistics that gate a rollout."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,10 @@ def test_route_is_stable_over_ten_calls():
 
 
 def test_route_is_stable_across_processes():
-    code = ("import json; from hermes_lab.ab import ABRouter; r = ABRouter('b', 'c', 0.3, salt='exp-7');"
-            f"print(json.dumps([r.route(i)[0] for i in {IDS[:300]!r}]))")
+    code = (
+        "import json; from hermes_lab.ab import ABRouter; r = ABRouter('b', 'c', 0.3, salt='exp-7');"
+        f"print(json.dumps([r.route(i)[0] for i in {IDS[:300]!r}]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     router = ab.ABRouter("b", "c", 0.3, salt="exp-7")
     assert json.loads(out) == [router.route(i)[0] for i in IDS[:300]]
@@ -94,9 +97,17 @@ def test_compare_significant_needs_the_candidate_ahead():
     assert better["significant"] is True and better["candidate_success"] == 1.0
 
 
-@pytest.mark.parametrize("delta,p,expected", [
-    (0.3, 0.01, "promote"), (0.3, 0.2, "keep observing"), (-0.3, 0.5, "roll back"),
-    (-0.3, 0.001, "roll back"), (0.0, 0.9, "keep observing"), (float("nan"), float("nan"), "keep observing")])
+@pytest.mark.parametrize(
+    "delta,p,expected",
+    [
+        (0.3, 0.01, "promote"),
+        (0.3, 0.2, "keep observing"),
+        (-0.3, 0.5, "roll back"),
+        (-0.3, 0.001, "roll back"),
+        (0.0, 0.9, "keep observing"),
+        (float("nan"), float("nan"), "keep observing"),
+    ],
+)
 def test_user_rule_table(delta, p, expected):
     assert ab.decide_user_rule({"delta": delta, "p_value": p})[0] == expected
 
@@ -159,8 +170,14 @@ def test_rollback_only_on_significant_harm():
     n = 900
     arm = (rng.random(n) < 0.3).astype(np.int8)
     r = np.where(rng.random(n) < np.where(arm == 1, 0.47, 0.5), 5.0, 1.5)
-    cols = {"t": np.sort(rng.uniform(0, 3600, n)), "arm": arm, "reward": r, "error": np.zeros(n, bool),
-            "latency_ms": np.full(n, 100.0), "family": np.zeros(n, np.int64)}
+    cols = {
+        "t": np.sort(rng.uniform(0, 3600, n)),
+        "arm": arm,
+        "reward": r,
+        "error": np.zeros(n, bool),
+        "latency_ms": np.full(n, 100.0),
+        "family": np.zeros(n, np.int64),
+    }
     out = ab.analyse_stage(cols, stage, ab.Settings())
     if out["delta"] < 0:
         assert out["user_decision"] == "roll back"
@@ -241,8 +258,13 @@ def test_units_that_repeat_get_cluster_robust_variances():
     unit = rng.integers(0, users, n)
     arm = (np.array([ab.bucket(f"u{u}") for u in range(users)]) < 0.5).astype(np.int8)[unit]
     r = np.clip(rng.normal(0, 1.5, users)[unit] + 2.5 + rng.normal(0, 0.3, n), 0, 5)
-    cols = {"t": np.sort(rng.uniform(0, 3600, n)), "arm": arm, "reward": r, "error": np.zeros(n, bool),
-            "latency_ms": np.full(n, 100.0)}
+    cols = {
+        "t": np.sort(rng.uniform(0, 3600, n)),
+        "arm": arm,
+        "reward": r,
+        "error": np.zeros(n, bool),
+        "latency_ms": np.full(n, 100.0),
+    }
     stage = ab.Stage(0, 0.5, 0.0, 3600, 0.0, 900, n)
     _, S_iid, _ = ab.stage_path(cols, stage, ab.Settings())
     _, S_unit, _ = ab.stage_path({**cols, "unit": unit}, stage, ab.Settings())

@@ -1,4 +1,5 @@
 """hermes_lab.ab_run: the staged rollout end to end (fake policies: fast; the real tiny policy: slow)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,21 @@ from hermes_lab import tasks as T
 from hermes_lab.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-FIELDS = {"request_id", "unit", "arm", "stage", "status", "latency_ms", "reward", "response", "prompt",
-          "task_id", "family", "timestamp", "policy"}
+FIELDS = {
+    "request_id",
+    "unit",
+    "arm",
+    "stage",
+    "status",
+    "latency_ms",
+    "reward",
+    "response",
+    "prompt",
+    "task_id",
+    "family",
+    "timestamp",
+    "policy",
+}
 
 
 class FakePolicy:
@@ -75,26 +89,44 @@ def test_better_candidate_is_promoted_through_all_stages(tmp_path):
     cols, fams = ab_run.read_log(tmp_path / "requests.jsonl")
     stages = ab.plan_stages(rep["stages_planned"], 0.25, 900, 1.0)
     starts = {s["index"]: s["start"] for s in rep["stages"]}
-    stages = [ab.Stage(s.index, s.ratio, starts[s.index], s.seconds, 1.0, 900, s.planned_n) for s in stages if s.index in starts]
+    stages = [
+        ab.Stage(s.index, s.ratio, starts[s.index], s.seconds, 1.0, 900, s.planned_n)
+        for s in stages
+        if s.index in starts
+    ]
     until = {s["index"]: s["sequential_look"]["t"] for s in rep["stages"]}
     again = ab.analyse_log(cols, stages, ab.Settings(), fams, until)
     assert [s["sequential_decision"] for s in again["stages"]] == [s["sequential_decision"] for s in rep["stages"]]
 
 
 def test_duration_7200_runs_only_the_first_stage(tmp_path):
-    rep = ab_run.run_ab(_cfg(tmp_path), FakePolicy(0.5, "b"), FakePolicy(0.5, "c"), duration=7200,
-                        output=tmp_path / "r.json", seed=3, plots=False)
+    rep = ab_run.run_ab(
+        _cfg(tmp_path),
+        FakePolicy(0.5, "b"),
+        FakePolicy(0.5, "c"),
+        duration=7200,
+        output=tmp_path / "r.json",
+        seed=3,
+        plots=False,
+    )
     assert [s["index"] for s in rep["stages"]] == [0]
     assert max(r["t"] for r in _log(tmp_path / "requests.jsonl")) <= 7200
     assert rep["decision"] in ("keep observing", "promote", "hold", "roll back")
-    assert rep["simulated_seconds"] == 7200 and rep["stopped_by"] in (None, "duration", "keep observing", "roll back", "hold")
+    assert rep["simulated_seconds"] == 7200 and rep["stopped_by"] in (
+        None,
+        "duration",
+        "keep observing",
+        "roll back",
+        "hold",
+    )
     for k in ("delta", "p_value", "significant"):
         assert k in rep and k in rep["stages"][0]
 
 
 def test_harmful_candidate_is_rolled_back_and_its_data_marked_negative(tmp_path):
-    rep = ab_run.run_ab(_cfg(tmp_path), FakePolicy(0.6, "b"), FakePolicy(0.1, "c"), output=tmp_path / "r.json",
-                        seed=4, plots=False)
+    rep = ab_run.run_ab(
+        _cfg(tmp_path), FakePolicy(0.6, "b"), FakePolicy(0.1, "c"), output=tmp_path / "r.json", seed=4, plots=False
+    )
     assert rep["decision"] == "roll back" and rep["negative"] and rep["final_ratio"] == 0.0
     assert len(rep["stages"]) == 1  # roll back stops the rollout
     assert rep["stages"][0]["sequential_look"]["t"] < 7200  # harm is acted on at an interim look
@@ -102,16 +134,28 @@ def test_harmful_candidate_is_rolled_back_and_its_data_marked_negative(tmp_path)
 
 
 def test_error_guardrail_rolls_back_a_candidate_that_scores_well(tmp_path):
-    rep = ab_run.run_ab(_cfg(tmp_path), FakePolicy(0.3, "b"), FakePolicy(0.6, "c", empty=0.15),
-                        output=tmp_path / "r.json", seed=5, plots=False)
+    rep = ab_run.run_ab(
+        _cfg(tmp_path),
+        FakePolicy(0.3, "b"),
+        FakePolicy(0.6, "c", empty=0.15),
+        output=tmp_path / "r.json",
+        seed=5,
+        plots=False,
+    )
     assert rep["decision"] == "roll back" and rep["guardrails"]["error_rate_failed"]
     assert any("guardrail" in r for r in rep["reasons"])
     assert {r["status"] for r in _log(tmp_path / "requests.jsonl")} == {"ok", "error"}
 
 
 def test_user_rule_can_drive_the_rollout(tmp_path):
-    rep = ab_run.run_ab(_cfg(tmp_path, rule="user"), FakePolicy(0.5, "b"), FakePolicy(0.5, "c"),
-                        output=tmp_path / "r.json", seed=6, plots=False)
+    rep = ab_run.run_ab(
+        _cfg(tmp_path, rule="user"),
+        FakePolicy(0.5, "b"),
+        FakePolicy(0.5, "c"),
+        output=tmp_path / "r.json",
+        seed=6,
+        plots=False,
+    )
     assert rep["rule"] == "user" and rep["decision"] == rep["decisions"]["user"]
     assert rep["user_rule"]["per_stage"][0]["reason"]
 
@@ -119,11 +163,16 @@ def test_user_rule_can_drive_the_rollout(tmp_path):
 def test_replay_a_request_log_with_salt_and_user_units(tmp_path):
     tasks = T.generate_tasks(400, split="any", seed=9)
     log = tmp_path / "input.jsonl"
-    log.write_text("\n".join(json.dumps({"request_id": f"r{i}", "unit": f"user-{i % 40}", "prompt": t.prompt,
-                                         "t": 10.0 * i}) for i, t in enumerate(tasks)))
+    log.write_text(
+        "\n".join(
+            json.dumps({"request_id": f"r{i}", "unit": f"user-{i % 40}", "prompt": t.prompt, "t": 10.0 * i})
+            for i, t in enumerate(tasks)
+        )
+    )
     cfg = _cfg(tmp_path, salt="exp-9", stages=[[0.5, 2000], [1.0, 0]], unit="user")
-    rep = ab_run.run_ab(cfg, FakePolicy(0.5, "b"), FakePolicy(0.5, "c"), replay=log, output=tmp_path / "r.json",
-                        plots=False)
+    rep = ab_run.run_ab(
+        cfg, FakePolicy(0.5, "b"), FakePolicy(0.5, "c"), replay=log, output=tmp_path / "r.json", plots=False
+    )
     rows = _log(tmp_path / "requests.jsonl")
     assert len(rows) == rep["n_requests"] <= 400 and rows[0]["request_id"] == "r0"
     arms = {}
@@ -139,8 +188,14 @@ def test_replay_a_request_log_with_salt_and_user_units(tmp_path):
 
 def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="hermes_lab.ab")
-    ab_run.run_ab(_cfg(tmp_path), FakePolicy(0.5, "b"), FakePolicy(0.5, "c"), duration=900,
-                  output=tmp_path / "r.json", plots=False)
+    ab_run.run_ab(
+        _cfg(tmp_path),
+        FakePolicy(0.5, "b"),
+        FakePolicy(0.5, "c"),
+        duration=900,
+        output=tmp_path / "r.json",
+        plots=False,
+    )
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "hermes_lab.ab"]
     assert len(lines) > 100 and all(x.startswith("request_id=req-0-") for x in lines)
     assert any("arm=candidate status=ok" in x for x in lines) and any("arm=baseline" in x for x in lines)
@@ -163,8 +218,22 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
     params = tmp_path / "p.yaml"
     params.write_text(f"round:\n  runs_dir: {tmp_path / 'runs'}\nab:\n  request_rate: 0.5\n")
     out = tmp_path / "ab" / "ab_report.json"
-    rc = ab_run.main(["--params", str(params), "--baseline", "B", "--candidate", "C", "--ratio", "0.1",
-                      "--duration", "7200", "--output", str(out)])
+    rc = ab_run.main(
+        [
+            "--params",
+            str(params),
+            "--baseline",
+            "B",
+            "--candidate",
+            "C",
+            "--ratio",
+            "0.1",
+            "--duration",
+            "7200",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0 and "decision: promote" in capsys.readouterr().out
     rep = json.loads(out.read_text())
     assert rep["final_ratio"] == 0.3  # first stage passed: widen to 30%
@@ -185,9 +254,31 @@ def test_real_tiny_policy_through_the_command_line(tmp_path):
     params = tmp_path / "p.yaml"
     params.write_text("ab:\n  request_rate: 0.5\n  look_every: 600\n")
     out = tmp_path / "ab_report.json"
-    proc = subprocess.run([sys.executable, "-m", "hermes_lab.ab_run", "--params", str(params), "--baseline", str(tiny),
-                           "--candidate", str(tiny), "--ratio", "0.3", "--duration", "900", "--output", str(out),
-                           "--no-mlflow", "-v"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hermes_lab.ab_run",
+            "--params",
+            str(params),
+            "--baseline",
+            str(tiny),
+            "--candidate",
+            str(tiny),
+            "--ratio",
+            "0.3",
+            "--duration",
+            "900",
+            "--output",
+            str(out),
+            "--no-mlflow",
+            "-v",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["n_requests"] > 300 and rep["decision"] != "promote"  # promotion waits for the 2 h stage end
@@ -211,10 +302,22 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)  # an earlier test may have pointed this process elsewhere
     cfg_path = tmp_path / "params.yaml"
     cfg_path.write_text(f"round:\n  runs_dir: {tmp_path / 'runs'}\nab:\n  request_rate: 0.2\n")
-    params = {"config_path": str(cfg_path), "round_dir": str(tmp_path / "round-01"), "baseline": str(tiny),
-              "candidate": str(tiny), "duration": 900, "seed": 1}
-    pm.execute_notebook(str(REPO / "notebooks" / "40_ab_analysis.ipynb"), str(tmp_path / "run.ipynb"),
-                        parameters=params, kernel_name="python3", cwd=str(REPO), progress_bar=False)
+    params = {
+        "config_path": str(cfg_path),
+        "round_dir": str(tmp_path / "round-01"),
+        "baseline": str(tiny),
+        "candidate": str(tiny),
+        "duration": 900,
+        "seed": 1,
+    }
+    pm.execute_notebook(
+        str(REPO / "notebooks" / "40_ab_analysis.ipynb"),
+        str(tmp_path / "run.ipynb"),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(REPO),
+        progress_bar=False,
+    )
     rep = json.loads((tmp_path / "round-01" / "ab" / "ab_report.json").read_text())
     assert rep["n_requests"] > 120 and rep["decision"] in ("keep observing", "roll back", "hold")
     text = (tmp_path / "run.ipynb").read_text()
@@ -232,8 +335,9 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)
     cfg = _cfg(tmp_path)
     out = tmp_path / "round-01" / "ab"
-    first = ab_run.run_ab(cfg, FakePolicy(0.5, "b"), FakePolicy(0.6, "c"), duration=3600,
-                          output=out / "ab_report.json", plots=False)
+    first = ab_run.run_ab(
+        cfg, FakePolicy(0.5, "b"), FakePolicy(0.6, "c"), duration=3600, output=out / "ab_report.json", plots=False
+    )
     monkeypatch.setattr(ab_run, "load_arm", lambda *a: pytest.fail("a policy was loaded"))
     res = ab_run.notebook_run(cfg, tmp_path / "round-01")
     assert res["report"]["delta"] == first["delta"] and len(res["plots"]) == 3

@@ -1,5 +1,6 @@
 """hermes_lab.api through real HTTP (tests/fake_openai.py): base URLs, errors, retries, concurrency, the judge
 (hermes_lab.judge), and that the key never shows up in exceptions, reprs, logs or printed output."""
+
 from __future__ import annotations
 
 import logging
@@ -59,13 +60,16 @@ def test_key_pasted_with_bearer_prefix_is_sent_once(fake, monkeypatch):
     assert fake.requests[-1].headers["authorization"] == f"Bearer {KEY}"
 
 
-@pytest.mark.parametrize("key, kind", [
-    ("sk-proj-abcdef0123456789", "api_key"),
-    ("eyJhbGciOiJSUzI1NiJ9.eyJpc3MiOiJodHRwczovL2lkcC5leGFtcGxlIiwiZXhwIjoxfQ.c2lnbmF0dXJl", "oauth"),
-    ("ya29.a0AfH6SMBxyz0123456789", "oauth"),
-    ("Bearer sk-abc0123456789", "bearer"),
-    ("sk-abc 0123456789", "whitespace"),
-])
+@pytest.mark.parametrize(
+    "key, kind",
+    [
+        ("sk-proj-abcdef0123456789", "api_key"),
+        ("eyJhbGciOiJSUzI1NiJ9.eyJpc3MiOiJodHRwczovL2lkcC5leGFtcGxlIiwiZXhwIjoxfQ.c2lnbmF0dXJl", "oauth"),
+        ("ya29.a0AfH6SMBxyz0123456789", "oauth"),
+        ("Bearer sk-abc0123456789", "bearer"),
+        ("sk-abc 0123456789", "whitespace"),
+    ],
+)
 def test_describe_key_tells_oauth_from_api_key_without_showing_it(key, kind):
     got, why = api.describe_key(key)
     assert got == kind
@@ -110,11 +114,14 @@ def test_401_explains_causes_and_redacts_the_echoed_key(fake, monkeypatch):
     assert fake.count() == 1  # 401 is not retried
 
 
-@pytest.mark.parametrize("mode, expect", [
-    ("html", ["HTTP 200", "text/html", "<!DOCTYPE html>"]),
-    ("malformed", ["HTTP 200", "application/json", '{"id": "cmpl-1", "choices"']),
-    ("no_choices", ["HTTP 200", "chat.completion"]),
-])
+@pytest.mark.parametrize(
+    "mode, expect",
+    [
+        ("html", ["HTTP 200", "text/html", "<!DOCTYPE html>"]),
+        ("malformed", ["HTTP 200", "application/json", '{"id": "cmpl-1", "choices"']),
+        ("no_choices", ["HTTP 200", "chat.completion"]),
+    ],
+)
 def test_body_not_the_expected_json_says_error_reading_choices(fake, mode, expect):
     fake.mode = mode
     with pytest.raises(api.ApiBadBody) as e:
@@ -176,6 +183,7 @@ def test_connection_refused_dns_and_stale_proxy_are_told_apart(fake, monkeypatch
 def test_unusable_proxy_setting_is_named(fake, monkeypatch):
     try:
         import socksio  # noqa: F401
+
         pytest.skip("socksio installed: a socks proxy is usable")
     except ImportError:
         pass
@@ -217,15 +225,28 @@ def test_key_never_in_repr_logs_or_output(fake, monkeypatch, caplog, capsys):
     out = capsys.readouterr()
     for text in (out.out, out.err, caplog.text, repr(c), str(vars(c)), str(c.describe()), str(e.value)):
         assert KEY not in text
-    assert "req=" in caplog.text and "GET /v1/models -> 200" in caplog.text and "POST /v1/chat/completions -> 401" in caplog.text
+    assert (
+        "req=" in caplog.text
+        and "GET /v1/models -> 200" in caplog.text
+        and "POST /v1/chat/completions -> 401" in caplog.text
+    )
     assert "TAOTOKEN_API_KEY" in repr(c)
 
 
 # ---------------------------------------------------------------------------------------------- judge
-@pytest.mark.parametrize("reply, score", [
-    ("4", 4), ("**3**", 3), ("Score: 4/5", 4), ("score = 2.5", 2.5), ("4 out of 5", 4), ("8/10", 4),
-    ("<think>3 or 5? maybe 1</think>\n5", 5), ("I would give it a 2.", 2),
-])
+@pytest.mark.parametrize(
+    "reply, score",
+    [
+        ("4", 4),
+        ("**3**", 3),
+        ("Score: 4/5", 4),
+        ("score = 2.5", 2.5),
+        ("4 out of 5", 4),
+        ("8/10", 4),
+        ("<think>3 or 5? maybe 1</think>\n5", 5),
+        ("I would give it a 2.", 2),
+    ],
+)
 def test_parse_score(reply, score):
     assert parse_score(reply, 5) == score
 
@@ -276,13 +297,19 @@ def test_judge_unparseable_reply_is_an_error_quoting_it_and_not_cached(fake, tmp
 def test_judge_from_the_users_config(fake, tmp_path, monkeypatch):
     monkeypatch.setenv("HERMES_REWARD_MODEL", "judge-1")
     cfg_path = tmp_path / "hermes_grpo_lora.yaml"
-    cfg_path.write_text("reward:\n  model: ${HERMES_REWARD_MODEL}\n  base_url: ${TAOTOKEN_BASE_URL}\n"
-                        "  scale: 5\n  judge_timeout_s: 3\n  judge_retries: 1\n  judge_concurrency: 2\n"
-                        f"round:\n  runs_dir: {tmp_path / 'runs'}\n")
+    cfg_path.write_text(
+        "reward:\n  model: ${HERMES_REWARD_MODEL}\n  base_url: ${TAOTOKEN_BASE_URL}\n"
+        "  scale: 5\n  judge_timeout_s: 3\n  judge_retries: 1\n  judge_concurrency: 2\n"
+        f"round:\n  runs_dir: {tmp_path / 'runs'}\n"
+    )
     cfg = load_config(cfg_path)
     judge = ApiJudge.from_config(cfg)
-    assert (judge.model, judge.client.base_url, judge.client.timeout, judge.client.retries) == \
-        ("judge-1", fake.url, 3.0, 1)
+    assert (judge.model, judge.client.base_url, judge.client.timeout, judge.client.retries) == (
+        "judge-1",
+        fake.url,
+        3.0,
+        1,
+    )
     assert judge.score_one("p", "abc", "abc") == 5
     assert (tmp_path / "runs" / "cache" / "judge.jsonl").is_file()
     with pytest.raises(api.ApiConfigError, match="local"):

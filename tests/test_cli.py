@@ -1,5 +1,6 @@
 """hermes_lab.cli: every command is wired, imports and answers --help; `python -m hermes_lab.<module>`
 works; building the parser stays light (no torch / transformers / trl / mlflow)."""
+
 from __future__ import annotations
 
 import importlib
@@ -69,23 +70,26 @@ def test_config_error_returns_2_in_process(tmp_path, capsys):
 
 
 def test_console_script_help():
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "hermes-lab"), "--help"], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "hermes-lab"), "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "usage: hermes-lab" in r.stdout and "round" in r.stdout
 
 
 @pytest.mark.parametrize("module", MODULES_WITH_MAIN)
 def test_python_dash_m_help(module):
-    r = subprocess.run([sys.executable, "-m", f"hermes_lab.{module}", "--help"], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", f"hermes_lab.{module}", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage:"), r.stdout[:200]
 
 
 def test_parser_does_not_import_heavy_packages():
-    code = ("import hermes_lab.cli, sys; hermes_lab.cli.build_parser(); "
-            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    code = (
+        f"import hermes_lab.cli, sys; hermes_lab.cli.build_parser(); print([m for m in {HEAVY!r} if m in sys.modules])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"building the parser imported {r.stdout.strip()}"

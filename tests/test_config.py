@@ -1,4 +1,5 @@
 """hermes_lab.config: the user's YAML as is, ${VAR} interpolation, unknown keys, bad values, help texts."""
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,10 @@ def test_overrides_apply_and_are_checked(user_env):
 
 
 # ----------------------------------------------------------------------------------------- env vars
-@pytest.mark.parametrize("var,key", [("HERMES_POLICY_MODEL", "base_model"), ("TAOTOKEN_BASE_URL", "base_url"),
-                                     ("HERMES_REWARD_MODEL", "model")])
+@pytest.mark.parametrize(
+    "var,key",
+    [("HERMES_POLICY_MODEL", "base_model"), ("TAOTOKEN_BASE_URL", "base_url"), ("HERMES_REWARD_MODEL", "model")],
+)
 def test_missing_env_var_names_var_key_and_line(user_env, monkeypatch, var, key):
     monkeypatch.delenv(var)
     # the first line of the file that uses it (TAOTOKEN_BASE_URL is used twice)
@@ -110,9 +113,17 @@ def test_cli_missing_env_var_is_one_line_exit_2():
 
 
 def test_cli_prints_resolved_user_config():
-    r = run_cli("config", "--params", str(USER_YAML),
-                extra_env={"HERMES_POLICY_MODEL": "pol-x", "TAOTOKEN_BASE_URL": "https://u.test",
-                           "HERMES_REWARD_MODEL": "rm-y", "TAOTOKEN_API_KEY": "sk-secret-123456"})
+    r = run_cli(
+        "config",
+        "--params",
+        str(USER_YAML),
+        extra_env={
+            "HERMES_POLICY_MODEL": "pol-x",
+            "TAOTOKEN_BASE_URL": "https://u.test",
+            "HERMES_REWARD_MODEL": "rm-y",
+            "TAOTOKEN_API_KEY": "sk-secret-123456",
+        },
+    )
     assert r.returncode == 0, r.stderr
     assert "base_model: pol-x" in r.stdout and "model: rm-y" in r.stdout
     assert "sk-secret-123456" not in r.stdout
@@ -120,8 +131,10 @@ def test_cli_prints_resolved_user_config():
 
 def test_default_syntax(tmp_path, monkeypatch):
     monkeypatch.delenv("HERMES_TEST_UNSET_VAR", raising=False)
-    p = write(tmp_path, "model:\n  base_model: ${HERMES_TEST_UNSET_VAR:-embedded:tiny}\n"
-                        "grpo:\n  max_steps: ${HERMES_TEST_STEPS:-7}\n")
+    p = write(
+        tmp_path,
+        "model:\n  base_model: ${HERMES_TEST_UNSET_VAR:-embedded:tiny}\ngrpo:\n  max_steps: ${HERMES_TEST_STEPS:-7}\n",
+    )
     cfg = load_config(p)
     assert cfg.model.base_model == "embedded:tiny"
     assert cfg.grpo.max_steps == 7
@@ -138,11 +151,14 @@ def test_env_argument_replaces_os_environ(tmp_path):
         load_config(p, env={})
 
 
-@pytest.mark.parametrize("text", [
-    "grpo:\n  group_size: 4  # set ${HERMES_NOT_SET_ANYWHERE} later\n",      # trailing comment
-    "# needs ${HERMES_NOT_SET_ANYWHERE}\ngrpo:\n  group_size: 4\n",           # comment at column 0
-    "grpo:\n  # ${HERMES_NOT_SET_ANYWHERE}\n  group_size: 4\n",               # indented comment line
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "grpo:\n  group_size: 4  # set ${HERMES_NOT_SET_ANYWHERE} later\n",  # trailing comment
+        "# needs ${HERMES_NOT_SET_ANYWHERE}\ngrpo:\n  group_size: 4\n",  # comment at column 0
+        "grpo:\n  # ${HERMES_NOT_SET_ANYWHERE}\n  group_size: 4\n",  # indented comment line
+    ],
+)
 def test_var_in_comment_is_not_interpolated(tmp_path, monkeypatch, text):
     monkeypatch.delenv("HERMES_NOT_SET_ANYWHERE", raising=False)
     assert load_config(write(tmp_path, text)).grpo.group_size == 4
@@ -192,18 +208,21 @@ def test_missing_file_is_config_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- bad values
-@pytest.mark.parametrize("text,key", [
-    ("grpo:\n  group_size: 1\n", "grpo.group_size"),
-    ("grpo:\n  clip_range: 1.5\n", "grpo.clip_range"),
-    ("grpo:\n  temperature: 0\n", "grpo.temperature"),
-    ("grpo:\n  max_steps: lots\n", "grpo.max_steps"),
-    ("grpo:\n  group_size: 8.5\n", "grpo.group_size"),
-    ("grpo:\n  learning_rate: fast\n", "grpo.learning_rate"),
-    ("lora:\n  target_modules: q_proj\n", "lora.target_modules"),
-    ("grpo:\n  use_vllm: maybe\n", "grpo.use_vllm"),
-    ("reward:\n  types: [system, comparison]\n  weights: [1.0]\n", "reward.weights"),
-    ("data:\n  holdout_fraction: 1.5\n", "data.holdout_fraction"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("grpo:\n  group_size: 1\n", "grpo.group_size"),
+        ("grpo:\n  clip_range: 1.5\n", "grpo.clip_range"),
+        ("grpo:\n  temperature: 0\n", "grpo.temperature"),
+        ("grpo:\n  max_steps: lots\n", "grpo.max_steps"),
+        ("grpo:\n  group_size: 8.5\n", "grpo.group_size"),
+        ("grpo:\n  learning_rate: fast\n", "grpo.learning_rate"),
+        ("lora:\n  target_modules: q_proj\n", "lora.target_modules"),
+        ("grpo:\n  use_vllm: maybe\n", "grpo.use_vllm"),
+        ("reward:\n  types: [system, comparison]\n  weights: [1.0]\n", "reward.weights"),
+        ("data:\n  holdout_fraction: 1.5\n", "data.holdout_fraction"),
+    ],
+)
 def test_bad_value_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as ei:
         load_config(write(tmp_path, text))
@@ -211,8 +230,13 @@ def test_bad_value_names_the_key(tmp_path, text, key):
 
 
 def test_good_values_at_the_edges(tmp_path):
-    cfg = load_config(write(tmp_path, "grpo:\n  group_size: 2\n  temperature: 2\n  clip_range: 0.99\n"
-                                      "reward:\n  types: [system]\n  weights: [2]\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "grpo:\n  group_size: 2\n  temperature: 2\n  clip_range: 0.99\n"
+            "reward:\n  types: [system]\n  weights: [2]\n",
+        )
+    )
     assert cfg.grpo.group_size == 2 and cfg.grpo.temperature == 2.0
     assert cfg.reward.weights == [2.0] and type(cfg.reward.weights[0]) is float
 

@@ -1,5 +1,6 @@
 """`hermes-lab doctor` against a real HTTP server (tests/fake_openai.py): passes when all is right, and
 names the exact problem otherwise. The key never appears in what it prints."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,15 @@ def test_passes_when_all_is_right(fake, capsys):
     code, rows, out, _ = run(capsys)
     assert code == 0, out
     assert all(v.startswith("PASS") for v in rows.values()), rows
-    assert {"variables", "proxy", "base URL", "key", "GET /v1/models", "model HERMES_REWARD_MODEL",
-            "model HERMES_POLICY_MODEL"} <= rows.keys()
+    assert {
+        "variables",
+        "proxy",
+        "base URL",
+        "key",
+        "GET /v1/models",
+        "model HERMES_REWARD_MODEL",
+        "model HERMES_POLICY_MODEL",
+    } <= rows.keys()
     assert "all checks passed" in out and "fingerprint sha256:" in rows["key"]
     assert fake.requests[0].path == "/v1/models" and fake.requests[0].headers["authorization"] == f"Bearer {KEY}"
 
@@ -100,7 +108,10 @@ def test_stale_proxy_variable_is_named(fake, capsys, monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", dead)  # the fake is http://, so HTTP_PROXY is the one in use
     code, rows, _, _ = run(capsys)
     assert code == 1
-    assert rows["proxy HTTP_PROXY"].startswith("FAIL local proxy failed") and "unset HTTP_PROXY" in rows["proxy HTTP_PROXY"]
+    assert (
+        rows["proxy HTTP_PROXY"].startswith("FAIL local proxy failed")
+        and "unset HTTP_PROXY" in rows["proxy HTTP_PROXY"]
+    )
     assert "local proxy failed" in rows["GET /v1/models"] and "HTTP_PROXY=" + dead in rows["GET /v1/models"]
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")  # respected: the API goes direct, the variable is only stale
@@ -131,9 +142,11 @@ def test_timeout_is_reported(fake, capsys):
 
 def test_params_config_supplies_base_url_and_model_ids(fake, capsys, monkeypatch, tmp_path):
     cfg = tmp_path / "hermes_grpo_lora.yaml"
-    cfg.write_text("model:\n  base_model: ${HERMES_POLICY_MODEL}\n  base_url: ${TAOTOKEN_BASE_URL}\n"
-                   "  api_key_env: TAOTOKEN_API_KEY\nreward:\n  model: ${HERMES_REWARD_MODEL}\n"
-                   "  base_url: ${TAOTOKEN_BASE_URL}\n")
+    cfg.write_text(
+        "model:\n  base_model: ${HERMES_POLICY_MODEL}\n  base_url: ${TAOTOKEN_BASE_URL}\n"
+        "  api_key_env: TAOTOKEN_API_KEY\nreward:\n  model: ${HERMES_REWARD_MODEL}\n"
+        "  base_url: ${TAOTOKEN_BASE_URL}\n"
+    )
     code, rows, out, _ = run(capsys, "--params", str(cfg))
     assert code == 0, out
     assert rows["config"].startswith("PASS") and "reward.model=judge-1" in rows["config"]
@@ -157,7 +170,12 @@ def test_debug_logs_request_id_status_and_timing(fake, capsys):
 
 def test_python_dash_m_entry_point(fake):
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    res = subprocess.run([sys.executable, "-m", "hermes_lab.doctor", "--timeout", "5"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "hermes_lab.doctor", "--timeout", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks passed" in res.stdout and KEY not in res.stdout + res.stderr

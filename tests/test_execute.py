@@ -1,4 +1,5 @@
 """Execute: the policy's execution logs in the user's trajectory format, rewards from the verifiers."""
+
 import json
 import subprocess
 import sys
@@ -31,8 +32,21 @@ def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
 
 def test_execute_cli(tmp_path):
     out = tmp_path / "t.jsonl"
-    p = subprocess.run([sys.executable, "-m", "hermes_lab.execute", "--params", "params/embedded.yaml",
-                        "--output", str(out), "--num-tasks", "10"], capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hermes_lab.execute",
+            "--params",
+            "params/embedded.yaml",
+            "--output",
+            str(out),
+            "--num-tasks",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert "wrote 10 trajectories" in p.stdout
     assert len(out.read_text().splitlines()) == 10

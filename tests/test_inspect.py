@@ -1,5 +1,6 @@
 """hermes_lab.inspect: curve loading (train_log.jsonl and a real SQLite MLflow store), plots, and every
 diagnostic rule on synthetic curves that do and do not have the problem."""
+
 from __future__ import annotations
 
 import json
@@ -166,8 +167,14 @@ def test_load_train_log(tmp_path):
     df = curves(n=10)
     log = tmp_path / "train" / "train_log.jsonl"
     # the end-of-training summary shares the last step and has other keys: merged, and not a NaN
-    write_log(log, df, extra=[json.dumps({"step": 10, "train_runtime": 12.5, "train_loss": 0.04}),
-                              json.dumps({"step": 11, "reward": None, "note": "text values are ignored"})])
+    write_log(
+        log,
+        df,
+        extra=[
+            json.dumps({"step": 10, "train_runtime": 12.5, "train_loss": 0.04}),
+            json.dumps({"step": 11, "reward": None, "note": "text values are ignored"}),
+        ],
+    )
     got = I.load_train_log(log.parent)  # a dir works as well as the file
     assert list(got.index) == list(range(1, 12)) and got.index.name == "step"
     assert got.loc[10, "train_runtime"] == 12.5
@@ -247,10 +254,18 @@ def test_plots_written_as_png_and_logged(tmp_path, mlflow_store):
 
     df = curves()
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
-        written = I.plot_curves(df, tmp_path / "plots", compare={"round-00": curves(7)},
-                                diagnostics=I.diagnose(df))
-    expected = {"reward", "reward_functions", "kl", "frac_reward_zero_std", "entropy", "completion_lengths",
-                "clip_ratios", "learning_rate", "loss_grad_norm"}
+        written = I.plot_curves(df, tmp_path / "plots", compare={"round-00": curves(7)}, diagnostics=I.diagnose(df))
+    expected = {
+        "reward",
+        "reward_functions",
+        "kl",
+        "frac_reward_zero_std",
+        "entropy",
+        "completion_lengths",
+        "clip_ratios",
+        "learning_rate",
+        "loss_grad_norm",
+    }
     assert set(written) == expected
     for p in written.values():
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
@@ -271,8 +286,7 @@ def test_inspect_run_writes_diagnostics_json(tmp_path, mlflow_store):
     write_log(tmp_path / "round-02" / "train" / "train_log.jsonl", curves(kl=kl))
     train = tmp_path / "round-02" / "train"
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
-        res = I.inspect_run(train, tmp_path / "round-02" / "validate", cfg,
-                            compare=I.earlier_train_dirs(train.parent))
+        res = I.inspect_run(train, tmp_path / "round-02" / "validate", cfg, compare=I.earlier_train_dirs(train.parent))
     data = json.loads((tmp_path / "round-02" / "validate" / "diagnostics.json").read_text())
     assert data["worst"] == "fail" and data["compared_with"] == ["round-01"] and data["n_steps"] == N
     spike = rule(data["diagnostics"], "kl_spike")

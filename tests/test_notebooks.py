@@ -1,5 +1,6 @@
 """Every notebooks/*.ipynb follows the notebook rules of docs/CONVENTIONS.md, and the round's stage
 notebooks accept the parameters the round runner passes."""
+
 from __future__ import annotations
 
 import ast
@@ -83,8 +84,9 @@ def test_parameters_are_flat_scalars_with_help(path):
     comments = _comments_by_line(src)
     for name, line, value in assigns:
         assert comments.get(line), f"{path.name}: parameter '{name}' (line {line}) has no '# help' comment"
-        assert isinstance(value, ast.Constant) and isinstance(value.value, (str, int, float, bool)), \
+        assert isinstance(value, ast.Constant) and isinstance(value.value, (str, int, float, bool)), (
             f"{path.name}: parameter '{name}' is not a flat scalar"
+        )
     names = [n for n, _, _ in assigns]
     assert len(names) == len(set(names)), f"{path.name}: a parameter is assigned twice"
     for required in ROUND_PARAMS:

@@ -1,4 +1,5 @@
 """The embedded tiny policy: tokenizer round trip, Qwen2 architecture, cached build, mid-range pass rate."""
+
 import json
 
 import pytest

@@ -1,5 +1,6 @@
 """hermes_lab.prep: ingest/validate (every bad kind), counts, dedup, outliers, split, negatives, gates, review
 sample, CLI exit codes, MLflow logging (real SQLite store), and the notebook through papermill."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,18 @@ def good_records(n: int = 600, seed: int = 0) -> list[dict]:
             continue
         seen.add((prompt, resp, tid))
         reward = tasks.verify(prompt, resp) if tid != f"ticket-{i}" else round(rng.uniform(0, 5), 2)
-        out.append({"prompt": prompt, "response": resp, "reward": reward, "task_id": tid,
-                    "request_id": f"req-{i}", "timestamp": "2026-01-01T00:00:00Z", "policy": "base", "arm": "baseline"})
+        out.append(
+            {
+                "prompt": prompt,
+                "response": resp,
+                "reward": reward,
+                "task_id": tid,
+                "request_id": f"req-{i}",
+                "timestamp": "2026-01-01T00:00:00Z",
+                "policy": "base",
+                "arm": "baseline",
+            }
+        )
     return out
 
 
@@ -101,8 +112,13 @@ def write_mixed(path: Path, good: list[dict]) -> dict:
     long_rec = {"prompt": "rev abc=", "response": "y" * (MIB + MIB // 2), "reward": 0.5, "task_id": "reverse-long"}
     lines.append(line(long_rec))  # 1.5 MiB: valid, accepted
     path.write_bytes(b"\n".join(lines) + b"\n")
-    return {"bad_at": bad_at, "dups": dups, "lines": len(lines), "blank": 2 * sum(1 for i in range(len(good)) if i % 100 == 50),
-            "good": good + [long_rec]}
+    return {
+        "bad_at": bad_at,
+        "dups": dups,
+        "lines": len(lines),
+        "blank": 2 * sum(1 for i in range(len(good)) if i % 100 == 50),
+        "good": good + [long_rec],
+    }
 
 
 @pytest.fixture
@@ -124,7 +140,7 @@ def read_jsonl(p: Path) -> list[dict]:
 
 
 def test_rejects_name_each_bad_line_and_good_records_are_kept(mixed):
-    d, info, res = mixed
+    d, info, _res = mixed
     rejects = read_jsonl(d / "out" / "rejects.jsonl")
     assert {r["line"]: r["reason"] for r in rejects} == info["bad_at"]
     assert all(r["file"] == str(d / "traj.jsonl") for r in rejects)
@@ -136,7 +152,8 @@ def test_rejects_name_each_bad_line_and_good_records_are_kept(mixed):
     assert by_line[min(by_line)]["detail"]  # a detail explains the reason
     accepted = read_jsonl(d / "out" / "accepted.jsonl")
     assert {(r["prompt"], r["response"], r["task_id"]) for r in accepted} == {
-        (r["prompt"], r["response"], r["task_id"]) for r in info["good"]}
+        (r["prompt"], r["response"], r["task_id"]) for r in info["good"]
+    }
     assert len(accepted) == len(info["good"])
     assert accepted[0]["request_id"] == "req-0" and accepted[0]["arm"] == "baseline"  # extra fields kept; BOM gone
     assert any(len(r["response"]) > MIB for r in accepted)  # the 1.5 MiB line is accepted
@@ -163,11 +180,20 @@ def test_summary_counts_add_up(mixed):
 def test_split_has_no_leakage_and_grpo_schema(mixed):
     import datasets
 
-    d, info, res = mixed
+    d, info, _res = mixed
     grpo = datasets.load_from_disk(str(d / "out" / "grpo_dataset"))
     held = datasets.load_from_disk(str(d / "out" / "heldout_dataset"))
-    for col in ("prompt", "task_id", "family", "reference", "ref_reward", "n_logged", "mean_logged_reward",
-                "is_negative", "weight"):
+    for col in (
+        "prompt",
+        "task_id",
+        "family",
+        "reference",
+        "ref_reward",
+        "n_logged",
+        "mean_logged_reward",
+        "is_negative",
+        "weight",
+    ):
         assert col in grpo.column_names and col in held.column_names
     assert len(held) > 0 and len(grpo) > 5 * len(held)
     assert not set(grpo["task_id"]) & set(held["task_id"]) and not set(grpo["prompt"]) & set(held["prompt"])
@@ -179,14 +205,18 @@ def test_split_has_no_leakage_and_grpo_schema(mixed):
     for r in info["good"]:
         best[r["prompt"]] = max(best.get(r["prompt"], -1), r["reward"])
     for row in grpo:
-        assert row["ref_reward"] == best[row["prompt"]] and row["family"] == (tasks.family_of(row["prompt"]) or "unknown")
+        assert row["ref_reward"] == best[row["prompt"]] and row["family"] == (
+            tasks.family_of(row["prompt"]) or "unknown"
+        )
 
 
 def test_shared_prompt_across_splits_goes_to_heldout(tmp_path, cfg):
     held_id = next(f"t{i}" for i in range(1000) if _split_of(f"t{i}", 0.1, {}))
     train_id = next(f"t{i}" for i in range(1000) if not _split_of(f"t{i}", 0.1, {}))
-    recs = [{"prompt": "up cat=", "response": r, "reward": 1.0, "task_id": tid}
-            for tid, r in ((train_id, "A"), (held_id, "B"), (train_id, "C"))]
+    recs = [
+        {"prompt": "up cat=", "response": r, "reward": 1.0, "task_id": tid}
+        for tid, r in ((train_id, "A"), (held_id, "B"), (train_id, "C"))
+    ]
     recs += [{"prompt": f"p{i}", "response": "x", "reward": 1.0, "task_id": train_id} for i in range(5)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     c = load_config(None, overrides={"data.min_samples": 1})
@@ -216,8 +246,10 @@ def test_too_many_bad_lines_stop_with_the_file_named(tmp_path, cfg):
 
 def test_outliers_flagged_and_kept(tmp_path):
     rng = random.Random(1)
-    recs = [{"prompt": f"q{i}", "response": "a", "reward": round(4 + rng.uniform(-0.2, 0.2), 3), "task_id": f"t{i}"}
-            for i in range(200)]
+    recs = [
+        {"prompt": f"q{i}", "response": "a", "reward": round(4 + rng.uniform(-0.2, 0.2), 3), "task_id": f"t{i}"}
+        for i in range(200)
+    ]
     recs[17]["reward"] = 0.0
     recs[90]["reward"] = 0.3
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -228,8 +260,11 @@ def test_outliers_flagged_and_kept(tmp_path):
     assert res.summary["outliers"]["count"] == 2 and res.summary["counts"]["accepted"] == 200  # kept
     import datasets
 
-    rows = {r["prompt"]: r for ds in ("grpo_dataset", "heldout_dataset")
-            for r in datasets.load_from_disk(str(tmp_path / "out" / ds))}
+    rows = {
+        r["prompt"]: r
+        for ds in ("grpo_dataset", "heldout_dataset")
+        for r in datasets.load_from_disk(str(tmp_path / "out" / ds))
+    }
     assert rows["q17"]["n_outliers"] == 1 and rows["q17"]["ref_reward"] == 0.0 and rows["q18"]["n_outliers"] == 0
 
 
@@ -239,8 +274,10 @@ def test_negatives_carried_with_provenance_and_weight(tmp_path):
     new = good_records(300, seed=3)
     neg_dir = tmp_path / "runs" / "round-02"
     neg_dir.mkdir(parents=True)
-    neg = [{"prompt": f"hard {i}=", "response": "bad", "reward": 0.5, "task_id": f"hard-{i}", "arm": "candidate"}
-           for i in range(40)]
+    neg = [
+        {"prompt": f"hard {i}=", "response": "bad", "reward": 0.5, "task_id": f"hard-{i}", "arm": "candidate"}
+        for i in range(40)
+    ]
     neg.append(new[0])  # also in the new data: a duplicate, counted once
     (neg_dir / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in neg))
     (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in new))
@@ -254,7 +291,9 @@ def test_negatives_carried_with_provenance_and_weight(tmp_path):
     carried = read_jsonl(tmp_path / "out" / "negatives.jsonl")
     assert carried[0]["_negative"] == {"file": str(neg_dir / "trajectories.jsonl"), "round": 2}
     assert carried[0]["arm"] == "candidate" and carried[-1]["_negative"]["round"] is None
-    rows = [r for ds in ("grpo_dataset", "heldout_dataset") for r in datasets.load_from_disk(str(tmp_path / "out" / ds))]
+    rows = [
+        r for ds in ("grpo_dataset", "heldout_dataset") for r in datasets.load_from_disk(str(tmp_path / "out" / ds))
+    ]
     hard = [r for r in rows if r["prompt"].startswith("hard")]
     assert len(hard) == 41 and all(r["is_negative"] and r["weight"] == 3 for r in hard)
     assert {r["negative_round"] for r in hard} == {2, None}
@@ -290,11 +329,20 @@ def test_cooldown_gate_with_simulated_clock(tmp_path, cfg, small_file):
         run_prep([small_file], tmp_path / "a", cfg, state, SimulatedClock(T0 + timedelta(hours=23)), make_plots=False)
     assert "cooldown: 1h 0m left (last training 2026-01-01T00:00Z)" in str(e.value)
     with pytest.raises(GateRefused) as e:
-        run_prep([small_file], tmp_path / "b", cfg, state, SimulatedClock(T0 + timedelta(hours=18, minutes=48)),
-                 make_plots=False)
+        run_prep(
+            [small_file],
+            tmp_path / "b",
+            cfg,
+            state,
+            SimulatedClock(T0 + timedelta(hours=18, minutes=48)),
+            make_plots=False,
+        )
     assert "cooldown: 5h 12m left" in str(e.value)
-    assert e.value.result.gates[1] == {"name": "cooldown", "passed": False,
-                                       "detail": "cooldown: 5h 12m left (last training 2026-01-01T00:00Z)"}
+    assert e.value.result.gates[1] == {
+        "name": "cooldown",
+        "passed": False,
+        "detail": "cooldown: 5h 12m left (last training 2026-01-01T00:00Z)",
+    }
     res = run_prep([small_file], tmp_path / "c", cfg, state, SimulatedClock(T0 + timedelta(hours=25)), make_plots=False)
     assert res.gates_passed and "25h 0m since last training" in res.gates[1]["detail"]
 
@@ -313,8 +361,15 @@ def test_cooldown_override_is_recorded_in_summary_and_mlflow(tmp_path, cfg, smal
     with pytest.raises(PrepError, match="needs a --reason"):
         run_prep([small_file], tmp_path / "x", cfg, state, clock, override_cooldown=True)
     with tracking.stage_run("prep", runs_dir=tmp_path) as run:
-        res = run_prep([small_file], tmp_path / "out", cfg, state, clock, override_cooldown=True,
-                       override_reason="hotfix for incident 42")
+        res = run_prep(
+            [small_file],
+            tmp_path / "out",
+            cfg,
+            state,
+            clock,
+            override_cooldown=True,
+            override_reason="hotfix for incident 42",
+        )
     assert res.gates_passed and res.summary["override"] == {"cooldown": True, "reason": "hotfix for incident 42"}
     assert res.gates[1]["overridden"] and "OVERRIDDEN: hotfix for incident 42" in res.gates[1]["detail"]
     r = mlflow.MlflowClient().get_run(run.info.run_id)
@@ -334,8 +389,16 @@ def test_review_queue_stratified_deterministic(mixed, tmp_path):
     assert abs(len(q) - 0.1 * n_new) <= len(strata) / 2 + 1  # ~10%, rounding per stratum
     assert {f"{r['family']}|{r['reward_band']}" for r in q} == set(strata)  # >= 1 from every non-empty stratum
     for r in q:
-        assert set(r) == {"review_id", "task_id", "family", "prompt", "response", "reward", "reward_band",
-                          "simulated_label"}
+        assert set(r) == {
+            "review_id",
+            "task_id",
+            "family",
+            "prompt",
+            "response",
+            "reward",
+            "reward_band",
+            "simulated_label",
+        }
         assert r["review_id"] == hashlib.sha1((r["task_id"] + r["prompt"] + r["response"]).encode()).hexdigest()[:12]
         band = "low" if r["reward"] < 1.5 else "high" if r["reward"] >= 3 else "mid"
         assert r["reward_band"] == band
@@ -350,16 +413,21 @@ def test_review_queue_stratified_deterministic(mixed, tmp_path):
     p.write_text("".join(json.dumps(r) + "\n" for r in good + [info["good"][-1]]))
     c = load_config(None, overrides={"data.max_line_bytes": 2 * MIB})
     run_prep([p], tmp_path / "again", c, make_plots=False)
-    assert {r["review_id"] for r in read_jsonl(tmp_path / "again" / "review_queue.jsonl")} == {r["review_id"] for r in q}
+    assert {r["review_id"] for r in read_jsonl(tmp_path / "again" / "review_queue.jsonl")} == {
+        r["review_id"] for r in q
+    }
     c2 = load_config(None, overrides={"data.max_line_bytes": 2 * MIB, "data.seed": 1})
     run_prep([p], tmp_path / "seed1", c2, make_plots=False)
-    assert {r["review_id"] for r in read_jsonl(tmp_path / "seed1" / "review_queue.jsonl")} != {r["review_id"] for r in q}
+    assert {r["review_id"] for r in read_jsonl(tmp_path / "seed1" / "review_queue.jsonl")} != {
+        r["review_id"] for r in q
+    }
 
 
 def test_cli_exit_codes(tmp_path, small_file):
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PY, "-m", "hermes_lab.prep", *args], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [PY, "-m", "hermes_lab.prep", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
 
     ok = cli("--input", str(small_file), "--output", "out0")
     assert ok.returncode == 0, ok.stderr
@@ -372,13 +440,27 @@ def test_cli_exit_codes(tmp_path, small_file):
     assert missing.returncode == 2 and "input file not found" in missing.stderr
     state = tmp_path / "state.json"
     FlywheelState(last_train_time=T0.isoformat()).save(state)
-    refused = cli("--input", str(small_file), "--output", "out3", "--state", str(state),
-                  "--simulated-now", "2026-01-01T23:00:00Z")
+    refused = cli(
+        "--input", str(small_file), "--output", "out3", "--state", str(state), "--simulated-now", "2026-01-01T23:00:00Z"
+    )
     assert refused.returncode == 3 and "cooldown: 1h 0m left" in refused.stderr
     s = json.loads((tmp_path / "out3" / "summary.json").read_text())
     assert [g["passed"] for g in s["gates"]] == [True, False]
-    forced = cli("--input", str(small_file), "--output", "out4", "--state", str(state), "--set", "data.seed=1",
-                 "--simulated-now", "2026-01-01T23:00:00Z", "--override-cooldown", "--reason", "demo")
+    forced = cli(
+        "--input",
+        str(small_file),
+        "--output",
+        "out4",
+        "--state",
+        str(state),
+        "--set",
+        "data.seed=1",
+        "--simulated-now",
+        "2026-01-01T23:00:00Z",
+        "--override-cooldown",
+        "--reason",
+        "demo",
+    )
     assert forced.returncode == 0, forced.stderr
     assert json.loads((tmp_path / "out4" / "summary.json").read_text())["override"]["reason"] == "demo"
     no_reason = cli("--input", str(small_file), "--output", "out5", "--override-cooldown")
@@ -397,12 +479,19 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     (runs / "round-01").mkdir(parents=True)
     (runs / "round-01" / "trajectories.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in good_records(520, seed=7)) + "{broken\n")
+        "".join(json.dumps(r) + "\n" for r in good_records(520, seed=7)) + "{broken\n"
+    )
     cfg_path = tmp_path / "params.yaml"
     cfg_path.write_text(f"round:\n  runs_dir: {runs}\ndata:\n  min_samples: 500\n")
     params = {"config_path": str(cfg_path), "round_dir": str(runs / "round-01"), "state_path": str(runs / "state.json")}
-    pm.execute_notebook(str(REPO / "notebooks" / "10_data_prep.ipynb"), str(tmp_path / "ok.ipynb"), parameters=params,
-                        kernel_name="python3", cwd=str(REPO), progress_bar=False)
+    pm.execute_notebook(
+        str(REPO / "notebooks" / "10_data_prep.ipynb"),
+        str(tmp_path / "ok.ipynb"),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(REPO),
+        progress_bar=False,
+    )
     s = json.loads((runs / "round-01" / "prep" / "summary.json").read_text())
     assert s["gates_passed"] and s["counts"]["accepted"] == 520 and s["counts"]["rejected"] == 1
     (run,) = mlflow.search_runs(experiment_names=["hermes-lab"], output_format="list")
@@ -410,8 +499,13 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     # a refused gate fails the notebook after writing the verdicts
     FlywheelState(last_train_time=T0.isoformat()).save(runs / "state.json")
     with pytest.raises(pm.PapermillExecutionError, match="cooldown"):
-        pm.execute_notebook(str(REPO / "notebooks" / "10_data_prep.ipynb"), str(tmp_path / "refused.ipynb"),
-                            parameters={**params, "simulated_now": "2026-01-01T20:00:00+00:00"},
-                            kernel_name="python3", cwd=str(REPO), progress_bar=False)
+        pm.execute_notebook(
+            str(REPO / "notebooks" / "10_data_prep.ipynb"),
+            str(tmp_path / "refused.ipynb"),
+            parameters={**params, "simulated_now": "2026-01-01T20:00:00+00:00"},
+            kernel_name="python3",
+            cwd=str(REPO),
+            progress_bar=False,
+        )
     s = json.loads((runs / "round-01" / "prep" / "summary.json").read_text())
     assert s["status"] == "gates_refused" and "cooldown: 4h 0m left" in s["gates"][1]["detail"]

@@ -3,6 +3,7 @@ agreement statistics, the gate, MLflow logging (real SQLite store) and the gate 
 
 A headless-browser render of the labeller in JupyterLab is not part of this suite.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,9 @@ from hermes_lab.tasks import corrupt, generate_tasks, verify
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_queue(path: Path, n: int = 12, seed: int = 0, response_override: dict[int, str] | None = None,
-               reward_fn=None) -> list[dict]:
+def make_queue(
+    path: Path, n: int = 12, seed: int = 0, response_override: dict[int, str] | None = None, reward_fn=None
+) -> list[dict]:
     """A prep-style queue over real embedded tasks: every other response is a corrupted answer."""
     import random
 
@@ -34,9 +36,17 @@ def make_queue(path: Path, n: int = 12, seed: int = 0, response_override: dict[i
         resp = (response_override or {}).get(i, resp)
         reward = verify(t.prompt, resp) if reward_fn is None else reward_fn(i, t, resp)
         rid = hashlib.sha1(f"{t.task_id}{t.prompt}{resp}".encode()).hexdigest()[:12]
-        recs.append({"review_id": rid, "task_id": t.task_id, "family": t.family, "prompt": t.prompt,
-                     "response": resp, "reward": reward,
-                     "reward_band": "high" if reward >= 3 else "low"})
+        recs.append(
+            {
+                "review_id": rid,
+                "task_id": t.task_id,
+                "family": t.family,
+                "prompt": t.prompt,
+                "response": resp,
+                "reward": reward,
+                "reward_band": "high" if reward >= 3 else "low",
+            }
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     return recs
@@ -64,8 +74,12 @@ def test_click_writes_fsynced_line_and_reopen_resumes(queue, tmp_path):
     lines = store.read_text().splitlines()
     assert len(lines) == 2  # on disk at once: one line per click
     second = json.loads(lines[1])
-    assert (second["review_id"], second["label"], second["note"], second["simulated"]) == \
-        (recs[1]["review_id"], 2.0, "near miss", False)
+    assert (second["review_id"], second["label"], second["note"], second["simulated"]) == (
+        recs[1]["review_id"],
+        2.0,
+        "near miss",
+        False,
+    )
     assert app.progress.value == 2 and app.index == 2
 
     # "kernel restart": a new app over the same store resumes at alice's next unlabelled item
@@ -77,7 +91,7 @@ def test_click_writes_fsynced_line_and_reopen_resumes(queue, tmp_path):
 
 
 def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
-    q, recs = queue
+    q, _recs = queue
     store = tmp_path / "labels.jsonl"
     app = ReviewApp(q, store, reviewer="alice")
     app.buttons[5].click()
@@ -143,15 +157,17 @@ def test_untrusted_output_is_escaped_and_reward_hidden(tmp_path):
     evil = '<script>alert("x")</script><img src=x onerror=alert(1)>'
     make_queue(q, n=3, response_override={0: evil}, reward_fn=lambda i, t, r: 4.321)
     app = ReviewApp(q, tmp_path / "l.jsonl", reviewer="alice")
-    shown = " ".join(str(getattr(w, "value", "")) for w in
-                     [app.header, app.prompt_html, app.response_html, app.progress_label, app.status])
+    shown = " ".join(
+        str(getattr(w, "value", ""))
+        for w in [app.header, app.prompt_html, app.response_html, app.progress_label, app.status]
+    )
     assert "<script>" not in shown and "<img" not in shown
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in app.response_html.value
     assert "4.321" not in shown and "reward" not in shown.lower()
 
 
 def test_reviewer_required_and_keys_box(queue, tmp_path):
-    q, recs = queue
+    q, _recs = queue
     store = tmp_path / "labels.jsonl"
     app = ReviewApp(q, store, reviewer="")
     assert app.buttons[3].disabled and app.index is None
@@ -169,7 +185,7 @@ def test_reviewer_required_and_keys_box(queue, tmp_path):
 
 
 def test_passfail_mode(queue, tmp_path):
-    q, recs = queue
+    q, _recs = queue
     store = tmp_path / "labels.jsonl"
     app = ReviewApp(q, store, reviewer="dave", mode="passfail")
     assert set(app.buttons) == {"pass", "fail"}
@@ -229,8 +245,14 @@ def _cfg(**kw):
 def _label_all(q, store, recs, flip: int, reviewer="alice"):
     """Label every item with the reward model's verdict, except ``flip`` items on the other side."""
     s = review.LabelStore(store)
-    s.append_many([s.make_record(r["review_id"], reviewer, (0.0 if r["reward"] >= 3 else 5.0) if i < flip
-                                 else round(r["reward"])) for i, r in enumerate(recs)])
+    s.append_many(
+        [
+            s.make_record(
+                r["review_id"], reviewer, (0.0 if r["reward"] >= 3 else 5.0) if i < flip else round(r["reward"])
+            )
+            for i, r in enumerate(recs)
+        ]
+    )
 
 
 def test_gate_awaiting_blocked_pass(tmp_path, capsys):
@@ -296,8 +318,9 @@ def test_gate_with_fewer_items_than_min_labels_and_labels_of_other_queues(tmp_pa
 def test_simulated_reviewer_is_marked_everywhere(tmp_path):
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
     # reward model = verifier except 8 of 40 items where it flips the verdict -> 80% agreement
-    recs = make_queue(q, n=40, reward_fn=lambda i, t, r: (1.0 if verify(t.prompt, r) >= 3 else 4.5) if i < 8
-                      else verify(t.prompt, r))
+    recs = make_queue(
+        q, n=40, reward_fn=lambda i, t, r: (1.0 if verify(t.prompt, r) >= 3 else 4.5) if i < 8 else verify(t.prompt, r)
+    )
     store = tmp_path / "labels.jsonl"
     res = review.review_gate(q, store, _cfg(simulate=True))
     assert res.status == "blocked" and res.simulated and res.n_simulated == 40
@@ -328,8 +351,10 @@ def test_simulated_reviewer_is_marked_everywhere(tmp_path):
 
 def test_bad_queue_names_file_and_line(tmp_path):
     q = tmp_path / "q.jsonl"
-    q.write_text('{"review_id": "a", "task_id": "t", "prompt": "p", "response": "r", "reward": 1}\n'
-                 '{"review_id": "b", "task_id": "t", "prompt": "p", "response": "r"}\n')
+    q.write_text(
+        '{"review_id": "a", "task_id": "t", "prompt": "p", "response": "r", "reward": 1}\n'
+        '{"review_id": "b", "task_id": "t", "prompt": "p", "response": "r"}\n'
+    )
     with pytest.raises(ValueError, match=r"q.jsonl:2: missing key 'reward'"):
         review.load_queue(q)
     assert review.main(["--queue", str(tmp_path / "nope.jsonl")]) == 2
@@ -355,8 +380,21 @@ def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
 def test_python_m_entry_point(tmp_path):
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
     make_queue(q, n=10)
-    p = subprocess.run([sys.executable, "-m", "hermes_lab.review", "--queue", str(q), "--labels",
-                        str(tmp_path / "l.jsonl"), "--simulate"], capture_output=True, text=True, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hermes_lab.review",
+            "--queue",
+            str(q),
+            "--labels",
+            str(tmp_path / "l.jsonl"),
+            "--simulate",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stderr
     assert "PASS" in p.stdout and "SIMULATED" in p.stdout
 
@@ -375,17 +413,29 @@ def test_gate_notebook_stops_the_round_cleanly(tmp_path, mlflow_store):
         parent_id = parent.info.run_id
     out = tmp_path / "15_review_gate.out.ipynb"
     with pytest.raises(pm.PapermillExecutionError) as err:
-        pm.execute_notebook(str(REPO / "notebooks" / "15_review_gate.ipynb"), str(out), cwd=str(REPO),
-                            kernel_name="python3", progress_bar=False,
-                            parameters={"config_path": str(cfg_path), "round_dir": str(round_dir),
-                                        "parent_run_id": parent_id, "labels_path": str(tmp_path / "l.jsonl")})
+        pm.execute_notebook(
+            str(REPO / "notebooks" / "15_review_gate.ipynb"),
+            str(out),
+            cwd=str(REPO),
+            kernel_name="python3",
+            progress_bar=False,
+            parameters={
+                "config_path": str(cfg_path),
+                "round_dir": str(round_dir),
+                "parent_run_id": parent_id,
+                "labels_path": str(tmp_path / "l.jsonl"),
+            },
+        )
     assert err.value.ename == "ReviewGateStop" and "blocked" in err.value.evalue
     gate = json.loads((round_dir / "review" / "gate.json").read_text())
     assert gate["status"] == "blocked" and gate["simulated"] is True
     assert (round_dir / "review" / "agreement.png").stat().st_size > 0
     client = mlflow_store.MlflowClient()
-    child = [r for r in client.search_runs([client.get_experiment_by_name("hermes-lab").experiment_id])
-             if r.data.tags.get("mlflow.parentRunId") == parent_id]
+    child = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("hermes-lab").experiment_id])
+        if r.data.tags.get("mlflow.parentRunId") == parent_id
+    ]
     assert len(child) == 1 and child[0].data.tags["review.status"] == "blocked"
     assert child[0].info.status == "FINISHED"  # the stop comes after the stage run closed
 
@@ -398,9 +448,19 @@ def test_labeller_notebook_runs_headless(tmp_path):
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
     make_queue(q, n=4)
     out = tmp_path / "review.out.ipynb"
-    pm.execute_notebook(str(REPO / "notebooks" / "review.ipynb"), str(out), cwd=str(REPO), kernel_name="python3",
-                        progress_bar=False, parameters={"config_path": "", "round_dir": str(tmp_path / "round-01"),
-                                                        "store_path": str(tmp_path / "l.jsonl"), "reviewer": "eve"})
+    pm.execute_notebook(
+        str(REPO / "notebooks" / "review.ipynb"),
+        str(out),
+        cwd=str(REPO),
+        kernel_name="python3",
+        progress_bar=False,
+        parameters={
+            "config_path": "",
+            "round_dir": str(tmp_path / "round-01"),
+            "store_path": str(tmp_path / "l.jsonl"),
+            "reviewer": "eve",
+        },
+    )
     outputs = [o for c in nbformat.read(out, 4).cells if c.cell_type == "code" for o in c.outputs]
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
     assert any("AWAITING REVIEW" in "".join(o.get("text", "")) for o in outputs)

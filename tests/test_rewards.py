@@ -1,6 +1,7 @@
 """hermes_lab.rewards: the registry, the module:function escape hatch, the NaN/inf guard, the system reward
 (= tasks.verify), the local comparison judge, and the API judge through a real HTTP server
 (tests/fake_openai.py). Fast: no model, no training."""
+
 from __future__ import annotations
 
 import difflib
@@ -46,7 +47,8 @@ def user_module(tmp_path, monkeypatch):
         "    return [1.0] * (len(completions) - 1)\n"
         "def none_reward(prompts, completions, **kw):\n"
         "    return [None] * len(completions)\n",
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
 
@@ -70,23 +72,28 @@ def test_unknown_reward_name_lists_valid_names():
 
 
 def test_module_function_escape_hatch(user_module):
-    funcs, weights = R.get_reward_funcs(cfg_with(reward__types=["system", f"{user_module}:length_reward"],
-                                                 reward__weights=[1.0, 0.5]))
+    funcs, weights = R.get_reward_funcs(
+        cfg_with(reward__types=["system", f"{user_module}:length_reward"], reward__weights=[1.0, 0.5])
+    )
     assert [f.__name__ for f in funcs] == ["system", "length_reward"] and weights == [1.0, 0.5]
-    out = funcs[1](prompts=["up cat=", "up dog="], completions=["CAT", "no"], reference=["CAT", "DOG"],
-                   ref_reward=[5.0, 5.0])
+    out = funcs[1](
+        prompts=["up cat=", "up dog="], completions=["CAT", "no"], reference=["CAT", "DOG"], ref_reward=[5.0, 5.0]
+    )
     assert out == [3.0, 2.0]
     import importlib
 
     assert importlib.import_module(user_module).CALLS == [["ref_reward", "reference"]]  # dataset columns reach it
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("no_such_module_xyz:f", "cannot be imported"),
-    ("{mod}:missing", "cannot be imported"),
-    ("{mod}:NOT_CALLABLE", "not callable"),
-    ("{mod}:", "package.module:function"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("no_such_module_xyz:f", "cannot be imported"),
+        ("{mod}:missing", "cannot be imported"),
+        ("{mod}:NOT_CALLABLE", "not callable"),
+        ("{mod}:", "package.module:function"),
+    ],
+)
 def test_bad_module_function_specs(user_module, spec, match):
     with pytest.raises(R.RewardError, match=match):
         R.get_reward_funcs(cfg_with(reward__types=[spec.format(mod=user_module)]))
@@ -185,8 +192,8 @@ def test_local_comparison_judge():
 
 
 def test_local_judge_threshold_uses_success_threshold():
-    assert R.local_judge("abc", "abc", 3.0, 5, 3.0) == 5.0      # 3 is a success
-    assert R.local_judge("abc", "abc", 2.99, 5, 3.0) == 0.0     # just below: a failed reference
+    assert R.local_judge("abc", "abc", 3.0, 5, 3.0) == 5.0  # 3 is a success
+    assert R.local_judge("abc", "abc", 2.99, 5, 3.0) == 0.0  # just below: a failed reference
     assert R.local_judge("abc", "abc", 4.0, 5, 4.5) == 0.0
 
 
@@ -228,8 +235,14 @@ def test_api_comparison_judge_through_the_fake_server(judge_env, tmp_path, capsy
     # the system reward of the same config still works offline
     assert funcs[0](prompts=["rev abcd="], completions=["dcba"]) == [5.0]
     printed = capsys.readouterr()
-    for text in (printed.out, printed.err, caplog.text, repr(funcs), str(list(samples.rows)),
-                 (tmp_path / "runs" / "cache" / "judge.jsonl").read_text()):
+    for text in (
+        printed.out,
+        printed.err,
+        caplog.text,
+        repr(funcs),
+        str(list(samples.rows)),
+        (tmp_path / "runs" / "cache" / "judge.jsonl").read_text(),
+    ):
         assert KEY not in text
 
 

@@ -1,4 +1,5 @@
 """The round: papermill stages in order, MLflow parent + nested runs, lock, resume, status."""
+
 import json
 import os
 import signal
@@ -40,10 +41,19 @@ def small_params(tmp_path: Path, **sections) -> Path:
 
 def test_lock_refuses_a_second_round(tmp_path):
     params = small_params(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from hermes_lab.round import RoundLock\n"
-        f"with RoundLock(Path({str(tmp_path / 'runs')!r})):\n"
-        "    print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from hermes_lab.round import RoundLock\n"
+                f"with RoundLock(Path({str(tmp_path / 'runs')!r})):\n"
+                "    print('locked', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         p = subprocess.run([*HERMES, "round", "--params", str(params)], capture_output=True, text=True)
@@ -83,10 +93,27 @@ def _free_port() -> int:
 @pytest.fixture
 def mlflow_server(tmp_path):
     port = _free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                            "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                            "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    srv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 
@@ -109,8 +136,15 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     params = small_params(tmp_path)
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "PYTHONUNBUFFERED": "1"}
     rd = tmp_path / "runs" / "round-01"
-    proc = subprocess.Popen([*HERMES, "round", "--params", str(params)], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*HERMES, "round", "--params", str(params)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline:  # kill it once the first two stages are done
         prog = json.loads((rd / "progress.json").read_text()) if (rd / "progress.json").exists() else {}
@@ -124,8 +158,14 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     # the unfinished round is refused without --resume, then continued with it
     p = subprocess.run([*HERMES, "round", "--params", str(params)], env=env, cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 1 and "--resume" in p.stderr
-    p = subprocess.run([*HERMES, "round", "--params", str(params), "--resume"], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [*HERMES, "round", "--params", str(params), "--resume"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (rd / "00_execute.ipynb").stat().st_mtime == executed_first  # not run again
     assert "where the time went" in p.stdout

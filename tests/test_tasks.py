@@ -1,4 +1,5 @@
 """hermes_lab.tasks: seeded task generation, stable ids, the train/heldout split, verifiers, corrupt()."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,21 @@ from pathlib import Path
 import pytest
 
 from hermes_lab import tasks
-from hermes_lab.tasks import (DIFFICULTY, FAMILIES, HELDOUT_SHARE, SCALE, check_families, corrupt, family_of,
-                              generate_tasks, make_task, parse_prompt, score, split_of, verify)
+from hermes_lab.tasks import (
+    DIFFICULTY,
+    FAMILIES,
+    HELDOUT_SHARE,
+    SCALE,
+    check_families,
+    corrupt,
+    family_of,
+    generate_tasks,
+    make_task,
+    parse_prompt,
+    score,
+    split_of,
+    verify,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SUCCESS = 3.0
@@ -33,10 +47,18 @@ def test_same_args_same_tasks():
 
 
 def test_deterministic_across_processes():
-    code = ("import json; from hermes_lab.tasks import generate_tasks; "
-            "print(json.dumps([t.to_dict() for t in generate_tasks(60, split='any', seed=7)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
-                         env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"})
+    code = (
+        "import json; from hermes_lab.tasks import generate_tasks; "
+        "print(json.dumps([t.to_dict() for t in generate_tasks(60, split='any', seed=7)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [t.to_dict() for t in generate_tasks(60, split="any", seed=7)]
 
@@ -88,7 +110,7 @@ def test_bad_split_rejected():
 
 def test_every_family_present_round_robin_and_difficulty():
     ts = generate_tasks(50, split="train", seed=0)
-    assert [t.family for t in ts[:len(FAMILIES)]] == list(FAMILIES)
+    assert [t.family for t in ts[: len(FAMILIES)]] == list(FAMILIES)
     assert {t.family for t in ts} == set(FAMILIES)
     assert set(DIFFICULTY) == set(FAMILIES)
     # easiest first: difficulty never decreases along FAMILIES
@@ -196,7 +218,7 @@ def test_corrupt_reaches_every_kind():
     rng = random.Random(0)
     outs = [corrupt("abcd", rng) for _ in range(400)]
     assert "abcd." in outs and "'abcd'" in outs and "abcd ok" in outs
-    assert any(len(o) == 3 for o in outs)                                  # drop
+    assert any(len(o) == 3 for o in outs)  # drop
     assert any(len(o) == 5 and sorted(o) != sorted("abcd") for o in outs)  # duplicate
     assert any(len(o) == 4 and sorted(o) == sorted("abcd") for o in outs)  # swap
     assert any(len(o) == 4 and sorted(o) != sorted("abcd") for o in outs)  # replace

@@ -4,6 +4,7 @@ user's YAML against a real fake-OpenAI judge, continuing from an adapter, a NaN 
 
 The tiny policy is built once per machine under the repo's runs/policies/ (the session fixture), never in
 tmp_path: building it takes minutes, reusing it takes a second."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
 EMBEDDED_YAML = ROOT / "params" / "embedded.yaml"
 KEY = "sk-test-TRAIN-7e4b1a9d3c55"
-USER_ENV = {"HERMES_POLICY_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "TAOTOKEN_BASE_URL": "https://api.example.com",
-            "TAOTOKEN_API_KEY": KEY, "HERMES_REWARD_MODEL": "judge-1"}
+USER_ENV = {
+    "HERMES_POLICY_MODEL": "Qwen/Qwen2.5-0.5B-Instruct",
+    "TAOTOKEN_BASE_URL": "https://api.example.com",
+    "TAOTOKEN_API_KEY": KEY,
+    "HERMES_REWARD_MODEL": "judge-1",
+}
 PER_STEP_KEYS = {"reward", "kl", "entropy", "frac_reward_zero_std", "rewards/system/mean", "learning_rate"}
 
 
@@ -39,18 +44,18 @@ def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
 
     cfg = load_config(USER_YAML, env=USER_ENV)
     kw = grpo_kwargs(cfg, tmp_path, 256, [1.0, 0.5])
-    assert kw["num_generations"] == 8                           # group_size
-    assert kw["beta"] == 0.04                                   # kl_coefficient, passed explicitly
-    assert kw["epsilon"] == 0.2                                 # clip_range
+    assert kw["num_generations"] == 8  # group_size
+    assert kw["beta"] == 0.04  # kl_coefficient, passed explicitly
+    assert kw["epsilon"] == 0.2  # clip_range
     assert kw["learning_rate"] == 1.0e-5
     assert kw["max_steps"] == 300
-    assert kw["per_device_train_batch_size"] == 2 * 8           # prompts x group_size = completions
+    assert kw["per_device_train_batch_size"] == 2 * 8  # prompts x group_size = completions
     assert kw["gradient_accumulation_steps"] == 8
     assert kw["temperature"] == 0.9
     assert kw["max_completion_length"] == 256
     assert kw["reward_weights"] == [1.0, 0.5]
     assert kw["report_to"] == "none" and kw["save_strategy"] == "no"
-    assert kw["remove_unused_columns"] is False                 # reference / ref_reward reach the rewards
+    assert kw["remove_unused_columns"] is False  # reference / ref_reward reach the rewards
     assert kw["output_dir"] == str(tmp_path / "trl")
 
     args = GRPOConfig(**kw)  # the real TRL config: every key exists and the values pass its checks
@@ -86,7 +91,7 @@ def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
     kept, flagged, completion = filter_long_prompts(_ds(prompts), tok, cfg)
     assert completion == 16  # never shortened to make a long prompt fit
     assert kept["prompt"] == ["a" * 10, "b" * 48, "f" * 20]
-    assert kept["reference"] == ["r"] * 3                      # other columns follow
+    assert kept["reference"] == ["r"] * 3  # other columns follow
     assert [f["prompt_tokens"] for f in flagged] == [49, 60, 100]
     assert all("data.max_seq_len 64" in f["reason"] for f in flagged)
     assert flagged[2]["prompt"] == "e" * 100
@@ -101,8 +106,9 @@ def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
     with pytest.raises(ValueError, match="data.max_seq_len=64"):
         filter_long_prompts(_ds(["x" * 70]), tok, cfg)
     with pytest.raises(ConfigError, match="grpo.max_completion_length=64"):
-        filter_long_prompts(_ds(["x"]), tok, load_config(None, {"data.max_seq_len": 64,
-                                                                   "grpo.max_completion_length": 64}))
+        filter_long_prompts(
+            _ds(["x"]), tok, load_config(None, {"data.max_seq_len": 64, "grpo.max_completion_length": 64})
+        )
 
 
 def _callback(tmp_path, is_main=True, **overrides):
@@ -110,8 +116,16 @@ def _callback(tmp_path, is_main=True, **overrides):
     from hermes_lab.train import make_callback
 
     # the guard thresholds set here, not taken from a YAML that may be retuned
-    cfg = load_config(None, {"grpo.kl_warn": 0.5, "grpo.zero_std_warn": 0.8, "grpo.kl_coefficient": 0.04,
-                             "grpo.temperature": 0.9, **overrides})
+    cfg = load_config(
+        None,
+        {
+            "grpo.kl_warn": 0.5,
+            "grpo.zero_std_warn": 0.8,
+            "grpo.kl_coefficient": 0.04,
+            "grpo.temperature": 0.9,
+            **overrides,
+        },
+    )
     return make_callback(cfg, tmp_path / "train_log.jsonl", SampleLog(), is_main)
 
 
@@ -126,9 +140,9 @@ def test_kl_guards_and_nan_loss(tmp_path):
     for step, kl in enumerate([0.01, 0.012, 0.011, 0.02], start=1):
         _log(cb, step, loss=0.1, kl=kl, frac_reward_zero_std=0.1, reward=2.0, entropy=None)
     assert cb.warnings == []
-    _log(cb, 5, loss=0.1, kl=0.3, frac_reward_zero_std=0.1)         # 25x the recent median: a spike
-    _log(cb, 6, loss=0.1, kl=0.9, frac_reward_zero_std=0.1)         # above kl_warn 0.5
-    _log(cb, 7, loss=0.1, kl=1.2, frac_reward_zero_std=0.1)         # each kind warns once
+    _log(cb, 5, loss=0.1, kl=0.3, frac_reward_zero_std=0.1)  # 25x the recent median: a spike
+    _log(cb, 6, loss=0.1, kl=0.9, frac_reward_zero_std=0.1)  # above kl_warn 0.5
+    _log(cb, 7, loss=0.1, kl=1.2, frac_reward_zero_std=0.1)  # each kind warns once
     assert len(cb.warnings) == 2, cb.warnings
     assert "jumped" in cb.warnings[0] and "raise kl_coefficient (now 0.04)" in cb.warnings[0]
     assert "exceeds 0.5" in cb.warnings[1] and "raise kl_coefficient (now 0.04)" in cb.warnings[1]
@@ -175,8 +189,15 @@ def test_mlflow_metrics_are_buffered_then_flushed(tmp_path, mlflow_store, monkey
 def _cli(args, env_over, cwd):
     env = {k: v for k, v in os.environ.items() if k not in USER_ENV}
     env.update(env_over)
-    return subprocess.run([sys.executable, "-m", "hermes_lab.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_lab.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_cli_missing_policy_env_var_is_one_line_exit_2(tmp_path):
@@ -210,16 +231,18 @@ def test_cli_missing_data_is_one_line_exit_2(tmp_path):
 
 def test_cli_unknown_reward_fails_before_loading_the_model(tmp_path):
     # a base model that does not exist: reaching it would fail differently (and, for real models, slowly)
-    text = (EMBEDDED_YAML.read_text().replace("types: [system, comparison]", "types: [system, bleu]")
-            .replace("base_model: embedded:tiny", f"base_model: {tmp_path / 'no-such-model'}"))
+    text = (
+        EMBEDDED_YAML.read_text()
+        .replace("types: [system, comparison]", "types: [system, bleu]")
+        .replace("base_model: embedded:tiny", f"base_model: {tmp_path / 'no-such-model'}")
+    )
     assert "bleu" in text and "no-such-model" in text
     (tmp_path / "bad_reward.yaml").write_text(text)
     data = tmp_path / "ds"
     from datasets import Dataset
 
     Dataset.from_dict({"prompt": ["up cat="], "reference": ["CAT"]}).save_to_disk(str(data))
-    p = _cli(["--config", str(tmp_path / "bad_reward.yaml"), "--data", str(data), "--output", "y"],
-             {}, tmp_path)
+    p = _cli(["--config", str(tmp_path / "bad_reward.yaml"), "--data", str(data), "--output", "y"], {}, tmp_path)
     assert p.returncode == 1, p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert "unknown reward 'bleu'" in line and "system, comparison" in line
@@ -244,8 +267,13 @@ def prompt_set(tmp_path_factory) -> Path:
     rng = random.Random(0)
     ts = T.generate_tasks(40, split="train", seed=0)
     refs = [t.answer if i % 2 == 0 else T.corrupt(t.answer, rng) for i, t in enumerate(ts)]
-    ds = Dataset.from_dict({"prompt": [t.prompt for t in ts], "reference": refs,
-                            "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)]})
+    ds = Dataset.from_dict(
+        {
+            "prompt": [t.prompt for t in ts],
+            "reference": refs,
+            "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)],
+        }
+    )
     path = tmp_path_factory.mktemp("data") / "grpo_dataset"
     ds.save_to_disk(str(path))
     return path
@@ -289,8 +317,15 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
         t0 = time.time()
         res = train(cfg, prompt_set, tmp / "train", parent_run_id=parent_id, evaluate_heldout=False)
         seconds = time.time() - t0
-    return SimpleNamespace(res=res, out=tmp / "train", parent_id=parent_id, client=mlflow.MlflowClient(uri),
-                           cfg=cfg, seconds=seconds, tmp=tmp)
+    return SimpleNamespace(
+        res=res,
+        out=tmp / "train",
+        parent_id=parent_id,
+        client=mlflow.MlflowClient(uri),
+        cfg=cfg,
+        seconds=seconds,
+        tmp=tmp,
+    )
 
 
 @pytest.mark.slow
@@ -388,8 +423,9 @@ def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
 
 
 @pytest.mark.slow
-def test_users_yaml_as_is_with_fake_judge(tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store,
-                                          fake_openai, capfd):
+def test_users_yaml_as_is_with_fake_judge(
+    tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store, fake_openai, capfd
+):
     """(c) params/hermes_grpo_lora.yaml untouched; the four env vars; only grpo.max_steps=1 overridden."""
     from hermes_lab.train import train
 
@@ -435,10 +471,13 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
     (tmp_path / f"{mod}.py").write_text(
         "import math\n"
         "def flaky(prompts, completions, **kw):\n"
-        "    return [math.nan if i == 3 else 1.0 for i in range(len(completions))]\n")
+        "    return [math.nan if i == 3 else 1.0 for i in range(len(completions))]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 3, "reward.types": ["system", f"{mod}:flaky"],
-                                      "round.runs_dir": str(ROOT / "runs")})
+    cfg = load_config(
+        EMBEDDED_YAML,
+        {"grpo.max_steps": 3, "reward.types": ["system", f"{mod}:flaky"], "round.runs_dir": str(ROOT / "runs")},
+    )
     with pytest.raises(RewardError, match="reward 'flaky' returned nan.*poisons the GRPO advantage"):
         train(cfg, prompt_set, tmp_path / "train_d", evaluate_heldout=False)
     assert not (tmp_path / "train_d" / "adapter").exists()
@@ -448,8 +487,10 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
 
 # ========================================================================================= torchrun
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
-                    reason="torchrun is not installed next to this Python")
+@pytest.mark.skipif(
+    shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
+    reason="torchrun is not installed next to this Python",
+)
 def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
     """``torchrun --nproc_per_node 2 -m hermes_lab.train`` on CPU (gloo): it completes, and only the main
     process writes the adapter, train_log.jsonl and the MLflow run."""
@@ -457,18 +498,45 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
     cfg["model"]["base_model"] = str(tiny_policy)
     cfg["grpo"]["per_device_batch_size"] = 2  # 2 prompts x 8 per process: 4 prompts a step in all
     (tmp_path / "dist.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", TAOTOKEN_API_KEY=KEY)
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db",
+        TAOTOKEN_API_KEY=KEY,
+    )
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
     torchrun = str(Path(sys.executable).parent / "torchrun")
     t0 = time.time()
-    p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
-                        "-m", "hermes_lab.train", "--config", str(tmp_path / "dist.yaml"), "--data", str(prompt_set),
-                        "--output", str(tmp_path / "out"), "--max-steps", "2", "--no-eval"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    p = subprocess.run(
+        [
+            torchrun,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "hermes_lab.train",
+            "--config",
+            str(tmp_path / "dist.yaml"),
+            "--data",
+            str(prompt_set),
+            "--output",
+            str(tmp_path / "out"),
+            "--max-steps",
+            "2",
+            "--no-eval",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     print(f"torchrun x2: {time.time() - t0:.1f} s")
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.count("adapter: ") == 1, p.stdout  # only rank 0 reports

@@ -1,6 +1,7 @@
 """hermes_lab.validate: the regression gate's decision, its inputs, MLflow records, and -- on the real tiny
 policy -- an untouched LoRA adapter passing and a deliberately broken one being stopped (function, CLI,
 ``python -m`` and the papermill notebook)."""
+
 from __future__ import annotations
 
 import json
@@ -142,8 +143,12 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
     from hermes_lab import tracking
 
     base, cand = evaluation({"add": 0.6, "sort": 0.5}), evaluation({"add": 0.2, "sort": 0.5})
-    rep = {"passed": False, "baseline": base, "candidate": cand, **{k: v for k, v in V.compare(base, cand).items()
-                                                                      if k != "passed"}}
+    rep = {
+        "passed": False,
+        "baseline": base,
+        "candidate": cand,
+        **{k: v for k, v in V.compare(base, cand).items() if k != "passed"},
+    }
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
         V.log_report(rep)
     r = MlflowClient().get_run(run.info.run_id)
@@ -164,7 +169,7 @@ def tiny_base(tmp_path_factory) -> Path:
     # Built once (~1-2 min) in the shared cache under the repo's runs/ (git-ignored), then copied: a
     # rebuild of the shared cache by another process must not pull the model away mid-test.
     dest = tmp_path_factory.mktemp("policy") / "tiny"
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             shutil.copytree(build_tiny_policy(REPO / "runs", seed=0, quiet=True), dest)
             return dest
@@ -180,8 +185,10 @@ def make_adapter(base: Path, out: Path, broken: bool) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"),
+    )
     if broken:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -195,8 +202,10 @@ def make_adapter(base: Path, out: Path, broken: bool) -> Path:
 @pytest.fixture(scope="module")
 def adapters(tiny_base, tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("adapters")
-    return {"identity": make_adapter(tiny_base, d / "identity", False),
-            "broken": make_adapter(tiny_base, d / "broken", True)}
+    return {
+        "identity": make_adapter(tiny_base, d / "identity", False),
+        "broken": make_adapter(tiny_base, d / "broken", True),
+    }
 
 
 @pytest.fixture
@@ -212,8 +221,18 @@ def test_cli_passes_an_untouched_adapter(tiny_base, adapters, store, tmp_path):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "round-01" / "validate"
-    rc = V.main(["--base", str(tiny_base), "--candidate-adapter", str(adapters["identity"]),
-                 "--params", str(store), "--output", str(out)])
+    rc = V.main(
+        [
+            "--base",
+            str(tiny_base),
+            "--candidate-adapter",
+            str(adapters["identity"]),
+            "--params",
+            str(store),
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     rep = json.loads((out / "regression.json").read_text())
     assert rep["passed"] and rep["reasons"] == []
@@ -228,8 +247,9 @@ def test_cli_passes_an_untouched_adapter(tiny_base, adapters, store, tmp_path):
 @pytest.mark.slow
 def test_gate_stops_a_broken_adapter(tiny_base, adapters, store, tmp_path):
     cfg = load_config(store)
-    rep = V.regression_gate(cfg, str(tiny_base), str(adapters["broken"]), adapters["identity"].as_posix(),
-                            round_dir=tmp_path / "round-01")
+    rep = V.regression_gate(
+        cfg, str(tiny_base), str(adapters["broken"]), adapters["identity"].as_posix(), round_dir=tmp_path / "round-01"
+    )
     assert not rep["passed"] and rep["reasons"]
     assert rep["candidate"]["pass_rate"] < rep["baseline"]["pass_rate"] - cfg.validate.tolerance
     saved = json.loads((tmp_path / "round-01" / "validate" / "regression.json").read_text())
@@ -242,10 +262,26 @@ def test_gate_stops_a_broken_adapter(tiny_base, adapters, store, tmp_path):
 @pytest.mark.slow
 def test_python_m_exits_4_when_stopped(tiny_base, adapters, store, tmp_path):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    res = subprocess.run([sys.executable, "-m", "hermes_lab.validate", "--base", str(tiny_base),
-                          "--candidate-adapter", str(adapters["broken"]), "--params", str(store),
-                          "--output", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hermes_lab.validate",
+            "--base",
+            str(tiny_base),
+            "--candidate-adapter",
+            str(adapters["broken"]),
+            "--params",
+            str(store),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == V.EXIT_STOPPED, res.stderr[-2000:]
     assert "regression gate: STOPPED" in res.stderr
     assert json.loads((tmp_path / "out" / "regression.json").read_text())["passed"] is False
@@ -259,8 +295,9 @@ def synthetic_round(tmp_path: Path, base: Path, adapter: Path) -> tuple[Path, Pa
     for n, seed in ((1, 1), (2, 2)):
         train = tmp_path / f"round-{n:02d}" / "train"
         write_log(train / "train_log.jsonl", curves(seed))
-    (train / "run.json").write_text(json.dumps({"mlflow_run_id": None, "base_model": str(base),
-                                                "adapter": str(adapter)}))
+    (train / "run.json").write_text(
+        json.dumps({"mlflow_run_id": None, "base_model": str(base), "adapter": str(adapter)})
+    )
     params = tmp_path / "params.yaml"
     params.write_text(f"round:\n  runs_dir: {tmp_path}\nvalidate:\n  eval_tasks_per_family: 16\n")
     return tmp_path / "round-02", params
@@ -278,8 +315,12 @@ def test_notebook_runs_with_papermill(which, tiny_base, adapters, tmp_path, monk
     round_dir, params = synthetic_round(tmp_path, tiny_base, adapters[which])
     exp_id = tracking.setup(tmp_path, "hermes-lab")  # before any client: it points MLflow at this store
     parent = MlflowClient().create_run(exp_id, run_name="round-02").info.run_id
-    kwargs = dict(parameters={"config_path": str(params), "round_dir": str(round_dir), "parent_run_id": parent},
-                  kernel_name="python3", cwd=str(REPO), progress_bar=False)
+    kwargs = dict(
+        parameters={"config_path": str(params), "round_dir": str(round_dir), "parent_run_id": parent},
+        kernel_name="python3",
+        cwd=str(REPO),
+        progress_bar=False,
+    )
     out_nb = tmp_path / "30.ipynb"
     if which == "identity":
         pm.execute_notebook(str(REPO / "notebooks" / "30_inspect_validate.ipynb"), str(out_nb), **kwargs)
@@ -293,9 +334,11 @@ def test_notebook_runs_with_papermill(which, tiny_base, adapters, tmp_path, monk
     rep = json.loads((val / "regression.json").read_text())
     assert rep["passed"] is (which == "identity")
     client = MlflowClient()
-    (child,) = client.search_runs([client.get_run(parent).info.experiment_id],
-                                  f"tags.mlflow.parentRunId = '{parent}'")
+    (child,) = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
     assert child.info.status == "FINISHED"  # closed before the stop failed the notebook
     assert child.data.tags["regression_gate"] == ("passed" if which == "identity" else "stopped")
-    assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {"plots", "diagnostics.json",
-                                                                        "regression.json"}
+    assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {
+        "plots",
+        "diagnostics.json",
+        "regression.json",
+    }
