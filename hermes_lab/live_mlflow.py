@@ -6,9 +6,9 @@ round (``hermes_lab.tracking.setup``: ``runs/mlflow.db`` or ``MLFLOW_TRACKING_UR
 (``hermes_lab.live_log``) stays the durable source: this sink runs in its own thread, in batches, off the
 request path, and a failure here is a warning, never a failed request.
 
-A trace is ``mlflow.log_trace`` (name ``serve/chat``, request = the messages, response = the text, the
-request's own start time and latency) tagged ``serve.request_id`` / ``serve.arm`` / ``serve.experiment``
-/ ``serve.stage``; feedback is ``mlflow.log_feedback`` named after its source (``system`` ...). Feedback
+A trace is one root span (``mlflow.start_span_no_context``, name ``serve/chat``: inputs the messages,
+outputs the text, the request's own start time and latency) tagged ``serve.request_id`` / ``serve.arm`` /
+``serve.experiment`` / ``serve.stage``; feedback is ``mlflow.log_feedback`` named after its source (``system`` ...). Feedback
 on a request logged before a restart finds its trace by the ``serve.request_id`` tag.
 
     hermes-lab serve --set serve.mlflow_traces=true ...;  make mlflow-ui
@@ -90,10 +90,10 @@ class TraceSink:
                 ts = rec.get("timestamp")  # written when the answer was complete: start = end - latency
                 end = datetime.fromisoformat(ts).timestamp() if isinstance(ts, str) else time.time()
                 start_ms = int(end * 1000 - float(rec.get("latency_ms") or 0))
-                tid = mlflow.log_trace(
+                span = mlflow.start_span_no_context(
                     name="serve/chat",
-                    request={"messages": rec.get("messages")},
-                    response=rec.get("response"),
+                    span_type="CHAT_MODEL",
+                    inputs={"messages": rec.get("messages")},
                     attributes={
                         k: rec.get(k)
                         for k in ("arm", "model", "status", "http_status", "latency_ms", "ttft_ms", "task_id")
@@ -106,9 +106,10 @@ class TraceSink:
                         "serve.stage": str(rec.get("stage")),
                         "serve.status": str(rec.get("status")),
                     },
-                    start_time_ms=start_ms,
-                    execution_time_ms=max(int(float(rec.get("latency_ms") or 0)), 1),
+                    start_time_ns=start_ms * 1_000_000,
                 )
+                span.end(outputs=rec.get("response"), end_time_ns=int(end * 1e9))
+                tid = span.trace_id
                 self.trace_ids[str(rec["request_id"])] = tid
                 self.stats["traces"] += 1
             except Exception as e:  # MLflow trouble must never reach the request path

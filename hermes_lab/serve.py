@@ -558,6 +558,8 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     if args.debug:
         log.setLevel(logging.DEBUG)
+    else:  # quiet by default: no weight-loading bars from transformers
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     gw = make_gateway(args)
     s = gw.cfg.serve
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
