@@ -8,8 +8,8 @@ request path, and a failure here is a warning, never a failed request.
 
 A trace is one root span (``mlflow.start_span_no_context``, name ``serve/chat``: inputs the messages,
 outputs the text, the request's own start time and latency) tagged ``serve.request_id`` / ``serve.arm`` /
-``serve.experiment`` / ``serve.stage``; feedback is ``mlflow.log_feedback`` named after its source (``system`` ...). Feedback
-on a request logged before a restart finds its trace by the ``serve.request_id`` tag.
+``serve.experiment`` / ``serve.stage``; feedback is ``mlflow.log_feedback`` named after its source
+(``system`` ...). Feedback on a request logged before a restart finds its trace by its request_id tag.
 
     hermes-lab serve --set serve.mlflow_traces=true ...;  make mlflow-ui
 """
