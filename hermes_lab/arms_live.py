@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.api import normalize_base_url, redact, safe_url
+from hermes_lab.api import normalize_base_url, proxy_for, redact, safe_url
 from hermes_lab.config import EMBEDDED_MODEL, ConfigError, HermesConfig
 
 ARMS = ("baseline", "candidate")
@@ -216,6 +216,7 @@ class UpstreamArm:
                 )
             self.headers["Authorization"] = f"Bearer {self._key}"
         self._session: Any = None
+        self._proxy: str | None = None
 
     async def start(self) -> None:
         if self.client_kind == "httpx":
@@ -226,12 +227,16 @@ class UpstreamArm:
         else:
             import aiohttp
 
+            # trust_env would cost two thread hops per request (netrc, proxy lookup): the proxy is resolved
+            # once here instead, with httpx's rules (HTTPS_PROXY / NO_PROXY), as every other client does
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.connections, ttl_dns_cache=300),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
-                trust_env=True,  # HTTPS_PROXY / NO_PROXY, like every other client of the workbench
+                cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent",),
             )
+            found = proxy_for(self.spec.url)
+            self._proxy = found[1] if found else None
 
     async def close(self) -> None:
         if self._session is not None:
@@ -251,7 +256,7 @@ class UpstreamArm:
                 r = await self._session.post(self.spec.url, content=data, headers=self.headers)
                 status, body, ctype = r.status_code, r.content, r.headers.get("content-type", "")
             else:
-                async with self._session.post(self.spec.url, data=data, headers=self.headers) as r:
+                async with self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy) as r:
                     status, body, ctype = r.status, await r.read(), r.headers.get("Content-Type", "")
         except Exception as e:  # any transport failure is a 502 with its kind
             raise self._error(e) from None
@@ -273,7 +278,7 @@ class UpstreamArm:
                 r = await self._session.send(req, stream=True)
                 status, chunks, closer = r.status_code, r.aiter_raw(), r.aclose
             else:
-                r = await self._session.post(self.spec.url, data=data, headers=self.headers)
+                r = await self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy)
                 status, chunks, closer = r.status, r.content.iter_any(), r.release
         except Exception as e:
             raise self._error(e) from None

@@ -292,12 +292,12 @@ class ServeSection:
     )
     max_body_bytes: int = _f(4 * 2**20, "Largest request body accepted (bigger: 413).")
     durability: str = _f(
-        "fsync",
-        "fsync: a response's last byte waits for the fsync covering its log record (group commit; survives "
-        "kill -9 and power loss). write: the record is written to the file before the last byte, fsync "
-        "follows within fsync_ms (survives kill -9; a power loss may lose the last fsync_ms).",
+        "write",
+        "write: a request's record is written to the log file before the last byte of its answer, fsync "
+        "follows within fsync_ms (a kill -9 loses nothing; a power loss may lose the last fsync_ms). fsync: the "
+        "answer also waits for the fsync covering its record (group commit; survives power loss, +1 fsync).",
     )
-    fsync_ms: float = _f(100.0, "Longest a written log record waits for its fsync (group commit window cap).")
+    fsync_ms: float = _f(100.0, "durability write: longest a written log record waits for its fsync.")
     upstream_client: str = _f("aiohttp", "HTTP client of URL arms: aiohttp (measured faster) or httpx.")
     upstream_timeout_s: float = _f(600.0, "Timeout of one upstream request (a long generation included).")
     upstream_connections: int = _f(256, "Open connections kept per upstream arm.")

@@ -43,14 +43,14 @@ REQUESTS, FEEDBACK, EXPERIMENT = "requests.jsonl", "feedback.jsonl", "experiment
 class LogWriter:
     """Appends lines to one JSONL file; ``await append(line)`` returns once the line is durable.
 
+    durability 'write' (default): the line is written (the kernel holds it: a kill -9 of the gateway
+    cannot lose it) before ``append`` returns; the thread fdatasyncs within ``fsync_ms``.
     durability 'fsync': group commit. Lines queue up while the writer thread is in write+fdatasync; each
     waiter is released by the fdatasync that covers its line, so at any load a record costs at most about
     two fsyncs of latency and one fsync serves every line that arrived meanwhile.
-    durability 'write': the line is written (the kernel holds it: a kill -9 of the gateway cannot lose it)
-    before ``append`` returns; the thread fdatasyncs within ``fsync_ms``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], durability: str = "fsync", fsync_ms: float = 100.0):
+    def __init__(self, path: str | os.PathLike[str], durability: str = "write", fsync_ms: float = 100.0):
         self.path, self.durability, self.interval = Path(path), durability, fsync_ms / 1000
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import itertools
 import logging
 import os
 import re
 import sys
 import time
-import uuid
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -140,6 +140,9 @@ class Gateway:
         self.traces: Any = None
         self._decision: tuple[float, dict[str, Any]] = (0.0, {})
         self._debug = log.isEnabledFor(logging.DEBUG)
+        # generated request ids: a random per-process prefix and a counter (unique across restarts, and
+        # cheaper than uuid4, whose urandom call showed up in the profile)
+        self._rid_prefix, self._rid_seq = f"hl-{os.urandom(6).hex()}-", itertools.count(1)
 
     # --------------------------------------------------------------------------------- state
     def _load_state(self, ratio: float | None) -> dict[str, Any]:
@@ -281,7 +284,7 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         t_start = time.perf_counter()
         h = request.headers
-        rid = h.get("x-request-id") or uuid.uuid4().hex
+        rid = h.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):x}"
         if not _RID.match(rid):
             return self._refuse(
                 _Refused(400, "X-Request-ID: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_request_id")
@@ -584,6 +587,7 @@ def run_cli(args: argparse.Namespace) -> int:
         access_log=s.access_log,
         server_header=False,
         date_header=False,
+        proxy_headers=False,  # X-Forwarded-* rewriting: not needed on 127.0.0.1, and it costs per request
         timeout_keep_alive=75,
     )
     uvicorn.Server(config).run(sockets=[sock])
