@@ -7,8 +7,8 @@ round (``hermes_lab.tracking.setup``: ``runs/mlflow.db`` or ``MLFLOW_TRACKING_UR
 request path, and a failure here is a warning, never a failed request.
 
 A trace is one root span (``mlflow.start_span_no_context``, name ``serve/chat``: inputs the messages,
-outputs the text, the request's own start time and latency) tagged ``serve.request_id`` / ``serve.arm`` /
-``serve.experiment`` / ``serve.stage``; feedback is ``mlflow.log_feedback`` named after its source
+outputs the text, the request's own start time and latency) tagged ``serve/request_id`` / ``serve/arm`` /
+``serve/experiment`` / ``serve/stage``; feedback is ``mlflow.log_feedback`` named after its source
 (``system`` ...). Feedback on a request logged before a restart finds its trace by its request_id tag.
 
     hermes-lab serve --set serve.mlflow_traces=true ...;  make mlflow-ui
@@ -100,11 +100,11 @@ class TraceSink:
                     }
                     | {"usage": rec.get("usage") or {}, "error": rec.get("error") or ""},
                     tags={
-                        "serve.request_id": str(rec["request_id"]),
-                        "serve.arm": str(rec["arm"]),
-                        "serve.experiment": self.experiment,
-                        "serve.stage": str(rec.get("stage")),
-                        "serve.status": str(rec.get("status")),
+                        "serve/request_id": str(rec["request_id"]),
+                        "serve/arm": str(rec["arm"]),
+                        "serve/experiment": self.experiment,
+                        "serve/stage": str(rec.get("stage")),
+                        "serve/status": str(rec.get("status")),
                     },
                     start_time_ns=start_ms * 1_000_000,
                 )
@@ -136,9 +136,9 @@ class TraceSink:
                 self._fail(kind, e)
 
     def _find(self, mlflow: Any, rid: str) -> str | None:
-        """The trace of a request logged before this process started (by its serve.request_id tag)."""
+        """The trace of a request logged before this process started (by its serve/request_id tag)."""
         found = mlflow.search_traces(
-            filter_string=f"tags.`serve.request_id` = '{rid.replace(chr(39), '')}'", max_results=1, return_type="list"
+            filter_string=f"tags.`serve/request_id` = '{rid.replace(chr(39), '')}'", max_results=1, return_type="list"
         )
         return found[0].info.trace_id if found else None
 

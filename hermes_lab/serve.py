@@ -210,20 +210,28 @@ class Gateway:
 
     # --------------------------------------------------------------------------------- helpers
     async def _body(self, request: Request) -> bytes:
-        if self._auth is not None:
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, self._auth):
-                raise _Refused(401, "missing or wrong gateway key (Authorization: Bearer ...)", "invalid_api_key")
-        cl = request.headers.get("content-length")
-        if cl and cl.isdigit() and int(cl) > self.max_body:
-            raise _Refused(413, f"request body over {self.max_body} bytes (serve.max_body_bytes)", "body_too_large")
+        return await self._read(dict(request.scope["headers"]), request.receive)
+
+    async def _read(self, hdr: dict[bytes, bytes], receive: Any) -> bytes:
+        """The body, once the gateway key (if any) checks out and within serve.max_body_bytes."""
+        if self._auth is not None and not hmac.compare_digest(hdr.get(b"authorization", b""), self._auth):
+            raise _Refused(401, "missing or wrong gateway key (Authorization: Bearer ...)", "invalid_api_key")
+        cl = hdr.get(b"content-length", b"")
+        too_big = f"request body over {self.max_body} bytes (serve.max_body_bytes)"
+        if cl.isdigit() and int(cl) > self.max_body:
+            raise _Refused(413, too_big, "body_too_large")
         chunks, n = [], 0
-        async for c in request.stream():
-            n += len(c)
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _Refused(400, "the client disconnected before its body was read", "client_disconnected")
+            chunk = msg.get("body", b"")
+            n += len(chunk)
             if n > self.max_body:
-                raise _Refused(413, f"request body over {self.max_body} bytes (serve.max_body_bytes)", "body_too_large")
-            chunks.append(c)
-        return b"".join(chunks)
+                raise _Refused(413, too_big, "body_too_large")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _refuse(self, e: _Refused, rid: str | None = None) -> Response:
         self.rejected += 1
@@ -281,16 +289,22 @@ class Gateway:
         data = [{"id": self.public, "object": "model", "created": int(self.t0), "owned_by": "hermes-lab"}]
         return _Raw(orjson.dumps({"object": "list", "data": data}), 200, [])
 
-    async def chat(self, request: Request) -> Response:
+    async def chat_asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """POST /v1/chat/completions as a plain ASGI app: the hot path skips Starlette's Request and
+        middleware layers (measured: benchmarks/bench_gateway.py); its responses are Starlette's."""
+        response = await self.chat(dict(scope["headers"]), receive)
+        await response(scope, receive, send)
+
+    async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Response:
         t_start = time.perf_counter()
-        h = request.headers
-        rid = h.get("x-request-id") or f"{self._rid_prefix}{next(self._rid_seq):x}"
+        raw_rid = hdr.get(b"x-request-id")
+        rid = raw_rid.decode("latin-1") if raw_rid else f"{self._rid_prefix}{next(self._rid_seq):x}"
         if not _RID.match(rid):
             return self._refuse(
                 _Refused(400, "X-Request-ID: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_request_id")
             )
         try:
-            payload = orjson.loads(await self._body(request))
+            payload = orjson.loads(await self._read(hdr, receive))
             if not isinstance(payload, dict):
                 raise _Refused(400, "the body must be a JSON object", "invalid_body")
             messages = payload.get("messages")
@@ -309,10 +323,11 @@ class Gateway:
         if self.unit_request:
             unit = rid
         else:
-            unit = str(payload.get("user") or payload.get("safety_identifier") or h.get("x-hermes-user") or rid)
+            user = payload.get("user") or payload.get("safety_identifier") or hdr.get(b"x-hermes-user", b"").decode()
+            unit = str(user or rid)
         arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
         md = payload.get("metadata")
-        task_id = (md.get("task_id") if isinstance(md, dict) else None) or h.get("x-hermes-task-id")
+        task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
         prompt = flatten_messages(messages)
         headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]
         rec = self._record(rid, unit, arm, prompt, payload, task_id, t_start)
@@ -491,7 +506,7 @@ class Gateway:
         }
 
 
-def build_app(gw: Gateway) -> Starlette:
+def build_app(gw: Gateway) -> Any:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
         await gw.startup()
@@ -503,11 +518,23 @@ def build_app(gw: Gateway) -> Starlette:
     routes = [
         Route("/healthz", gw.healthz, methods=["GET"]),
         Route("/v1/models", gw.models, methods=["GET"]),
-        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/feedback", gw.feedback, methods=["POST"]),
         Route("/v1/experiment", gw.experiment, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":  # the hot path, no router
+            if scope["method"] == "POST":
+                await gw.chat_asgi(scope, receive, send)
+            else:
+                await _Raw(error_body("use POST", code="method_not_allowed"), 405, [(b"allow", b"POST")])(
+                    scope, receive, send
+                )
+        else:
+            await app(scope, receive, send)
+
+    return asgi
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -573,6 +600,12 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"hermes-lab serve: cannot bind {s.host}:{s.port}: {e.strerror}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
+    if s.host not in ("127.0.0.1", "localhost", "::1") and not s.api_key_env:
+        print(
+            f"hermes-lab serve: warning: {s.host} is reachable from other machines and no gateway key is set "
+            "(serve.api_key_env)",
+            file=sys.stderr,
+        )
     b, c = gw.specs["baseline"], gw.specs["candidate"]
     print(
         f"hermes-lab serve: http://{s.host}:{port}/v1  model {gw.public!r}\n"
@@ -587,7 +620,8 @@ def run_cli(args: argparse.Namespace) -> int:
         access_log=s.access_log,
         server_header=False,
         date_header=False,
-        proxy_headers=False,  # X-Forwarded-* rewriting: not needed on 127.0.0.1, and it costs per request
+        proxy_headers=False,
+        ws="none",  # X-Forwarded-* rewriting: not needed on 127.0.0.1, and it costs per request
         timeout_keep_alive=75,
     )
     uvicorn.Server(config).run(sockets=[sock])

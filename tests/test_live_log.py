@@ -134,10 +134,10 @@ def test_trace_sink_writes_traces_and_assessments(mlflow_store, tmp_path):
     sink.feedback({"request_id": "r-1", "reward": 5.0, "source": "system", "detail": "tests pass", "arm": "baseline"})
     sink.close()
     assert sink.stats["traces"] == 1 and sink.stats["assessments"] == 1, sink.stats
-    traces = mlflow_store.search_traces(filter_string="tags.`serve.request_id` = 'r-1'", return_type="list")
+    traces = mlflow_store.search_traces(filter_string="tags.`serve/request_id` = 'r-1'", return_type="list")
     assert len(traces) == 1
     t = mlflow_store.get_trace(traces[0].info.trace_id)
-    assert t.info.tags["serve.arm"] == "baseline" and t.info.tags["serve.experiment"] == "tiny-vs-tiny"
+    assert t.info.tags["serve/arm"] == "baseline" and t.info.tags["serve/experiment"] == "tiny-vs-tiny"
     fb = [a for a in t.info.assessments if a.name == "system"]
     assert fb and fb[0].value == 5.0 and fb[0].rationale == "tests pass"
     # a restarted gateway finds the trace of an earlier request by its tag
