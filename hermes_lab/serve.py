@@ -48,6 +48,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from hermes_lab import ab
+from hermes_lab import live_experiment as X
 from hermes_lab import live_log as L
 from hermes_lab.arms_live import ARMS, Answer, ArmSpec, UpstreamError, build_arms, resolve_arm
 from hermes_lab.config import ConfigError, HermesConfig, load_config
@@ -124,7 +125,10 @@ class Gateway:
         self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
-        self.state = self._load_state(ratio)
+        ident = {"arms": {n: specs[n].describe() for n in ARMS}, "public_model": self.public, "unit": cfg.ab.unit}
+        self.state = X.open_experiment(
+            self.log_dir, {"experiment": self.name, **ident, "salt": self.salt}, self.stages, ratio
+        )
         self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
         self.t0 = float(self.state["start_unix"])
         self._auth: bytes | None = None
@@ -138,53 +142,11 @@ class Gateway:
         self.arms, self.worker = build_arms(cfg, specs)
         self.req_log = self.fb_log = None
         self.traces: Any = None
-        self._decision: tuple[float, dict[str, Any]] = (0.0, {})
+        self._decision: tuple[Any, dict[str, Any]] = (None, {})
         self._debug = log.isEnabledFor(logging.DEBUG)
         # generated request ids: a random per-process prefix and a counter (unique across restarts, and
         # cheaper than uuid4, whose urandom call showed up in the profile)
         self._rid_prefix, self._rid_seq = f"hl-{os.urandom(6).hex()}-", itertools.count(1)
-
-    # --------------------------------------------------------------------------------- state
-    def _load_state(self, ratio: float | None) -> dict[str, Any]:
-        ident = {
-            "experiment": self.name,
-            "arms": {n: self.specs[n].describe() for n in ARMS},
-            "public_model": self.public,
-            "unit": self.cfg.ab.unit,
-            "salt": self.salt,
-        }
-        st = L.load_experiment(self.log_dir)
-        if st is None:
-            now = time.time()
-            st = {
-                **ident,
-                "created": L.now_iso(now),
-                "start_unix": now,
-                "status": "running",
-                "stages": self.stages,
-                "stage": 0,
-                "ratio": self.stages[0][0],
-                "stage_starts": [0.0],
-                "looks": [],
-                "decision": None,
-                "restarts": 0,
-            }
-        else:
-            for k, v in ident.items():
-                if k != "experiment" and st.get(k) != v:
-                    raise ConfigError(
-                        f"{self.log_dir / L.EXPERIMENT}: this log dir holds experiment {st.get('experiment')!r} "
-                        f"with {k} {st.get(k)!r}; this start has {v!r}. Continue it with the same settings, "
-                        "or pass another --log-dir / --experiment"
-                    )
-            if ratio is not None and float(ratio) != float(st["ratio"]):
-                raise ConfigError(
-                    f"--ratio {ratio}: the experiment in {self.log_dir} runs at ratio {st['ratio']} "
-                    "(stage and ratio live in experiment.json); omit --ratio to continue it"
-                )
-            st["restarts"] = int(st.get("restarts", 0)) + 1
-        L.save_experiment(self.log_dir, st)
-        return st
 
     async def startup(self) -> None:
         s = self.cfg.serve
@@ -452,10 +414,11 @@ class Gateway:
             await self._body(request)
         except _Refused as e:
             return self._refuse(e)
-        at, dec = self._decision
-        if time.monotonic() - at > 1.0:  # the analysis runs in a thread, at most once a second
-            dec = await asyncio.to_thread(self.decide)
-            self._decision = (time.monotonic(), dec)
+        key, dec = self._decision
+        now_key = (sum(self.tally.feedback), sum(self.tally.errors), self.stage, int(time.monotonic() // 5))
+        if key != now_key:  # new rewards (or 5 s on): analyse again, in a thread, off the event loop
+            dec = await asyncio.to_thread(X.decide, self.cfg, self.tally, self.state, self.stages)
+            self._decision = (now_key, dec)
         t = self.tally
         out = {
             "experiment": self.name,
@@ -478,32 +441,6 @@ class Gateway:
             **dec,
         }
         return _Raw(orjson.dumps(out), 200, [])
-
-    def decide(self) -> dict[str, Any]:
-        """The current stage's decision by ``hermes_lab.ab`` (ab-run's code) on the requests with feedback."""
-        a, st = self.cfg.ab, ab.Settings.from_config(self.cfg)
-        cols = self.tally.columns(self.stage)
-        if self.cfg.ab.unit != "user":
-            cols.pop("unit")
-        n_c = int(cols["arm"].sum())
-        n_b = len(cols["arm"]) - n_c
-        empty = {"decision": "keep observing", "look": None}
-        if not n_b or not n_c:
-            return {**empty, "reasons": ["no scored requests in an arm yet (feedback or errors)"]}
-        seconds = float(self.stages[self.stage][1])
-        start = float(self.state["stage_starts"][self.stage])
-        stg = ab.Stage(self.stage, self.ratio, start, seconds, a.max_extension, a.look_every, a.request_rate * seconds)
-        until = max(time.time() - self.t0, float(cols["t"].max()))
-        res = ab.analyse_stage(cols, stg, st, until=min(until, stg.hard_end))
-        last = (res.get("sequential") or {}).get("looks") or [{}]
-        return {
-            "decision": res[f"{st.rule}_decision"],
-            "reasons": res.get("reasons") if st.rule == "sequential" else [res.get("user_rule_reason")],
-            "look": {k: last[-1].get(k) for k in ("t", "n_baseline", "n_candidate", "delta", "cs_lower", "cs_upper")}
-            | {"p_value": last[-1].get("p_value")},
-            "delta": res.get("delta"),
-            "interval": [last[-1].get("cs_lower"), last[-1].get("cs_upper")],
-        }
 
 
 def build_app(gw: Gateway) -> Any:

@@ -3,8 +3,9 @@
 Answers GET /v1/models and POST /v1/chat/completions, non-streaming and streaming (SSE; each event is
 written in two pieces, so a reader must reassemble events split across reads; a usage chunk when
 ``stream_options.include_usage``). The reply to an embedded task prompt is its correct answer (a
-"perfect" policy), anything else gets "OK". ``api_key``: require that Bearer key (401 otherwise);
-``fail``: answer 500. Every request is recorded (path, lower-cased headers, JSON body).
+"perfect" policy), anything else gets "OK"; ``reply`` fixes the reply (a bad policy). ``api_key``:
+require that Bearer key (401 otherwise); ``fail``: answer 500. Every request is recorded (path,
+lower-cased headers, JSON body).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hermes_lab import tasks as T
 class OpenAIStub:
     def __init__(self, models: tuple[str, ...] = ("up-model",), api_key: str | None = None):
         self.models, self.api_key, self.fail = list(models), api_key, False
+        self.reply: str | None = None  # a fixed reply instead of the right answer (a bad arm)
         self.requests: list[dict[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -84,7 +86,7 @@ class OpenAIStub:
             return web.json_response({"error": {"message": f"no model {body.get('model')}"}}, status=404)
         user = next((m.get("content", "") for m in reversed(body["messages"]) if m.get("role") == "user"), "")
         task = T.parse_prompt(user) if isinstance(user, str) else None
-        reply = task.answer if task else "OK"
+        reply = self.reply if self.reply is not None else (task.answer if task else "OK")
         usage = {"prompt_tokens": len(user), "completion_tokens": len(reply), "total_tokens": len(user) + len(reply)}
         base = {"id": "cmpl-stub", "created": int(time.time()), "model": body["model"]}
         if not body.get("stream"):

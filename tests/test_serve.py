@@ -393,6 +393,39 @@ def test_kill9_loses_no_answered_request(stub, tmp_path, durability):
         gw.stop()
 
 
+def test_experiment_decision_is_hermes_lab_ab_on_feedback(stub, tmp_path):
+    """A bad baseline vs a perfect candidate: /v1/experiment's interval lies above 0, computed by hermes_lab.ab."""
+    bad = OpenAIStub(models=("bad-model",))
+    bad.reply = "no idea"
+    bad.start()
+    args = ["--ratio", "0.5", "--baseline", bad.url, "--baseline-model", "bad-model", "--candidate", stub.url]
+    args += ["--candidate-model", "cand-model", "--candidate-key-env", "K", "--set", "ab.min_per_arm=10"]
+    gw = Gateway(tmp_path, args, env={"K": UPSTREAM_KEY}).start()
+    try:
+        from hermes_lab import tasks as T
+
+        h = gw.http()
+        assert gw.experiment()["look"] is None  # no feedback yet: no look
+        for t in T.generate_tasks(80, seed=5):
+            r = h.post(
+                "/v1/chat/completions", json={"model": "hermes", "messages": [{"role": "user", "content": t.prompt}]}
+            )
+            text = r.json()["choices"][0]["message"]["content"]
+            fb = {"request_id": r.headers["x-request-id"], "reward": T.verify(t.prompt, text)}
+            assert h.post("/v1/feedback", json=fb).status_code == 202
+        exp = gw.experiment()
+        assert exp["feedback"]["baseline"] + exp["feedback"]["candidate"] == 80
+        assert (
+            exp["delta"] > 2 and exp["interval"][0] > 0 and exp["look"]["n_candidate"] == exp["feedback"]["candidate"]
+        )
+        # significant, but promotion waits for the stage's planned end (ab.stages: 2 h): keep observing
+        assert exp["decision"] == "keep observing"
+        assert any("significant improvement" in r for r in exp["reasons"])
+    finally:
+        gw.stop()
+        bad.stop()
+
+
 def test_upstream_failure_is_a_logged_502(stub, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     args = [
