@@ -813,6 +813,8 @@ def run_cli(args: argparse.Namespace) -> int:
             negatives=args.negatives,
         )
     except GateRefused as e:
+        for info in (e.result.summary.get("gateway") or {}).values():
+            print(describe_gateway(info))
         print(f"hermes-lab prep: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except (PrepError, ConfigError) as e:
