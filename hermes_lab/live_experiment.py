@@ -63,6 +63,12 @@ def open_experiment(
     return st
 
 
+def warm_up() -> None:
+    """Import what ``decide`` needs (scipy, statsmodels): seconds on a busy machine, better spent at start."""
+    import scipy.stats  # noqa: F401
+    import statsmodels.stats.proportion  # noqa: F401
+
+
 def decide(cfg: HermesConfig, tally: L.Tally, state: dict[str, Any], stages: list[list[float]]) -> dict[str, Any]:
     """The current stage's decision by ``hermes_lab.ab`` on its requests with a reward, and the latest look."""
     a, st = cfg.ab, ab.Settings.from_config(cfg)

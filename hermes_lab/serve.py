@@ -154,6 +154,8 @@ class Gateway:
         self.fb_log = L.LogWriter(self.log_dir / L.FEEDBACK, s.durability, s.fsync_ms)
         for a in self.arms.values():
             await a.start()
+        # the decision's scipy/statsmodels imports take seconds: done now, off the loop, not at the first look
+        self._warm = asyncio.get_running_loop().run_in_executor(None, X.warm_up)
         if s.mlflow_traces:
             from hermes_lab.live_mlflow import TraceSink
 

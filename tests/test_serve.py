@@ -90,7 +90,9 @@ class Gateway:
         return self.http().get("/v1/experiment").json()
 
     def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"}, trust_env=False)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {GATEWAY_KEY}"}, trust_env=False, timeout=60
+        )
 
 
 @pytest.fixture(scope="module")
