@@ -233,7 +233,6 @@ class UpstreamArm:
                 connector=aiohttp.TCPConnector(limit=self.connections, ttl_dns_cache=300),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent",),
             )
             found = proxy_for(self.spec.url)
             self._proxy = found[1] if found else None

@@ -283,8 +283,10 @@ def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp
     assert "gateway " in r.stdout and "unrewarded" in r.stdout
 
 
-def test_no_key_in_any_log(mixed):
-    """Run last in this module: the gateway key and the upstream key appear in no file the gateway wrote."""
+def test_no_key_in_any_log(mixed, stub):
+    """Run last in this module: the gateway key and the upstream key appear in no file the gateway wrote,
+    and the client's key (the gateway key) never reached the upstream."""
+    assert stub.requests and all(GATEWAY_KEY not in json.dumps(r) for r in stub.requests)
     h = mixed.http()
     h.post("/v1/chat/completions", json={"model": "hermes", "messages": [{"role": "user", "content": "up k="}]})
     texts = [p.read_text(errors="replace") for p in mixed.log_dir.iterdir()] + [mixed.output()]
