@@ -16,9 +16,10 @@ decision of ``hermes_lab.ab`` on the requests with feedback, the latest look's d
 
 Routing is the user's ABRouter bucket (``hermes_lab.ab.bucket``, md5 of the unit id, ``ab.salt``) on the
 unit: the ``X-Request-ID`` header with ``ab.unit: request`` (generated when absent), the OpenAI ``user``
-field or an ``X-Hermes-User`` header with ``ab.unit: user`` (a request with neither is its own unit). Every answer carries ``X-Request-ID`` and
-``X-Hermes-Arm``. A request's record is durable (``serve.durability``) before the last byte of its answer
-goes out, so a kill -9 loses no answered request; a restart on the same dir continues the experiment.
+field or an ``X-Hermes-User`` header with ``ab.unit: user`` (a request with neither is its own unit).
+Every answer carries ``X-Request-ID`` and ``X-Hermes-Arm``. A request's record is durable
+(``serve.durability``) before the last byte of its answer goes out, so a kill -9 loses no answered
+request; a restart on the same dir continues the experiment.
 
 Security: binds 127.0.0.1 unless told otherwise; ``serve.api_key_env`` names the env var holding an
 optional gateway key (Bearer); bodies over ``serve.max_body_bytes`` get 413; the client's Authorization
