@@ -303,7 +303,9 @@ class ServeSection:
     upstream_connections: int = _f(256, "Open connections kept per upstream arm.")
     batch_wait_ms: float = _f(5.0, "In-process arms: collect requests this long into one batched generate.")
     max_batch: int = _f(32, "In-process arms: most requests in one batched generate.")
-    max_new_tokens: int = _f(256, "In-process arms: cap on a request's max_tokens (default: execute.max_new_tokens).")
+    max_new_tokens: int = _f(
+        256, "In-process arms: cap on a request's max_tokens (a request without one gets execute.max_new_tokens)."
+    )
     feedback_source: str = _f(
         "system",
         "Feedback source that counts as the reward (the latest such feedback of a request wins); "

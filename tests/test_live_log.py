@@ -162,3 +162,24 @@ def test_trace_sink_writes_traces_and_assessments(mlflow_store, tmp_path):
 def test_serve_config_checks_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, override)
+
+
+def test_arm_specs_latest_round_urls_and_errors(tmp_path):
+    from hermes_lab.arms_live import resolve_arm
+    from hermes_lab.serve import default_experiment
+
+    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
+    assert resolve_arm(cfg, "candidate").spec == "embedded:tiny"  # no round trained yet: an A/A
+    for n in (1, 3, 2):
+        (tmp_path / f"round-{n:02d}" / "train" / "adapter").mkdir(parents=True)
+        (tmp_path / f"round-{n:02d}" / "train" / "adapter" / "adapter_config.json").write_text("{}")
+    c = resolve_arm(cfg, "candidate")
+    assert c.kind == "local" and c.adapter == str(tmp_path / "round-03" / "train" / "adapter")
+    assert c.base == "embedded:tiny" and c.slug == "round-03"
+    b = resolve_arm(cfg, "baseline", "https://api.example.test/v1/", "qwen-lora", "MY_KEY")
+    assert b.url == "https://api.example.test/v1/chat/completions" and b.describe()["key_env"] == "MY_KEY"
+    assert default_experiment({"baseline": b, "candidate": c}) == "qwen-lora-vs-round-03"
+    with pytest.raises(ConfigError, match="--baseline-model"):
+        resolve_arm(cfg, "baseline", "http://127.0.0.1:9", "", "")
+    with pytest.raises(ConfigError, match="no such model"):
+        resolve_arm(cfg, "candidate", "runs/round-99/train", None, None)
