@@ -251,6 +251,7 @@ def test_feedback_experiment_and_refusals(mixed):
     assert httpx.get(mixed.url + "/healthz", trust_env=False).status_code == 200  # no key needed
 
 
+@pytest.mark.slow
 def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp_path):
     env = {**mixed.env, "GATEWAY_TEST_KEY": GATEWAY_KEY}
     cmd = [sys.executable, "-m", "hermes_lab.agent", "--url", mixed.url, "--requests", "40", "--concurrency", "4"]
@@ -457,3 +458,26 @@ def test_upstream_failure_is_a_logged_502(stub, tmp_path):
         assert gw.experiment()["errors"][rec["arm"]] == 1
     finally:
         gw.stop()
+
+
+@pytest.mark.slow
+def test_mlflow_traces_from_the_gateway(stub, tmp_path, mlflow_store):
+    """serve.mlflow_traces: each request a trace in a real SQLite store, each feedback an assessment on it."""
+    args = ["--ratio", "0.5", "--baseline", stub.url, "--baseline-model", "cand-model", "--candidate", stub.url]
+    args += ["--candidate-model", "cand-model", "--baseline-key-env", "K", "--candidate-key-env", "K"]
+    args += ["--set", "serve.mlflow_traces=true"]
+    gw = Gateway(tmp_path, args, env={"K": UPSTREAM_KEY}).start()  # MLFLOW_TRACKING_URI: the fixture's store
+    h = gw.http()
+    for i in range(3):
+        body = {"model": "hermes", "messages": [{"role": "user", "content": "up cat="}]}
+        assert h.post("/v1/chat/completions", json=body, headers={"X-Request-ID": f"ml-{i}"}).status_code == 200
+        assert h.post("/v1/feedback", json={"request_id": f"ml-{i}", "reward": float(i)}).status_code == 202
+    gw.stop()  # a graceful stop flushes the sink
+    mlflow = mlflow_store
+    mlflow.set_experiment("hermes-lab")
+    traces = mlflow.search_traces(return_type="list")
+    by_id = {t.info.tags["serve/request_id"]: t.info.trace_id for t in traces}
+    assert set(by_id) == {"ml-0", "ml-1", "ml-2"}
+    t = mlflow.get_trace(by_id["ml-2"])
+    assert [(a.name, a.value) for a in t.info.assessments] == [("system", 2.0)]
+    assert UPSTREAM_KEY not in json.dumps(t.to_dict())
