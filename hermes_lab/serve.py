@@ -126,6 +126,7 @@ class Gateway:
         self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
+        self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
         ident = {"arms": {n: specs[n].describe() for n in ARMS}, "public_model": self.public, "unit": cfg.ab.unit}
         self.state = X.open_experiment(
             self.log_dir, {"experiment": self.name, **ident, "salt": self.salt}, self.stages, ratio
@@ -140,7 +141,6 @@ class Gateway:
             self._auth = f"Bearer {key}".encode()
         self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
         self.rejected = 0
-        self.arms, self.worker = build_arms(cfg, specs)
         self.req_log = self.fb_log = None
         self.traces: Any = None
         self._decision: tuple[Any, dict[str, Any]] = (None, {})
