@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
 ROUNDS ?= 3
 
-.PHONY: setup round flywheel status test test-fast lint lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve test test-fast lint lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ flywheel: setup
 
 status: setup
 	$(BIN)/hermes-lab status --params $(PARAMS)
+
+## the live A/B gateway on 127.0.0.1:8700: baseline embedded:tiny, candidate the latest round's adapter (else an A/A)
+serve: setup
+	$(BIN)/hermes-lab serve --params $(PARAMS)
 
 test: setup lint
 	$(BIN)/python -m pytest -q tests

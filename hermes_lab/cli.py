@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "flywheel": ("hermes_lab.round", "Run several rounds unattended on a simulated clock."),
     "status": ("hermes_lab.round", "Is a round due? If not, why (samples, cooldown, review)."),
     "doctor": ("hermes_lab.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
+    "serve": ("hermes_lab.serve", "Live A/B gateway: an OpenAI-compatible server routing real traffic to two arms."),
+    "agent": (
+        "hermes_lab.agent",
+        "Stand-in agent: embedded tasks through the openai SDK, verifier scores as feedback.",
+    ),
 }
 
 

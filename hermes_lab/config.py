@@ -262,6 +262,67 @@ class ABSection:
 
 
 @dataclass
+class ServeSection:
+    host: str = _f("127.0.0.1", "Address `hermes-lab serve` binds (loopback: only this machine can reach the gateway).")
+    port: int = _f(8700, "Port of the gateway (0: any free port, printed at start).")
+    experiment: str = _f(
+        "",
+        "Name of the live experiment; its log dir is runs/live/<experiment>. Empty: "
+        "'<baseline>-vs-<candidate>' from the arms (a restart with the same arms continues it).",
+    )
+    log_dir: str = _f("", "Log dir (requests.jsonl, feedback.jsonl, experiment.json). Empty: runs/live/<experiment>.")
+    baseline: str = _f(
+        "embedded:tiny",
+        "Baseline arm: embedded:tiny, a model dir, a LoRA adapter dir, a train output dir "
+        "(runs/round-NN/train), or the http(s) root of an OpenAI-compatible server (then set baseline_model).",
+    )
+    candidate: str = _f(
+        "latest",
+        "Candidate arm, as baseline; 'latest': the newest round's trained adapter, else embedded:tiny (an A/A test).",
+    )
+    baseline_model: str = _f(
+        "", "Model id the baseline upstream serves (required for a URL arm, e.g. a vLLM LoRA name)."
+    )
+    candidate_model: str = _f("", "Model id the candidate upstream serves (required for a URL arm).")
+    baseline_key_env: str = _f("", "NAME of the env var with the baseline upstream's key (empty: no key sent).")
+    candidate_key_env: str = _f("", "NAME of the env var with the candidate upstream's key (empty: no key sent).")
+    public_model: str = _f("hermes", "The one model name clients ask for; which arm answers is the gateway's business.")
+    api_key_env: str = _f(
+        "", "NAME of the env var with the gateway's own key; set: every /v1 call needs 'Authorization: Bearer <key>'."
+    )
+    max_body_bytes: int = _f(4 * 2**20, "Largest request body accepted (bigger: 413).")
+    durability: str = _f(
+        "write",
+        "write: a request's record is written to the log file before the last byte of its answer, fsync "
+        "follows within fsync_ms (a kill -9 loses nothing; a power loss may lose the last fsync_ms). fsync: the "
+        "answer also waits for the fsync covering its record (group commit; survives power loss, +1 fsync).",
+    )
+    fsync_ms: float = _f(100.0, "durability write: longest a written log record waits for its fsync.")
+    upstream_client: str = _f("aiohttp", "HTTP client of URL arms: aiohttp (measured faster) or httpx.")
+    upstream_timeout_s: float = _f(600.0, "Timeout of one upstream request (a long generation included).")
+    upstream_connections: int = _f(256, "Open connections kept per upstream arm.")
+    batch_wait_ms: float = _f(5.0, "In-process arms: collect requests this long into one batched generate.")
+    max_batch: int = _f(32, "In-process arms: most requests in one batched generate.")
+    max_new_tokens: int = _f(
+        256, "In-process arms: cap on a request's max_tokens (a request without one gets execute.max_new_tokens)."
+    )
+    feedback_source: str = _f(
+        "system",
+        "Feedback source that counts as the reward (the latest such feedback of a request wins); "
+        "'any': the latest feedback of any source.",
+    )
+    score_unrewarded: str = _f(
+        "none",
+        "Answered requests without feedback in prep: none (kept aside, counted as unrewarded) or judge "
+        "(scored by the comparison judge against the best rewarded response to the same prompt).",
+    )
+    mlflow_traces: bool = _f(
+        False, "Also write each request as an MLflow trace and each feedback as an assessment (off the request path)."
+    )
+    access_log: bool = _f(False, "uvicorn's access log (one line per request; never headers or bodies).")
+
+
+@dataclass
 class RoundSection:
     runs_dir: str = _f("runs", "Where rounds, the MLflow store and the policies live.")
     simulated_clock: bool = _f(False, "Use a simulated clock (embedded flywheel: cooldown without waiting a day).")
@@ -281,6 +342,7 @@ class HermesConfig:
     validate: ValidateSection = field(default_factory=ValidateSection, metadata={"help": "Regression gate."})
     ab: ABSection = field(default_factory=ABSection, metadata={"help": "A/B test and rollout."})
     round: RoundSection = field(default_factory=RoundSection, metadata={"help": "Round orchestration."})
+    serve: ServeSection = field(default_factory=ServeSection, metadata={"help": "Live A/B gateway (hermes-lab serve)."})
     source: str | None = field(default=None, metadata={"help": "File this config was read from."})
 
     def to_dict(self) -> dict[str, Any]:
@@ -431,6 +493,47 @@ def _check(cfg: HermesConfig, src: str) -> None:
         bad("ab.rule", "must be sequential or user")
     if cfg.review.label_mode not in {"score", "passfail"}:
         bad("review.label_mode", "must be score or passfail")
+    _check_serve(cfg, bad)
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_serve(cfg: HermesConfig, bad: Any) -> None:
+    """The gateway's keys, cross-field included (a URL arm needs its model id)."""
+    s = cfg.serve
+    for key, ok in (
+        ("port", 0 <= s.port <= 65535),
+        ("host", bool(s.host.strip())),
+        ("public_model", bool(s.public_model.strip())),
+        ("feedback_source", bool(s.feedback_source.strip())),
+        ("experiment", "/" not in s.experiment and s.experiment not in {".", ".."}),
+        ("max_body_bytes", s.max_body_bytes >= 1024),
+        ("fsync_ms", 0 < s.fsync_ms <= 10_000),
+        ("upstream_timeout_s", s.upstream_timeout_s > 0),
+        ("upstream_connections", s.upstream_connections >= 1),
+        ("batch_wait_ms", 0 <= s.batch_wait_ms <= 1000),
+        ("max_batch", s.max_batch >= 1),
+        ("max_new_tokens", s.max_new_tokens >= 1),
+    ):
+        if not ok:
+            bad(f"serve.{key}", f"has an invalid value: {getattr(s, key)!r}")
+    for key, allowed in (("durability", ("fsync", "write")), ("upstream_client", ("aiohttp", "httpx"))):
+        if getattr(s, key) not in allowed:
+            bad(f"serve.{key}", f"must be one of {', '.join(allowed)}, got {getattr(s, key)!r}")
+    if s.score_unrewarded not in ("none", "judge"):
+        bad("serve.score_unrewarded", f"must be none or judge, got {s.score_unrewarded!r}")
+    for key in ("api_key_env", "baseline_key_env", "candidate_key_env"):
+        if getattr(s, key) and not _ENV_NAME.match(getattr(s, key)):
+            bad(f"serve.{key}", "must be the NAME of an environment variable, not the key itself")
+    for arm in ("baseline", "candidate"):
+        spec = getattr(s, arm).strip()
+        if not spec:
+            bad(f"serve.{arm}", "must name an arm (embedded:tiny, a model/adapter/train dir or an http(s) URL)")
+        if spec.startswith(("http://", "https://")) and not getattr(s, f"{arm}_model").strip():
+            bad(
+                f"serve.{arm}_model", f"is required: serve.{arm} is an upstream URL, which needs the model id it serves"
+            )
 
 
 def load_config(

@@ -52,6 +52,7 @@ from typing import Any
 
 from hermes_lab import tasks
 from hermes_lab.config import ConfigError, HermesConfig, load_config
+from hermes_lab.live_log import describe_gateway
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
 BOM = b"\xef\xbb\xbf"
@@ -626,6 +627,9 @@ def run_prep(
         for i, p in enumerate(state.negative_files if state else [])
     ]
     neg_files += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
+    from hermes_lab.live_log import expand_inputs  # a gateway log dir -> its requests joined with their feedback
+
+    inputs, gateway = expand_inputs(list(inputs), output_dir, cfg)
     for p in map(Path, inputs):
         if not p.is_file():
             raise PrepError(f"input file not found (or not a regular file): {p}")
@@ -659,6 +663,7 @@ def run_prep(
         "counts": counts,
         "by_reason": dict(by_reason.most_common()),
         "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
+        "gateway": gateway,
         "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
         "gates": [],
         "gates_passed": False,
@@ -745,7 +750,9 @@ def run_prep(
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s)")
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s) or gateway log dir(s)"
+    )
     parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
     parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
     parser.add_argument(
@@ -806,6 +813,8 @@ def run_cli(args: argparse.Namespace) -> int:
             negatives=args.negatives,
         )
     except GateRefused as e:
+        for info in (e.result.summary.get("gateway") or {}).values():
+            print(describe_gateway(info))
         print(f"hermes-lab prep: refused: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except (PrepError, ConfigError) as e:
@@ -817,6 +826,8 @@ def run_cli(args: argparse.Namespace) -> int:
         f"{k['blank']} blank; {res.summary['split']['grpo_prompts']} GRPO prompts, "
         f"{res.summary['split']['heldout_prompts']} held out; gates passed -> {res.output_dir}"
     )
+    for info in (res.summary.get("gateway") or {}).values():
+        print(describe_gateway(info))
     if k["rejected"]:
         print(f"prep: rejected lines are in {res.paths['rejects']}: {res.summary['by_reason']}", file=sys.stderr)
     return 0

@@ -1,0 +1,185 @@
+"""hermes_lab.live_log (the gateway's log dir), its prep join, the MLflow trace sink and the serve config checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hermes_lab import live_log as L
+from hermes_lab.config import ConfigError, load_config
+from hermes_lab.prep import run_prep
+
+
+def write_lines(path: Path, rows: list, tail: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail, encoding="utf-8")
+
+
+def req(rid: str, prompt: str, response: str, arm: str = "baseline", status: str = "ok", **kw) -> dict:
+    rec = {"request_id": rid, "unit": rid, "arm": arm, "model": "m", "stage": 0, "ratio": 0.5, "t": 1.0}
+    rec.update(status=status, latency_ms=3.0, prompt=prompt, response=response, messages=[], task_id=None)
+    rec.update(kw)
+    return rec
+
+
+@pytest.fixture
+def log_dir(tmp_path) -> Path:
+    d = tmp_path / "live" / "tiny-vs-round-01"
+    d.mkdir(parents=True)
+    write_lines(
+        d / L.REQUESTS,
+        [
+            req("a", "up cat=", "CAT", task_id="t-1"),
+            req("b", "rev abc=", "cba", arm="candidate"),
+            req("c", "up cat=", "CAT."),  # no feedback; same prompt as 'a'
+            req("d", "a question nobody else asked", "an answer"),  # no feedback, no reference
+            req("e", "up dog=", "", status="error", error="upstream status 500"),
+        ],
+        tail='{"request_id": "torn", "prom',  # a crash mid-line
+    )
+    write_lines(
+        d / L.FEEDBACK,
+        [
+            {"request_id": "a", "reward": 2.0, "source": "system"},
+            {"request_id": "a", "reward": 5.0, "source": "system"},  # the latest wins
+            {"request_id": "b", "reward": 1.0, "source": "reviewer"},  # another source: not the reward
+            {"request_id": "b", "reward": 4.0, "source": "system"},
+            {"request_id": "ghost", "reward": 3.0, "source": "system"},
+        ],
+    )
+    return d
+
+
+def test_join_accounts_for_every_request(log_dir, tmp_path):
+    cfg = load_config(None)
+    info = L.gateway_trajectories(log_dir, tmp_path / "out", cfg)
+    assert (info["requests"], info["errors"], info["answered"]) == (5, 1, 4)
+    assert (info["rewarded"], info["judged"], info["unrewarded"]) == (2, 0, 2)
+    assert info["torn_lines"] == {"requests": 1, "feedback": 0}
+    assert info["feedback_other_source"] == 1 and info["feedback_unknown_request"] == 1
+    traj = {r["request_id"]: r for r in map(json.loads, Path(info["trajectories"]).read_text().splitlines())}
+    assert traj["a"]["reward"] == 5.0 and traj["a"]["task_id"] == "t-1" and traj["b"]["reward"] == 4.0
+    assert traj["b"]["task_id"].startswith("reverse-")  # the embedded task's id when the client sent none
+    unrew = [json.loads(x)["request_id"] for x in Path(info["unrewarded_file"]).read_text().splitlines()]
+    assert unrew == ["c", "d"]
+    assert "5 requests = 1 errors + 4 answered" in L.describe_gateway(info)
+    # another source configured: the reviewer's score counts, the system ones do not
+    cfg2 = load_config(None, {"serve.feedback_source": "reviewer"})
+    info2 = L.gateway_trajectories(log_dir, tmp_path / "out2", cfg2)
+    assert info2["rewarded"] == 1 and info2["feedback_other_source"] == 4
+
+
+def test_unrewarded_reach_grpo_data_only_when_judged(log_dir, tmp_path):
+    cfg = load_config(None, {"serve.score_unrewarded": "judge", "reward.model": "local"})
+    info = L.gateway_trajectories(log_dir, tmp_path / "out", cfg)
+    # 'c' shares its prompt with the rewarded 'a' (its reference); 'd' has no reference and stays out
+    assert (info["rewarded"], info["judged"], info["unrewarded"]) == (2, 1, 1)
+    rows = {r["request_id"]: r for r in map(json.loads, Path(info["trajectories"]).read_text().splitlines())}
+    assert rows["c"]["reward_source"] == "judge" and 0 < rows["c"]["reward"] < 5
+
+
+def test_prep_reads_a_gateway_log_dir(log_dir, tmp_path):
+    cfg = load_config(None, {"data.min_samples": 1, "data.max_bad_fraction": 1.0})
+    res = run_prep([log_dir], tmp_path / "prep", cfg, make_plots=False)
+    g = res.summary["gateway"][str(log_dir)]
+    assert res.summary["counts"]["new_samples"] == g["rewarded"] == 2
+    assert res.summary["inputs"] == [g["trajectories"]]
+
+
+def test_tally_rebuilds_counts_and_rewards(log_dir):
+    t = L.Tally.from_dir(log_dir)
+    assert t.n == [4, 1] and t.errors == [1, 0] and t.feedback == [1, 1]
+    assert t.torn["requests"] == 1
+    cols = t.columns()
+    assert len(cols["reward"]) == 3  # a, b rewarded; e failed (counts as 0); c, d wait for feedback
+    assert sorted(cols["reward"].tolist()) == [0.0, 4.0, 5.0] and cols["error"].sum() == 1
+    assert math.isnan(t.reward[t.index["c"]])
+
+
+@pytest.mark.parametrize("durability", ["fsync", "write"])
+def test_log_writer_group_commit_and_torn_tail(tmp_path, durability):
+    p = tmp_path / "requests.jsonl"
+    p.write_bytes(b'{"ok": 1}\n{"torn": ')
+
+    async def go() -> L.LogWriter:
+        w = L.LogWriter(p, durability, fsync_ms=20)
+        await asyncio.gather(*(w.append(json.dumps({"i": i}).encode() + b"\n") for i in range(500)))
+        return w
+
+    w = asyncio.run(go())
+    w.close()
+    lines = p.read_bytes().splitlines()
+    assert lines[0] == b'{"ok": 1}' and lines[1] == b'{"torn": '  # never rewritten in place
+    assert sorted(json.loads(x)["i"] for x in lines[2:]) == list(range(500))
+    assert 1 <= w.stats["fsyncs"] < 500  # one fsync covers many lines
+    assert [i for i, _ in L.read_jsonl(p)] == [1, *range(3, 503)]
+
+
+def test_trace_sink_writes_traces_and_assessments(mlflow_store, tmp_path):
+    from hermes_lab.live_mlflow import TraceSink
+
+    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
+    sink = TraceSink(cfg, "tiny-vs-tiny")
+    rec = req(
+        "r-1",
+        "up cat=",
+        "CAT",
+        timestamp="2026-01-01T00:00:01+00:00",
+        messages=[{"role": "user", "content": "up cat="}],
+    )
+    sink.request(rec)
+    sink.feedback({"request_id": "r-1", "reward": 5.0, "source": "system", "detail": "tests pass", "arm": "baseline"})
+    sink.close()
+    assert sink.stats["traces"] == 1 and sink.stats["assessments"] == 1, sink.stats
+    traces = mlflow_store.search_traces(filter_string="tags.`serve/request_id` = 'r-1'", return_type="list")
+    assert len(traces) == 1
+    t = mlflow_store.get_trace(traces[0].info.trace_id)
+    assert t.info.tags["serve/arm"] == "baseline" and t.info.tags["serve/experiment"] == "tiny-vs-tiny"
+    fb = [a for a in t.info.assessments if a.name == "system"]
+    assert fb and fb[0].value == 5.0 and fb[0].rationale == "tests pass"
+    # a restarted gateway finds the trace of an earlier request by its tag
+    sink2 = TraceSink(cfg, "tiny-vs-tiny")
+    sink2.feedback({"request_id": "r-1", "reward": 1.0, "source": "reviewer", "arm": "baseline"})
+    sink2.close()
+    assert sink2.stats["assessments"] == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ({"serve.port": 70000}, "serve.port"),
+        ({"serve.durability": "maybe"}, "serve.durability"),
+        ({"serve.candidate": "https://api.example.test"}, "serve.candidate_model"),
+        ({"serve.api_key_env": "sk-live 123"}, "serve.api_key_env"),
+        ({"serve.score_unrewarded": "all"}, "serve.score_unrewarded"),
+        ({"serve.max_body_bytes": 10}, "serve.max_body_bytes"),
+        ({"serve.experiment": "a/b"}, "serve.experiment"),
+    ],
+)
+def test_serve_config_checks_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, override)
+
+
+def test_arm_specs_latest_round_urls_and_errors(tmp_path):
+    from hermes_lab.arms_live import resolve_arm
+    from hermes_lab.serve import default_experiment
+
+    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
+    assert resolve_arm(cfg, "candidate").spec == "embedded:tiny"  # no round trained yet: an A/A
+    for n in (1, 3, 2):
+        (tmp_path / f"round-{n:02d}" / "train" / "adapter").mkdir(parents=True)
+        (tmp_path / f"round-{n:02d}" / "train" / "adapter" / "adapter_config.json").write_text("{}")
+    c = resolve_arm(cfg, "candidate")
+    assert c.kind == "local" and c.adapter == str(tmp_path / "round-03" / "train" / "adapter")
+    assert c.base == "embedded:tiny" and c.slug == "round-03"
+    b = resolve_arm(cfg, "baseline", "https://api.example.test/v1/", "qwen-lora", "MY_KEY")
+    assert b.url == "https://api.example.test/v1/chat/completions" and b.describe()["key_env"] == "MY_KEY"
+    assert default_experiment({"baseline": b, "candidate": c}) == "qwen-lora-vs-round-03"
+    with pytest.raises(ConfigError, match="--baseline-model"):
+        resolve_arm(cfg, "baseline", "http://127.0.0.1:9", "", "")
+    with pytest.raises(ConfigError, match="no such model"):
+        resolve_arm(cfg, "candidate", "runs/round-99/train", None, None)
