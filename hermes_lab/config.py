@@ -241,16 +241,16 @@ class ABSection:
         "An inconclusive stage is extended by up to this many times its planned length; "
         "still inconclusive then: the rollout stops at 'keep observing'.",
     )
-    min_per_arm: int = _f(30, "Requests (units) each arm needs before any statistical decision.")
-    cs_sd: float = _f(
-        0.0,
-        "Score SD the confidence sequence is tuned for (it is narrowest at the planned stage "
-        "end; validity does not depend on it). 0: 0.35 x reward.scale.",
+    min_per_arm: int = _f(30, "Units (requests, or users when unit is user) each arm needs before any decision.")
+    guardrail_alpha: float = _f(
+        0.01,
+        "Error level of each guardrail's always-valid one-sided bound (error rate, p95 latency): a guardrail "
+        "rolls back only when the candidate is worse by the margin AND the bound shows it is worse at all.",
     )
     unit: str = _f(
         "request",
-        "Randomisation unit in simulated traffic: request, or user (requests of one user "
-        "share an arm; the analysis then uses unit-level, cluster-robust variances).",
+        "Randomisation unit: request, or user (requests of one user share an arm). Decisions count units: "
+        "SRM, min_per_arm and the always-valid bounds use one observation per unit.",
     )
     num_users: int = _f(2000, "Simulated user pool when unit is user.")
     task_split: str = _f("heldout", "Tasks the simulated traffic draws: heldout (never trained on) or any.")
@@ -429,6 +429,8 @@ def _check(cfg: HermesConfig, src: str) -> None:
         bad("ab.traffic_ratio", "must lie in (0, 1]")
     if cfg.ab.rule not in {"sequential", "user"}:
         bad("ab.rule", "must be sequential or user")
+    if not 0 < cfg.ab.guardrail_alpha < 1:
+        bad("ab.guardrail_alpha", f"must lie in (0, 1), got {cfg.ab.guardrail_alpha}")
     if cfg.review.label_mode not in {"score", "passfail"}:
         bad("review.label_mode", "must be score or passfail")
 
