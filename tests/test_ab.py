@@ -299,7 +299,7 @@ def test_heavy_users_hold_request_level_srm_but_not_unit_level():
     by_request = ab.look_path(cols, looks, ratio, n / 2, st, d["g"], reps)
     req_srm = (ab.srm_pvalue(by_request["n_c"], by_request["n_b"], ratio) < st.srm_alpha).any(-1)
     assert req_srm.mean() > 0.1  # counting requests, heavy users "break" the split in many A/A tests (vs 0.1%)
-    assert not by_unit["srm"].any() and not (by_unit["harm"] | by_unit["benefit"]).any()
+    assert not by_unit["srm"].any() and (by_unit["harm"] | by_unit["benefit"]).any(-1).mean() <= 0.05
 
 
 def _coverage(reps, n, W, p, p_c, p_b, binary, seed, unit_users=0):
