@@ -159,7 +159,7 @@ class ReviewSection:
     min_labels: int = _f(
         0,
         "Labels needed before the agreement gate can decide (the whole queue when the queue is smaller). "
-        "0: enough for a Wilson interval of +-max_ci_halfwidth around min_agreement (71 at 90% and 0.07).",
+        "0: enough for a Wilson interval of +-max_ci_halfwidth around min_agreement (73 at 90% and 0.07).",
     )
     max_ci_halfwidth: float = _f(
         0.07,
@@ -170,7 +170,7 @@ class ReviewSection:
     max_items: int = _f(
         0,
         "Cap on the review items the gate counts (the queue's first items, in prep's random order): a large "
-        "10% sample need not be labelled whole. 0: enough for +-max_ci_halfwidth at 50% agreement (196).",
+        "10% sample need not be labelled whole. 0: enough for +-max_ci_halfwidth at 50% agreement (193).",
     )
     min_agreement: float = _f(0.9, "Reward-model/human agreement needed to train.")
     label_mode: str = _f("score", "Label buttons: score (0..5) or passfail.")
