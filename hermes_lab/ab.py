@@ -67,6 +67,14 @@ def bucket(unit_id: Any, salt: str = "") -> float:
     return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
+def buckets(unit_ids: Sequence[Any], salt: str = "") -> np.ndarray:
+    """``bucket`` of many units at once: the same formula (the first 4 digest bytes are the first 8 hex
+    digits), without the hex round trip."""
+    md5, pre = hashlib.md5, (f"{salt}:" if salt else "")
+    raw = b"".join(md5(f"{pre}{u}".encode()).digest()[:4] for u in unit_ids)
+    return np.frombuffer(raw, dtype=">u4").astype(np.float64) / 0xFFFFFFFF
+
+
 class ABRouter:
     """The user's router. ``route(id)`` -> ("candidate", candidate) when bucket < ratio, else baseline.
 
@@ -90,8 +98,7 @@ class ABRouter:
 
     def assign(self, unit_ids: Sequence[Any]) -> np.ndarray:
         """Vectorised routing: 1 where the unit goes to the candidate, 0 for baseline."""
-        b = np.fromiter((self.bucket(u) for u in unit_ids), dtype=np.float64, count=len(unit_ids))
-        return (b < self.traffic_ratio).astype(np.int8)
+        return (buckets(unit_ids, self.salt) < self.traffic_ratio).astype(np.int8)
 
     def with_ratio(self, traffic_ratio: float) -> ABRouter:
         """The next ramp stage: same salt, so every candidate unit stays candidate."""
@@ -193,6 +200,12 @@ class Stage:
     @property
     def hard_end(self) -> float:
         return self.start + self.seconds * (1 + self.max_extension)
+
+    @property
+    def tune_n(self) -> float:
+        """Requests the always-valid bounds are tuned for: mid-extension, between the planned end (the first
+        look that may widen) and the hard end (the last); benchmarks/bench_ab_decisions.py chose it."""
+        return self.planned_n * (1 + self.max_extension / 2)
 
     def look_times(self, until: float | None = None) -> np.ndarray:
         """Grid looks, the planned end always among them; cut at ``until`` (which becomes the last look)."""
@@ -333,8 +346,8 @@ def look_path(
     statistics the decision uses: the CS of delta, the guardrails' one-sided bounds, SRM on unit counts.
 
     ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
-    units). The rows of each group must be in time order. ``planned_n``: requests expected by the planned
-    stage end (the bets are tuned to be sharpest there; it never affects validity). Guardrails, both on
+    units). The rows of each group must be in time order. ``planned_n``: the requests the bets are tuned
+    to be sharpest at (``Stage.tune_n``); it never affects validity. Guardrails, both on
     bounded unit observations: error indicator; latency above ``max_latency_ratio`` x the baseline's p95 of
     the earlier looks (the p95-ratio guardrail as an exceedance rate, so bounded and finite-sample valid).
     """
@@ -557,7 +570,7 @@ def stage_path(
         grid = stage.look_times()
         until = float(grid[min(np.searchsorted(grid, t.max()), len(grid) - 1)]) if len(t) else stage.start
     looks = stage.look_times(until)
-    S = {k: v[0] for k, v in look_path(cols, looks, stage.ratio, stage.planned_n, st).items()}
+    S = {k: v[0] for k, v in look_path(cols, looks, stage.ratio, stage.tune_n, st).items()}
     return looks, S, rule_codes(S, st)
 
 

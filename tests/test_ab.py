@@ -53,6 +53,7 @@ def test_assign_matches_route_and_accepts_any_unit_id():
     router = ab.ABRouter("b", "c", 0.3)
     units = [f"user-{i}" for i in range(500)] + [f"conv-{i}" for i in range(500)] + list(range(200))
     assert router.assign(units).tolist() == [int(router.route(u)[0] == "candidate") for u in units]
+    assert ab.buckets(units, "s").tolist() == [ab.bucket(u, "s") for u in units]  # the vectorised formula
     # every request of one user lands in the user's arm
     assert len({router.route("user-42")[0] for _ in range(20)}) == 1
 
@@ -132,7 +133,7 @@ def _codes(d, reps, ratio, T=7200.0, st=None):
     stage = ab.Stage(0, ratio, 0.0, T / 2, max_extension=1.0, look_every=900, planned_n=len(d["t"]) / reps / 2)
     looks = stage.look_times()
     cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
-    S = ab.look_path(cols, looks, ratio, stage.planned_n, st, d["g"], reps)
+    S = ab.look_path(cols, looks, ratio, stage.tune_n, st, d["g"], reps)
     C = ab.rule_codes(S, st)
     return {rule: ab.first_action(C[rule], looks, stage.planned_end)[0] for rule in ("sequential", "user")}, S
 
