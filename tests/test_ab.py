@@ -387,3 +387,23 @@ def test_rollout_decision_keeps_widen_and_promote_apart():
     held = ab.rollout_decision([s0, {**s1, "sequential_decision": "keep observing"}], stages)
     assert held["decision"] == "keep observing" and held["final_ratio"] == 0.3 and not held["promoted"]
     assert ab.rollout_decision([{**s0, "sequential_decision": "roll back"}], stages)["final_ratio"] == 0.0
+
+
+def test_stage_action_look_by_look_equals_the_whole_path():
+    """A live rollout calls stage_action on the rows so far at each look; it must act where the batch analysis
+    of the whole stage says it acts (the benchmark and the report use the batch path)."""
+    st = ab.Settings()
+    for p_c, seed in ((0.75, 1), (0.15, 2), (0.45, 3)):
+        stage = ab.Stage(0, 0.3, 0.0, 3600, 1.0, 900, 900)
+        d = _sim(1, 1800, 0.3, p_c, 0.45, seed=seed, T=7200)
+        cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
+        looks, _, C = ab.stage_path(cols, stage, st, stage.hard_end)
+        code, i = ab.first_action(C["sequential"], looks, stage.planned_end)
+        live = None
+        for look in stage.look_times():
+            upto = cols["t"] <= look
+            live = ab.stage_action({k: v[upto] for k, v in cols.items()}, stage, st, float(look), "sequential")
+            if live:
+                break
+        expect = None if int(code) == ab.KEEP else (ab.DECISIONS[int(code)], float(looks[int(i)]))
+        assert live == expect

@@ -347,3 +347,24 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
     assert len(res["cols"]["reward"]) == first["n_requests"]
     assert ab_run.stage_table(res["report"]).loc[0, "delta"] == pytest.approx(first["stages"][0]["delta"])
     assert set(ab_run.family_table(res["report"]).index) >= {"upper", "add"}
+
+
+def test_round_moves_the_champion_only_on_promotion(tmp_path):
+    """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
+    from hermes_lab import round as R
+    from hermes_lab.state import FlywheelState
+
+    cfg = _cfg(tmp_path)
+    for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):
+        rd = tmp_path / f"round-{decision}"
+        (rd / "ab").mkdir(parents=True)
+        report = {"decision": decision, "promoted": promoted, "final_ratio": ratio, "delta": 0.4}
+        (rd / "ab" / "ab_report.json").write_text(json.dumps(report))
+        state = FlywheelState()
+        prog = {"completed": ["train", "validate", "ab"], "timings": {}, "parent_run_id": "x"}
+        summary = R._finish(cfg, state, rd, 1, prog, "completed")
+        assert (state.champion_adapter is not None) is promoted
+        assert summary["status"] == ("promoted" if promoted else "candidate held (widen)")
+        assert summary["ab"]["promoted"] is promoted and summary["ab"]["final_ratio"] == ratio
+        gate = next(g for g in summary["gates"] if g["gate"] == "ab_decision")
+        assert gate["passed"] is promoted
