@@ -22,9 +22,10 @@ Scenarios (each with an identical candidate, A/A, and a stated effect):
 Printed per scenario and rule: A/A false widen (passed the first stage), false promotion (100%), false
 roll back, false hold, their total (wrong actions), and the power on the stated effect (promoted to 100%;
 for harm and latency: rolled back). Goal (ours): <= 5% wrong actions on A/A in every scenario and >= 80%
-power on the benchmark's stated lift. Monte Carlo s.e. at 5% is ~0.7% with 1000 rollouts.
+power on the benchmark's stated lift. Monte Carlo s.e. at 5%: ~1% with the default 500 rollouts, ~0.7% with
+1000 (about 5 and 10 minutes on 2 loaded cores; a third of it is md5 routing).
 
-    .venv/bin/python benchmarks/bench_ab_decisions.py [--reps 1000]
+    .venv/bin/python benchmarks/bench_ab_decisions.py [--reps 1000] [--only benchmark,"heavy users"]
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def rollout(sc: Scenario, cand: str, router: Router, rng: np.random.Generator, s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=1000, help="simulated rollouts per scenario and candidate")
+    p.add_argument("--reps", type=int, default=500, help="simulated rollouts per scenario and candidate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     args = p.parse_args(argv)

@@ -371,13 +371,22 @@ def look_path(
         ]
     )
     unit = cols.get("unit")
-    us = ab_cs.unit_window_sums(win, arm[keep], X, L, None if unit is None else unit[keep], g, n_groups)
+    unit = None if unit is None else np.asarray(unit)[keep]
+    us = ab_cs.unit_window_sums(win, arm[keep], X, L, unit, g, n_groups)
     un = us["n"]
-    cu = np.cumsum(un, axis=1)  # distinct units so far, per arm
-    # planned units: planned requests x the units-per-request seen before the window (1 for request units)
-    rows_before = np.concatenate([np.zeros((n_groups, 1)), n.sum(-1)[:, :-1]], axis=1)
-    units_before = np.concatenate([np.zeros((n_groups, 1)), cu.sum(-1)[:, :-1]], axis=1)
+    # planned units: planned requests x the units per request of the units entered before the window (1 for
+    # request units); only entered units' data, so that the bets stay independent of the units to come
+    rows_before = np.concatenate([np.zeros((n_groups, 1)), np.cumsum(us["rows"], 1)[:, :-1]], axis=1)
+    units_before = np.concatenate([np.zeros((n_groups, 1)), np.cumsum(un.sum(-1), 1)[:, :-1]], axis=1)
     n_star = max(planned_n, 2.0) * np.where(rows_before > 0, units_before / np.maximum(rows_before, 1), 1.0)
+    # distinct units so far per arm, by first appearance (SRM and min_per_arm count every unit seen)
+    if unit is None:
+        cu = np.cumsum(un, axis=1)
+    else:
+        key = (0 if g is None else g) * (int(unit.max()) + 1 if unit.size else 1) + unit
+        _, first = np.unique(key, return_index=True)
+        fk = ((0 if g is None else g[first]) * L + win[first]) * 2 + arm[keep][first]
+        cu = np.cumsum(np.bincount(fk, minlength=n_groups * L * 2).reshape(n_groups, L, 2), axis=1).astype(float)
     lo, hi = ab_cs.fan_cs(un, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
     err_lo, _ = ab_cs.fan_cs(un, us["S"][1], us["Q"][1], ratio, n_star, st.guardrail_alpha, None)
     lat_lo, _ = ab_cs.fan_cs(un, us["S"][2], us["Q"][2], ratio, n_star, st.guardrail_alpha, None)
