@@ -202,10 +202,19 @@ def drop_upper_bound(n10: int, n01: int, n: int, alpha: float) -> float:
     return float(brentq(f, est, 1 - 1e-12, xtol=1e-10))
 
 
-def gate_power(n: int, discordance: float, tolerance: float, alpha: float, drop: float, sims: int = 4000) -> dict:
+def gate_power(
+    n: int,
+    discordance: float,
+    tolerance: float,
+    alpha: float,
+    drop: float,
+    churn: float | None = None,
+    sims: int = 4000,
+) -> dict:
     """Operating characteristics of the paired non-inferiority test at n pairs, by simulation (fixed seed):
-    the chance it stops a candidate with a true ``drop`` and the chance an equally good one passes, both at
-    the given share of discordant pairs (the policies' disagreement; at least ``drop``)."""
+    the chance it stops a candidate with a true ``drop`` (at ``discordance`` discordant pairs, at least
+    ``drop``), and the chance an equally good candidate passes (at ``churn`` discordant pairs, split evenly;
+    default: ``discordance``)."""
     from scipy.stats import norm
 
     rng = np.random.default_rng(0)
@@ -216,9 +225,10 @@ def gate_power(n: int, discordance: float, tolerance: float, alpha: float, drop:
         return float(np.mean(_tango_z(cnt[:, 0], cnt[:, 1], n, tolerance) < -zc))
 
     psi = min(max(discordance, drop), 1.0)
+    churn = discordance if churn is None else churn
     return {
         "stop_if_drop": 1 - pass_rate((psi + drop) / 2, (psi - drop) / 2),
-        "pass_if_equal": pass_rate(discordance / 2, discordance / 2),
+        "pass_if_equal": pass_rate(churn / 2, churn / 2),
         "discordance": discordance,
         "drop": drop,
     }
@@ -230,7 +240,11 @@ def _row(fam: str, idx: np.ndarray, base: dict, cand: dict, v: Any, threshold: f
     bp, cp = b >= threshold, c >= threshold
     n, n10, n01 = len(idx), int((bp & ~cp).sum()), int((~bp & cp).sum())
     ucb = drop_upper_bound(n10, n01, n, v.alpha)
-    power = gate_power(n, (n10 + n01) / n if n else 0.0, v.tolerance, v.alpha, v.power_drop)
+    # nuisance: the share of discordant pairs. A true drop needs at least power_drop of them; an equally good
+    # candidate is given this one's symmetric churn (2 min(lost, gained)), not the disagreement its gains cause
+    power = gate_power(
+        n, (n10 + n01) / n if n else 0.0, v.tolerance, v.alpha, v.power_drop, 2 * min(n10, n01) / max(n, 1)
+    )
     return {
         "baseline_pass_rate": round(float(bp.mean()), 6) if n else None,
         "candidate_pass_rate": round(float(cp.mean()), 6) if n else None,
@@ -282,11 +296,11 @@ def compare(baseline: dict[str, Any], candidate: dict[str, Any], cfg: Any) -> di
                 f"{row['candidate_pass_rate']:.3f}; {row['n_pairs']} pairs, {row['lost']} lost, {row['gained']} gained)"
             )
         if row["stop_if_drop"] < v.min_power or row["pass_if_equal"] < v.min_power:
-            disc = (row["lost"] + row["gained"]) / max(row["n_pairs"], 1)
+            churn = 2 * min(row["lost"], row["gained"]) / max(row["n_pairs"], 1)
             warns.append(
                 f"{what}: {row['n_pairs']} pairs are too few for {v.min_power:.0%} power: a true "
                 f"{v.power_drop:.0%} drop is stopped {row['stop_if_drop']:.0%} of the time and an equally good "
-                f"candidate passes {row['pass_if_equal']:.0%} (at its {disc:.0%} discordant pairs); raise "
+                f"candidate (with this one's {churn:.0%} churn) passes {row['pass_if_equal']:.0%}; raise "
                 "validate.eval_tasks_per_family or validate.samples_per_task"
             )
     return {"passed": not reasons, "overall": overall, "per_family": per_family, "reasons": reasons, "warnings": warns}
