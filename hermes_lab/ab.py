@@ -16,20 +16,21 @@ The user's interfaces, bit for bit (SPEC "A/B split and analysis"):
 What gates the rollout by default (``ab.rule: sequential``) and why:
 - Every stage is analysed on its own data only. The candidate share changes between stages, so pooling
   stages would weight time periods differently per arm (Simpson's paradox).
+- The randomised unit is the i.i.d. draw (``ab.unit``: request, or user: all of a user's requests share
+  its md5 arm). Decisions count units: the SRM check, ``min_per_arm``, and the always-valid statistics of
+  the reward and both guardrails use one observation per unit (``hermes_lab.ab_cs``).
 - Looks happen every ``ab.look_every`` seconds. A p < 0.05 rule read at every look rejects far more
-  than 5% of A/A tests, so the test is an always-valid *confidence sequence* for delta: the asymptotic
-  CS of Waudby-Smith, Arbour, Sinha, Kennedy & Ramdas ("Time-uniform central limit theory and
-  asymptotic confidence sequences", 2024), i.e. Robbins' normal-mixture boundary with a plug-in variance.
-  We chose it over a Gaussian mSPRT (Johari et al. 2017, the same boundary written as a likelihood
-  ratio) because it yields the interval itself, which the rollback rule ("entirely below 0") and the
-  plot need, and its validity rests on the CLT, not on normal scores (ours are bounded, bimodal). The
-  maintained packages that implement it (confseq, savvi, expectation) are not dependencies of this
-  project; the boundary is one closed-form line (``cs_halfwidth``), so we write it rather than add one.
-- Decision at a look: failing guardrail (error rate or p95 latency clearly worse) -> roll back; sample
-  ratio mismatch (chi-square p < srm_alpha) -> hold, the split is broken and no number can be trusted;
-  CS entirely below 0 -> roll back (significant harm); CS entirely above 0 -> promote (widen), acted on
-  only from the stage's planned end (the SPEC's "10% for 2 h" is a minimum exposure); otherwise keep
-  observing (the stage is extended by up to ``max_extension`` times its length).
+  than 5% of A/A tests, so the test is a *confidence sequence* for delta, valid at every look and every
+  sample size for bounded rewards (a betting CS on inverse-propensity pseudo-outcomes; method, proof and
+  the packages considered in ``hermes_lab.ab_cs``). It replaced an asymptotic normal-mixture CS whose A/A
+  error exceeded 5% with rare successes and a small arm.
+- Decision at a look: failing guardrail (error rate more than ``max_error_rate`` above baseline, or p95
+  latency ratio above ``max_latency_ratio``, each also shown by a one-sided always-valid bound at
+  ``guardrail_alpha``) -> roll back; sample ratio mismatch on unit counts (anytime-valid p < srm_alpha)
+  -> hold, the split is broken and no number can be trusted; CS entirely below 0 -> roll back
+  (significant harm); CS entirely above 0 -> widen, acted on only from the stage's planned end (the SPEC's
+  "10% for 2 h" is a minimum exposure); otherwise keep observing (the stage is extended by up to
+  ``max_extension`` times its length). The rollout is "promote" only once traffic reaches 100%.
 - Rollback needs *significant* harm: the user's "delta < 0 -> roll back" fires on ~half of all A/A
   tests at a single look (benchmarks/bench_ab_decisions.py measures both rules).
 
@@ -44,13 +45,17 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-KEEP, PROMOTE, ROLLBACK, HOLD = 0, 1, 2, 3
-DECISIONS = ("keep observing", "promote", "roll back", "hold")
+from hermes_lab import ab_cs
+
+# Decisions at a look / of a stage. A stage that passes *widens* traffic to the next stage; the rollout is
+# "promote" (``promoted: true``) only once the last tested stage passed and traffic reaches 100%.
+KEEP, WIDEN, ROLLBACK, HOLD = 0, 1, 2, 3
+PROMOTE = WIDEN  # the stage-level code of a passed stage (older name)
+DECISIONS = ("keep observing", "widen", "roll back", "hold")
 LAT_BINS = np.linspace(0.0, np.log(1e5), 257)  # log-latency histogram edges (1 ms..100 s): ~4.5% wide bins, plenty
 # for a "p95 ratio > 1.5" guardrail; the report also gives the exact p95 of the final look
 
@@ -60,6 +65,14 @@ def bucket(unit_id: Any, salt: str = "") -> float:
     """The SPEC bucket of a unit in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
     key = str(unit_id) if not salt else f"{salt}:{unit_id}"
     return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def buckets(unit_ids: Sequence[Any], salt: str = "") -> np.ndarray:
+    """``bucket`` of many units at once: the same formula (the first 4 digest bytes are the first 8 hex
+    digits), without the hex round trip."""
+    md5, pre = hashlib.md5, (f"{salt}:" if salt else "")
+    raw = b"".join(md5(f"{pre}{u}".encode()).digest()[:4] for u in unit_ids)
+    return np.frombuffer(raw, dtype=">u4").astype(np.float64) / 0xFFFFFFFF
 
 
 class ABRouter:
@@ -85,8 +98,7 @@ class ABRouter:
 
     def assign(self, unit_ids: Sequence[Any]) -> np.ndarray:
         """Vectorised routing: 1 where the unit goes to the candidate, 0 for baseline."""
-        b = np.fromiter((self.bucket(u) for u in unit_ids), dtype=np.float64, count=len(unit_ids))
-        return (b < self.traffic_ratio).astype(np.int8)
+        return (buckets(unit_ids, self.salt) < self.traffic_ratio).astype(np.int8)
 
     def with_ratio(self, traffic_ratio: float) -> ABRouter:
         """The next ramp stage: same salt, so every candidate unit stays candidate."""
@@ -148,7 +160,7 @@ class Settings:
     max_error_rate: float = 0.02
     max_latency_ratio: float = 1.5
     min_per_arm: int = 30
-    cs_sd: float = 1.75
+    guardrail_alpha: float = 0.01
     scale: float = 5.0
     threshold: float = 3.0
     rule: str = "sequential"
@@ -162,7 +174,7 @@ class Settings:
             max_error_rate=ab.max_error_rate,
             max_latency_ratio=ab.max_latency_ratio,
             min_per_arm=ab.min_per_arm,
-            cs_sd=ab.cs_sd or 0.35 * rw.scale,
+            guardrail_alpha=ab.guardrail_alpha,
             scale=rw.scale,
             threshold=rw.success_threshold,
             rule=ab.rule,
@@ -188,6 +200,12 @@ class Stage:
     @property
     def hard_end(self) -> float:
         return self.start + self.seconds * (1 + self.max_extension)
+
+    @property
+    def tune_n(self) -> float:
+        """Requests the always-valid bounds are tuned for: mid-extension, between the planned end (the first
+        look that may widen) and the hard end (the last); benchmarks/bench_ab_decisions.py chose it."""
+        return self.planned_n * (1 + self.max_extension / 2)
 
     def look_times(self, until: float | None = None) -> np.ndarray:
         """Grid looks, the planned end always among them; cut at ``until`` (which becomes the last look)."""
@@ -216,49 +234,7 @@ def plan_stages(
 
 
 # ------------------------------------------------------------------------------ sequential statistics
-@lru_cache(maxsize=16)
-def _mixture_x(alpha: float) -> float:
-    """tau^2 / V at which the normal-mixture boundary is narrowest (Waudby-Smith et al., sec. 2.5)."""
-    from scipy.optimize import minimize_scalar
-
-    L = math.log(1 / alpha)
-    return float(
-        minimize_scalar(lambda x: (1 + 1 / x) * (math.log1p(x) + 2 * L), bounds=(1e-3, 1e4), method="bounded").x
-    )
-
-
-def cs_halfwidth(V: np.ndarray, alpha: float, v_star: float) -> np.ndarray:
-    """Half-width of the two-sided (1-alpha) normal-mixture confidence sequence for an estimate of variance V.
-
-    Robbins' mixture over a N(0, tau^2) alternative: the CS is est +- sqrt(V(V+tau^2)/tau^2 *
-    (2 log(1/alpha) + log(1 + tau^2/V))), valid simultaneously over all looks. tau^2 is fixed in advance
-    from the planned variance at the stage end ``v_star`` (not from the data), so that is where it is
-    narrowest; coverage holds for any tau.
-    """
-    V = np.asarray(V, dtype=np.float64)
-    tau2 = _mixture_x(alpha) * v_star
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hw = np.sqrt(V * (V + tau2) / tau2 * (2 * math.log(1 / alpha) + np.log1p(tau2 / V)))
-    return np.where(np.isfinite(hw), hw, np.inf)
-
-
-def srm_pvalue(n_c: np.ndarray, n_b: np.ndarray, ratio: float) -> np.ndarray:
-    """Sample-ratio-mismatch chi-square p (scipy.stats.chisquare) of the observed split vs the ratio.
-
-    1.0 while an arm expects fewer than 5 units: the chi-square approximation is not valid there (3 of
-    3 requests in a 10% arm would read p = 2e-7, though it happens once in a thousand).
-    """
-    from scipy import stats
-
-    n_c, n_b = np.asarray(n_c, float), np.asarray(n_b, float)
-    n = n_c + n_b
-    obs = np.stack([n_c, n_b], axis=-1)
-    exp = np.stack([n * ratio, n * (1 - ratio)], axis=-1)
-    ok = (n * ratio >= 5) & (n * (1 - ratio) >= 5)
-    p = np.ones(n.shape)
-    if ok.any():
-        p[ok] = stats.chisquare(obs[ok], exp[ok], axis=-1).pvalue
-    return p
+srm_pvalue = ab_cs.srm_pvalue  # anytime-valid, on unit counts (hermes_lab.ab_cs)
 
 
 def wilson(successes: int, n: int, alpha: float = 0.05) -> list[float]:
@@ -322,13 +298,12 @@ def look_sums(
     look_times: np.ndarray,
     group: np.ndarray | None = None,
     n_groups: int = 1,
-    unit: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Cumulative per-arm sums at each look, shape (groups, looks, 2) (arm 0 baseline, 1 candidate).
+    """Cumulative per-arm request sums at each look, shape (groups, looks, 2) (arm 0 baseline, 1 candidate):
+    the per-request numbers the report and the user's rule show. ``win``: each row's look window.
 
     One bincount per quantity over the key (group, look, arm): a row belongs to the first look at or
-    after its time. ``group`` lets the decision benchmark analyse thousands of simulated experiments at
-    once. ``unit`` (codes) switches to unit-level (cluster-robust) variances when units repeat.
+    after its time. ``group`` lets the decision benchmark analyse thousands of simulated experiments at once.
     """
     L = len(look_times)
     look = np.searchsorted(look_times, t, side="left")
@@ -342,90 +317,108 @@ def look_sums(
 
     r = reward[keep].astype(np.float64)
     ll = np.log(np.maximum(latency_ms[keep], 1.0))
-    out = {
-        "n": cum(None),
-        "s1": cum(r),
-        "s2": cum(r * r),
-        "nerr": cum(error[keep].astype(np.float64)),
-        "l1": cum(ll),
-        "l2": cum(ll * ll),
-    }
+    out = {"n": cum(None), "s1": cum(r), "s2": cum(r * r), "nerr": cum(error[keep].astype(np.float64))}
     nb = len(LAT_BINS) - 1  # uniform bins: the index is arithmetic, no search
     lb = np.minimum(((ll - LAT_BINS[0]) * (nb / (LAT_BINS[-1] - LAT_BINS[0]))).astype(np.int64), nb - 1)
     out["hist"] = np.cumsum(np.bincount(key * nb + lb, minlength=size * nb).reshape(*shape, nb), axis=1)
-    if unit is not None and group is None:
-        u = np.asarray(unit, np.int64)[keep]
-        nu = int(u.max()) + 1 if u.size else 1
-        if nu < keep.sum():  # units repeat: per-unit sums so the variance counts units, not requests
-            ukey = key * nu + u
-            S = np.cumsum(np.bincount(ukey, weights=r, minlength=size * nu).reshape(*shape, nu), axis=1)
-            N = np.cumsum(np.bincount(ukey, minlength=size * nu).reshape(*shape, nu), axis=1).astype(float)
-            out.update(uSS=(S * S).sum(-1), uSN=(S * N).sum(-1), uNN=(N * N).sum(-1))
+    out["win"], out["keep"], out["ll"] = look, keep, ll
     return out
 
 
-def look_stats(sums: dict[str, np.ndarray], ratio: float, plan_k: float, st: Settings) -> dict[str, np.ndarray]:
-    """Per-look statistics from ``look_sums``: means, delta, its confidence sequence, Welch p, SRM,
-    guardrail inputs. Arrays shaped like the sums without the arm axis.
+def _p95_log(hist: np.ndarray) -> np.ndarray:
+    """log p95 from cumulative latency histograms (last axis: bins), the midpoint of the bin reaching 95%."""
+    cnt = hist.cumsum(-1)
+    idx = np.argmax(cnt >= 0.95 * np.maximum(cnt[..., -1:], 1), axis=-1)
+    return (LAT_BINS[idx] + LAT_BINS[idx + 1]) / 2
 
-    ``plan_k`` = 1/n_c + 1/n_b planned at the stage end: each metric's CS is tuned to be narrowest
-    there (variance guess x plan_k): scores ``cs_sd``^2, error indicator 0.05, log-latency 0.1.
+
+def look_path(
+    cols: dict[str, np.ndarray],
+    look_times: np.ndarray,
+    ratio: float,
+    planned_n: float,
+    st: Settings,
+    group: np.ndarray | None = None,
+    n_groups: int = 1,
+) -> dict[str, np.ndarray]:
+    """Per-look statistics of one stage, arrays shaped (groups, looks): per-request means, delta, Welch p,
+    error rates and p95 latencies (what the report and the user's rule show), and the unit-level always-valid
+    statistics the decision uses: the CS of delta, the guardrails' one-sided bounds, SRM on unit counts.
+
+    ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
+    units). The rows of each group must be in time order. ``planned_n``: the requests the bets are tuned
+    to be sharpest at (``Stage.tune_n``); it never affects validity. Guardrails, both on
+    bounded unit observations: error indicator; latency above ``max_latency_ratio`` x the baseline's p95 of
+    the earlier looks (the p95-ratio guardrail as an exceedance rate, so bounded and finite-sample valid).
     """
     from scipy import stats
 
+    t, arm = cols["t"], np.asarray(cols["arm"], np.int64)
+    sums = look_sums(t, arm, cols["reward"], cols["error"], cols["latency_ms"], look_times, group, n_groups)
+    L, keep, win = len(look_times), sums["keep"], sums["win"][sums["keep"]]
+    g = None if group is None else np.asarray(group, np.int64)[keep]
     n = sums["n"].astype(np.float64)
+    # latency threshold per look window from the baseline's latencies before it (predictable); none at first
+    tau = np.log(st.max_latency_ratio) + _p95_log(sums["hist"][:, :, 0])
+    tau = np.concatenate([np.full((n_groups, 1), np.inf), tau[:, :-1]], axis=1)
+    tau = np.where(np.concatenate([np.zeros((n_groups, 1)), n[:, :-1, 0]], axis=1) > 0, tau, np.inf)
+    exceed = sums["ll"] > tau[0 if g is None else g, win]
+    X = np.stack(
+        [
+            np.clip(cols["reward"][keep] / st.scale, 0.0, 1.0),
+            cols["error"][keep].astype(np.float64),
+            exceed.astype(np.float64),
+        ]
+    )
+    unit = cols.get("unit")
+    unit = None if unit is None else np.asarray(unit)[keep]
+    us = ab_cs.unit_window_sums(win, arm[keep], X, L, unit, g, n_groups)
+    un = us["n"]
+    # planned units: planned requests x the units per request of the units entered before the window (1 for
+    # request units); only entered units' data, so that the bets stay independent of the units to come
+    rows_before = np.concatenate([np.zeros((n_groups, 1)), np.cumsum(us["rows"], 1)[:, :-1]], axis=1)
+    units_before = np.concatenate([np.zeros((n_groups, 1)), np.cumsum(un.sum(-1), 1)[:, :-1]], axis=1)
+    n_star = max(planned_n, 2.0) * np.where(rows_before > 0, units_before / np.maximum(rows_before, 1), 1.0)
+    # distinct units so far per arm, by first appearance (SRM and min_per_arm count every unit seen)
+    if unit is None:
+        cu = np.cumsum(un, axis=1)
+    else:
+        key = (0 if g is None else g) * (int(unit.max()) + 1 if unit.size else 1) + unit
+        _, first = np.unique(key, return_index=True)
+        fk = ((0 if g is None else g[first]) * L + win[first]) * 2 + arm[keep][first]
+        cu = np.cumsum(np.bincount(fk, minlength=n_groups * L * 2).reshape(n_groups, L, 2), axis=1).astype(float)
+    lo, hi = ab_cs.fan_cs(un, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
+    err_lo, _ = ab_cs.fan_cs(un, us["S"][1], us["Q"][1], ratio, n_star, st.guardrail_alpha, None)
+    lat_lo, _ = ab_cs.fan_cs(un, us["S"][2], us["Q"][2], ratio, n_star, st.guardrail_alpha, None)
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = sums["s1"] / n
         var = np.maximum(sums["s2"] - n * mean**2, 0) / (n - 1)  # sample variance, ddof=1 like scipy
-        if "uSS" in sums:  # cluster-robust variance of a ratio-of-sums mean (units are the i.i.d. draws)
-            vm = np.maximum(sums["uSS"] - 2 * mean * sums["uSN"] + mean**2 * sums["uNN"], 0) / n**2
-        else:
-            vm = var / n
-        # one pseudo-observation at the largest variance a [0, scale] score can have: early looks whose
-        # few scores happen to be equal must not produce a zero-width interval
-        vm = vm + (st.scale**2 / 4) / n**2
-        delta = mean[..., 1] - mean[..., 0]
-        V = vm[..., 1] + vm[..., 0]
-        hw = cs_halfwidth(V, st.alpha, st.cs_sd**2 * plan_k)
-        err = sums["nerr"] / n
-        err_V = (err * (1 - err) / n).sum(-1) + 0.25 / n[..., 1] ** 2 + 0.25 / n[..., 0] ** 2
-        err_d = err[..., 1] - err[..., 0]
-        lm = sums["l1"] / n
-        lvar = np.maximum(sums["l2"] - n * lm**2, 0) / (n - 1)
-        l_d = lm[..., 1] - lm[..., 0]
-        l_V = (lvar / n).sum(-1)
         welch = stats.ttest_ind_from_stats(
-            mean[..., 1],
-            np.sqrt(var[..., 1]),
-            n[..., 1],
-            mean[..., 0],
-            np.sqrt(var[..., 0]),
-            n[..., 0],
-            equal_var=False,
+            mean[..., 1], np.sqrt(var[..., 1]), n[..., 1], mean[..., 0], np.sqrt(var[..., 0]), n[..., 0], False
         ).pvalue
-    hist = sums["hist"]
-    cnt = hist.cumsum(-1)
-    idx = np.argmax(cnt >= 0.95 * np.maximum(cnt[..., -1:], 1), axis=-1)  # first bin reaching 95%
-    p95 = np.exp((LAT_BINS[idx] + LAT_BINS[idx + 1]) / 2)
-    enough = (n[..., 1] >= st.min_per_arm) & (n[..., 0] >= st.min_per_arm)
+        err = sums["nerr"] / n
+    p95 = np.exp(_p95_log(sums["hist"]))
+    enough = (cu[..., 1] >= st.min_per_arm) & (cu[..., 0] >= st.min_per_arm)
     return {
         "n_b": n[..., 0],
         "n_c": n[..., 1],
+        "units_b": cu[..., 0],
+        "units_c": cu[..., 1],
         "mean_b": mean[..., 0],
         "mean_c": mean[..., 1],
-        "delta": delta,
-        "V": V,
-        "lo": np.where(enough, delta - hw, -np.inf),
-        "hi": np.where(enough, delta + hw, np.inf),
+        "delta": mean[..., 1] - mean[..., 0],
+        "lo": np.where(enough, lo * st.scale, -np.inf),
+        "hi": np.where(enough, hi * st.scale, np.inf),
         "welch_p": np.where(np.isfinite(welch), welch, 1.0),
         "err_b": err[..., 0],
         "err_c": err[..., 1],
-        "err_lo": err_d - cs_halfwidth(err_V, st.alpha, 0.05 * plan_k),
+        "err_lo": err_lo,
         "p95_b": p95[..., 0],
         "p95_c": p95[..., 1],
-        "lat_lo": l_d - cs_halfwidth(l_V, st.alpha, 0.1 * plan_k),
-        "srm_p": srm_pvalue(n[..., 1], n[..., 0], ratio),
+        "lat_lo": lat_lo,
+        "srm_p": ab_cs.srm_pvalue(cu[..., 1], cu[..., 0], ratio),
         "enough": enough,
+        "planned_units": n_star[:, -1],
     }
 
 
@@ -438,10 +431,10 @@ def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:
     srm = S["srm_p"] < st.srm_alpha
     harm, benefit = enough & (S["hi"] < 0), enough & (S["lo"] > 0)
     guard = err_guard | lat_guard
-    seq = np.where(guard, ROLLBACK, np.where(srm, HOLD, np.where(harm, ROLLBACK, np.where(benefit, PROMOTE, KEEP))))
+    seq = np.where(guard, ROLLBACK, np.where(srm, HOLD, np.where(harm, ROLLBACK, np.where(benefit, WIDEN, KEEP))))
     d = S["delta"]
     # the user's rule, gated by the same minimum sample (a rule read at n = 3 is not worth simulating)
-    user = np.where(enough & (d < 0), ROLLBACK, np.where(enough & (d > 0) & (S["welch_p"] < st.alpha), PROMOTE, KEEP))
+    user = np.where(enough & (d < 0), ROLLBACK, np.where(enough & (d > 0) & (S["welch_p"] < st.alpha), WIDEN, KEEP))
     return {
         "sequential": seq,
         "user": user,
@@ -454,10 +447,10 @@ def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:
 
 
 def first_action(codes: np.ndarray, look_times: np.ndarray, planned_end: float) -> tuple[np.ndarray, np.ndarray]:
-    """Rollout semantics over looks (last axis): roll back / hold act at once, promote from the planned
+    """Rollout semantics over looks (last axis): roll back / hold act at once, widen from the planned
     stage end on. Returns (decision code, look index it was taken at); no action -> keep observing at the
     last look."""
-    acts = (codes == ROLLBACK) | (codes == HOLD) | ((codes == PROMOTE) & (look_times >= planned_end - 1e-9))
+    acts = (codes == ROLLBACK) | (codes == HOLD) | ((codes == WIDEN) & (look_times >= planned_end - 1e-9))
     any_act = acts.any(-1)
     idx = np.where(any_act, np.argmax(acts, -1), codes.shape[-1] - 1)
     code = np.take_along_axis(codes, idx[..., None], -1)[..., 0]
@@ -471,17 +464,22 @@ def explain(
     g = lambda k: float(np.asarray(S[k])[i])  # noqa: E731
     r = []
     if not bool(np.asarray(S["enough"])[i]):
-        r.append(f"fewer than {st.min_per_arm} requests in an arm: no statistical decision yet")
+        r.append(f"fewer than {st.min_per_arm} units in an arm: no statistical decision yet")
     if C["err_guard"][i]:
         r.append(
             f"guardrail: candidate error rate {g('err_c'):.1%} vs baseline {g('err_b'):.1%} "
-            f"(> +{st.max_error_rate:.1%}, significant)"
+            f"(> +{st.max_error_rate:.1%}; its {1 - st.guardrail_alpha:.0%} lower bound {g('err_lo'):+.1%} > 0)"
         )
     if C["lat_guard"][i]:
-        r.append(f"guardrail: p95 latency ratio {g('p95_c') / g('p95_b'):.2f} > {st.max_latency_ratio} (significant)")
+        r.append(
+            f"guardrail: p95 latency ratio {g('p95_c') / g('p95_b'):.2f} > {st.max_latency_ratio}; the candidate "
+            f"exceeds {st.max_latency_ratio} x the baseline's p95 more often ({1 - st.guardrail_alpha:.0%} lower "
+            f"bound of the difference {g('lat_lo'):+.1%} > 0)"
+        )
     if C["srm"][i]:
         r.append(
-            f"sample ratio mismatch: chi-square p = {g('srm_p'):.2g} < {st.srm_alpha}; the split is broken, "
+            f"sample ratio mismatch: {g('units_c'):.0f} candidate vs {g('units_b'):.0f} baseline units, "
+            f"anytime-valid p = {g('srm_p'):.2g} < {st.srm_alpha}; the split is broken, "
             "check the router before trusting any number"
         )
     cs = f"{1 - st.alpha:.0%} confidence sequence for delta [{g('lo'):+.3f}, {g('hi'):+.3f}]"
@@ -490,7 +488,7 @@ def explain(
     elif C["benefit"][i]:
         r.append(
             f"significant improvement: {cs} lies entirely above 0"
-            + (" (promotion waits for the stage's planned end)" if before_end else "")
+            + (" (widening waits for the stage's planned end)" if before_end else "")
         )
     elif np.isfinite(g("lo")):
         r.append(f"inconclusive: {cs} contains 0")
@@ -531,45 +529,67 @@ def _breakdown(m: dict[str, np.ndarray], i: int, st: Settings) -> dict[str, Any]
         "candidate_success": _scalar(sc / n_c if n_c else np.nan),
         "baseline_success_ci": wilson(sb, n_b, st.alpha),
         "candidate_success_ci": wilson(sc, n_c, st.alpha),
-        "var_delta": _scalar(vc / n_c + vb / n_b) if n_b > 1 and n_c > 1 else None,
+        "var_delta": _var_delta(m, i, vb, vc, n_b, n_c),
     }
 
 
+def _var_delta(m: dict[str, np.ndarray], i: int, vb: float, vc: float, n_b: int, n_c: int) -> float | None:
+    """Variance of delta: per-request, or cluster-robust when the moments carry unit-level ``vm``."""
+    if n_b < 2 or n_c < 2:
+        return None
+    if "vm" in m:
+        return _scalar(m["vm"][i].sum())
+    return _scalar(vc / n_c + vb / n_b)
+
+
 def _slice_moments(
-    code: np.ndarray, n_codes: int, arm: np.ndarray, r: np.ndarray, success: np.ndarray
+    code: np.ndarray, n_codes: int, arm: np.ndarray, r: np.ndarray, success: np.ndarray, unit: np.ndarray | None = None
 ) -> dict[str, np.ndarray]:
-    """n, sum, sum of squares and successes per (slice code, arm): shape (n_codes, 2)."""
+    """n, sum, sum of squares and successes per (slice code, arm): shape (n_codes, 2). With ``unit`` codes
+    also ``vm``, the cluster-robust variance of each mean (units are the i.i.d. draws; G/(G-1) corrected)."""
     key = code.astype(np.int64) * 2 + arm
     size = n_codes * 2
-    return {
+    out = {
         "n": np.bincount(key, minlength=size).reshape(n_codes, 2).astype(np.float64),
         "s1": np.bincount(key, r, size).reshape(n_codes, 2),
         "s2": np.bincount(key, r * r, size).reshape(n_codes, 2),
         "k": np.bincount(key, success, size).reshape(n_codes, 2),
     }
+    if unit is not None and len(r):
+        u = np.asarray(unit, np.int64)
+        nu = int(u.max()) + 1
+        cells, inv = np.unique(key * nu + u, return_inverse=True)
+        slot = cells // nu
+        S_u, N_u = np.bincount(inv, r, len(cells)), np.bincount(inv, minlength=len(cells))
+        n = out["n"].reshape(-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = out["s1"].reshape(-1) / n
+            G = np.bincount(slot, minlength=size)
+            ss = np.bincount(slot, (S_u - m[slot] * N_u) ** 2, size)
+            out["vm"] = (ss / n**2 * G / (G - 1)).reshape(n_codes, 2)
+    return out
 
 
 def stage_path(
     cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float | None = None
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Look times, per-look statistics and both rules' codes for one stage's own rows."""
+    """Look times, per-look statistics and both rules' codes for one stage's own rows (in time order)."""
     t = cols["t"]
     if until is None:  # a log without its stop time: the data ran to the look that covers its last row
         grid = stage.look_times()
         until = float(grid[min(np.searchsorted(grid, t.max()), len(grid) - 1)]) if len(t) else stage.start
     looks = stage.look_times(until)
-    n_star = max(stage.planned_n, 2.0)
-    plan_k = 1 / max(n_star * stage.ratio, 1) + 1 / max(n_star * (1 - stage.ratio), 1)
-    sums = look_sums(t, cols["arm"], cols["reward"], cols["error"], cols["latency_ms"], looks, unit=cols.get("unit"))
-    S = {k: v[0] for k, v in look_stats(sums, stage.ratio, plan_k, st).items()}
-    S["plan_k"] = np.asarray(plan_k)
+    S = {k: v[0] for k, v in look_path(cols, looks, stage.ratio, stage.tune_n, st).items()}
     return looks, S, rule_codes(S, st)
 
 
 def stage_action(
     cols: dict[str, np.ndarray], stage: Stage, st: Settings, until: float, rule: str
 ) -> tuple[str, float] | None:
-    """What the rollout does now: (decision, look time) once ``rule`` acts, else None (keep going)."""
+    """What the rollout does now: (decision, look time) once ``rule`` acts, else None (keep going).
+
+    The per-look entry point of a live rollout: ``cols`` holds the stage's rows so far (t, arm, reward,
+    error, latency_ms[, unit codes]), ``until`` the current time; one call costs O(rows)."""
     looks, _, C = stage_path(cols, stage, st, until)
     code, i = first_action(C[rule], looks, stage.planned_end)
     code, i = int(code), int(i)
@@ -607,7 +627,7 @@ def analyse_stage(
         if rule == "sequential":
             out["reasons"] = explain(S, C, i, st, code, before_end)
         elif not S["enough"][i]:
-            out["user_rule_reason"] = f"fewer than {st.min_per_arm} requests in an arm: no decision yet"
+            out["user_rule_reason"] = f"fewer than {st.min_per_arm} units in an arm: no decision yet"
         else:  # the user's table at the look their rule acted on (or the last one)
             why = decide_user_rule({"delta": float(S["delta"][i]), "p_value": float(S["welch_p"][i])}, st.alpha)[1]
             out["user_rule_reason"] = f"{why} (look at {looks[i] / 3600:.2f} h)"
@@ -615,14 +635,18 @@ def analyse_stage(
     cand = arm == 1
     c, b = r[cand], r[~cand]
     success = (r >= st.threshold).astype(np.float64)
-    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, arm, r, success), 0, st))
+    unit = cols.get("unit")
+    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, arm, r, success, unit), 0, st))
     out["mann_whitney"] = {k: _scalar(v) for k, v in mann_whitney(c, b).items()}
     last = len(looks) - 1
     out["srm"] = {
         "p_value": _scalar(S["srm_p"][last]),
         "expected_ratio": stage.ratio,
-        "observed_ratio": _scalar(S["n_c"][last] / max(S["n_c"][last] + S["n_b"][last], 1)),
+        "observed_ratio": _scalar(S["units_c"][last] / max(S["units_c"][last] + S["units_b"][last], 1)),
+        "units_baseline": int(S["units_b"][last]),
+        "units_candidate": int(S["units_c"][last]),
         "mismatch": bool(C["srm"][last]),
+        "method": "anytime-valid Beta-binomial mixture test on unit counts (Lindon & Malek 2022)",
     }
     lat, err = cols["latency_ms"], cols["error"]
     p95 = [float(np.percentile(x, 95)) if len(x) else float("nan") for x in (lat[~cand], lat[cand])]
@@ -642,14 +666,19 @@ def analyse_stage(
     out["sequential"] = {
         "cs_lower": _scalar(S["lo"][last]),
         "cs_upper": _scalar(S["hi"][last]),
-        "method": "asymptotic confidence sequence (normal mixture), Waudby-Smith et al. 2024",
+        "method": "finite-sample betting confidence sequence (Fan's inequality on AIPW pseudo-outcomes of "
+        "unit observations), valid at every look; see hermes_lab.ab_cs",
         "alpha": st.alpha,
-        "tuned_variance": st.cs_sd**2 * float(S["plan_k"]),
+        "units_baseline": int(S["units_b"][last]),
+        "units_candidate": int(S["units_c"][last]),
+        "planned_units": _scalar(S["planned_units"]),
         "looks": [
             {
                 "t": float(looks[k]),
                 "n_baseline": int(S["n_b"][k]),
                 "n_candidate": int(S["n_c"][k]),
+                "units_baseline": int(S["units_b"][k]),
+                "units_candidate": int(S["units_c"][k]),
                 "delta": _scalar(S["delta"][k]),
                 "cs_lower": _scalar(S["lo"][k]),
                 "cs_upper": _scalar(S["hi"][k]),
@@ -663,7 +692,7 @@ def analyse_stage(
     fam = cols.get("family")
     out["per_family"] = {}
     if fam is not None and len(family_names):
-        fm = _slice_moments(fam, len(family_names), arm, r, success)
+        fm = _slice_moments(fam, len(family_names), arm, r, success, unit)
         for f, name in enumerate(family_names):
             if fm["n"][f].sum():
                 out["per_family"][name] = _breakdown(fm, f, st)
@@ -697,20 +726,28 @@ def rollout_decision(
     rule: str = "sequential",
     complete: bool = True,
 ) -> dict[str, Any]:
-    """The rollout's outcome from its stages' decisions under ``rule``: the first roll back / hold stops
-    it; every stage promoted up to a ratio-1.0 stage means promoted; otherwise the current stage's
-    decision (promote = widen to the next ratio)."""
+    """The rollout's outcome from its stages' decisions under ``rule``: the first stage that did not widen
+    (roll back, hold, keep observing) ends it; "promote" (``promoted: true``) only when the last tested
+    stage widened to a ratio of 1.0; a rollout that stopped after a widening below 1.0 (e.g. ``--duration``
+    ended it) is "widen", with the ratio it reached in ``final_ratio``."""
     key = f"{rule}_decision"
     ratios = [float(s[0]) for s in stages]
     for res in stage_results:
         d = res[key]
-        if d in ("roll back", "hold") or d == "keep observing":
-            return {"decision": d, "stage": res["index"], "final_ratio": 0.0 if d == "roll back" else res["ratio"]}
+        if d != "widen":
+            final = 0.0 if d == "roll back" else res["ratio"]
+            return {"decision": d, "stage": res["index"], "final_ratio": final, "promoted": False}
     if not stage_results:
-        return {"decision": "keep observing", "stage": None, "final_ratio": 0.0}
+        return {"decision": "keep observing", "stage": None, "final_ratio": 0.0, "promoted": False}
     last = stage_results[-1]
     nxt = ratios[last["index"] + 1] if last["index"] + 1 < len(ratios) else 1.0
-    return {"decision": "promote", "stage": last["index"], "final_ratio": nxt, "promoted": nxt >= 1.0}
+    promoted = nxt >= 1.0
+    return {
+        "decision": "promote" if promoted else "widen",
+        "stage": last["index"],
+        "final_ratio": nxt,
+        "promoted": promoted,
+    }
 
 
 # -------------------------------------------------------------------------------------- whole logs

@@ -283,7 +283,7 @@ def run_ab(
                     break
             stage_until[stg.index] = prev
             start = prev
-            if action is None or action[0] != "promote":
+            if action is None or action[0] != "widen":  # a passed stage widens to the next one
                 stopped_by = action[0] if action else ("duration" if prev < stg.hard_end - 1e-9 else "keep observing")
                 break
     bar.close()
@@ -484,10 +484,11 @@ def build_report(
             f"--duration {duration:g} s ended the rollout in stage {last['index']} "
             f"(ratio {last['ratio']:g}); promotion waits for the stage's planned end",
         )
+    # "promote" only once traffic reached 100%; a stage that passed without that only widened (issue #14)
     if chosen["decision"] == "promote":
-        reasons.append(
-            "promoted to 100%" if chosen.get("promoted") else f"widen traffic to {chosen['final_ratio']:.0%}"
-        )
+        reasons.append("promoted to 100%")
+    elif chosen["decision"] == "widen":
+        reasons.append(f"widen traffic to {chosen['final_ratio']:.0%}; not promoted: the rollout stopped before 100%")
     report = {
         **{
             k: overall[k]
@@ -736,12 +737,12 @@ def log_to_mlflow(cfg: HermesConfig, report: dict[str, Any], output: Path, log_p
 
 # ------------------------------------------------------------------------------------ notebook helpers
 def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", candidate: str = "") -> tuple[Any, Any]:
-    """The notebook's arms. Empty baseline: the base model with the live champion adapter (runs/state.json)
-    or model.adapter, else the bare base. Empty candidate: this round's training output
-    (<round_dir>/train/adapter on the base named in train/run.json), as validate finds it."""
-    from hermes_lab.validate import candidate_from_train_dir, resolve_baseline_adapter
+    """The notebook's arms. Empty baseline: validate.resolve_baseline, the policy the regression gate
+    compared against (champion, else model.adapter, else the bare base). Empty candidate: this round's
+    training output (<round_dir>/train/adapter on the base named in train/run.json), as validate finds it."""
+    from hermes_lab.validate import candidate_from_train_dir, resolve_baseline
 
-    b: Any = baseline or (cfg.model.base_model, resolve_baseline_adapter(cfg))
+    b: Any = baseline or resolve_baseline(cfg)
     c: Any = candidate or candidate_from_train_dir(Path(round_dir) / "train", cfg)
     return b, c
 

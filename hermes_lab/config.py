@@ -157,7 +157,20 @@ class ReviewSection:
         False, "Unattended rounds only: the task verifier acts as a simulated reviewer (labels marked simulated)."
     )
     min_labels: int = _f(
-        30, "Labels needed before the agreement gate can decide (the whole queue when the queue is smaller)."
+        0,
+        "Labels needed before the agreement gate can decide (the whole queue when the queue is smaller). "
+        "0: enough for a Wilson interval of +-max_ci_halfwidth around min_agreement (73 at 90% and 0.07).",
+    )
+    max_ci_halfwidth: float = _f(
+        0.07,
+        "Precision the gate needs: the default min_labels gives a 95% Wilson interval this wide either side, "
+        "and max_items is sized by it. Pass needs the interval entirely above min_agreement, blocked entirely "
+        "below; otherwise the verdict is 'inconclusive: label N more' and the round waits.",
+    )
+    max_items: int = _f(
+        0,
+        "Cap on the review items the gate counts (the queue's first items, in prep's random order): a large "
+        "10% sample need not be labelled whole. 0: enough for +-max_ci_halfwidth at 50% agreement (193).",
     )
     min_agreement: float = _f(0.9, "Reward-model/human agreement needed to train.")
     label_mode: str = _f("score", "Label buttons: score (0..5) or passfail.")
@@ -184,18 +197,26 @@ class ReviewSection:
 class ValidateSection:
     eval_tasks_per_family: int = _f(64, "Held-out tasks per family for the regression gate.")
     samples_per_task: int = _f(1, "Samples per task (sampled pass rate).")
-    tolerance: float = _f(0.05, "Max allowed drop in pass rate on any family before the candidate is stopped.")
+    tolerance: float = _f(
+        0.05,
+        "Non-inferiority margin: the candidate passes a family only if the upper confidence bound of its drop "
+        "in pass rate (paired on the same tasks and seeds) is below this.",
+    )
     temperature: float = _f(0.9, "Sampling temperature of the regression eval, the same for baseline and candidate.")
     seed: int = _f(0, "Seed of the regression eval (task generation and sampling), the same for both arms.")
     alpha: float = _f(
         0.05,
-        "Significance level of the one-sided two-proportion test reported per family, and "
-        "of the reward-trend test in the curve diagnostics.",
+        "One-sided error level of each family's upper bound on the drop (a family that regressed by the "
+        "tolerance passes with probability <= alpha; every family must pass, so no multiplicity correction), "
+        "and of the reward-trend test in the curve diagnostics.",
     )
-    require_significance: bool = _f(
-        False,
-        "Stop a candidate only when its drop exceeds the tolerance AND the "
-        "two-proportion test says it is significant (off: the tolerance rule alone).",
+    power_drop: float = _f(
+        0.10, "Drop in pass rate whose chance of being stopped the gate reports per family (its power)."
+    )
+    min_power: float = _f(
+        0.8,
+        "Warn when a family's set is too small: a power_drop drop stopped, or an equally good candidate "
+        "passed, less often than this.",
     )
     kl_spike_k: float = _f(
         6.0,
@@ -241,16 +262,16 @@ class ABSection:
         "An inconclusive stage is extended by up to this many times its planned length; "
         "still inconclusive then: the rollout stops at 'keep observing'.",
     )
-    min_per_arm: int = _f(30, "Requests (units) each arm needs before any statistical decision.")
-    cs_sd: float = _f(
-        0.0,
-        "Score SD the confidence sequence is tuned for (it is narrowest at the planned stage "
-        "end; validity does not depend on it). 0: 0.35 x reward.scale.",
+    min_per_arm: int = _f(30, "Units (requests, or users when unit is user) each arm needs before any decision.")
+    guardrail_alpha: float = _f(
+        0.01,
+        "Error level of each guardrail's always-valid one-sided bound (error rate, p95 latency): a guardrail "
+        "rolls back only when the candidate is worse by the margin AND the bound shows it is worse at all.",
     )
     unit: str = _f(
         "request",
-        "Randomisation unit in simulated traffic: request, or user (requests of one user "
-        "share an arm; the analysis then uses unit-level, cluster-robust variances).",
+        "Randomisation unit: request, or user (requests of one user share an arm). Decisions count units: "
+        "SRM, min_per_arm and the always-valid bounds use one observation per unit.",
     )
     num_users: int = _f(2000, "Simulated user pool when unit is user.")
     task_split: str = _f("heldout", "Tasks the simulated traffic draws: heldout (never trained on) or any.")
@@ -491,8 +512,32 @@ def _check(cfg: HermesConfig, src: str) -> None:
         bad("ab.traffic_ratio", "must lie in (0, 1]")
     if cfg.ab.rule not in {"sequential", "user"}:
         bad("ab.rule", "must be sequential or user")
+    if not 0 < cfg.ab.guardrail_alpha < 1:
+        bad("ab.guardrail_alpha", f"must lie in (0, 1), got {cfg.ab.guardrail_alpha}")
     if cfg.review.label_mode not in {"score", "passfail"}:
         bad("review.label_mode", "must be score or passfail")
+    rv, v = cfg.review, cfg.validate
+    if rv.agreement_metric not in {"threshold", "within1"}:
+        bad("review.agreement_metric", f"must be threshold or within1, got {rv.agreement_metric!r}")
+    if rv.kappa_weights not in {"quadratic", "linear"}:
+        bad("review.kappa_weights", f"must be quadratic or linear, got {rv.kappa_weights!r}")
+    if not 0 <= rv.min_agreement <= 1:
+        bad("review.min_agreement", f"must lie in [0, 1], got {rv.min_agreement}")
+    if rv.min_kappa > 1:
+        bad("review.min_kappa", f"must be <= 1, got {rv.min_kappa}")
+    if rv.min_labels < 0 or rv.max_items < 0:
+        bad("review.min_labels / review.max_items", "must be >= 0 (0: sized by review.max_ci_halfwidth)")
+    if not 0 < rv.max_ci_halfwidth < 0.5:
+        bad("review.max_ci_halfwidth", f"must lie in (0, 0.5), got {rv.max_ci_halfwidth}")
+    if not 0 < v.tolerance < 1:
+        bad("validate.tolerance", f"must lie in (0, 1), got {v.tolerance}")
+    for k in ("alpha", "min_power"):
+        if not 0 < getattr(v, k) < 1:
+            bad(f"validate.{k}", f"must lie in (0, 1), got {getattr(v, k)}")
+    if not 0 < v.power_drop <= 1:
+        bad("validate.power_drop", f"must lie in (0, 1], got {v.power_drop}")
+    if v.samples_per_task < 1 or v.eval_tasks_per_family < 1:
+        bad("validate.samples_per_task / validate.eval_tasks_per_family", "must be >= 1")
     _check_serve(cfg, bad)
 
 

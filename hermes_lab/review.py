@@ -26,11 +26,20 @@ Agreement (reward model vs reviewer, one pair per labelled item; several reviewe
 - within1: |reward - label| <= 1 on the 0..5 scale, for score labels (pass/fail labels are 0/5 and would
   count every 4.2 as a miss).
 - kappa: Cohen's kappa on pass/fail, unweighted; kappa_weighted: on scores binned to integers (round
-  half up), quadratic weights by default (an ordinal scale: a 5-vs-0 miss must cost more than 3-vs-2).
+  half up, but never across the success threshold: 2.5 is a fail and lands in bin 2), quadratic weights by
+  default (an ordinal scale: a 5-vs-0 miss must cost more than 3-vs-2).
   statsmodels.stats.inter_rater.cohens_kappa computes both from our confusion matrix; we only guard the
   undefined case (both raters always on one side: chance agreement is 1) and report None there.
-- ci: Wilson 95% interval of the gated agreement (proportion_confint, method="wilson"); it stays sane at
-  agreement near 1 and n ~ 30, where the normal interval leaves [0, 1].
+- ci: Wilson 95% interval (proportion_confint, method="wilson") of the agreement the gate uses (threshold,
+  or within1 on the score labels); it stays sane at agreement near 1, where the normal interval leaves [0, 1].
+
+The verdict (issue #14: a point estimate of 27/30 is not "at least 90%"): pass only when the interval lies
+entirely above review.min_agreement, blocked when it lies entirely below, and otherwise "inconclusive:
+label N more", N being the labels that would settle it if agreement stayed at its current rate. Either
+needs at least review.min_labels labels (default: enough for +-review.max_ci_halfwidth around 90%, 73).
+Inconclusive makes the round wait like awaiting review (exit 3). A long queue (a big traffic log's 10%)
+is capped at review.max_items (default: +-max_ci_halfwidth at 50% agreement, 193): the gate counts the
+queue's first items, which prep writes in a seeded random order.
 """
 
 from __future__ import annotations
@@ -53,8 +62,9 @@ from hermes_lab.tasks import family_of, verify
 
 DEFAULT_STORE = "runs/review/labels.jsonl"
 SIMULATED_REVIEWER = "simulated:verifier"
-PASS, BLOCKED, AWAITING = "pass", "blocked", "awaiting review"
-EXIT_CODES = {PASS: 0, AWAITING: 3, BLOCKED: 4}
+PASS, BLOCKED, AWAITING, INCONCLUSIVE = "pass", "blocked", "awaiting review", "inconclusive"
+EXIT_CODES = {PASS: 0, AWAITING: 3, INCONCLUSIVE: 3, BLOCKED: 4}  # inconclusive waits like awaiting review
+Z95 = 1.959963984540054
 QUEUE_KEYS = ("review_id", "task_id", "prompt", "response", "reward")
 
 
@@ -67,8 +77,9 @@ class ReviewGateStop(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------- the queue
-def load_queue(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """prep's review queue, checked; errors name the file and line."""
+def load_queue(path: str | os.PathLike[str], max_items: int | None = None) -> list[dict[str, Any]]:
+    """prep's review queue, checked; errors name the file and line. ``max_items``: only the first items
+    (distinct review ids) count, in the queue's order (prep's seeded random order)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"review queue not found: {p} (the prep stage writes it: run it first)")
@@ -89,6 +100,8 @@ def load_queue(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         seen.add(rec["review_id"])
         rec["family"] = rec.get("family") or family_of(str(rec["prompt"])) or "unknown"
         items.append(rec)
+        if max_items and len(items) >= max_items:
+            break
     return items
 
 
@@ -269,6 +282,7 @@ class AgreementStats:
     agreement: float | None  # threshold agreement: same side of the success threshold
     ci: tuple[float, float] | None  # Wilson interval of ``agreement``
     within1: float | None  # |reward - label| <= 1, score labels only
+    within1_ci: tuple[float, float] | None  # Wilson interval of ``within1`` (n_scored labels)
     n_scored: int
     kappa: float | None  # unweighted, pass/fail
     kappa_weighted: float | None  # on integer-binned scores, score labels only
@@ -293,6 +307,47 @@ def kappa_from_table(table: Any, wt: str | None = None) -> float | None:
     return float(cohens_kappa(t, wt=wt, return_results=False))  # no variance: it warns on tiny tables
 
 
+def wilson(k: float, n: int, alpha: float = 0.05) -> tuple[float, float] | None:
+    """Wilson score interval of k successes in n (statsmodels); None without data."""
+    from statsmodels.stats.proportion import proportion_confint
+
+    if n <= 0:
+        return None
+    lo, hi = proportion_confint(k, n, alpha=alpha, method="wilson")
+    return float(lo), float(hi)
+
+
+def labels_for_halfwidth(p: float, halfwidth: float, z: float = Z95) -> int:
+    """Fewest labels whose Wilson 95% interval at agreement rate ``p`` is at most +-halfwidth wide."""
+    import numpy as np
+
+    n = np.arange(1, 200_001, dtype=np.float64)
+    hw = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))  # Wilson's half-width
+    return int(n[np.argmax(hw <= halfwidth)]) if (hw <= halfwidth).any() else int(n[-1])
+
+
+def labels_to_settle(k: int, n: int, threshold: float, cap: int = 100_000) -> int | None:
+    """More labels needed until the Wilson interval clears ``threshold`` (lies entirely on one side),
+    if agreement stays at its current rate k/n; None when it never would (the rate is the threshold)."""
+    if n == 0:
+        return None
+    p = k / n
+
+    def settled(m: int) -> bool:
+        lo, hi = wilson(p * (n + m), n + m)
+        return lo >= threshold or hi < threshold
+
+    if settled(0):
+        return 0
+    if abs(p - threshold) < 1e-12 or not settled(cap):
+        return None
+    lo_m, hi_m = 0, cap  # settled() is monotone in m at a fixed rate: bisect
+    while hi_m - lo_m > 1:
+        mid = (lo_m + hi_m) // 2
+        lo_m, hi_m = (lo_m, mid) if settled(mid) else (mid, hi_m)
+    return hi_m
+
+
 def agreement_stats(
     rewards: list[float],
     labels: list[float],
@@ -305,7 +360,6 @@ def agreement_stats(
 ) -> AgreementStats:
     """Reward model vs reviewer on paired items. ``scored[i]``: label i is a 0..scale score (not pass/fail)."""
     import numpy as np
-    from statsmodels.stats.proportion import proportion_confint
 
     r, h = np.asarray(rewards, dtype=float), np.asarray(labels, dtype=float)
     s = np.ones(len(r), bool) if scored is None else np.asarray(scored, bool)
@@ -314,22 +368,25 @@ def agreement_stats(
     confusion = np.zeros((2, 2), int)
     np.add.at(confusion, (rp.astype(int), hp.astype(int)), 1)
     agree = int((rp == hp).sum())
-    ci = None
-    if n:
-        lo, hi = proportion_confint(agree, n, alpha=alpha, method="wilson")
-        ci = (float(lo), float(hi))
+    first_pass_bin = int(np.ceil(threshold))
 
-    def binned(x: Any) -> Any:  # round half up, as a reviewer reads 2.5 on a 0..5 scale
-        return np.clip(np.floor(x + 0.5), 0, k - 1).astype(int)
+    def binned(x: Any) -> Any:
+        # round half up, as a reviewer reads 3.5 on a 0..5 scale, but never across the success threshold:
+        # a 2.5 is a fail and must not land in the first success bin (issue #14)
+        b = np.clip(np.floor(x + 0.5), 0, k - 1).astype(int)
+        return np.where(x >= threshold, np.maximum(b, first_pass_bin), np.minimum(b, first_pass_bin - 1))
 
     scores = np.zeros((k, k), int)
     np.add.at(scores, (binned(r[s]), binned(h[s])), 1)
+    w1 = int((np.abs(r[s] - h[s]) <= 1 + 1e-9).sum())
+    n_s = int(s.sum())
     return AgreementStats(
         n=n,
         agreement=agree / n if n else None,
-        ci=ci,
-        within1=float((np.abs(r[s] - h[s]) <= 1 + 1e-9).mean()) if s.any() else None,
-        n_scored=int(s.sum()),
+        ci=wilson(agree, n, alpha),
+        within1=w1 / n_s if n_s else None,
+        within1_ci=wilson(w1, n_s, alpha),
+        n_scored=n_s,
         kappa=kappa_from_table(confusion),
         kappa_weighted=kappa_from_table(scores, weights),
         confusion=confusion.tolist(),
@@ -340,10 +397,10 @@ def agreement_stats(
 # ------------------------------------------------------------------------------------------- the gate
 @dataclass
 class GateResult:
-    status: str  # "pass" | "blocked" | "awaiting review"
+    status: str  # "pass" | "blocked" | "awaiting review" | "inconclusive"
     agreement: float | None
     kappa: float | None  # pass/fail kappa, the partner of the threshold agreement
-    ci: tuple[float, float] | None
+    ci: tuple[float, float] | None  # Wilson interval of the agreement the gate uses (``metric``)
     n_labels: int
     per_family: dict[str, dict[str, Any]]
     message: str
@@ -361,6 +418,11 @@ class GateResult:
     confusion_scores: list[list[int]] = field(default_factory=list)
     queue_path: str = ""
     store_path: str = ""
+    value: float | None = None  # the gated agreement (threshold or within1)
+    n_gated: int = 0  # labels behind ``value`` (within1: score labels only)
+    labels_more: int | None = None  # inconclusive: labels that would settle the interval at the current rate
+    max_items: int = 0  # the queue cap in force
+    threshold_ci: tuple[float, float] | None = None  # Wilson interval of the threshold agreement
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -370,14 +432,12 @@ class GateResult:
             raise ReviewGateStop(self)
 
 
-def _check_review_config(cfg: HermesConfig) -> None:
+def gate_sizes(cfg: HermesConfig) -> tuple[int, int]:
+    """(min_labels, max_items) in force: the configured values, or the ones sized by max_ci_halfwidth."""
     rc = cfg.review
-    if rc.agreement_metric not in ("threshold", "within1"):
-        raise ConfigError(f"review.agreement_metric must be threshold or within1, got {rc.agreement_metric!r}")
-    if rc.kappa_weights not in ("quadratic", "linear"):
-        raise ConfigError(f"review.kappa_weights must be quadratic or linear, got {rc.kappa_weights!r}")
-    if not 0 <= rc.min_agreement <= 1 or rc.min_kappa > 1 or rc.min_labels < 1:
-        raise ConfigError("review: min_agreement must lie in [0, 1], min_kappa <= 1, min_labels >= 1")
+    need = rc.min_labels or labels_for_halfwidth(rc.min_agreement, rc.max_ci_halfwidth)
+    cap = rc.max_items or max(labels_for_halfwidth(0.5, rc.max_ci_halfwidth), need)
+    return need, cap
 
 
 def simulate_labels(items: list[dict[str, Any]], store: LabelStore) -> tuple[int, int]:
@@ -428,11 +488,11 @@ def review_gate(
     folder above prep/) receives review/gate.json unless ``write`` is False. Logs to the active MLflow run.
     """
     cfg = cfg or load_config(None)
-    _check_review_config(cfg)
     rc, scale, thr = cfg.review, float(cfg.reward.scale), float(cfg.reward.success_threshold)
     simulate = rc.simulate if simulate is None else bool(simulate)
     queue_path = Path(queue_path)
-    items = load_queue(queue_path)
+    min_labels, max_items = gate_sizes(cfg)
+    items = load_queue(queue_path, max_items)
     store = LabelStore(store_path, scale=scale)
     unknown = simulate_labels(items, store)[1] if simulate else 0
 
@@ -466,37 +526,64 @@ def review_gate(
         idx = [i for i, f in enumerate(fams) if f == fam]
         fs = agreement_stats([rewards[i] for i in idx], [labels[i] for i in idx], [scored[i] for i in idx], **kw)
         per_family[fam] = {k: v for k, v in asdict(fs).items() if not k.startswith("confusion")}
-    n, n_required = st.n, min(rc.min_labels, len(items))
-    value = st.agreement if rc.agreement_metric == "threshold" else st.within1
+    n_required = min(min_labels, len(items))
+    if rc.agreement_metric == "threshold":
+        value, n, ci, k = st.agreement, st.n, st.ci, round((st.agreement or 0.0) * st.n)
+    else:  # within1 is defined on score labels only: its n and its interval are theirs
+        value, n, ci, k = st.within1, st.n_scored, st.within1_ci, round((st.within1 or 0.0) * st.n_scored)
+    more = labels_to_settle(k, n, rc.min_agreement) if n else None  # to settle the interval, at this rate
     who = "the simulated reviewer (task verifier)" if n_sim else "human review"
     notes = []
     if ignored_sim:
         notes.append(f"{ignored_sim} simulated labels ignored (simulation is off).")
     if unknown:
         notes.append(f"{unknown} items are not embedded tasks: the simulated reviewer cannot label them.")
+    open_nb = f"Open notebooks/review.ipynb with queue_path='{queue_path}', set your reviewer id and label" + (
+        " in score mode (within1 needs scores)" if rc.agreement_metric == "within1" else ""
+    )
+    stats_txt = ""
+    if n:
+        stats_txt = (
+            f"{rc.agreement_metric} agreement {_pct(value)} with {who} on {n} labels (Wilson 95% CI "
+            f"{_pct(ci[0])}-{_pct(ci[1])}), kappa {'n/a' if st.kappa is None else f'{st.kappa:.2f}'}"
+        )
     if not items:
         status, msg = AWAITING, f"The review queue {queue_path} is empty: check prep (data.review_fraction)."
-    elif n < n_required or value is None:
+    elif n == 0:
         status = AWAITING
         msg = (
-            f"{n} labels so far, {n_required} needed (queue: {len(items)} items). Open notebooks/review.ipynb with "
-            f"queue_path='{queue_path}', set your reviewer id and label {max(n_required - n, 1)} more"
-            + (" in score mode (within1 needs scores)" if value is None and n >= n_required else "")
-            + ", then rerun the gate. Unattended rounds: review.simulate: true (labels marked simulated)."
+            f"No labels yet, {n_required} needed (queue: {len(items)} items). {open_nb} at least {n_required}, "
+            "then rerun the gate. Unattended rounds: review.simulate: true (labels marked simulated)."
         )
+    elif n < n_required or ci[0] < rc.min_agreement <= ci[1]:
+        status = INCONCLUSIVE
+        never = more is None and n >= n_required  # at exactly the bar's rate the interval always straddles it
+        need = max(n_required - n, more or 0)
+        left = len(items) - st.n
+        more = None if never else need
+        why = (
+            f"{n} labels, {n_required} needed for +-{rc.max_ci_halfwidth:.0%}"
+            if n < n_required
+            else f"the interval straddles review.min_agreement {rc.min_agreement:.0%}"
+        )
+        if never:
+            how = "agreement sits at the bar itself: more labels will not settle it; fix the reward model"
+        elif need > left:
+            how = (
+                f"label {need} more, but only {left} unlabelled items are left in the queue (review.max_items "
+                f"{max_items}): raise review.max_items or data.review_fraction, or fix the reward model"
+            )
+        else:
+            how = f"label {need} more (if agreement stays at {_pct(value)}). {open_nb} {need} more, then rerun"
+        msg = f"Inconclusive: {stats_txt}; {why}: {how}."
     else:
         worst = min(per_family, key=lambda f: per_family[f]["agreement"])
-        stats_txt = (
-            f"{rc.agreement_metric} agreement {_pct(value)} with {who} on {n} labels "
-            f"(Wilson 95% CI {_pct(st.ci[0])}-{_pct(st.ci[1])}), kappa "
-            f"{'n/a' if st.kappa is None else f'{st.kappa:.2f}'}"
-        )
-        if value < rc.min_agreement:
+        if ci[1] < rc.min_agreement:
             status = BLOCKED
             msg = (
-                f"Blocked: {stats_txt}, below review.min_agreement {rc.min_agreement:.0%}. Fix the reward model "
-                f"before training the policy (reward.types / reward.system / the judge); worst family: {worst} "
-                f"({_pct(per_family[worst]['agreement'])})."
+                f"Blocked: {stats_txt}, entirely below review.min_agreement {rc.min_agreement:.0%}. Fix the reward "
+                f"model before training the policy (reward.types / reward.system / the judge); worst family: "
+                f"{worst} ({_pct(per_family[worst]['agreement'])})."
             )
         elif rc.min_kappa > 0 and (st.kappa or 0.0) < rc.min_kappa:
             status = BLOCKED
@@ -505,21 +592,19 @@ def review_gate(
                 "chance (nearly all items on one side). Fix the reward model before training the policy."
             )
         else:
-            status, msg = PASS, f"Pass: {stats_txt}."
+            status, msg = PASS, f"Pass: {stats_txt}, entirely above {rc.min_agreement:.0%}."
             if st.kappa is not None and st.kappa < 0.4:
                 notes.append(
                     "Kappa is low although raw agreement is high: most items sit on one side of the "
                     "threshold, so much of the agreement is chance. Look at the failures."
                 )
-            if st.ci[0] < rc.min_agreement:
-                notes.append(f"The CI reaches below {rc.min_agreement:.0%}: more labels would make this sure.")
     if n_sim:
         msg = f"[SIMULATED: {n_sim} of {n} labels are the task verifier's, not a human's] " + msg
     result = GateResult(
         status=status,
         agreement=st.agreement,
         kappa=st.kappa,
-        ci=st.ci,
+        ci=ci,
         n_labels=n,
         per_family=per_family,
         message=" ".join([msg, *notes]),
@@ -537,6 +622,11 @@ def review_gate(
         confusion_scores=st.confusion_scores,
         queue_path=str(queue_path),
         store_path=str(store_path),
+        value=value,
+        n_gated=n,
+        labels_more=more if status == INCONCLUSIVE else None,
+        max_items=max_items,
+        threshold_ci=st.ci,
     )
     if write:
         rd = (
@@ -564,6 +654,8 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         {
             "review.min_agreement": rc.min_agreement,
             "review.min_labels": rc.min_labels,
+            "review.max_ci_halfwidth": rc.max_ci_halfwidth,
+            "review.max_items": result.max_items,
             "review.agreement_metric": rc.agreement_metric,
             "review.kappa_weights": rc.kappa_weights,
             "review.min_kappa": rc.min_kappa,
@@ -573,16 +665,18 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         }
     )
     metrics = {
-        "review_agreement": result.agreement,
-        "review_within1": result.within1,
-        "review_kappa": result.kappa,
-        "review_kappa_weighted": result.kappa_weighted,
-        "review_n_labels": result.n_labels,
-        "review_n_simulated": result.n_simulated,
-        "review_ci_low": result.ci[0] if result.ci else None,
-        "review_ci_high": result.ci[1] if result.ci else None,
+        "review/agreement": result.agreement,
+        "review/gated_agreement": result.value,
+        "review/within1": result.within1,
+        "review/kappa": result.kappa,
+        "review/kappa_weighted": result.kappa_weighted,
+        "review/n_labels": result.n_labels,
+        "review/n_simulated": result.n_simulated,
+        "review/ci_low": result.ci[0] if result.ci else None,
+        "review/ci_high": result.ci[1] if result.ci else None,
+        "review/labels_more": result.labels_more,
     }
-    metrics.update({f"review_agreement_{f}": v["agreement"] for f, v in result.per_family.items()})
+    metrics.update({f"review/agreement/{f}": v["agreement"] for f, v in result.per_family.items()})
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
     mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
     mlflow.log_dict(result.to_dict(), "review/gate.json")
@@ -632,10 +726,11 @@ def plot_agreement(result: GateResult) -> Any:
 def format_result(result: GateResult) -> str:
     lines = [
         f"review gate: {result.status.upper()}" + ("  [SIMULATED labels]" if result.simulated else ""),
-        f"  labels {result.n_labels} ({result.n_required} needed, queue {result.n_queue}), "
+        f"  labels {result.n_labels} ({result.n_required} needed, queue {result.n_queue}, cap {result.max_items}), "
         f"reviewers: {', '.join(result.reviewers) or '-'}",
-        f"  agreement {_pct(result.agreement)} (CI {_pct(result.ci[0]) if result.ci else 'n/a'}-"
-        f"{_pct(result.ci[1]) if result.ci else 'n/a'}), within1 {_pct(result.within1)}, kappa "
+        f"  {result.metric} agreement {_pct(result.value)} (Wilson 95% CI {_pct(result.ci[0]) if result.ci else 'n/a'}-"
+        f"{_pct(result.ci[1]) if result.ci else 'n/a'}; gate: {result.min_agreement:.0%}), threshold "
+        f"{_pct(result.agreement)}, within1 {_pct(result.within1)}, kappa "
         f"{'n/a' if result.kappa is None else f'{result.kappa:.2f}'}, weighted kappa "
         f"{'n/a' if result.kappa_weighted is None else f'{result.kappa_weighted:.2f}'}",
     ]

@@ -148,12 +148,6 @@ def _progress(round_dir: Path) -> dict[str, Any]:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _baseline_dir(cfg: HermesConfig, state: FlywheelState) -> str:
-    from hermes_lab.policy import resolve_model_name
-
-    return state.champion_adapter or resolve_model_name(cfg.model.base_model, cfg.round.runs_dir, cfg.model.seed)
-
-
 def _stage_params(
     stage: str, cfg: HermesConfig, params_path: str, rd: Path, parent: str, state: FlywheelState, n: int
 ) -> dict[str, Any]:
@@ -176,10 +170,12 @@ def _stage_params(
         return common | {"labels_path": str(runs / "review" / "labels.jsonl")}
     if stage == "train":
         return common | {"start_adapter": champion}
+    # one baseline for both gates (issue #14): empty -> the notebooks resolve it with validate.resolve_baseline
+    # (champion, else model.adapter, else the bare base), the regression gate and the A/B stage alike
     if stage == "validate":
-        return common | {"baseline_adapter": champion}
+        return common | {"baseline_adapter": ""}
     if stage == "ab":
-        return common | {"baseline": _baseline_dir(cfg, state), "candidate": str(rd / "train" / "adapter"), "seed": n}
+        return common | {"baseline": "", "candidate": str(rd / "train" / "adapter"), "seed": n}
     return common
 
 
@@ -358,11 +354,15 @@ def _finish(
             }
         )
     decision = ab.get("decision") if ab else None
+    promoted = bool(ab.get("promoted")) if ab else False  # only a rollout that reached 100% (issue #14)
     if ab:
-        gates.append({"gate": "ab_decision", "passed": decision == "promote", "detail": decision})
+        detail = f"{decision} (final ratio {ab.get('final_ratio')})" if decision == "widen" else decision
+        gates.append({"gate": "ab_decision", "passed": promoted, "detail": detail})
     if status == "completed":
-        status = {"promote": "promoted", "roll back": "rolled back"}.get(decision or "", f"candidate held ({decision})")
-    if decision == "promote":
+        status = (
+            "promoted" if promoted else "rolled back" if decision == "roll back" else f"candidate held ({decision})"
+        )
+    if promoted:
         state.champion_adapter = str(rd / "train" / "adapter")
         state.champion_round = n
         _register_champion(cfg, rd)
@@ -374,7 +374,7 @@ def _finish(
                 state.negative_files.append(str(f))
     # the champion's held-out sampled pass rate on the train stage's fixed task set (same tasks and seed
     # every round, so rounds compare): the candidate's if it was promoted, else the policy it started from
-    pass_rate = (ev.get("after") if decision == "promote" else ev.get("before") or {}).get("pass_rate") if ev else None
+    pass_rate = (ev.get("after") if promoted else ev.get("before") or {}).get("pass_rate") if ev else None
     summary = {
         "round": n,
         "status": status,
@@ -387,7 +387,9 @@ def _finish(
         "champion": state.champion_adapter,
         "stopped_at": prog.get("stopped_at"),
         "parent_run_id": prog["parent_run_id"],
-        "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision")} if ab else None,
+        "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
+        if ab
+        else None,
     }
     write_json_atomic(rd / "summary.json", summary)
     return summary

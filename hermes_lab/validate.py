@@ -1,10 +1,14 @@
 """Validate stage, part 2: the regression (safety) gate, run before any A/B traffic.
 
-The candidate (base + this round's LoRA adapter) and the baseline (base + the champion adapter, or the
-bare base when there is no champion) are evaluated on the same held-out regression set with the same
-sampling settings (temperature, seed, samples per task), overall and per task family. A candidate whose
-pass rate drops by more than ``validate.tolerance`` below the baseline's -- on any family, or overall --
-is stopped here: it never reaches the A/B router.
+The candidate (base + this round's LoRA adapter) and the baseline (``resolve_baseline``: the champion
+adapter, else model.adapter, else the bare base; the A/B stage uses the same resolver) answer the same
+held-out regression set with the same sampling settings, prompt order, seed and batch layout, so every
+(task, sample) is a *pair*. Per family and overall, the gate is a paired non-inferiority test: the
+candidate passes only if the one-sided (1 - validate.alpha) upper confidence bound of its drop in pass
+rate (Tango's score bound for paired proportions) lies below ``validate.tolerance``. A drop that is merely
+not shown to be significant no longer passes: a small set now stops a candidate rather than waving it
+through, and the report says how small is too small (the chance to stop a true ``validate.power_drop``
+drop and to pass an equally good candidate, with a warning under ``validate.min_power``).
 
 Reads:
 - ``<round_dir>/prep/heldout_dataset`` (HF datasets dir, "prompt" column) when prep wrote it: its
@@ -15,9 +19,9 @@ Reads:
 - the candidate adapter (``<round_dir>/train/adapter``, base from ``train/run.json``) and the baseline
   adapter (explicit, else the champion in ``runs/state.json``, else ``model.adapter``, else none).
 
-Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate, per_family (deltas and a
-one-sided two-proportion test), overall, reasons, sampling} and, in the active MLflow run, the same
-numbers as metrics plus the tag ``regression_gate`` = passed | stopped.
+Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
+and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
+sampling} and, in the active MLflow run, ``validate/...`` metrics plus the tag ``regression_gate``.
 
     hermes-lab validate --base embedded:tiny --candidate-adapter runs/round-01/train/adapter \\
         --output runs/round-01/validate            # exit 0: passed, 4: stopped
@@ -32,10 +36,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hermes_lab import tasks as T
 
@@ -153,106 +158,163 @@ def candidate_from_train_dir(train_dir: str | Path, cfg: Any) -> tuple[str, str]
     return str(base), str(adapter)
 
 
-def resolve_baseline_adapter(cfg: Any, explicit: str | None = None) -> str | None:
-    """The baseline the candidate must not fall below: an explicit adapter, else the live champion
-    (runs/state.json), else model.adapter, else None (the bare base policy)."""
+def resolve_baseline(cfg: Any, explicit: str | None = None) -> tuple[str, str | None]:
+    """(base model, adapter) of THE baseline: the policy both gates compare the candidate with -- the
+    regression gate here and the A/B stage (``ab_run.resolve_arms``, the round's A/B parameters). An
+    explicit adapter, else the live champion (runs/state.json), else model.adapter, else None (bare base)."""
     from hermes_lab.state import FlywheelState, state_path
 
     if explicit:
-        return explicit
+        return cfg.model.base_model, explicit
     champ = FlywheelState.load(state_path(cfg.round.runs_dir)).champion_adapter
-    return champ or cfg.model.adapter or None
+    return cfg.model.base_model, champ or cfg.model.adapter or None
+
+
+def resolve_baseline_adapter(cfg: Any, explicit: str | None = None) -> str | None:
+    """The baseline's adapter (``resolve_baseline``), None for the bare base."""
+    return resolve_baseline(cfg, explicit)[1]
 
 
 # ------------------------------------------------------------------------------------------- the comparison
-def two_proportion_test(x_base: int, n_base: int, x_cand: int, n_cand: int) -> tuple[float, float]:
-    """Pooled two-proportion z-test; returns (z, one-sided p for 'candidate below baseline')."""
+def _tango_z(n10: Any, n01: Any, n: Any, drop: Any) -> Any:
+    """Tango's (1998) score statistic for H0: P(lost) - P(gained) = drop, on paired binary outcomes
+    (n10: pairs the baseline passed and the candidate failed, n01: the reverse). Vectorised."""
+    n10, n01, n, drop = (np.asarray(x, np.float64) for x in (n10, n01, n, drop))
+    b = -n10 - n01 + (2 * n - n10 + n01) * drop
+    c = -n01 * drop * (1 - drop)
+    p01 = (-b + np.sqrt(np.maximum(b * b - 8 * n * c, 0))) / (4 * n)  # restricted MLE of P(gained)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = (n10 - n01 - n * drop) / np.sqrt(n * (2 * p01 + drop * (1 - drop)))
+    return np.where(np.isfinite(z), z, np.where(n10 - n01 - n * drop < 0, -np.inf, 0.0))
+
+
+def drop_upper_bound(n10: int, n01: int, n: int, alpha: float) -> float:
+    """One-sided (1 - alpha) upper confidence bound of the paired drop in pass rate (Tango's score bound)."""
+    from scipy.optimize import brentq
     from scipy.stats import norm
 
-    if n_base == 0 or n_cand == 0:
-        return math.nan, math.nan
-    pooled = (x_base + x_cand) / (n_base + n_cand)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n_base + 1 / n_cand))
-    if se == 0:  # both arms all-pass or all-fail: no evidence of a difference
-        return 0.0, 1.0
-    z = (x_cand / n_cand - x_base / n_base) / se
-    return z, float(norm.cdf(z))
+    if n == 0:
+        return 1.0
+    est, zc = (n10 - n01) / n, norm.ppf(1 - alpha)
+    f = lambda d: float(_tango_z(n10, n01, n, d)) + zc  # noqa: E731  decreasing in d
+    if est >= 1 or f(1 - 1e-12) >= 0:
+        return 1.0
+    return float(brentq(f, est, 1 - 1e-12, xtol=1e-10))
 
 
-def _row(
-    base: dict[str, Any], cand: dict[str, Any], tolerance: float, alpha: float, require_significance: bool
-) -> dict[str, Any]:
-    nb, nc = int(base.get("n", 0)), int(cand.get("n", 0))
-    pb, pc = float(base.get("pass_rate", 0.0)), float(cand.get("pass_rate", 0.0))
-    z, p = two_proportion_test(round(pb * nb), nb, round(pc * nc), nc)
-    beyond = pc < pb - tolerance - 1e-12  # the gate: a drop of more than `tolerance` (equal is allowed)
-    significant = bool(p < alpha) if not math.isnan(p) else False
+def gate_power(
+    n: int,
+    discordance: float,
+    tolerance: float,
+    alpha: float,
+    drop: float,
+    churn: float | None = None,
+    sims: int = 4000,
+) -> dict:
+    """Operating characteristics of the paired non-inferiority test at n pairs, by simulation (fixed seed):
+    the chance it stops a candidate with a true ``drop`` (at ``discordance`` discordant pairs, at least
+    ``drop``), and the chance an equally good candidate passes (at ``churn`` discordant pairs, split evenly;
+    default: ``discordance``)."""
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(0)
+    zc = norm.ppf(1 - alpha)
+
+    def pass_rate(p10: float, p01: float) -> float:
+        cnt = rng.multinomial(n, [p10, p01, max(1 - p10 - p01, 0.0)], sims)
+        return float(np.mean(_tango_z(cnt[:, 0], cnt[:, 1], n, tolerance) < -zc))
+
+    psi = min(max(discordance, drop), 1.0)
+    churn = discordance if churn is None else churn
     return {
-        "baseline_pass_rate": pb,
-        "candidate_pass_rate": pc,
-        "delta": round(pc - pb, 6),
-        "baseline_mean_reward": base.get("mean_reward"),
-        "candidate_mean_reward": cand.get("mean_reward"),
-        "mean_reward_delta": None
-        if base.get("mean_reward") is None or cand.get("mean_reward") is None
-        else round(float(cand["mean_reward"]) - float(base["mean_reward"]), 6),
-        "baseline_n": nb,
-        "candidate_n": nc,
-        "z": None if math.isnan(z) else round(z, 4),
-        "p_value": None if math.isnan(p) else round(p, 6),
-        "beyond_tolerance": beyond,
-        "significant_drop": significant and pc < pb,
-        "regressed": beyond and (significant or not require_significance),
+        "stop_if_drop": 1 - pass_rate((psi + drop) / 2, (psi - drop) / 2),
+        "pass_if_equal": pass_rate(churn / 2, churn / 2),
+        "discordance": discordance,
+        "drop": drop,
     }
 
 
-def compare(
-    baseline: dict[str, Any],
-    candidate: dict[str, Any],
-    tolerance: float = 0.05,
-    alpha: float = 0.05,
-    require_significance: bool = False,
-) -> dict[str, Any]:
-    """Gate decision from two ``policy.evaluate`` results. Stopped when any family (or the overall pass
-    rate) has candidate < baseline - tolerance (and, with require_significance, p < alpha)."""
-    overall = _row(baseline, candidate, tolerance, alpha, require_significance)
-    per_family: dict[str, Any] = {}
-    reasons: list[str] = []
-    fams = sorted(set(baseline.get("per_family", {})) | set(candidate.get("per_family", {})))
-    for f in fams:
-        b, c = baseline.get("per_family", {}).get(f), candidate.get("per_family", {}).get(f)
-        if not b or not c:
-            reasons.append(f"family '{f}' evaluated in only one arm: the arms did not see the same tasks")
-            continue
-        row = per_family[f] = _row(b, c, tolerance, alpha, require_significance)
-        if row["regressed"]:
-            reasons.append(_reason(f"family '{f}'", row, tolerance))
-    if overall["regressed"]:
-        reasons.append(_reason("overall", overall, tolerance))
-    return {
-        "passed": not reasons,
-        "tolerance": tolerance,
-        "alpha": alpha,
-        "require_significance": require_significance,
-        "overall": overall,
-        "per_family": per_family,
-        "reasons": reasons,
-    }
-
-
-def _reason(what: str, row: dict[str, Any], tolerance: float) -> str:
-    p = "n/a" if row["p_value"] is None else f"{row['p_value']:.3g}"
-    return (
-        f"{what}: candidate pass rate {row['candidate_pass_rate']:.3f} < baseline "
-        f"{row['baseline_pass_rate']:.3f} - tolerance {tolerance:g} (delta {row['delta']:+.3f}, "
-        f"n={row['candidate_n']}, one-sided p={p})"
+def _row(fam: str, idx: np.ndarray, base: dict, cand: dict, v: Any, threshold: float) -> dict[str, Any]:
+    b = np.asarray(base["scores"], np.float64)[idx]
+    c = np.asarray(cand["scores"], np.float64)[idx]
+    bp, cp = b >= threshold, c >= threshold
+    n, n10, n01 = len(idx), int((bp & ~cp).sum()), int((~bp & cp).sum())
+    ucb = drop_upper_bound(n10, n01, n, v.alpha)
+    # nuisance: the share of discordant pairs. A true drop needs at least power_drop of them; an equally good
+    # candidate is given this one's symmetric churn (2 min(lost, gained)), not the disagreement its gains cause
+    power = gate_power(
+        n, (n10 + n01) / n if n else 0.0, v.tolerance, v.alpha, v.power_drop, 2 * min(n10, n01) / max(n, 1)
     )
+    return {
+        "baseline_pass_rate": round(float(bp.mean()), 6) if n else None,
+        "candidate_pass_rate": round(float(cp.mean()), 6) if n else None,
+        "delta": round(float(cp.mean() - bp.mean()), 6) if n else None,
+        "baseline_mean_reward": round(float(b.mean()), 6) if n else None,
+        "candidate_mean_reward": round(float(c.mean()), 6) if n else None,
+        "mean_reward_delta": round(float(c.mean() - b.mean()), 6) if n else None,
+        "n_pairs": n,
+        "lost": n10,  # pairs (task, sample) the baseline passed and the candidate failed
+        "gained": n01,
+        "drop_ucb": round(ucb, 6),
+        "passed": bool(ucb < v.tolerance),
+        "regressed": not ucb < v.tolerance,
+        "stop_if_drop": round(power["stop_if_drop"], 4),  # P(stop | a true validate.power_drop drop)
+        "pass_if_equal": round(power["pass_if_equal"], 4),
+        "family": fam,
+    }
+
+
+def compare(baseline: dict[str, Any], candidate: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The gate from two ``evaluate_arm`` results (per-item ``scores`` on the same task/sample order).
+
+    Paired non-inferiority per family and overall: the candidate passes a family only if the one-sided
+    (1 - validate.alpha) upper bound of its drop in pass rate, paired on (task, sample seed), lies below
+    validate.tolerance. The gate passes only if every family and the overall set pass, so a regressed
+    family gets through with probability <= alpha (an intersection-union test: no multiplicity correction).
+    Warns when the set is too small for validate.min_power (stopping a ``power_drop`` drop, or passing an
+    equally good candidate)."""
+    v, thr = cfg.validate, float(cfg.reward.success_threshold)
+    if list(baseline.get("task_ids", [])) != list(candidate.get("task_ids", [])) or len(baseline["scores"]) != len(
+        candidate["scores"]
+    ):
+        return {
+            "passed": False,
+            "overall": {},
+            "per_family": {},
+            "reasons": ["the arms did not see the same tasks in the same order: no paired comparison possible"],
+            "warnings": [],
+        }
+    fams = np.asarray(baseline["families"])
+    per_family = {f: _row(f, np.flatnonzero(fams == f), baseline, candidate, v, thr) for f in sorted(set(fams))}
+    overall = _row("overall", np.arange(len(fams)), baseline, candidate, v, thr)
+    reasons, warns = [], []
+    for what, row in [*((f"family '{f}'", r) for f, r in per_family.items()), ("overall", overall)]:
+        if row["regressed"]:
+            reasons.append(
+                f"{what}: the {1 - v.alpha:.0%} upper bound of the drop in pass rate, {row['drop_ucb']:.3f}, is not "
+                f"below the tolerance {v.tolerance:g} (pass rate {row['baseline_pass_rate']:.3f} -> "
+                f"{row['candidate_pass_rate']:.3f}; {row['n_pairs']} pairs, {row['lost']} lost, {row['gained']} gained)"
+            )
+        if row["stop_if_drop"] < v.min_power or row["pass_if_equal"] < v.min_power:
+            churn = 2 * min(row["lost"], row["gained"]) / max(row["n_pairs"], 1)
+            warns.append(
+                f"{what}: {row['n_pairs']} pairs are too few for {v.min_power:.0%} power: a true "
+                f"{v.power_drop:.0%} drop is stopped {row['stop_if_drop']:.0%} of the time and an equally good "
+                f"candidate (with this one's {churn:.0%} churn) passes {row['pass_if_equal']:.0%}; raise "
+                "validate.eval_tasks_per_family or validate.samples_per_task"
+            )
+    return {"passed": not reasons, "overall": overall, "per_family": per_family, "reasons": reasons, "warnings": warns}
 
 
 # ------------------------------------------------------------------------------------------- evaluation
+EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets the same torch seed in each
+
+
 def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg: Any) -> dict[str, Any]:
-    """One arm's pass rate with the gate's sampling settings; the model is freed afterwards so the two
-    arms never sit in memory together."""
+    """One arm's per-item scores on the regression set, with the gate's sampling settings, and their pass
+    rates overall and per family. Both arms get the same prompts in the same order, the same seed and the
+    same batch layout, so each (task, sample) pair is sampled with the same random numbers in both: the
+    pairs the gate compares. The model is freed afterwards so the two arms never sit in memory together."""
     from hermes_lab import policy as P
 
     if adapter and not Path(adapter, "adapter_config.json").is_file():
@@ -265,19 +327,38 @@ def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg:
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    v = cfg.validate
-    res = P.evaluate(
-        pol,
-        tasks,
+    v, thr = cfg.validate, cfg.reward.success_threshold
+    items = [t for t in tasks for _ in range(v.samples_per_task)]
+    responses = pol.generate(
+        [t.prompt for t in items],
         temperature=v.temperature,
-        samples_per_task=v.samples_per_task,
+        max_new_tokens=cfg.execute.max_new_tokens,
         seed=v.seed,
-        threshold=cfg.reward.success_threshold,
+        batch_size=EVAL_BATCH,
     )
     del pol
     gc.collect()
-    res.update(model=str(base_model), adapter=adapter)
-    return res
+    scores = [float(T.score(t.answer, r)) for t, r in zip(items, responses)]
+
+    def stats(vs: list[float]) -> dict[str, Any]:
+        return {
+            "pass_rate": round(sum(x >= thr for x in vs) / len(vs), 4),
+            "mean_reward": round(sum(vs) / len(vs), 4),
+            "n": len(vs),
+        }
+
+    fams = sorted({t.family for t in items})
+    return {
+        **stats(scores),
+        "per_family": {f: stats([x for x, t in zip(scores, items) if t.family == f]) for f in fams},
+        "temperature": v.temperature,
+        "samples_per_task": v.samples_per_task,
+        "model": str(base_model),
+        "adapter": adapter,
+        "scores": scores,
+        "task_ids": [t.task_id for t in items],
+        "families": [t.family for t in items],
+    }
 
 
 def regression_gate(
@@ -291,57 +372,69 @@ def regression_gate(
     round_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate both arms, decide, write ``output_dir/regression.json`` and log to the active MLflow run.
-    Never raises on a stop: call ``raise_if_stopped(report)`` for that."""
+    Never raises on a stop: call ``raise_if_stopped(report)`` for that. A set too small for
+    validate.min_power is warned about (``warnings`` in the report, and a Python warning)."""
+    import warnings
+
+    from hermes_lab.jsonl import write_json_atomic
+
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
     v = cfg.validate
     candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg)
     baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg)
-    report = compare(baseline, candidate, v.tolerance, v.alpha, v.require_significance)
+    report = compare(baseline, candidate, cfg)
     report = {
         "passed": report.pop("passed"),
         "baseline": baseline,
         "candidate": candidate,
         **report,
+        "method": "paired non-inferiority: Tango's score upper bound of the drop per family < tolerance",
+        "tolerance": v.tolerance,
+        "alpha": v.alpha,
+        "power_drop": v.power_drop,
+        "min_power": v.min_power,
         "sampling": {
             "temperature": v.temperature,
             "samples_per_task": v.samples_per_task,
             "seed": v.seed,
+            "batch_size": EVAL_BATCH,
             "success_threshold": cfg.reward.success_threshold,
             "tasks": task_note or {"n_tasks": len(tasks)},
         },
     }
+    for w in report["warnings"]:
+        warnings.warn(f"regression gate: {w}", UserWarning, stacklevel=2)
     if output_dir is None and round_dir is not None:
         output_dir = Path(round_dir) / "validate"
     if output_dir is not None:
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        report["path"] = str(out / "regression.json")
-        (out / "regression.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        report["path"] = str(Path(output_dir) / "regression.json")
+        write_json_atomic(report["path"], report)  # the round runner reads it back
     log_report(report)
     return report
 
 
 def log_report(report: dict[str, Any]) -> None:
-    """Metrics + tags of the gate in the active MLflow run (no-op without one)."""
+    """Metrics (``validate/...``) + tags of the gate in the active MLflow run (no-op without one)."""
     import mlflow
 
     if mlflow.active_run() is None:
         return
-    m: dict[str, float] = {"regression/passed": float(report["passed"])}
+    m: dict[str, float] = {"validate/passed": float(report["passed"]), "validate/warnings": len(report["warnings"])}
     for arm in ("baseline", "candidate"):
-        m[f"regression/{arm}_pass_rate"] = float(report[arm]["pass_rate"])
-        m[f"regression/{arm}_mean_reward"] = float(report[arm]["mean_reward"])
-    m["regression/delta"] = float(report["overall"]["delta"])
-    for f, row in report["per_family"].items():
-        m[f"regression/{f}/delta"] = float(row["delta"])
-        m[f"regression/{f}/candidate_pass_rate"] = row["candidate_pass_rate"]
-        m[f"regression/{f}/baseline_pass_rate"] = row["baseline_pass_rate"]
+        m[f"validate/{arm}_pass_rate"] = float(report[arm]["pass_rate"])
+        m[f"validate/{arm}_mean_reward"] = float(report[arm]["mean_reward"])
+    for f, row in [*report["per_family"].items(), ("overall", report["overall"])]:
+        pre = "validate" if f == "overall" else f"validate/{f}"
+        for k in ("delta", "drop_ucb", "stop_if_drop", "pass_if_equal", "candidate_pass_rate", "baseline_pass_rate"):
+            if row.get(k) is not None:
+                m[f"{pre}/{k}"] = float(row[k])
     mlflow.log_metrics(m)
     mlflow.set_tags(
         {
             "regression_gate": "passed" if report["passed"] else "stopped",
             "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000],
+            "regression_warnings": ("; ".join(report["warnings"]) or "none")[:5000],
         }
     )
     if report.get("path"):
@@ -354,7 +447,8 @@ def raise_if_stopped(report: dict[str, Any]) -> None:
 
 
 def report_table(report: dict[str, Any]) -> pd.DataFrame:
-    """Per family (and overall): baseline, candidate, delta, p, verdict -- the notebook's table."""
+    """Per family (and overall): pass rates, the paired counts, the drop's upper bound, the test's power,
+    verdict -- the notebook's table."""
     import pandas as pd
 
     rows = {**report["per_family"], "overall": report["overall"]}
@@ -362,12 +456,13 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
         "baseline_pass_rate",
         "candidate_pass_rate",
         "delta",
-        "baseline_mean_reward",
-        "candidate_mean_reward",
-        "candidate_n",
-        "p_value",
-        "beyond_tolerance",
-        "regressed",
+        "n_pairs",
+        "lost",
+        "gained",
+        "drop_ucb",
+        "stop_if_drop",
+        "pass_if_equal",
+        "passed",
     ]
     df = pd.DataFrame.from_dict(rows, orient="index")[cols]
     df.index.name = "family"
@@ -399,7 +494,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.params)
     tasks, note = regression_tasks(cfg, heldout_dir=args.heldout)
-    baseline = resolve_baseline_adapter(cfg, args.baseline_adapter)
+    baseline = resolve_baseline(cfg, args.baseline_adapter)[1]
     ctx = (
         contextlib.nullcontext()
         if args.no_mlflow
@@ -410,6 +505,8 @@ def run_cli(args: argparse.Namespace) -> int:
             cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note, output_dir=args.output
         )
     print(report_table(report).to_string(float_format=lambda x: f"{x:.3f}"))
+    for w in report["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     if report["passed"]:
         print(f"regression gate: passed ({report['path']})")
         return 0

@@ -53,6 +53,7 @@ def test_assign_matches_route_and_accepts_any_unit_id():
     router = ab.ABRouter("b", "c", 0.3)
     units = [f"user-{i}" for i in range(500)] + [f"conv-{i}" for i in range(500)] + list(range(200))
     assert router.assign(units).tolist() == [int(router.route(u)[0] == "candidate") for u in units]
+    assert ab.buckets(units, "s").tolist() == [ab.bucket(u, "s") for u in units]  # the vectorised formula
     # every request of one user lands in the user's arm
     assert len({router.route("user-42")[0] for _ in range(20)}) == 1
 
@@ -113,16 +114,6 @@ def test_user_rule_table(delta, p, expected):
 
 
 # ----------------------------------------------------------------------------------- sequential rule
-def test_cs_halfwidth_is_the_normal_mixture_boundary():
-    V = np.array([4.0, 1.0, 0.25])
-    hw = ab.cs_halfwidth(V, 0.05, v_star=1.0)
-    tau2 = ab._mixture_x(0.05)
-    expected = np.sqrt(V * (V + tau2) / tau2 * (2 * np.log(20) + np.log1p(tau2 / V)))
-    assert np.allclose(hw, expected)
-    assert 3.0 < hw[1] < 3.1  # at the tuned variance: ~3.04 sd, vs 1.96 for a single fixed-horizon look
-    assert np.isinf(ab.cs_halfwidth(np.array([np.nan]), 0.05, 1.0)).all()
-
-
 def _sim(reps, n, ratio, p_c, p_b, seed, err_c=0.0, lat_c=1.0, srm_ratio=None, T=7200.0):
     """``reps`` experiments of ``n`` requests over T seconds, analysed at once (one group each)."""
     rng = np.random.default_rng(seed)
@@ -141,9 +132,8 @@ def _codes(d, reps, ratio, T=7200.0, st=None):
     st = st or ab.Settings()
     stage = ab.Stage(0, ratio, 0.0, T / 2, max_extension=1.0, look_every=900, planned_n=len(d["t"]) / reps / 2)
     looks = stage.look_times()
-    k = 1 / (stage.planned_n * ratio) + 1 / (stage.planned_n * (1 - ratio))
-    sums = ab.look_sums(d["t"], d["arm"], d["reward"], d["error"], d["latency_ms"], looks, d["g"], reps)
-    S = ab.look_stats(sums, ratio, k, st)
+    cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
+    S = ab.look_path(cols, looks, ratio, stage.tune_n, st, d["g"], reps)
     C = ab.rule_codes(S, st)
     return {rule: ab.first_action(C[rule], looks, stage.planned_end)[0] for rule in ("sequential", "user")}, S
 
@@ -152,7 +142,7 @@ def test_aa_rarely_rejects_while_the_user_rule_rolls_back_often():
     reps = 400
     codes, S = _codes(_sim(reps, 1800, 0.3, 0.45, 0.45, seed=1), reps, 0.3)
     seq, user = codes["sequential"], codes["user"]
-    assert np.mean(seq == ab.PROMOTE) <= 0.05 and np.mean(seq == ab.ROLLBACK) <= 0.05
+    assert np.mean(seq == ab.WIDEN) <= 0.05 and np.mean(seq == ab.ROLLBACK) <= 0.05
     assert np.mean((S["lo"] > 0) | (S["hi"] < 0), axis=None) < 0.05  # per look, too
     assert np.mean(user == ab.ROLLBACK) > 0.3  # "delta < 0 -> roll back" fires on chance alone
 
@@ -160,7 +150,7 @@ def test_aa_rarely_rejects_while_the_user_rule_rolls_back_often():
 def test_clear_effect_is_detected_and_promoted():
     reps = 100
     codes, _ = _codes(_sim(reps, 1800, 0.3, 0.65, 0.40, seed=2), reps, 0.3)
-    assert np.mean(codes["sequential"] == ab.PROMOTE) > 0.9
+    assert np.mean(codes["sequential"] == ab.WIDEN) > 0.9
 
 
 def test_rollback_only_on_significant_harm():
@@ -191,11 +181,11 @@ def test_rollback_only_on_significant_harm():
     assert any("significant harm" in x for x in out2["reasons"])
 
 
-def test_promotion_waits_for_the_planned_stage_end():
-    codes = np.array([[ab.PROMOTE, ab.PROMOTE, ab.KEEP], [ab.KEEP, ab.ROLLBACK, ab.PROMOTE], [ab.KEEP] * 3])
+def test_widening_waits_for_the_planned_stage_end():
+    codes = np.array([[ab.WIDEN, ab.WIDEN, ab.KEEP], [ab.KEEP, ab.ROLLBACK, ab.WIDEN], [ab.KEEP] * 3])
     looks = np.array([900.0, 1800.0, 2700.0])
     code, idx = ab.first_action(codes, looks, planned_end=1800.0)
-    assert code.tolist() == [ab.PROMOTE, ab.ROLLBACK, ab.KEEP] and idx.tolist() == [1, 1, 2]
+    assert code.tolist() == [ab.WIDEN, ab.ROLLBACK, ab.KEEP] and idx.tolist() == [1, 1, 2]
 
 
 @pytest.mark.parametrize("kw,word", [({"err_c": 0.2}, "error rate"), ({"lat_c": 3.0}, "latency")])
@@ -209,9 +199,12 @@ def test_guardrail_rolls_back(kw, word):
 
 
 def test_srm_detects_a_broken_split_and_holds():
-    assert ab.srm_pvalue(np.array([150.0]), np.array([850.0]), 0.1)[0] < 1e-6
+    assert ab.srm_pvalue(np.array([150.0]), np.array([850.0]), 0.1)[0] < 1e-4  # 15% of 1000 in a 10% arm
     assert ab.srm_pvalue(np.array([101.0]), np.array([899.0]), 0.1)[0] > 0.5
-    assert ab.srm_pvalue(np.array([3.0]), np.array([0.0]), 0.1)[0] == 1.0  # too few units for chi-square
+    assert ab.srm_pvalue(np.array([3.0]), np.array([0.0]), 0.1)[0] > 0.5  # 3 of 3 in a 10% arm: no evidence yet
+    # the p-value is anytime-valid: it never rises again once evidence was seen (running maximum of the e-value)
+    p = ab.srm_pvalue(np.array([150.0, 160.0, 300.0]), np.array([850.0, 2000.0, 2700.0]), 0.1)
+    assert np.all(np.diff(p) <= 0)
     stage = ab.Stage(0, 0.1, 0.0, 3600, 0.0, 900, 900)
     d = _sim(1, 2000, 0.1, 0.7, 0.4, seed=6, T=3600, srm_ratio=0.2)  # the router sends 20%, not 10%
     out = ab.analyse_stage({k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}, stage, ab.Settings())
@@ -251,7 +244,7 @@ def test_look_times_include_the_planned_end_and_stop_at_until():
     assert s.look_times(until=2500.0).tolist() == [1100.0, 2100.0, 2500.0]
 
 
-def test_units_that_repeat_get_cluster_robust_variances():
+def test_units_that_repeat_are_counted_once():
     # 50 users with strong per-user effects: request-level variance would understate the uncertainty
     rng = np.random.default_rng(10)
     n, users = 3000, 50
@@ -264,8 +257,153 @@ def test_units_that_repeat_get_cluster_robust_variances():
         "reward": r,
         "error": np.zeros(n, bool),
         "latency_ms": np.full(n, 100.0),
+        "family": np.zeros(n, np.int64),
     }
     stage = ab.Stage(0, 0.5, 0.0, 3600, 0.0, 900, n)
-    _, S_iid, _ = ab.stage_path(cols, stage, ab.Settings())
+    _, S_req, _ = ab.stage_path(cols, stage, ab.Settings())
     _, S_unit, _ = ab.stage_path({**cols, "unit": unit}, stage, ab.Settings())
-    assert S_unit["V"][-1] > 5 * S_iid["V"][-1]
+    assert S_unit["units_c"][-1] + S_unit["units_b"][-1] == users and S_req["units_c"][-1] == S_req["n_c"][-1]
+    assert (S_unit["hi"] - S_unit["lo"])[-1] > 3 * (S_req["hi"] - S_req["lo"])[-1]
+    out = ab.analyse_stage({**cols, "unit": unit}, stage, ab.Settings(), family_names=["f"])
+    assert out["var_delta"] > 5 * ab.analyse_stage(cols, stage, ab.Settings())["var_delta"]  # cluster-robust
+    assert out["srm"]["units_baseline"] + out["srm"]["units_candidate"] == users
+
+
+def _zipf_aa(reps, n, users, ratio, seed, heterogeneity=True):
+    """A/A experiments with Zipf-distributed users routed by the md5 bucket of their id (a salt per rep)."""
+    rng = np.random.default_rng(seed)
+    w = 1 / np.arange(1, users + 1) ** 0.8
+    u = rng.choice(users, (reps, n), p=w / w.sum())
+    buckets = np.array([[ab.bucket(f"user-{k}", f"rep{i}") for k in range(users)] for i in range(reps)])
+    arm = (np.take_along_axis(buckets, u, 1) < ratio).astype(np.int8).ravel()
+    p_user = rng.beta(2, 2.4, (reps, users)) if heterogeneity else np.full((reps, users), 0.45)
+    succ = rng.random((reps, n)) < np.take_along_axis(p_user, u, 1)
+    r = np.where(succ, 5.0, 0.0).ravel()
+    t = np.tile(np.sort(rng.uniform(0, 7200, n)), reps)
+    return {
+        "t": t,
+        "g": np.repeat(np.arange(reps), n),
+        "arm": arm,
+        "reward": r,
+        "error": np.zeros(reps * n, bool),
+        "latency_ms": np.full(reps * n, 100.0),
+        "unit": u.ravel(),
+    }
+
+
+def test_heavy_users_hold_request_level_srm_but_not_unit_level():
+    reps, n, ratio = 60, 1800, 0.1
+    d = _zipf_aa(reps, n, 2000, ratio, seed=11)
+    st, looks = ab.Settings(), ab.Stage(0, ratio, 0.0, 3600, 1.0, 900, n / 2).look_times()
+    cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
+    by_unit = ab.rule_codes(ab.look_path({**cols, "unit": d["unit"]}, looks, ratio, n / 2, st, d["g"], reps), st)
+    by_request = ab.look_path(cols, looks, ratio, n / 2, st, d["g"], reps)
+    req_srm = (ab.srm_pvalue(by_request["n_c"], by_request["n_b"], ratio) < st.srm_alpha).any(-1)
+    assert req_srm.mean() > 0.1  # counting requests, heavy users "break" the split in many A/A tests (vs 0.1%)
+    assert not by_unit["srm"].any() and (by_unit["harm"] | by_unit["benefit"]).any(-1).mean() <= 0.05
+
+
+def _coverage(reps, n, W, p, p_c, p_b, binary, seed, unit_users=0):
+    """Share of simulated experiments whose CS misses the true delta at SOME look (time-uniform miss)."""
+    from hermes_lab import ab_cs
+
+    rng = np.random.default_rng(seed)
+    win = np.tile(np.sort(rng.integers(0, W, n)), reps)
+    g = np.repeat(np.arange(reps), n)
+    arm = (rng.random(reps * n) < p).astype(np.int64)
+    passed = rng.random(reps * n) < np.where(arm == 1, p_c, p_b)
+    x = passed.astype(float) if binary else np.where(passed, 1.0, 0.5 * rng.beta(2, 2, reps * n))
+    s = ab_cs.unit_window_sums(win, arm, x[None], W, group=g, n_groups=reps)
+    lo, hi = ab_cs.fan_cs(s["n"], s["S"][0], s["Q"][0], p, n / 2, 0.025, 0.025)
+    delta = (p_c - p_b) * (1.0 if binary else 0.75)
+    return float(((lo > delta) | (hi < delta)).any(-1).mean()), lo, hi
+
+
+@pytest.mark.parametrize(
+    "n,p,p_c,p_b,binary",
+    [
+        (1800, 0.1, 0.45, 0.45, False),  # the benchmark's traffic, A/A
+        (1800, 0.1, 0.57, 0.45, False),  # a true effect: the CS must cover it, not just 0
+        (1800, 0.1, 0.03, 0.03, True),  # rare successes, scores 0/5
+        (360, 0.05, 0.03, 0.03, True),  # rare successes in a small arm (~18 candidate units)
+        (360, 0.3, 0.9, 0.9, True),  # rare failures
+    ],
+)
+def test_confidence_sequence_covers_at_every_look(n, p, p_c, p_b, binary):
+    miss, _, _ = _coverage(400, n, 16, p, p_c, p_b, binary, seed=n + int(100 * p_c))
+    assert miss <= 0.05 + 0.02  # alpha plus ~2 Monte Carlo s.e.; every look at once, not one look
+
+
+def test_closed_form_bounds_match_the_betting_process_row_by_row():
+    """The endpoints solve log M(d) = log(2/alpha) for the capital process computed observation by observation."""
+    from hermes_lab import ab_cs
+
+    rng = np.random.default_rng(4)
+    n, W, p = 400, 4, 0.2
+    win = np.sort(rng.integers(0, W, n))
+    arm = (rng.random(n) < p).astype(np.int64)
+    x = np.where(rng.random(n) < np.where(arm == 1, 0.7, 0.4), 1.0, rng.uniform(0, 0.5, n))
+    s = ab_cs.unit_window_sums(win, arm, x[None], W)
+    lo, hi = ab_cs.fan_cs(s["n"], s["S"][0], s["Q"][0], p, 300, 0.025, 0.025, running=False)
+
+    def log_capital(d, upper):  # the supermartingale, one unit at a time, bets fixed per window
+        total = 0.0
+        for w in range(W):
+            prev, cur = win < w, win == w
+            mean = [(0.5 + x[prev & (arm == a)].sum()) / (1 + (prev & (arm == a)).sum()) for a in (0, 1)]
+            var = []
+            for a in (0, 1):
+                xs = x[prev & (arm == a)]
+                var.append((0.25 + (((xs - xs.mean()) ** 2).sum() if len(xs) else 0.0)) / (len(xs) + 1))
+            h, g = mean
+            lam = np.sqrt(2 * np.log(40) / (300 * (var[1] / p + var[0] / (1 - p))))
+            if upper:
+                U = {1: (1 - g) / p + g - h + 1, 0: h / (1 - p) + g - h + 1}
+            else:
+                U = {1: g / p - g + h + 1, 0: (1 - h) / (1 - p) - g + h + 1}
+            lam = min(lam, 0.5 / max(U.values()))
+            for xi, a in zip(x[cur], arm[cur]):
+                psi = (xi - g) / p + g - h if a else -(xi - h) / (1 - p) + g - h
+                e = (d - psi) if upper else (psi - d)
+                total += lam * e - ab_cs.fan_psi(lam * U[a]) / U[a] ** 2 * (psi - d) ** 2
+        return total
+
+    L = np.log(1 / 0.025)
+    for bound, upper in ((lo[0, -1], False), (hi[0, -1], True)):
+        assert -1 < bound < 1
+        assert log_capital(bound, upper) == pytest.approx(L, abs=1e-6)
+        inside = bound + (0.01 if not upper else -0.01)
+        assert log_capital(inside, upper) < L and log_capital(2 * bound - inside, upper) > L
+
+
+def test_rollout_decision_keeps_widen_and_promote_apart():
+    stages = [[0.1, 7200], [0.3, 14400], [1.0, 0]]
+    s0 = {"index": 0, "ratio": 0.1, "sequential_decision": "widen"}
+    s1 = {"index": 1, "ratio": 0.3, "sequential_decision": "widen"}
+    first = ab.rollout_decision([s0], stages)
+    assert first == {"decision": "widen", "stage": 0, "final_ratio": 0.3, "promoted": False}
+    both = ab.rollout_decision([s0, s1], stages)
+    assert both["decision"] == "promote" and both["promoted"] and both["final_ratio"] == 1.0
+    held = ab.rollout_decision([s0, {**s1, "sequential_decision": "keep observing"}], stages)
+    assert held["decision"] == "keep observing" and held["final_ratio"] == 0.3 and not held["promoted"]
+    assert ab.rollout_decision([{**s0, "sequential_decision": "roll back"}], stages)["final_ratio"] == 0.0
+
+
+def test_stage_action_look_by_look_equals_the_whole_path():
+    """A live rollout calls stage_action on the rows so far at each look; it must act where the batch analysis
+    of the whole stage says it acts (the benchmark and the report use the batch path)."""
+    st = ab.Settings()
+    for p_c, seed in ((0.75, 1), (0.15, 2), (0.45, 3)):
+        stage = ab.Stage(0, 0.3, 0.0, 3600, 1.0, 900, 900)
+        d = _sim(1, 1800, 0.3, p_c, 0.45, seed=seed, T=7200)
+        cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
+        looks, _, C = ab.stage_path(cols, stage, st, stage.hard_end)
+        code, i = ab.first_action(C["sequential"], looks, stage.planned_end)
+        live = None
+        for look in stage.look_times():
+            upto = cols["t"] <= look
+            live = ab.stage_action({k: v[upto] for k, v in cols.items()}, stage, st, float(look), "sequential")
+            if live:
+                break
+        expect = None if int(code) == ab.KEEP else (ab.DECISIONS[int(code)], float(looks[int(i)]))
+        assert live == expect

@@ -65,7 +65,7 @@ def test_better_candidate_is_promoted_through_all_stages(tmp_path):
     rep = ab_run.run_ab(_cfg(tmp_path), base, cand, output=tmp_path / "ab_report.json", seed=1)
     assert rep["decision"] == "promote" and rep["promoted"] and rep["final_ratio"] == 1.0
     assert [s["ratio"] for s in rep["stages"]] == [0.1, 0.3]
-    assert all(s["sequential_decision"] == "promote" for s in rep["stages"])
+    assert all(s["sequential_decision"] == "widen" for s in rep["stages"])  # each stage widened; the rollout promoted
     assert rep["delta"] > 0 and rep["significant"] and rep["decisions"]["user"] == "promote"
     on_disk = json.loads((tmp_path / "ab_report.json").read_text())
     assert on_disk["decision"] == "promote" and len(on_disk["plots"]) == 3
@@ -111,7 +111,8 @@ def test_duration_7200_runs_only_the_first_stage(tmp_path):
     )
     assert [s["index"] for s in rep["stages"]] == [0]
     assert max(r["t"] for r in _log(tmp_path / "requests.jsonl")) <= 7200
-    assert rep["decision"] in ("keep observing", "promote", "hold", "roll back")
+    assert rep["decision"] in ("keep observing", "widen", "hold", "roll back")  # never "promote" below 100%
+    assert not rep["promoted"]
     assert rep["simulated_seconds"] == 7200 and rep["stopped_by"] in (
         None,
         "duration",
@@ -234,12 +235,13 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
             str(out),
         ]
     )
-    assert rc == 0 and "decision: promote" in capsys.readouterr().out
+    assert rc == 0 and "decision: widen" in capsys.readouterr().out
     rep = json.loads(out.read_text())
-    assert rep["final_ratio"] == 0.3  # first stage passed: widen to 30%
+    # issue #14: the first stage passed, so traffic widens to 30%; that is not a promotion
+    assert rep["final_ratio"] == 0.3 and rep["decision"] == "widen" and rep["promoted"] is False
     run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
     assert run.data.metrics["ab_delta"] == pytest.approx(rep["delta"])
-    assert run.data.params["ab.baseline"] == "B" and run.data.tags["ab.decision"] == "promote"
+    assert run.data.params["ab.baseline"] == "B" and run.data.tags["ab.decision"] == "widen"
     client = mlflow.MlflowClient()
     arts = {a.path for d in ("ab", "plots") for a in client.list_artifacts(run.info.run_id, d)}
     assert {"ab/ab_report.json", "ab/requests.jsonl", "plots/ab_sequence.png"} <= arts
@@ -345,3 +347,24 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
     assert len(res["cols"]["reward"]) == first["n_requests"]
     assert ab_run.stage_table(res["report"]).loc[0, "delta"] == pytest.approx(first["stages"][0]["delta"])
     assert set(ab_run.family_table(res["report"]).index) >= {"upper", "add"}
+
+
+def test_round_moves_the_champion_only_on_promotion(tmp_path):
+    """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
+    from hermes_lab import round as R
+    from hermes_lab.state import FlywheelState
+
+    cfg = _cfg(tmp_path)
+    for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):
+        rd = tmp_path / f"round-{decision}"
+        (rd / "ab").mkdir(parents=True)
+        report = {"decision": decision, "promoted": promoted, "final_ratio": ratio, "delta": 0.4}
+        (rd / "ab" / "ab_report.json").write_text(json.dumps(report))
+        state = FlywheelState()
+        prog = {"completed": ["train", "validate", "ab"], "timings": {}, "parent_run_id": "x"}
+        summary = R._finish(cfg, state, rd, 1, prog, "completed")
+        assert (state.champion_adapter is not None) is promoted
+        assert summary["status"] == ("promoted" if promoted else "candidate held (widen)")
+        assert summary["ab"]["promoted"] is promoted and summary["ab"]["final_ratio"] == ratio
+        gate = next(g for g in summary["gates"] if g["gate"] == "ab_decision")
+        assert gate["passed"] is promoted

@@ -224,7 +224,34 @@ def test_agreement_definitions_on_a_hand_case():
     assert ci == pytest.approx((0.5958, 0.9821), abs=1e-4)
     # pass/fail labels (0/5) are left out of within1 and the score kappa
     pf = review.agreement_stats([4.2, 1.0], [5, 0], scored=[False, False])
-    assert pf.agreement == 1.0 and pf.within1 is None and pf.kappa_weighted is None
+    assert pf.agreement == 1.0 and pf.within1 is None and pf.kappa_weighted is None and pf.within1_ci is None
+    # the interval of within1 is within1's own (issue #14: it was the threshold agreement's)
+    w = review.agreement_stats([5, 5, 5, 5], [4, 4, 3, 3])  # threshold 4/4, within1 2/4
+    assert w.ci == review.wilson(4, 4) and w.within1_ci == review.wilson(2, 4) and w.within1_ci != w.ci
+
+
+def test_binning_never_crosses_the_success_threshold():
+    # issue #14: a 2.5 label counted as a fail but was binned as 3, a success bin
+    st = review.agreement_stats([2.5, 2.9, 3.0, 3.4, 0.4], [2.5, 2.6, 3.2, 4.5, 0.5])
+    r_bins = [i for i, row in enumerate(st.confusion_scores) for _ in range(sum(row))]
+    assert r_bins == [0, 2, 2, 3, 3]  # rewards 0.4 -> 0; 2.5, 2.9 -> 2 (fails); 3.0, 3.4 -> 3
+    h_bins = [j for row in zip(*st.confusion_scores) for j in [row]]
+    cols = [j for j, col in enumerate(zip(*st.confusion_scores)) for _ in range(sum(col))]
+    assert cols == [1, 2, 2, 3, 5] and h_bins  # labels 0.5 -> 1 (half up), 2.5, 2.6 -> 2, 3.2 -> 3, 4.5 -> 5
+    # every success-bin cell agrees with the pass/fail confusion: bins >= 3 hold exactly the passes
+    m = np.asarray(st.confusion_scores)
+    assert m[3:, :].sum() == sum(st.confusion[1]) and m[:, 3:].sum() == st.confusion[0][1] + st.confusion[1][1]
+
+
+def test_labels_needed_follow_the_wilson_interval():
+    assert review.labels_for_halfwidth(0.9, 0.07) == 73 and review.labels_for_halfwidth(0.5, 0.07) == 193
+    lo, hi = review.wilson(0.9 * 73, 73)
+    assert (hi - lo) / 2 <= 0.07 < (lambda c: (c[1] - c[0]) / 2)(review.wilson(0.9 * 72, 72))
+    assert review.wilson(27, 30)[0] < 0.75  # 27/30: "90%" whose lower bound is 74%
+    assert review.labels_to_settle(27, 30, 0.9) is None  # exactly at the bar: never settles
+    m = review.labels_to_settle(29, 30, 0.9)
+    assert review.wilson(29 / 30 * (30 + m), 30 + m)[0] >= 0.9 > review.wilson(29 / 30 * (29 + m), 29 + m)[0]
+    assert review.labels_to_settle(20, 30, 0.9) == 0  # already settled (entirely below)
 
 
 def test_skewed_case_high_raw_agreement_low_kappa():
@@ -269,38 +296,47 @@ def test_gate_awaiting_blocked_pass(tmp_path, capsys):
         res.raise_for_status()
     assert review.main(["--queue", str(q), "--labels", str(store)]) == 3
 
-    _label_all(q, store, recs, flip=6)  # 34/40 = 85% agreement
+    _label_all(q, store, recs, flip=12)  # 28/40 = 70% agreement: the interval lies entirely below 90%
     res = review.review_gate(q, store, cfg)
-    assert res.status == "blocked" and res.agreement == pytest.approx(0.85) and res.n_labels == 40
+    assert res.status == "blocked" and res.agreement == pytest.approx(0.7) and res.n_labels == 40
     assert "fix the reward model before training the policy" in res.message.lower()
     assert set(res.per_family) == {"upper", "reverse", "sort", "tool", "add"}
     assert sum(f["n"] for f in res.per_family.values()) == 40
-    assert res.ci[0] < 0.85 < res.ci[1] and not res.simulated
+    assert res.ci[0] < 0.7 < res.ci[1] < 0.9 and not res.simulated and "Wilson 95% CI" in res.message
     assert review.main(["--queue", str(q), "--labels", str(store)]) == 4
     assert "BLOCKED" in capsys.readouterr().out
 
-    # alice's later relabels of four flipped items win over her earlier labels
+    # alice's later relabels win over her earlier labels: 38/40 = 95%, but its interval reaches below 90%
     s = review.LabelStore(store)
-    for r in recs[:4]:
+    for r in recs[:10]:
         s.append(r["review_id"], "alice", round(r["reward"]))
     res = review.review_gate(q, store, cfg)
-    assert res.status == "pass" and res.agreement == pytest.approx(38 / 40) and res.kappa > 0.8
+    assert res.status == "inconclusive" and res.agreement == pytest.approx(38 / 40)
+    assert res.ci[0] < 0.9 < res.ci[1] and res.labels_more > 0 and f"label {res.labels_more} more" in res.message
+    assert "unlabelled items are left" in res.message  # the 40-item queue cannot settle it
+    assert review.main(["--queue", str(q), "--labels", str(store)]) == 3  # the round waits, as for review
+    capsys.readouterr()
+    for r in recs[10:12]:
+        s.append(r["review_id"], "alice", round(r["reward"]))
+    res = review.review_gate(q, store, cfg)
+    assert res.status == "pass" and res.agreement == 1.0 and res.kappa > 0.8 and res.ci[0] >= 0.9
     assert review.main(["--queue", str(q), "--labels", str(store), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "pass"
     # stricter metric from the config: the same labels measured within +-1
     res = review.review_gate(q, store, _cfg(min_labels=30, agreement_metric="within1"))
-    assert res.metric == "within1" and res.within1 == pytest.approx(38 / 40) and res.status == "pass"
+    assert res.metric == "within1" and res.within1 == 1.0 and res.status == "pass"
+    assert res.ci == review.wilson(40, 40) and res.n_gated == 40
 
 
 def test_gate_min_kappa_catches_the_skewed_case(tmp_path):
     q = tmp_path / "prep" / "review_queue.jsonl"
-    recs = make_queue(q, n=40, reward_fn=lambda i, t, r: 0.0 if i < 2 else 5.0)  # reward model: 95% pass
+    recs = make_queue(q, n=200, reward_fn=lambda i, t, r: 0.0 if i < 3 else 5.0)  # reward model: 98.5% pass
     s = review.LabelStore(tmp_path / "labels.jsonl")
-    s.append_many([s.make_record(r["review_id"], "alice", 0.0 if i in (2, 3) else 5.0) for i, r in enumerate(recs)])
-    res = review.review_gate(q, s.path, _cfg(), write=False)  # 36/40 = 90%: passes the raw bar...
-    assert res.status == "pass" and res.agreement == pytest.approx(0.9) and res.kappa < 0
+    s.append_many([s.make_record(r["review_id"], "alice", 0.0 if i in (3, 4) else 5.0) for i, r in enumerate(recs)])
+    res = review.review_gate(q, s.path, _cfg(max_items=200), write=False)  # 195/200: passes the raw bar...
+    assert res.status == "pass" and 0.97 < res.agreement < 0.98 and res.ci[0] > 0.9 and res.kappa < 0
     assert "chance" in res.message
-    res = review.review_gate(q, s.path, _cfg(min_kappa=0.4), write=False)  # ...not the kappa bar
+    res = review.review_gate(q, s.path, _cfg(min_kappa=0.4, max_items=200), write=False)  # ...not the kappa bar
     assert res.status == "blocked" and "min_kappa" in res.message
 
 
@@ -312,7 +348,19 @@ def test_gate_with_fewer_items_than_min_labels_and_labels_of_other_queues(tmp_pa
     s.append("some-other-round-item", "alice", 5.0)  # ignored: not in this queue
     _label_all(q, store, recs, flip=0)
     res = review.review_gate(q, store, _cfg(min_labels=30), write=False)
-    assert res.status == "pass" and res.n_labels == 5 and res.n_required == 5
+    # 5 of 5 agree, yet the Wilson interval [57%, 100%] cannot show 90%: the queue is too small to pass
+    assert res.status == "inconclusive" and res.n_labels == 5 and res.n_required == 5
+    assert "only 0 unlabelled items are left" in res.message and "data.review_fraction" in res.message
+
+
+def test_queue_is_capped_by_max_items(tmp_path):
+    q = tmp_path / "prep" / "review_queue.jsonl"
+    recs = make_queue(q, n=260)
+    cfg = _cfg(simulate=True)
+    assert review.gate_sizes(cfg) == (73, 193)  # sized by the +-7 point interval
+    res = review.review_gate(q, tmp_path / "l.jsonl", cfg, write=False)
+    assert res.n_queue == 193 and res.n_labels == 193 and res.max_items == 193 and res.status == "pass"
+    assert [it["review_id"] for it in review.load_queue(q, 5)] == [r["review_id"] for r in recs[:5]]
 
 
 def test_simulated_reviewer_is_marked_everywhere(tmp_path):
@@ -364,22 +412,22 @@ def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
     from hermes_lab import tracking
 
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
-    make_queue(q, n=30)
+    make_queue(q, n=40)  # 40 of 40: the Wilson interval's lower end (91%) clears 90%
     with tracking.stage_run("review_gate", runs_dir=tmp_path) as run:
         res = review.review_gate(q, tmp_path / "labels.jsonl", _cfg(simulate=True))
         tracking.log_figure(review.plot_agreement(res), tmp_path / "agreement.png")
     got = mlflow_store.MlflowClient().get_run(run.info.run_id).data
     assert got.tags["review.status"] == "pass" and got.tags["review.simulated"] == "true"
     assert got.params["review.simulate"] == "True" and got.params["review.min_agreement"] == "0.9"
-    assert got.metrics["review_agreement"] == 1.0 and got.metrics["review_n_simulated"] == 30
-    assert "review_agreement_add" in got.metrics
+    assert got.metrics["review/agreement"] == 1.0 and got.metrics["review/n_simulated"] == 40
+    assert "review/agreement/add" in got.metrics and got.metrics["review/ci_low"] > 0.9
     arts = {a.path for a in mlflow_store.MlflowClient().list_artifacts(run.info.run_id, "review")}
     assert "review/gate.json" in arts
 
 
 def test_python_m_entry_point(tmp_path):
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
-    make_queue(q, n=10)
+    make_queue(q, n=40)
     p = subprocess.run(
         [
             sys.executable,
@@ -406,7 +454,10 @@ def test_gate_notebook_stops_the_round_cleanly(tmp_path, mlflow_store):
 
     round_dir = tmp_path / "round-01"
     q = round_dir / "prep" / "review_queue.jsonl"
-    make_queue(q, n=40, reward_fn=lambda i, t, r: 0.0 if i < 10 else verify(t.prompt, r))  # 75% agreement
+    # the reward model flips 12 of 40 verdicts: 70% agreement, its Wilson interval entirely below 90%
+    make_queue(
+        q, n=40, reward_fn=lambda i, t, r: (0.0 if verify(t.prompt, r) >= 3 else 5.0) if i < 12 else verify(t.prompt, r)
+    )
     cfg_path = tmp_path / "params.yaml"
     cfg_path.write_text("review:\n  simulate: true\n  min_labels: 30\n")
     with mlflow_store.start_run(run_name="round") as parent:

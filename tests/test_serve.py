@@ -232,7 +232,7 @@ def test_feedback_experiment_and_refusals(mixed):
     assert (
         exp["stage"] == 0
         and exp["ratio"] == 0.5
-        and exp["decision"] in ("keep observing", "promote", "roll back", "hold")
+        and exp["decision"] in ("keep observing", "widen", "promote", "roll back", "hold")
     )
     assert {"delta", "interval", "look"} <= set(exp) or exp["look"] is None
     # refusals: no key, wrong key, body too large, unknown model, bad JSON; none of them is logged

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hermes_lab import tasks as T
@@ -19,71 +20,124 @@ from hermes_lab.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def evaluation(rates: dict[str, float], n: int = 100) -> dict:
-    """A policy.evaluate()-shaped result with the given per-family pass rates."""
-    per = {f: {"pass_rate": r, "mean_reward": 5 * r, "n": n} for f, r in rates.items()}
-    overall = sum(rates.values()) / len(rates)
-    return {"pass_rate": overall, "mean_reward": 5 * overall, "n": n * len(rates), "per_family": per}
+def arms(cells: dict[str, tuple[int, int, int, int]]) -> tuple[dict, dict]:
+    """Two evaluate_arm()-shaped results from paired counts per family: (both pass, lost, gained, both fail).
+    lost = baseline passed and candidate failed on the same (task, sample); gained the reverse."""
+    base, cand, fams, ids = [], [], [], []
+    for f, (both, lost, gained, neither) in cells.items():
+        for b, c, k in ((5.0, 5.0, both), (5.0, 1.0, lost), (1.0, 5.0, gained), (1.0, 1.0, neither)):
+            base += [b] * k
+            cand += [c] * k
+            fams += [f] * k
+    ids = [f"t-{i}" for i in range(len(fams))]
+
+    def arm(scores):
+        pr = lambda xs: sum(x >= 3 for x in xs) / len(xs)  # noqa: E731
+        per = {f: [x for x, g in zip(scores, fams) if g == f] for f in cells}
+        return {
+            "pass_rate": pr(scores),
+            "mean_reward": sum(scores) / len(scores),
+            "n": len(scores),
+            "per_family": {
+                f: {"pass_rate": pr(v), "mean_reward": sum(v) / len(v), "n": len(v)} for f, v in per.items()
+            },
+            "scores": scores,
+            "task_ids": ids,
+            "families": fams,
+        }
+
+    return arm(base), arm(cand)
+
+
+CFG = load_config(None)
 
 
 # ------------------------------------------------------------------------------------------- decision
-def test_equal_arms_pass():
-    e = evaluation({"add": 0.4, "sort": 0.6})
-    rep = V.compare(e, e, tolerance=0.05)
+def test_identical_arms_pass_and_the_bound_is_tango_s():
+    b, c = arms({"add": (40, 0, 0, 60), "sort": (60, 0, 0, 40)})
+    rep = V.compare(b, c, CFG)
     assert rep["passed"] and rep["reasons"] == []
-    assert rep["per_family"]["add"]["delta"] == 0 and rep["overall"]["p_value"] == pytest.approx(0.5)
+    # no discordant pair: Tango's bound solves n d / (1 - d) = z^2, i.e. d = z^2 / (n + z^2)
+    z2 = 1.6448536**2
+    assert rep["per_family"]["add"]["drop_ucb"] == pytest.approx(z2 / (100 + z2), abs=1e-6)
+    assert rep["overall"]["drop_ucb"] == pytest.approx(z2 / (200 + z2), abs=1e-6)
 
 
-def test_one_family_beyond_tolerance_stops():
-    base = evaluation({"add": 0.40, "sort": 0.60, "tool": 0.50})
-    cand = evaluation({"add": 0.50, "sort": 0.50, "tool": 0.50})  # sort -10 points; overall up
-    rep = V.compare(base, cand, tolerance=0.05)
+def test_one_family_dropping_10_points_stops_even_when_overall_rises():
+    b, c = arms({"add": (30, 2, 22, 46), "sort": (50, 12, 2, 36), "tool": (50, 0, 0, 50)})  # sort -10
+    rep = V.compare(b, c, CFG)
     assert not rep["passed"]
     assert len(rep["reasons"]) == 1 and rep["reasons"][0].startswith("family 'sort'")
     assert rep["per_family"]["sort"]["regressed"] and not rep["per_family"]["add"]["regressed"]
-    assert rep["per_family"]["sort"]["delta"] == pytest.approx(-0.1)
+    assert rep["per_family"]["sort"]["delta"] == pytest.approx(-0.1) and rep["overall"]["delta"] > 0
 
 
-def test_drop_within_tolerance_passes_and_the_boundary_is_allowed():
-    base = evaluation({"add": 0.40, "sort": 0.60})
-    assert V.compare(base, evaluation({"add": 0.37, "sort": 0.60}), tolerance=0.05)["passed"]
-    assert V.compare(base, evaluation({"add": 0.35, "sort": 0.60}), tolerance=0.05)["passed"]  # exactly -tol
-    assert not V.compare(base, evaluation({"add": 0.34, "sort": 0.60}), tolerance=0.05)["passed"]
+def test_a_small_set_no_longer_passes_a_real_drop_and_says_it_is_too_small():
+    # issue #14: 20 pairs, a true 10-point drop: the old "stop only if significant" gate let this through
+    b, c = arms({"add": (8, 3, 1, 8)})
+    rep = V.compare(b, c, CFG)
+    assert not rep["passed"] and rep["per_family"]["add"]["drop_ucb"] > 0.1
+    assert rep["warnings"] and "too few" in rep["warnings"][0] and "eval_tasks_per_family" in rep["warnings"][0]
+    # the same candidate on 10x the pairs, with few discordant ones: the bound is tight, and no warning
+    b, c = arms({"add": (400, 6, 6, 588)})
+    rep = V.compare(b, c, CFG)
+    assert rep["passed"] and not rep["warnings"] and rep["per_family"]["add"]["drop_ucb"] < 0.02
 
 
-def test_overall_drop_stops_even_when_no_family_is_beyond():
-    base = {"pass_rate": 0.5, "mean_reward": 2.5, "n": 100, "per_family": {}}
-    cand = {"pass_rate": 0.4, "mean_reward": 2.0, "n": 100, "per_family": {}}
-    rep = V.compare(base, cand, tolerance=0.05)
-    assert not rep["passed"] and rep["reasons"][0].startswith("overall")
+def test_noninferiority_error_rate_at_the_margin_and_pairing_helps():
+    """A family that truly dropped by the tolerance passes at most alpha of the time (simulated), and pairing
+    (few discordant pairs) gives a tighter bound than the same pass rates unpaired would."""
+    rng = np.random.default_rng(0)
+    n, tol, alpha = 150, CFG.validate.tolerance, CFG.validate.alpha
+    p10, p01 = 0.15 + tol / 2, 0.15 - tol / 2  # drop = p10 - p01 = tolerance exactly
+    cnt = rng.multinomial(n, [p10, p01, 1 - p10 - p01], 2000)
+    passed = [V.drop_upper_bound(a, b, n, alpha) < tol for a, b in cnt[:400, :2]]
+    assert np.mean(passed) <= alpha + 0.03
+    z = V._tango_z(cnt[:, 0], cnt[:, 1], n, tol)  # the vectorised test the power calculation uses
+    assert np.mean(z < -1.6448536) <= alpha + 0.015
+    few, many = V.drop_upper_bound(3, 3, 200, alpha), V.drop_upper_bound(40, 40, 200, alpha)
+    assert few < many  # the same zero drop, fewer discordant pairs: a tighter bound
 
 
-def test_require_significance_spares_a_noisy_small_sample():
-    base, cand = evaluation({"add": 0.5}, n=10), evaluation({"add": 0.4}, n=10)
-    assert not V.compare(base, cand, tolerance=0.05)["passed"]  # the tolerance rule alone
-    rep = V.compare(base, cand, tolerance=0.05, require_significance=True)
-    assert rep["passed"] and rep["per_family"]["add"]["beyond_tolerance"]
-    big_b, big_c = evaluation({"add": 0.5}, n=2000), evaluation({"add": 0.4}, n=2000)
-    assert not V.compare(big_b, big_c, tolerance=0.05, require_significance=True)["passed"]
+def test_tango_restricted_mle_matches_numeric_maximum():
+    from scipy.optimize import minimize_scalar
+
+    n10, n01, n, d = 30, 12, 200, 0.05
+    n11, n00 = 80, n - 80 - n10 - n01
+
+    def nll(p01):
+        p10, rest = p01 + d, 1 - 2 * p01 - d
+        return -(n10 * np.log(p10) + n01 * np.log(p01) + (n11 + n00) * np.log(rest))
+
+    p01 = minimize_scalar(nll, bounds=(1e-9, (1 - d) / 2 - 1e-9), method="bounded", options={"xatol": 1e-12}).x
+    z = (n10 - n01 - n * d) / np.sqrt(n * (2 * p01 + d * (1 - d)))
+    assert float(V._tango_z(n10, n01, n, d)) == pytest.approx(z, rel=1e-6)
 
 
-def test_family_missing_in_one_arm_stops():
-    rep = V.compare(evaluation({"add": 0.5, "sort": 0.5}), evaluation({"add": 0.5}))
-    assert not rep["passed"] and "only one arm" in rep["reasons"][0]
+def test_power_is_reported_and_grows_with_the_set():
+    small = V.gate_power(30, 0.2, 0.05, 0.05, 0.10)
+    large = V.gate_power(600, 0.2, 0.05, 0.05, 0.10)
+    assert large["stop_if_drop"] >= 0.99 and large["pass_if_equal"] > 0.8
+    assert small["pass_if_equal"] < 0.2 < large["pass_if_equal"]
+    b, c = arms({"add": (40, 5, 5, 50)})
+    row = V.compare(b, c, CFG)["per_family"]["add"]
+    assert 0 <= row["pass_if_equal"] <= 1 and row["stop_if_drop"] >= 0.95
+    # a candidate that mostly gains is not judged by the disagreement its gains cause: its churn is 2 min(...)
+    b, c = arms({"add": (400, 2, 120, 478)})
+    rep = V.compare(b, c, CFG)
+    assert rep["passed"] and rep["per_family"]["add"]["pass_if_equal"] > 0.9 and not rep["warnings"]
 
 
-def test_two_proportion_test_matches_statsmodels():
-    from statsmodels.stats.proportion import proportions_ztest
-
-    z, p = V.two_proportion_test(60, 100, 45, 100)
-    zs, ps = proportions_ztest([45, 60], [100, 100], alternative="smaller")
-    assert z == pytest.approx(zs) and p == pytest.approx(ps)
-    assert V.two_proportion_test(0, 50, 0, 50) == (0.0, 1.0)
+def test_arms_on_different_tasks_stop():
+    b, c = arms({"add": (40, 0, 0, 60)})
+    rep = V.compare(b, {**c, "task_ids": c["task_ids"][::-1]}, CFG)
+    assert not rep["passed"] and "same tasks" in rep["reasons"][0]
 
 
 def test_stop_exception_carries_the_reasons():
-    rep = V.compare(evaluation({"add": 0.9}), evaluation({"add": 0.1}))
-    V.raise_if_stopped(V.compare(evaluation({"add": 0.5}), evaluation({"add": 0.5})))  # passes: no raise
+    b, c = arms({"add": (10, 50, 0, 40)})
+    rep = V.compare(b, c, CFG)
+    V.raise_if_stopped(V.compare(*arms({"add": (400, 0, 0, 600)}), CFG))  # passes: no raise
     with pytest.raises(V.RegressionGateStop, match="family 'add'") as ei:
         V.raise_if_stopped(rep)
     assert ei.value.report is rep
@@ -131,9 +185,16 @@ def test_candidate_and_baseline_resolution(tmp_path):
     (tmp_path / "train" / "run.json").write_text(json.dumps({"base_model": "/m", "adapter": str(adapter)}))
     assert V.candidate_from_train_dir(tmp_path / "train", cfg)[0] == "/m"
     assert V.resolve_baseline_adapter(cfg) is None  # no champion yet: the bare base
+    # issue #14: with model.adapter and no champion, both gates compare against model.adapter
+    cfg_a = load_config(overrides={"round.runs_dir": str(tmp_path), "model.adapter": "/start"})
+    assert V.resolve_baseline(cfg_a) == ("embedded:tiny", "/start")
+    from hermes_lab import ab_run
+
+    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate="c")[0] == V.resolve_baseline(cfg_a)
     FlywheelState(champion_adapter="/champ").save(state_path(tmp_path))
-    assert V.resolve_baseline_adapter(cfg) == "/champ"
+    assert V.resolve_baseline_adapter(cfg) == "/champ" and V.resolve_baseline(cfg_a)[1] == "/champ"
     assert V.resolve_baseline_adapter(cfg, "/explicit") == "/explicit"
+    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate="c")[0] == ("embedded:tiny", "/champ")
 
 
 def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
@@ -142,21 +203,17 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
 
     from hermes_lab import tracking
 
-    base, cand = evaluation({"add": 0.6, "sort": 0.5}), evaluation({"add": 0.2, "sort": 0.5})
-    rep = {
-        "passed": False,
-        "baseline": base,
-        "candidate": cand,
-        **{k: v for k, v in V.compare(base, cand).items() if k != "passed"},
-    }
+    base, cand = arms({"add": (20, 40, 0, 40), "sort": (50, 0, 0, 50)})
+    rep = {"baseline": base, "candidate": cand, **V.compare(base, cand, CFG)}
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
         V.log_report(rep)
     r = MlflowClient().get_run(run.info.run_id)
     assert r.data.tags["regression_gate"] == "stopped" and "family 'add'" in r.data.tags["regression_reasons"]
-    assert r.data.metrics["regression/add/delta"] == pytest.approx(-0.4)
-    assert r.data.metrics["regression/passed"] == 0.0
+    assert r.data.metrics["validate/add/delta"] == pytest.approx(-0.4)
+    assert r.data.metrics["validate/passed"] == 0.0 and r.data.metrics["validate/add/drop_ucb"] > 0.4
     table = V.report_table(rep)
-    assert list(table.index) == ["add", "sort", "overall"] and bool(table.loc["add", "regressed"])
+    assert list(table.index) == ["add", "sort", "overall"] and not bool(table.loc["add", "passed"])
+    assert {"drop_ucb", "stop_if_drop", "pass_if_equal", "lost", "gained"} <= set(table.columns)
 
 
 # ------------------------------------------------------------------------------------------- real policy
@@ -212,7 +269,10 @@ def adapters(tiny_base, tmp_path_factory) -> dict[str, Path]:
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     params = tmp_path / "params.yaml"
-    params.write_text(f"round:\n  runs_dir: {tmp_path}\nvalidate:\n  eval_tasks_per_family: 24\n")
+    # 24 tasks x 3 samples = 72 pairs per family: enough for identical outputs to prove a drop < 5 points
+    params.write_text(
+        f"round:\n  runs_dir: {tmp_path}\nvalidate:\n  eval_tasks_per_family: 24\n  samples_per_task: 3\n"
+    )
     return params
 
 
@@ -238,10 +298,12 @@ def test_cli_passes_an_untouched_adapter(tiny_base, adapters, store, tmp_path):
     assert rep["passed"] and rep["reasons"] == []
     assert rep["baseline"]["adapter"] is None  # no champion: the bare base is the baseline
     assert rep["candidate"]["pass_rate"] == rep["baseline"]["pass_rate"] > 0
-    assert rep["sampling"]["temperature"] == 0.9 and rep["baseline"]["n"] == rep["candidate"]["n"] == 5 * 24
+    assert rep["sampling"]["temperature"] == 0.9 and rep["baseline"]["n"] == rep["candidate"]["n"] == 5 * 72
+    assert rep["candidate"]["scores"] == rep["baseline"]["scores"]  # same seeds per (task, sample): exact pairs
+    assert all(r["lost"] == r["gained"] == 0 for r in rep["per_family"].values())
     assert set(rep["per_family"]) == set(T.FAMILIES)
     (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hermes-lab").experiment_id])
-    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["regression/delta"] == 0.0
+    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["validate/delta"] == 0.0
 
 
 @pytest.mark.slow
@@ -262,6 +324,7 @@ def test_gate_stops_a_broken_adapter(tiny_base, adapters, store, tmp_path):
 @pytest.mark.slow
 def test_python_m_exits_4_when_stopped(tiny_base, adapters, store, tmp_path):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    store.write_text(store.read_text().replace("samples_per_task: 3", "samples_per_task: 1"))  # a stop needs few
     res = subprocess.run(
         [
             sys.executable,
@@ -280,7 +343,7 @@ def test_python_m_exits_4_when_stopped(tiny_base, adapters, store, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert res.returncode == V.EXIT_STOPPED, res.stderr[-2000:]
     assert "regression gate: STOPPED" in res.stderr
@@ -299,7 +362,9 @@ def synthetic_round(tmp_path: Path, base: Path, adapter: Path) -> tuple[Path, Pa
         json.dumps({"mlflow_run_id": None, "base_model": str(base), "adapter": str(adapter)})
     )
     params = tmp_path / "params.yaml"
-    params.write_text(f"round:\n  runs_dir: {tmp_path}\nvalidate:\n  eval_tasks_per_family: 16\n")
+    params.write_text(
+        f"round:\n  runs_dir: {tmp_path}\nvalidate:\n  eval_tasks_per_family: 16\n  samples_per_task: 4\n"
+    )
     return tmp_path / "round-02", params
 
 
