@@ -18,7 +18,9 @@ Label store. A click is one JSON line written with a single write() then flush+f
 loses at most the click in flight. Nothing is rewritten: undo appends a tombstone (``undo_of`` = the
 undone ``label_id``); a relabel appends a newer record, which wins. A torn last line (the kernel died
 mid-write) is ignored with a warning; the next writer moves it to ``labels.jsonl.torn`` and cuts it off,
-since no one ever saw it acknowledged.
+since no one ever saw it acknowledged. A corrupt line elsewhere (a bad merge, a hand edit) is skipped and
+reported with its file and line; its raw bytes are copied once to ``labels.jsonl.quarantine``. The store is
+not rewritten for it (no rewrite can race a reviewer's append), and reads and appends go on.
 
 Agreement (reward model vs reviewer, one pair per labelled item; several reviewers -> their median):
 - threshold: both on the same side of reward.success_threshold (>= 3 = success). The gated number by
@@ -36,6 +38,8 @@ Agreement (reward model vs reviewer, one pair per labelled item; several reviewe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -48,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config import ConfigError, HermesConfig, load_config
-from hermes_lab.jsonl import iter_objects, write_json_atomic
+from hermes_lab.jsonl import iter_objects, safe_name, write_json_atomic
 from hermes_lab.tasks import family_of, verify
 
 DEFAULT_STORE = "runs/review/labels.jsonl"
@@ -98,38 +102,93 @@ class LoadResult:
     records: list[dict[str, Any]]
     truncated: bool = False
     message: str = ""
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # {file, line, reason, sha256, raw}
 
 
-def read_labels(path: str | os.PathLike[str]) -> LoadResult:
-    """All records of a store, in write order. A torn last line is dropped and reported, not fatal."""
+def read_labels(path: str | os.PathLike[str], quarantine: bool = True) -> LoadResult:
+    """All records of a store, in write order. A torn last line is dropped and reported, not fatal; a
+    corrupt line elsewhere is skipped, reported with its file and line, and copied (once) to
+    ``<store>.quarantine`` with its raw bytes. The store itself is never rewritten for it."""
     p = Path(path)
     if not p.exists():
         return LoadResult([])
     lines = p.read_bytes().split(b"\n")
     tail = lines.pop()  # b"" when the file ends in a newline, as every complete write does
     records = []
+    bad: list[dict[str, Any]] = []
     for i, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
             rec = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{p}:{i}: corrupt label record (only the last line may be torn)") from None
+            bad.append(_bad_line(p, i, raw, "not valid JSON"))
+            continue
         if not isinstance(rec, dict) or not {"label_id", "review_id", "reviewer"} <= rec.keys():
-            raise ValueError(f"{p}:{i}: not a label record (needs label_id, review_id, reviewer)")
+            bad.append(_bad_line(p, i, raw, "not a label record (needs label_id, review_id, reviewer)"))
+            continue
         records.append(rec)
-    result = LoadResult(records)
+    result = LoadResult(records, quarantined=bad)
+    notes = []
+    if bad:
+        where = ", ".join(f"{p}:{b['line']} ({b['reason']})" for b in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        notes.append(
+            f"skipped {len(bad)} corrupt label line(s): {where}; their raw bytes are in {_quarantine_path(p)}. "
+            "The other labels are loaded and new labels are appended as usual."
+        )
+        if quarantine:
+            _quarantine(p, bad)
     if tail.strip():
         try:
             records.append(json.loads(tail))  # complete record, only its newline is missing
         except (json.JSONDecodeError, UnicodeDecodeError):
             result.truncated = True
-            result.message = (
+            notes.append(
                 f"{p}: ignored a truncated last line ({len(tail)} bytes): the kernel stopped "
                 f"mid-write. {len(records)} records loaded; that last click is lost, redo it."
             )
-            warnings.warn(result.message, stacklevel=2)
+    result.message = " ".join(notes)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
     return result
+
+
+def _bad_line(p: Path, line: int, raw: bytes, reason: str) -> dict[str, Any]:
+    return {
+        "file": str(p),
+        "line": line,
+        "reason": reason,
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "raw": raw.decode("utf-8", errors="backslashreplace"),
+    }
+
+
+def _quarantine_path(p: Path) -> Path:
+    return p.with_name(p.name + ".quarantine")
+
+
+def _quarantine(p: Path, bad: list[dict[str, Any]]) -> None:
+    """Append the corrupt lines not yet quarantined (same line, same bytes) to <store>.quarantine, under a lock."""
+    q = _quarantine_path(p)
+    try:
+        fd = os.open(q, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:  # a read-only store is still readable: report, do not fail
+        return
+    try:
+        _lock(fd)
+        with open(q, "rb") as f:
+            known = set()
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    rec = json.loads(line)
+                    known.add((rec["line"], rec["sha256"]))
+        new = [b for b in bad if (b["line"], b["sha256"]) not in known]
+        if new:
+            ts = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            os.write(fd, "".join(json.dumps({**b, "quarantined_at": ts}) + "\n" for b in new).encode())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def current_labels(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -582,7 +641,7 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         "review_ci_low": result.ci[0] if result.ci else None,
         "review_ci_high": result.ci[1] if result.ci else None,
     }
-    metrics.update({f"review_agreement_{f}": v["agreement"] for f, v in result.per_family.items()})
+    metrics.update({f"review_agreement_{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
     mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
     mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
     mlflow.log_dict(result.to_dict(), "review/gate.json")
