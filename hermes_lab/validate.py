@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab import tasks as T
+from hermes_lab.jsonl import write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -317,7 +318,7 @@ def regression_gate(
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         report["path"] = str(out / "regression.json")
-        (out / "regression.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        write_json_atomic(out / "regression.json", report)
     log_report(report)
     return report
 
