@@ -499,6 +499,9 @@ def load_config(
         raise ConfigError(f"{src}: {e}") from None
     cfg.source = src if path is not None else None
     _check(cfg, src)
+    from hermes_lab.redaction import register_secret_env  # their values are masked wherever we log or print
+
+    register_secret_env(cfg.model.api_key_env, cfg.reward.api_key_env)
     return cfg
 
 

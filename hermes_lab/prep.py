@@ -61,6 +61,7 @@ from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import plot_label, write_json_atomic
 from hermes_lab.prep_ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.prep_ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.redaction import redact
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
@@ -477,10 +478,10 @@ def run_cli(args: argparse.Namespace) -> int:
             negatives=args.negatives,
         )
     except GateRefused as e:
-        print(f"hermes-lab prep: refused: {e}", file=sys.stderr)
+        print(f"hermes-lab prep: refused: {redact(str(e))}", file=sys.stderr)
         return EXIT_REFUSED
-    except (PrepError, ConfigError) as e:
-        print(f"hermes-lab prep: error: {e}", file=sys.stderr)
+    except (PrepError, ConfigError) as e:  # details quote the data: a key that sits in it is masked
+        print(f"hermes-lab prep: error: {redact(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     k = res.summary["counts"]
     print(

@@ -10,8 +10,9 @@ What counts as a secret (``secret_values``):
   is not a secret, only its ``user:password@`` part is);
 - the value of every environment variable that LOOKS like a key, whatever its name (``sk-``, ``ghp_``,
   ``xox?-``, ``hf_``, ``AKIA`` prefixes, a JWT, or a long random-looking token: ``looks_like_key``);
-- the value of the variables a config names in ``api_key_env`` (``tracking.safe_params`` reads them from
-  the params) and every key an ``ApiClient`` has loaded (``register_secret``).
+- the value of the variables a config names in ``api_key_env`` (every loaded config registers them,
+  ``register_secret_env``; ``tracking.safe_params`` also reads them from the params it is given) and every
+  key an ``ApiClient`` has loaded (``register_secret``).
 
 ``redact(text)`` replaces each of them by ``***``, and also ``user:password@`` in URLs, anything sent as
 ``Bearer ...`` and key-looking tokens. ``key_problem(value)`` says what is wrong with a pasted key (a line
@@ -68,6 +69,7 @@ _URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@?#]+@")
 _BEARER = re.compile(r"(Bearer\s+)(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,}", re.I)
 
 _registered: set[str] = set()
+_registered_env: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -107,6 +109,12 @@ def looks_like_key(value: str) -> bool:
     return False
 
 
+def register_secret_env(*names: str | None) -> None:
+    """Remember variables that hold keys (a config's ``api_key_env``): their values are secrets from then on."""
+    with _lock:
+        _registered_env.update(n for n in names if n)
+
+
 def register_secret(value: str | None) -> None:
     """Remember a secret this process uses (an API client's key): redacted from then on, whatever its source."""
     if value and len(value) >= 4:
@@ -123,8 +131,10 @@ def secret_values(extra_env_names: Iterable[str] = ()) -> set[str]:
         if len(v) >= MIN_ENV_SECRET and (secret_env_name(name) or looks_like_key(v)):
             out.add(v)
             out.add(value)
-    for name in extra_env_names:
-        v = env.get(str(name), "")
+    with _lock:
+        named = set(_registered_env)
+    for name in named | set(map(str, extra_env_names)):
+        v = env.get(name, "")
         if len(v.strip()) >= 4:
             out.update({v, v.strip()})
     with _lock:

@@ -111,7 +111,6 @@ def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
     assert (tmp_path / "labels.jsonl.torn").read_bytes().startswith(b'{"label_id": "abc"')
 
 
-
 def test_corrupt_middle_line_is_quarantined_and_the_store_keeps_working(queue, tmp_path):
     """A corrupt line in the middle (a bad merge, a hand edit) no longer makes the whole store unreadable."""
     q, recs = queue
