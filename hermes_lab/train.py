@@ -354,6 +354,10 @@ def train(
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
+    log_path, trl_dir = out / "train_log.jsonl", out / "trl"
+    marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
+    ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
+    resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
 
     dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
@@ -373,11 +377,6 @@ def train(
 
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
-    log_path = out / "train_log.jsonl"
-    trl_dir = out / "trl"
-    marker = resume_marker(cfg, base, start_adapter, ds)
-    ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
-    resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
     if is_main:
         dump_config(cfg, out / "config.yaml")
     judge = rewards.judge_faults(funcs)
