@@ -319,15 +319,16 @@ def run_prep(
     in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
     out.mkdir(parents=True, exist_ok=True)
     paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
-    budget = cfg.data.memory_budget_mb << 20
-    n_parts = _partitions([*in_files, *(p for p, _, _ in neg_files)], budget)
-    import numpy as np
-
-    from hermes_lab.prep_distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
-
-    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # spills; removed whatever happens
+    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # sinks in progress and spills; removed whatever happens
     try:
-        ing = Ingest(out, tmp, float(cfg.reward.scale), cfg.data.max_line_bytes, budget, n_parts, cfg)
+        ing = Ingest(
+            tmp,
+            float(cfg.reward.scale),
+            cfg.data.max_line_bytes,
+            cfg.data.memory_budget_mb << 20,
+            _partitions([*in_files, *(p for p, _, _ in neg_files)], cfg.data.memory_budget_mb << 20),
+            cfg,
+        )
         try:
             files = [ing.scan(p, "input", None) for p in in_files]
             files += [ing.scan(p, "negative", r) for p, r, _ in neg_files]
@@ -335,25 +336,7 @@ def run_prep(
             ing.close()
         ing.commit(paths)
         t_ingest = time.perf_counter()
-        counts = {k: sum(f[k] for f in files) for k in ("lines", "blank", "read", "accepted", "rejected", "duplicates")}
-        counts["new_samples"] = sum(f["accepted"] for f in files if f["role"] == "input")
-        counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
-        by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
-        summary: dict[str, Any] = {
-            "stage": "prep",
-            "status": "ok",
-            "now": clock.now().isoformat(),
-            "output_dir": str(out),
-            "inputs": [str(p) for p in in_files],
-            "negatives": [str(p) for p, _, _ in neg_files],
-            "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
-            "counts": counts,
-            "by_reason": dict(by_reason.most_common()),
-            "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
-            "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
-            "gates": [],
-            "gates_passed": False,
-        }
+        summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
         too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
         if too_bad:
             summary["status"] = "bad_input"
@@ -366,53 +349,94 @@ def run_prep(
                 for f in too_bad
             ]
             raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
-
-        cols = ing.columns()
-        fam_names = ing.family_names()
-        rewards = cols["reward"]
-        summary["outliers"] = outlier_stats(rewards, cfg.data.outlier_z)
-        is_out = outlier_flags(rewards, summary["outliers"])
-        picked, summary["review"] = review_selection(cols, fam_names, cfg)
-        line_bytes = ing.text_bytes / max(1, ing.n) + 200
-        spill_budget = budget // 4
-        review = SortedSpill(tmp, "review", 1 << (64 + LINE_BITS), int(picked.sum() * line_bytes), spill_budget)
-        outliers = SortedSpill(tmp, "outliers", ing.n, int(is_out.sum()) * 200, spill_budget)
-        distill = Distill(ing, cols, cfg, is_out, picked, summary["outliers"])
-        distill.run(review, outliers)
-        for spill, name in ((outliers, "outliers"), (review, "review_queue")):
-            spill.write_sorted(tmp / f"{name}.jsonl")
-            os.replace(tmp / f"{name}.jsonl", paths[name])
-        summary["outliers"].update(
-            count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
-        )
-        paths.update(distill.save(out))
-        summary["split"] = distill.split_summary()
-        fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
-        summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
-        if make_plots:
-            paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
-        t_distill = time.perf_counter()
-
-        summary["gates"] = evaluate_gates(
-            counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
-        )
-        summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
-        summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
-        summary["memory"] = {"budget_mb": cfg.data.memory_budget_mb, "partitions": len(ing.part_paths)}
-        summary["timing_s"] = {
-            "ingest": round(t_ingest - t0, 3),
-            "distill": round(t_distill - t_ingest, 3),
-            "total": round(time.perf_counter() - t0, 3),
-        }
-        _write_summary(summary, paths)
-        _log_mlflow(summary, paths)
-        result = PrepResult(summary, out, paths)
-        if not result.gates_passed:
-            why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])
-            raise GateRefused(f"data gates refused training: {why}. Verdicts in {paths['summary']}", result)
-        return result
+        _distill(ing, cfg, summary, paths, out, tmp, make_plots)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    t_distill = time.perf_counter()
+    counts = summary["counts"]
+    summary["gates"] = evaluate_gates(
+        counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
+    )
+    summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
+    summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
+    summary["memory"] = {"budget_mb": cfg.data.memory_budget_mb, "partitions": len(ing.part_paths)}
+    summary["timing_s"] = {
+        "ingest": round(t_ingest - t0, 3),
+        "distill": round(t_distill - t_ingest, 3),
+        "total": round(time.perf_counter() - t0, 3),
+    }
+    _write_summary(summary, paths)
+    _log_mlflow(summary, paths)
+    result = PrepResult(summary, out, paths)
+    if not result.gates_passed:
+        why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])
+        raise GateRefused(f"data gates refused training: {why}. Verdicts in {paths['summary']}", result)
+    return result
+
+
+def _base_summary(
+    files: list[dict[str, Any]],
+    clock: Clock,
+    out: Path,
+    in_files: list[Path],
+    neg_files: list[tuple[Path, int | None, str]],
+    override_cooldown: bool,
+    override_reason: str,
+) -> dict[str, Any]:
+    """summary.json as far as the ingest can fill it: counts per file and in total, rejects by reason."""
+    counts = {k: sum(f[k] for f in files) for k in ("lines", "blank", "read", "accepted", "rejected", "duplicates")}
+    counts["new_samples"] = sum(f["accepted"] for f in files if f["role"] == "input")
+    counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
+    by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
+    return {
+        "stage": "prep",
+        "status": "ok",
+        "now": clock.now().isoformat(),
+        "output_dir": str(out),
+        "inputs": [str(p) for p in in_files],
+        "negatives": [str(p) for p, _, _ in neg_files],
+        "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
+        "counts": counts,
+        "by_reason": dict(by_reason.most_common()),
+        "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
+        "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
+        "gates": [],
+        "gates_passed": False,
+    }
+
+
+def _distill(
+    ing: Ingest, cfg: HermesConfig, summary: dict[str, Any], paths: dict[str, Path], out: Path, tmp: Path, plots: bool
+) -> None:
+    """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
+    import numpy as np
+
+    from hermes_lab.prep_distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
+
+    cols, fam_names = ing.columns(), ing.family_names()
+    rewards = cols["reward"]
+    summary["outliers"] = outlier_stats(rewards, cfg.data.outlier_z)
+    is_out = outlier_flags(rewards, summary["outliers"])
+    picked, summary["review"] = review_selection(cols, fam_names, cfg)
+    spill_budget = (cfg.data.memory_budget_mb << 20) // 4
+    line_bytes = ing.text_bytes / max(1, ing.n) + 200
+    review = SortedSpill(tmp, "review", 1 << (64 + LINE_BITS), int(picked.sum() * line_bytes), spill_budget)
+    outliers = SortedSpill(tmp, "outliers", ing.n, int(is_out.sum()) * 200, spill_budget)
+    distill = Distill(ing, cols, cfg, is_out, picked, summary["outliers"])
+    distill.run(review, outliers)
+    for spill, name in ((outliers, "outliers"), (review, "review_queue")):
+        spill.write_sorted(tmp / f"{name}.jsonl")
+        os.replace(tmp / f"{name}.jsonl", paths[name])
+    summary["outliers"].update(
+        count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
+    )
+    paths.update(distill.save(out))
+    summary["split"] = distill.split_summary()
+    fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
+    summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
+    if plots:
+        by_reason = Counter(summary["by_reason"])
+        paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
 
 
 # ------------------------------------------------------------------------------------------------ CLI

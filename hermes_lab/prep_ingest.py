@@ -249,10 +249,11 @@ class DigestIndex:
 class Ingest:
     """Streams every line of every file into the four JSONL sinks, the fixed-size columns and the spill."""
 
-    def __init__(self, out: Path, tmp: Path, scale: float, cap: int, budget_bytes: int, n_parts: int, cfg: Any):
+    def __init__(self, tmp: Path, scale: float, cap: int, budget_bytes: int, n_parts: int, cfg: Any):
+        """``tmp``: where the sinks are written before ``commit`` moves them, and the spill lives."""
         import pyarrow as pa
 
-        self.pa, self.out, self.tmp = pa, out, tmp
+        self.pa, self.tmp = pa, tmp
         self.scale, self.cap, self.batch_bytes = scale, cap, max(1 << 20, budget_bytes // 16)
         self.n_parts = max(1, n_parts)
         self.holdout, self.seed = cfg.data.holdout_fraction, cfg.data.seed

@@ -168,7 +168,7 @@ def test_prep_never_crashes_and_every_line_is_accounted_for(files):
             raw[str(p)] = data
         inputs, negs = paths[:-1] or paths, paths[-1:] if len(paths) > 1 else []
         (tmp / "spill").mkdir()
-        ing = I.Ingest(tmp, tmp / "spill", 5.0, CFG.data.max_line_bytes, 64 << 20, 1, CFG)
+        ing = I.Ingest(tmp / "spill", 5.0, CFG.data.max_line_bytes, 64 << 20, 1, CFG)
         try:
             stats = [ing.scan(p, "input", None) for p in inputs] + [ing.scan(p, "negative", 3) for p in negs]
         finally:
