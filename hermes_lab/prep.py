@@ -418,7 +418,7 @@ def _distill(
     summary["outliers"] = outlier_stats(rewards, cfg.data.outlier_z)
     is_out = outlier_flags(rewards, summary["outliers"])
     picked, summary["review"] = review_selection(cols, fam_names, cfg)
-    spill_budget = (cfg.data.memory_budget_mb << 20) // 4
+    spill_budget = (cfg.data.memory_budget_mb << 20) // 8  # one bucket's lines, sorted in memory: ~3x its bytes
     line_bytes = ing.text_bytes / max(1, ing.n) + 200
     review = SortedSpill(tmp, "review", 1 << (64 + LINE_BITS), int(picked.sum() * line_bytes), spill_budget)
     outliers = SortedSpill(tmp, "outliers", ing.n, int(is_out.sum()) * 200, spill_budget)

@@ -425,7 +425,7 @@ class Ingest:
                 h = hashlib.blake2b(f"{len(task_id)},{len(prompt)},".encode(), digest_size=16)
                 h.update(joined)  # unambiguous: the lengths say where task_id and prompt end
                 pending.append((lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest()))
-                pending_bytes += len(text)
+                pending_bytes += len(text) + len(joined) + (len(out_text) if out_text is not text else 0)
                 if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
                     self._flush(st, fidx, role, pending)
                     pending, pending_bytes = [], 0

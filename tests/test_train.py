@@ -78,6 +78,20 @@ def test_checkpoint_interval(tmp_path):
         load_config(EMBEDDED_YAML, {"grpo.save_total_limit": 0})
 
 
+def test_judge_failures_in_the_inspect_diagnostics(tmp_path):
+    from hermes_lab.train_state import judge_diagnostic
+
+    assert judge_diagnostic(tmp_path, 0.2) is None  # no health.json
+    (tmp_path / "health.json").write_text(json.dumps({"status": "completed", "judge": None}))
+    assert judge_diagnostic(tmp_path, 0.2) is None  # the local judge: nothing to report
+    judge = {"judge_samples": 200, "judge_failures": 10, "imputed_from_group": 8, "system_reward_only": 2}
+    (tmp_path / "health.json").write_text(json.dumps({"judge": {**judge, "by_kind": {"ApiStatusError": 10}}}))
+    d = judge_diagnostic(tmp_path, 0.2)
+    assert d["rule"] == "judge_failures" and d["severity"] == "warn" and d["value"] == 0.05
+    assert "10 of 200 judged samples failed (5.0%)" in d["message"] and "doctor" in d["advice"]
+    assert judge_diagnostic(tmp_path, 0.04)["severity"] == "fail"
+
+
 def test_grpo_kwargs_always_pass_beta_even_zero(tmp_path):
     from hermes_lab.train import grpo_kwargs
 
