@@ -17,6 +17,8 @@ refuses to convert (an integer of more than 4300 digits), no key twice in one ob
 which value wins), no lone surrogate escape in any string or key, not nested beyond Python's recursion
 limit; an object with prompt (non-empty string), response (string), reward (a number in 0..scale, not a
 bool), task_id (non-empty string, or an integer, kept as text), family (a string or null, optional).
+
+Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.prep.run_prep``), not on its own.
 """
 
 from __future__ import annotations
