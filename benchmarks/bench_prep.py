@@ -1,24 +1,27 @@
-"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 trajectories.
+"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 and 5,000,000 trajectories.
 
-Goal: at most 60 s on 2 cores. Reported against a bare ``datasets.load_dataset("json", ...)`` of the same
-file, measured in the same run (a lower bound: it parses, but validates, dedups and splits nothing).
-Plots are skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via
-``make bench``.
+Goals: at most 60 s for 1M records on 2 cores; peak memory (RSS) at most 1.5 GiB for 5M records, whatever
+the input size (prep streams within ``data.memory_budget_mb``). Each size runs prep in a fresh child process;
+its peak RSS is the child's ``ru_maxrss`` (os.wait4), so the parent's generator and the other size do not
+count. Time is reported against a bare ``datasets.load_dataset("json", ...)`` of the same file at the first
+size, measured in the same run (a lower bound: it parses, but validates, dedups and splits nothing). Plots are
+skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via ``make bench``
+(generating 5M lines takes a few minutes on a loaded machine).
 
-    .venv/bin/python benchmarks/bench_prep.py [--records 1000000] [--keep DIR]
+    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--budget-mb 512] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-GOAL_S = 60.0
 
 
 def write_records(path: Path, n: int, seed: int = 0) -> None:
@@ -63,48 +66,83 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
         f.writelines(lines)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+GOAL_S = 60.0  # at 1M records
+GOAL_RSS_GIB = 1.5  # at 5M records
+CHILD = """
+import json, sys, time
+from hermes_lab.config import load_config
+from hermes_lab.prep import run_prep
+cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
+t = time.perf_counter()
+res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)
+print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary}, default=str))
+"""
+
+
+def run_child(data: Path, out: Path, budget_mb: int) -> tuple[dict, float]:
+    """prep in a fresh interpreter: (its result, its peak RSS in GiB)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(data), str(out), str(budget_mb)],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+    )
+    stdout = proc.stdout.read()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"prep child failed with exit code {proc.returncode}")
+    return json.loads(stdout.decode().strip().splitlines()[-1]), usage.ru_maxrss / 2**20  # KiB on Linux
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000, 5_000_000])
+    ap.add_argument("--budget-mb", type=int, default=512, help="data.memory_budget_mb for prep")
     ap.add_argument("--keep", default=None, help="write into this dir instead of a temp dir")
     args = ap.parse_args(argv)
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench-prep-")
     root = Path(args.keep) if args.keep else Path(tmp_ctx.name)
     root.mkdir(parents=True, exist_ok=True)
-    data = root / "trajectories.jsonl"
-    t = time.perf_counter()
-    write_records(data, args.records)
-    size = data.stat().st_size
-    print(f"wrote {args.records:,} records, {size / 2**20:.1f} MiB in {time.perf_counter() - t:.1f} s")
+    ok = True
+    for i, n in enumerate(args.records):
+        data = root / f"trajectories-{n}.jsonl"
+        t = time.perf_counter()
+        write_records(data, n)
+        size = data.stat().st_size
+        print(f"wrote {n:,} records, {size / 2**20:.1f} MiB in {time.perf_counter() - t:.1f} s", flush=True)
+        res, rss = run_child(data, root / f"prep-{n}", args.budget_mb)
+        t_prep, s = res["seconds"], res["summary"]
+        k = s["counts"]
+        print(
+            f"prep {n:,}: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
+            f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
+            f"{s['split']['grpo_prompts']:,} GRPO / {s['split']['heldout_prompts']:,} held-out prompts; "
+            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB ({rss * 2**30 / size:.2f}x the input; "
+            f"{s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
+            flush=True,
+        )
+        if n == 1_000_000:
+            met = t_prep <= GOAL_S
+            ok &= met
+            print(f"goal <= {GOAL_S:.0f} s at 1M: {'met' if met else 'MISSED'}")
+        if n == 5_000_000:
+            met = rss <= GOAL_RSS_GIB
+            ok &= met
+            print(f"goal peak RSS <= {GOAL_RSS_GIB} GiB at 5M: {'met' if met else 'MISSED'}")
+        if i == 0:
+            import datasets
 
-    from hermes_lab.config import load_config
-    from hermes_lab.prep import run_prep
-
-    cfg = load_config(None, overrides={"data.min_samples": 1})
-    t = time.perf_counter()
-    res = run_prep([data], root / "prep", cfg, make_plots=False)
-    t_prep = time.perf_counter() - t
-    k = res.summary["counts"]
-    print(
-        f"prep: {t_prep:.1f} s ({res.summary['timing_s']}) -> {k['accepted']:,} accepted, "
-        f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
-        f"{res.summary['split']['grpo_prompts']:,} GRPO / {res.summary['split']['heldout_prompts']:,} held-out "
-        f"prompts; {args.records / t_prep / 1e3:.0f} k records/s, {size / t_prep / 2**20:.1f} MiB/s"
-    )
-
-    import datasets
-
-    datasets.disable_progress_bars()
-    t = time.perf_counter()
-    ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache"))
-    t_hf = time.perf_counter() - t
-    print(f"datasets.load_dataset('json'): {t_hf:.1f} s for {len(ds):,} rows (cold cache)")
-    print(
-        f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x; goal <= {GOAL_S:.0f} s: "
-        f"{'met' if t_prep <= GOAL_S else 'MISSED'}"
-    )
+            datasets.disable_progress_bars()
+            t = time.perf_counter()
+            ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache"))
+            t_hf = time.perf_counter() - t
+            print(f"datasets.load_dataset('json'): {t_hf:.1f} s for {len(ds):,} rows (cold cache)")
+            print(f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x")
+            del ds
+        data.unlink()
     tmp_ctx.cleanup()
-    return 0 if t_prep <= GOAL_S else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

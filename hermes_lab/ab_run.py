@@ -37,7 +37,7 @@ import numpy as np
 from hermes_lab import ab
 from hermes_lab import tasks as T
 from hermes_lab.config import ConfigError, HermesConfig, load_config
-from hermes_lab.jsonl import iter_objects
+from hermes_lab.jsonl import iter_objects, write_json_atomic
 
 log = logging.getLogger("hermes_lab.ab")
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the simulated clock's start (SimulatedClock's default)
@@ -307,7 +307,7 @@ def run_ab(
     )
     pngs = make_plots(arr, report, log_dir / "plots", fam_names) if plots else []
     report["plots"] = [str(p) for p in pngs]
-    output.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    write_json_atomic(output, report)
     log_to_mlflow(cfg, report, output, log_path)
     log.info("A/B decision: %s (%s)", report["decision"], "; ".join(report["reasons"]))
     return report

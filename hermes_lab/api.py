@@ -13,270 +13,94 @@ the client sends exactly that. Check a setup with
 Errors are typed and say what to fix (SPEC, "Errors the user hits with the model API"):
 ApiAuthError (401/403), ApiBadBody ("Error reading choices": the body was not the expected JSON; shows
 status, content-type and the first bytes), ApiConnectionError (.kind: refused, dns, timeout, proxy, tls,
-network), ApiStatusError (other HTTP errors, or 429/5xx once retries are spent), ApiConfigError.
-The key never reaches a log line, an exception, a repr or MLflow: messages pass through ``redact``.
+network), ApiStatusError (other HTTP errors, or 429/5xx once retries are spent), ApiConfigError
+(also a key that holds a line break, a space or a non-ASCII character: refused before any request, and
+the message shows no part of it), ApiCancelled (a batch stopped by Ctrl-C or its deadline).
+Errors, keys, URLs and proxies are defined in ``hermes_lab.api_base`` and re-exported here.
+The key never reaches a log line, an exception, a repr or MLflow: messages pass through ``redact``
+(``hermes_lab.redaction``: also ``user:password@`` in URLs). ``Retry-After`` is honoured in both its forms
+(seconds, HTTP date), capped; anything else in it falls back to the exponential backoff.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
+import math
 import os
 import random
-import re
 import socket
 import ssl
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 
+from hermes_lab.api_base import (  # the errors, keys, URLs and proxies: part of this module's interface
+    API_KEY_ENV,
+    BASE_URL_ENV,
+    BODY_HEAD,
+    PROXY_VARS,
+    RETRY_STATUSES,
+    SDK_DEFAULT_HOSTS,
+    ApiAuthError,
+    ApiBadBody,
+    ApiCancelled,
+    ApiConfigError,
+    ApiConnectionError,
+    ApiError,
+    ApiSkipped,
+    ApiStatusError,
+    Secret,
+    _port_or_none,
+    describe_key,
+    environment_proxies,
+    key_fingerprint,
+    load_key,
+    no_proxy_entry,
+    normalize_base_url,
+    proxy_for,
+    redact,
+    safe_url,
+    show_proxy,
+)
+
+__all__ = [  # hermes_lab.api is the interface; the helpers before HTTP live in hermes_lab.api_base
+    "API_KEY_ENV",
+    "BASE_URL_ENV",
+    "PROXY_VARS",
+    "RETRY_STATUSES",
+    "SDK_DEFAULT_HOSTS",
+    "ApiAuthError",
+    "ApiBadBody",
+    "ApiCancelled",
+    "ApiClient",
+    "ApiConfigError",
+    "ApiConnectionError",
+    "ApiError",
+    "ApiSkipped",
+    "ApiStatusError",
+    "Secret",
+    "describe_key",
+    "environment_proxies",
+    "key_fingerprint",
+    "load_key",
+    "no_proxy_entry",
+    "normalize_base_url",
+    "proxy_for",
+    "redact",
+    "retry_after_seconds",
+    "safe_url",
+    "show_proxy",
+]
 log = logging.getLogger("hermes_lab.api")
-
-BASE_URL_ENV = "TAOTOKEN_BASE_URL"
-API_KEY_ENV = "TAOTOKEN_API_KEY"
-# Hosts SDKs fall back to when no base URL is set; another provider's key gets 401 there.
-SDK_DEFAULT_HOSTS = {"api.openai.com"}
-RETRY_STATUSES = {408, 429, 500, 502, 503, 504, 529}
-PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-BODY_HEAD = 300  # bytes of a bad body shown in errors
-
-
-# ------------------------------------------------------------------------------------------------ errors
-class ApiError(RuntimeError):
-    """Base of the model-API errors. The message is redacted: it never holds the key."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        url: str | None = None,
-        request_id: str | None = None,
-        content_type: str | None = None,
-        body_head: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.url, self.request_id = status, url, request_id
-        self.content_type, self.body_head = content_type, body_head
-
-
-class ApiConfigError(ApiError):
-    """Base URL, key or model id missing or malformed."""
-
-
-class ApiAuthError(ApiError):
-    """401/403: the server refused the credentials."""
-
-
-class ApiStatusError(ApiError):
-    """Any other HTTP error status (and 429/5xx once the retries are spent)."""
-
-
-class ApiBadBody(ApiError):
-    """The body was not the expected JSON (an HTML page from a middlebox, an error page, truncated JSON)."""
-
-
-class ApiConnectionError(ApiError):
-    """No HTTP answer. ``kind``: refused, dns, timeout, proxy, tls or network; ``proxy_var`` names the
-    proxy variable in use, if any."""
-
-    def __init__(self, message: str, *, kind: str, proxy_var: str | None = None, **kw: Any):
-        super().__init__(message, **kw)
-        self.kind, self.proxy_var = kind, proxy_var
-
-
-class ApiSkipped(ApiError):
-    """Not sent: an earlier request of the same batch failed in a way every request would (auth, network)."""
-
-
-# ------------------------------------------------------------------------------------ secrets and URLs
-class Secret:
-    """Holds the key so that repr(), vars() and tracebacks show *** instead."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str):
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-
-# a token-looking word (8+ chars with a digit) after "Bearer": an unknown key, e.g. echoed by a server
-_BEARER = re.compile(r"(Bearer\s+)(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,}", re.I)
-
-
-def redact(text: str, *secrets: str) -> str:
-    """Replace each secret (and anything sent as 'Bearer ...') by ***."""
-    for s in secrets:
-        if s and len(s) >= 4:
-            text = text.replace(s, "***")
-    return _BEARER.sub(r"\1***", text)
-
-
-def safe_url(url: str) -> str:
-    """The URL without user:password@ and without a query string, for messages."""
-    try:
-        p = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    host = p.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{p.port}" if _port_or_none(p) else "")
-    return urlunsplit((p.scheme, netloc, p.path, "", ""))
-
-
-def show_proxy(value: str) -> str:
-    """A proxy variable's value fit to print: no user:password@ (httpx reads 'host:port' as http://)."""
-    return safe_url(value if "://" in value else f"http://{value}")
-
-
-def _port_or_none(p: Any) -> int | None:
-    try:
-        return p.port
-    except ValueError:
-        return None
-
-
-def normalize_base_url(url: str | None, source: str = "base URL") -> str:
-    """The API root, without a trailing slash or /v1: requests go to ``root + /v1/<path>``.
-
-    Accepts ``https://h``, ``https://h/``, ``https://h/v1``, ``https://h/v1/`` (and a pasted
-    ``.../v1/chat/completions`` or ``.../v1/models``), because the user's curl is ``$BASE/v1/models``
-    while many SDKs want the root with /v1."""
-    if url is None or not str(url).strip():
-        raise ApiConfigError(
-            f"{source} is empty: base URL, key and model id must all be set "
-            "(a request sent to an SDK's default base URL gets 401)."
-        )
-    u = str(url).strip()
-    p = urlsplit(u)
-    if p.scheme not in ("http", "https") or not p.hostname:
-        raise ApiConfigError(
-            f"{source}={safe_url(u)!r} is not an http(s) URL: write the API root, "
-            "e.g. https://api.example.com (the part before /v1/models)."
-        )
-    path = p.path.rstrip("/")
-    for suffix in ("/chat/completions", "/completions", "/models"):
-        if path.endswith(suffix):
-            path = path[: -len(suffix)].rstrip("/")
-            break
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return urlunsplit((p.scheme, p.netloc, path.rstrip("/"), "", ""))
-
-
-def environment_proxies(env: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
-    """scheme ('http', 'https', 'all', 'no') -> (variable name, value), the way httpx reads them.
-
-    httpx uses urllib's getproxies(): every *_proxy variable, the lowercase one winning, and an empty
-    lowercase one switching the scheme off."""
-    env = os.environ if env is None else env
-    out: dict[str, tuple[str, str]] = {}
-    for name, value in env.items():
-        if value and name.lower().endswith("_proxy"):
-            out[name.lower()[:-6]] = (name, value)
-    for name, value in env.items():
-        if name.endswith("_proxy"):
-            if value:
-                out[name[:-6]] = (name, value)
-            else:
-                out.pop(name[:-6], None)
-    return out
-
-
-def no_proxy_entry(host: str, env: Mapping[str, str] | None = None) -> str | None:
-    """The NO_PROXY entry that makes httpx go direct to ``host``, or None (httpx's curl-like rules)."""
-    proxies = environment_proxies(env)
-    host = host.lower().strip("[]")
-    for entry in proxies.get("no", ("", ""))[1].split(","):
-        e = entry.strip().lower()
-        if not e:
-            continue
-        if e == "*":
-            return e
-        if "://" in e:
-            e = urlsplit(e).hostname or ""
-        e = e.strip("[]")
-        if e.startswith("."):
-            if host.endswith(e):
-                return entry.strip()
-        elif host == e or host.endswith("." + e):
-            return entry.strip()
-    return None
-
-
-def proxy_for(url: str, env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
-    """(variable name, proxy URL) that httpx routes ``url`` through, or None for a direct connection."""
-    p = urlsplit(url)
-    if no_proxy_entry(p.hostname or "", env) is not None:
-        return None
-    proxies = environment_proxies(env)
-    return proxies.get(p.scheme) or proxies.get("all")
-
-
-def describe_key(key: str) -> tuple[str, str]:
-    """Guess what a key is from its shape: ('api_key' | 'oauth' | 'bearer' | 'whitespace' | 'empty', why).
-
-    An OAuth access token is not an API key and the two must not be mixed; the usual shapes are a JWT
-    ('eyJ...' with three dot-separated parts), Google's 'ya29.' and GitHub's 'gho_'/'ghu_'. Never returns
-    any part of the key."""
-    k = key or ""
-    if not k.strip():
-        return "empty", "the key is empty"
-    if k.strip().lower().startswith("bearer"):
-        return "bearer", "the value starts with 'Bearer': store only the key; the client adds 'Bearer ' itself"
-    if k != k.strip() or any(c.isspace() for c in k.strip()):
-        return "whitespace", "the key holds spaces or a newline (pasted with the shell's quotes or a trailing newline?)"
-    why = ""
-    if k.startswith("ya29."):
-        why = "a Google OAuth access token (ya29.)"
-    elif k.lower().startswith("oauth"):
-        why = "an OAuth token (oauth prefix)"
-    elif k.startswith(("gho_", "ghu_")):
-        why = "a GitHub OAuth token (gho_/ghu_)"
-    elif k.startswith("eyJ") and k.count(".") == 2:
-        why = "JWT-shaped: eyJ... in three dot-separated parts, the usual shape of an OAuth access token"
-        claims = _jwt_claims(k)
-        if "exp" in claims and isinstance(claims["exp"], (int, float)) and claims["exp"] < time.time():
-            why += f", expired {time.strftime('%Y-%m-%d %H:%M', time.gmtime(claims['exp']))} UTC"
-        if claims.get("iss"):
-            why += f", issuer {str(claims['iss'])[:60]}"
-    if why:
-        return "oauth", (
-            f"this looks like an OAuth access token, not an API key ({why}); the two must not "
-            "be mixed: create an API key for this endpoint"
-        )
-    return "api_key", f"looks like an API key ({len(k)} characters)"
-
-
-def _jwt_claims(token: str) -> dict[str, Any]:
-    try:
-        payload = token.split(".")[1]
-        data = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        return data if isinstance(data, dict) else {}
-    except (ValueError, IndexError):
-        return {}
-
-
-def key_fingerprint(key: str) -> str:
-    """A short hash to tell two keys apart without showing either."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 # ------------------------------------------------------------------------------------------------ client
@@ -305,14 +129,7 @@ class ApiClient:
         self.base_url_source = base_url_source or "base URL"
         self.base_url = normalize_base_url(base_url, self.base_url_source)
         self.api_key_env = api_key_env
-        raw = os.environ.get(api_key_env, "").strip()
-        if raw.lower().startswith("bearer "):  # a pasted header value: we add 'Bearer ' ourselves
-            raw = raw[7:].strip()
-        if not raw:
-            raise ApiConfigError(
-                f"{api_key_env} is not set: base URL, key and model id must all be set "
-                f"(export {api_key_env}=<your API key>)."
-            )
+        raw = load_key(api_key_env)
         self._key = Secret(raw)
         self.model = model.strip() if model else None
         self.timeout, self.retries = float(timeout), max(0, int(retries))
@@ -400,9 +217,12 @@ class ApiClient:
         model: str | None = None,
         temperature: float = 0.0,
         max_tokens: int | None = None,
+        *,
+        cancel: threading.Event | None = None,
         **extra: Any,
     ) -> str:
-        """One chat completion; returns choices[0].message.content. A string is one user message."""
+        """One chat completion; returns choices[0].message.content. A string is one user message.
+        ``cancel``: when set, no further attempt is made (ApiCancelled)."""
         model = (model or self.model or "").strip()
         if not model:
             raise ApiConfigError(
@@ -414,7 +234,7 @@ class ApiClient:
         if max_tokens is not None:
             payload["max_tokens"] = max_tokens
         payload.update(extra)
-        resp, rid = self._request("POST", "/chat/completions", payload, model=model)
+        resp, rid = self._request("POST", "/chat/completions", payload, model=model, cancel=cancel)
         body = _json_or_none(resp)
         hint = (
             f"A wrong model id ({model!r}) often answers an error page; an HTML page comes from a proxy "
@@ -446,52 +266,96 @@ class ApiClient:
         *,
         return_exceptions: bool = False,
         progress: bool = False,
+        deadline_s: float | None = None,
         **kw: Any,
     ) -> list[Any]:
         """``chat`` over many conversations, ``concurrency`` at a time, results in input order.
 
         An auth, config or connection error (after retries) stops the batch: what has not started yet is
         not sent (ApiSkipped), since every request would fail the same way. With ``return_exceptions``
-        the errors are returned in place of the replies, else the first one is raised."""
+        the errors are returned in place of the replies, else the first one is raised.
+
+        Ctrl-C (KeyboardInterrupt, also a papermill timeout's interrupt) cancels the batch at once: queued
+        requests are never sent, running ones make no further attempt, and the interrupt is re-raised
+        without waiting for them (each ends within the request timeout). ``deadline_s`` does the same
+        after that many seconds: the unfinished requests become ApiCancelled."""
         n = len(batch)
         results: list[Any] = [None] * n
-        stop = threading.Event()
+        stop, cancel = threading.Event(), threading.Event()
 
         def one(i: int) -> str:
+            if cancel.is_set():
+                raise ApiCancelled("not sent: the batch was cancelled")
             if stop.is_set():
                 raise ApiSkipped("not sent: an earlier request of this batch failed (see the first error)")
             try:
-                return self.chat(batch[i], **kw)
+                return self.chat(batch[i], cancel=cancel, **kw)
             except (ApiAuthError, ApiConfigError, ApiConnectionError):
                 stop.set()
                 raise
 
         workers = max(1, min(concurrency or self.concurrency, n))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hermes-api") as pool:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hermes-api")
+        bar = None
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        try:
             futures = {pool.submit(one, i): i for i in range(n)}
-            done = as_completed(futures)
             if progress:
                 from tqdm.auto import tqdm
 
-                done = tqdm(done, total=n, desc="model API", unit="req")
-            for f in done:
-                try:
-                    results[futures[f]] = f.result()
-                except ApiError as e:
-                    results[futures[f]] = e
+                bar = tqdm(total=n, desc="model API", unit="req")
+            pending = set(futures)
+            while pending:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                # a bounded wait: the main thread wakes up for Ctrl-C even where a blocked wait would not
+                done, pending = wait(
+                    pending, timeout=0.25 if left is None else min(left, 0.25), return_when=FIRST_COMPLETED
+                )
+                for f in done:
+                    try:
+                        results[futures[f]] = f.result()
+                    except ApiError as e:
+                        results[futures[f]] = e
+                    if bar is not None:
+                        bar.update(1)
+            if pending:  # the deadline passed
+                cancel.set()
+                for f in pending:
+                    f.cancel()
+                    results[futures[f]] = ApiCancelled(
+                        f"cancelled: the batch's deadline of {deadline_s:g} s passed before this request finished"
+                    )
+        except BaseException:
+            cancel.set()
+            raise
+        finally:
+            # never wait for queued work (cancel_futures) nor for requests in flight (they stop at their
+            # next attempt, or at the request timeout)
+            pool.shutdown(wait=not cancel.is_set(), cancel_futures=True)
+            if bar is not None:
+                bar.close()
         if not return_exceptions:
             errors = [r for r in results if isinstance(r, ApiError)]
             if errors:
-                raise next((e for e in errors if not isinstance(e, ApiSkipped)), errors[0])
+                raise next((e for e in errors if not isinstance(e, (ApiSkipped, ApiCancelled))), errors[0])
         return results
 
     # -------------------------------------------------------------------------------------- transport
     def _request(
-        self, method: str, path: str, payload: Any = None, model: str | None = None
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        model: str | None = None,
+        cancel: threading.Event | None = None,
     ) -> tuple[httpx.Response, str]:
         url = f"{self.base_url}/v1{path}"
         attempts = self.retries + 1
         for attempt in range(1, attempts + 1):
+            if cancel is not None and cancel.is_set():
+                raise ApiCancelled(f"not sent: the batch was cancelled (attempt {attempt}/{attempts})")
             rid = uuid.uuid4().hex[:12]
             headers = {
                 "Authorization": f"Bearer {self._key.reveal()}",
@@ -522,7 +386,7 @@ class ApiClient:
                 if retryable and attempt < attempts:
                     delay = self._backoff(attempt)
                     log.debug("req=%s retrying in %.2f s", rid, delay)
-                    time.sleep(delay)
+                    self._sleep(delay, cancel)
                     continue
                 raise err from None
             ms = (time.perf_counter() - t0) * 1000
@@ -541,12 +405,19 @@ class ApiClient:
             if resp.status_code in RETRY_STATUSES and attempt < attempts:
                 delay = self._retry_delay(resp, attempt)
                 log.debug("req=%s retrying in %.2f s", rid, delay)
-                time.sleep(delay)
+                self._sleep(delay, cancel)
                 continue
             if resp.status_code >= 300:
                 raise self._status_error(resp, rid, method, attempt, model)
             return resp, rid
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    @staticmethod
+    def _sleep(seconds: float, cancel: threading.Event | None) -> None:
+        if cancel is None:
+            time.sleep(seconds)
+        elif cancel.wait(seconds):  # cancelled while waiting to retry: the loop raises ApiCancelled
+            return
 
     def _backoff(self, attempt: int) -> float:
         # equal jitter: half fixed, half random, so clients that failed together do not retry together
@@ -554,20 +425,11 @@ class ApiClient:
         return d / 2 + self._rng.uniform(0, d / 2)
 
     def _retry_delay(self, resp: httpx.Response, attempt: int) -> float:
-        value = resp.headers.get("retry-after", "").strip()
-        wait: float | None = None
-        if value:
-            try:
-                wait = float(value)
-            except ValueError:
-                try:
-                    wait = parsedate_to_datetime(value).timestamp() - time.time()
-                except (TypeError, ValueError, IndexError):
-                    wait = None
-        if wait is None:
+        wait = retry_after_seconds(resp.headers.get("retry-after"))
+        if wait is None:  # absent or not a valid value: our own backoff
             return self._backoff(attempt)
         # the server said when: wait that long (capped), plus a little jitter
-        return min(max(wait, 0.0), self.retry_after_max_s) + self._rng.uniform(0, self.backoff_s / 10)
+        return min(wait, self.retry_after_max_s) + self._rng.uniform(0, self.backoff_s / 10)
 
     def _connection_error(self, e: httpx.HTTPError, url: str, rid: str, attempt: int) -> ApiConnectionError:
         kind = _classify(e)
@@ -668,6 +530,28 @@ class ApiClient:
         elif status in RETRY_STATUSES:
             hint = f" Gave up after {attempt} attempts (rate limit or server trouble): retry later."
         return ApiStatusError(self._redact(lead + hint + said), **kw)
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait (RFC 9110: delay-seconds or an HTTP date), or None
+    for anything else (empty, negative, NaN, garbage, a date that cannot be read). Never raises; a date in
+    the past means 0. The caller caps the result."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    try:
+        seconds = float(v)
+    except ValueError:
+        seconds = None
+    if seconds is not None:
+        return None if math.isnan(seconds) or seconds < 0 else seconds  # inf: the caller's cap
+    try:
+        when = parsedate_to_datetime(v)
+        if when.tzinfo is None:  # "-0000" or no zone: HTTP dates are always GMT
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    except Exception:  # any unreadable header means "no advice", never an error
+        return None
 
 
 def _classify(e: BaseException) -> str:

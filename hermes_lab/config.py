@@ -101,6 +101,12 @@ class GrpoSection:
     kl_warn: float = _f(0.5, "Health guard: warn 'raise kl_coefficient' when KL exceeds this.")
     zero_std_warn: float = _f(0.8, "Health guard: warn 'raise temperature' when frac_reward_zero_std exceeds this.")
     max_train_prompts: int = _f(0, "Cap on GRPO prompts per round (0: all).")
+    save_steps: int = _f(
+        0,
+        "Save a checkpoint (LoRA adapter + optimizer state) under <output>/trl/ every N steps, so `train "
+        "--resume` continues from the last one. 0: about four times a run (ceil(max_steps / 4), at most 50).",
+    )
+    save_total_limit: int = _f(2, "Checkpoints kept under <output>/trl/ (the oldest are deleted).")
 
 
 @dataclass
@@ -122,6 +128,13 @@ class RewardSection:
     judge_concurrency: int = _f(8, "Concurrent judge requests.")
     judge_timeout_s: float = _f(30.0, "Judge request timeout in seconds.")
     judge_retries: int = _f(4, "Retries on 429/5xx/timeouts, with exponential backoff.")
+    max_judge_failure_rate: float = _f(
+        0.2,
+        "Training stops when more than this share of the last judge_failure_window judged samples failed "
+        "(a 429/5xx after the retries, a timeout, a reply without a score). Below it a failed sample falls "
+        "back to its group's mean judge score, or to the system reward alone (see hermes_lab.rewards).",
+    )
+    judge_failure_window: int = _f(200, "Judged samples over which max_judge_failure_rate is measured.")
 
 
 @dataclass
@@ -140,6 +153,12 @@ class DataSection:
         "long' (read in bounded memory); valid lines below it are accepted however long.",
     )
     seed: int = _f(0, "Seed of the human review sample (the same data and seed give the same sample).")
+    memory_budget_mb: int = _f(
+        512,
+        "Prep's memory budget for record text, in MiB: lines are read in batches and the per-prompt tables "
+        "are built in on-disk partitions sized to fit it, so peak memory does not grow with the input's size "
+        "(only ~60 bytes of fixed-size fields per accepted record are kept for the whole input).",
+    )
 
 
 @dataclass
@@ -506,6 +525,18 @@ def _check(cfg: HermesConfig, src: str) -> None:
     for k in ("max_bad_fraction", "holdout_fraction", "review_fraction"):
         if not 0 <= getattr(d, k) <= 1:
             bad(f"data.{k}", "must lie in [0, 1]")
+    if d.max_line_bytes < 1024:
+        bad("data.max_line_bytes", f"must be >= 1024, got {d.max_line_bytes}")
+    if d.memory_budget_mb < 64:
+        bad("data.memory_budget_mb", f"must be >= 64 (MiB), got {d.memory_budget_mb}")
+    if not 0 <= r.max_judge_failure_rate <= 1:
+        bad("reward.max_judge_failure_rate", f"must lie in [0, 1], got {r.max_judge_failure_rate}")
+    if r.judge_failure_window < 1:
+        bad("reward.judge_failure_window", "must be >= 1")
+    if g.save_steps < 0:
+        bad("grpo.save_steps", "must be >= 0 (0: about four checkpoints a run)")
+    if g.save_total_limit < 1:
+        bad("grpo.save_total_limit", "must be >= 1 (--resume needs the last checkpoint)")
     if cfg.lora.r < 1:
         bad("lora.r", "must be >= 1")
     if not 0 < cfg.ab.traffic_ratio <= 1:
@@ -616,6 +647,9 @@ def load_config(
         raise ConfigError(f"{src}: {e}") from None
     cfg.source = src if path is not None else None
     _check(cfg, src)
+    from hermes_lab.redaction import register_secret_env  # their values are masked wherever we log or print
+
+    register_secret_env(cfg.model.api_key_env, cfg.reward.api_key_env)
     return cfg
 
 

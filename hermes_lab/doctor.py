@@ -240,23 +240,36 @@ def _base_check(t: Target, name: str) -> tuple[Check, str | None]:
     p = urlsplit(root)
     host = (p.hostname or "").lower()
     raw = (t.base_url or "").strip().rstrip("/")
+    root_shown = api.safe_url(root)  # no user:password@ in the table
     note = "" if raw in (root, root + "/v1") else f" ('{api.safe_url(raw)}' holds an endpoint path; using the root)"
     if host in api.SDK_DEFAULT_HOSTS:
         return Check(
             name,
             WARN,
-            f"{root} is the OpenAI SDK default base URL: a key from another provider gets "
+            f"{root_shown} is the OpenAI SDK default base URL: a key from another provider gets "
             f"401 there; is {t.label} meant to point at it?{note}",
         ), root
     if p.scheme == "http" and not (host in ("localhost", "::1") or host.startswith("127.")):
-        return Check(name, WARN, f"{root} is plain http: the key travels unencrypted{note}"), root
-    return Check(name, PASS, f"{root} (requests go to {root}/v1/...){note}"), root
+        return Check(name, WARN, f"{root_shown} is plain http: the key travels unencrypted{note}"), root
+    return Check(name, PASS, f"{root_shown} (requests go to {root_shown}/v1/...){note}"), root
+
+
+def _key_error(key_env: str) -> str | None:
+    """What the API client would refuse in this key (the same check, the same words), or None."""
+    try:
+        api.load_key(key_env)
+    except api.ApiConfigError as e:
+        return str(e)
+    return None
 
 
 def _key_check(t: Target, name: str) -> Check:
     value = os.environ.get(t.key_env, "")
     if not value.strip():
         return Check(name, SKIP, f"{t.key_env} is not set (see variables)")
+    problem = _key_error(t.key_env)
+    if problem:  # refused before any request, and no part of the key is shown
+        return Check(name, FAIL, problem)
     kind, why = api.describe_key(value)
     if kind == "api_key":
         return Check(name, PASS, f"{t.key_env}: {why}, fingerprint {api.key_fingerprint(value.strip())}")
@@ -271,8 +284,8 @@ def _endpoint_checks(t: Target, prefix: str, timeout: float, chat: bool) -> list
     name = prefix + "GET /v1/models"
     ids: list[str] | None = None
     client = None
-    if root is None or not os.environ.get(t.key_env, "").strip():
-        out.append(Check(name, SKIP, "not sent: needs a valid base URL and the key"))
+    if root is None or not os.environ.get(t.key_env, "").strip() or _key_error(t.key_env):
+        out.append(Check(name, SKIP, "not sent: needs a valid base URL and a well-formed key"))
     else:
         try:
             # no retries: the doctor reports what a single request meets, fast
@@ -281,7 +294,11 @@ def _endpoint_checks(t: Target, prefix: str, timeout: float, chat: bool) -> list
             ids = client.list_models()
             ms = (time.perf_counter() - t0) * 1000
             listed = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
-            out.append(Check(name, PASS, f"200 from {root}/v1/models in {ms:.0f} ms: {len(ids)} models ({listed})"))
+            out.append(
+                Check(
+                    name, PASS, f"200 from {api.safe_url(root)}/v1/models in {ms:.0f} ms: {len(ids)} models ({listed})"
+                )
+            )
         except api.ApiError as e:
             out.append(Check(name, FAIL, str(e)))
     for where, mid in t.models:
@@ -304,7 +321,7 @@ def _endpoint_checks(t: Target, prefix: str, timeout: float, chat: bool) -> list
                     mname,
                     FAIL,
                     f"wrong model id: {where}='{mid}' is not among the {len(ids)} models "
-                    f"served at {root}; {seen}. A wrong model id makes chat answer an error page "
+                    f"served at {api.safe_url(root)}; {seen}. A wrong model id makes chat answer an error page "
                     "('Error reading choices')",
                 )
             )
@@ -355,11 +372,21 @@ def run_checks(
     checks += _proxy_checks(roots, timeout)
     for t in targets:
         prefix = f"[{t.label}] " if len(targets) > 1 else ""
-        checks += _endpoint_checks(t, prefix, timeout, chat)
+        try:
+            checks += _endpoint_checks(t, prefix, timeout, chat)
+        except Exception as e:  # the doctor reports, it never crashes: a bug here is one more FAIL row
+            checks.append(
+                Check(f"{prefix}doctor", FAIL, f"internal error while checking {t.label}: {type(e).__name__}: {e}")
+            )
     keys = [os.environ.get(n, "").strip() for n in {key_env, *(t.key_env for t in targets)}]
     for c in checks:
-        c.detail = api.redact(c.detail, *keys)
+        c.detail = api.redact(_printable(c.detail), *keys)
     return checks
+
+
+def _printable(text: str) -> str:
+    """Text any terminal can print: undecodable bytes (surrogate escapes from the environment) shown as \\x.."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def render(checks: list[Check], file=None) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hermes_lab.jsonl import iter_objects
+from hermes_lab.jsonl import iter_objects, write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -757,6 +757,10 @@ def inspect_run(
     df = load_curves(train_dir, run_id=run_id, runs_dir=runs_dir)
     others = load_comparisons(list(compare or []), runs_dir=runs_dir)
     diags = diagnose_with_config(df, cfg)
+    from hermes_lab.train_state import judge_diagnostic  # the API judge's failure share, from health.json
+
+    if (judge := judge_diagnostic(train_dir, cfg.reward.max_judge_failure_rate)) is not None:
+        diags.append(judge)
     out_dir = Path(out_dir)
     plots = plot_curves(df, out_dir / "plots", compare=others, diagnostics=diags, close=close)
     report = {
@@ -772,7 +776,7 @@ def inspect_run(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "diagnostics.json"
-    path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    write_json_atomic(path, report)
     if mlflow.active_run() is not None:
         mlflow.log_artifact(str(path))
         mlflow.set_tag("diagnostics.worst", report["worst"])

@@ -17,7 +17,8 @@ the ``comparison`` reward and ``reward.model`` set:
 
 In code: ``ApiJudge.from_config(cfg).score(prompts, responses, references)``. ``parse_score`` reads a
 reply ('4', 'Score: 4/5', '8/10' rescaled, ...); a reply without a usable score raises JudgeParseError
-quoting it, and is not cached.
+quoting it, and is not cached. Training uses ``score_or_none``: a failed or unparsable judgement fails
+its own sample only (``hermes_lab.rewards`` decides the fallback and when too many failures stop training).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.api import ApiClient, ApiConfigError, ApiError, ApiSkipped
+from hermes_lab.api import ApiAuthError, ApiClient, ApiConfigError, ApiError, ApiSkipped
 
 # the judge's warnings stay on the API's logger, where doctor --debug and users' logging settings look
 log = logging.getLogger("hermes_lab.api")
@@ -123,7 +124,8 @@ class ApiJudge:
 
     Asks ``model`` once per distinct (prompt, response, reference), ``concurrency`` at a time, with the
     client's retries; answers are cached on disk (key: sha256 of model, prompt, response, reference,
-    scale and prompt version), so a rerun asks only for what is new. ``stats`` counts requests and hits."""
+    scale and prompt version), so a rerun asks only for what is new. ``stats`` counts requests, cache hits
+    and failed requests. ``score`` raises the first failure; ``score_or_none`` fails per sample."""
 
     def __init__(
         self,
@@ -145,7 +147,7 @@ class ApiJudge:
         self.scale, self.concurrency = float(scale), concurrency
         self.temperature, self.max_tokens = temperature, max_tokens
         self.cache = _JsonlCache(cache_path)
-        self.stats = {"requests": 0, "cache_hits": 0}
+        self.stats = {"requests": 0, "cache_hits": 0, "failed": 0}
 
     @classmethod
     def from_config(cls, cfg: Any, cache_path: str | os.PathLike[str] | None = None, **client_kw: Any) -> ApiJudge:
@@ -183,12 +185,27 @@ class ApiJudge:
     ) -> list[float]:
         """Scores on 0..scale, one per response. Raises the first error (typed) once every other answer
         is cached, so a rerun only asks again for what failed."""
+        scores, errors = self.score_or_none(prompts, responses, references, progress)
+        failures = [e for e in errors if e is not None]
+        if failures:
+            raise next((e for e in failures if not isinstance(e, ApiSkipped)), failures[0])
+        return [float(s) for s in scores]  # type: ignore[arg-type]
+
+    def score_or_none(
+        self, prompts: Sequence[str], responses: Sequence[str], references: Sequence[str], progress: bool | None = None
+    ) -> tuple[list[float | None], list[ApiError | None]]:
+        """Per-sample scores: (score or None, error or None) for each response, in order.
+
+        A failed request (429/5xx after the retries, a timeout, a bad body) or an unparsable reply fails
+        only its own samples: they get None and their error, the rest are scored (and cached). An auth or
+        config error is raised instead: it is not a fault of one sample, every request would meet it."""
         if not len(prompts) == len(responses) == len(references):
             raise ValueError(
                 f"judge: prompts ({len(prompts)}), responses ({len(responses)}) and references "
                 f"({len(references)}) must have the same length"
             )
         scores: list[float | None] = [None] * len(prompts)
+        errors: list[ApiError | None] = [None] * len(prompts)
         todo: dict[str, list[int]] = {}
         for i, (p, r, ref) in enumerate(zip(prompts, responses, references)):
             key = self.cache_key(p, r, ref)
@@ -199,35 +216,40 @@ class ApiJudge:
             else:
                 todo.setdefault(key, []).append(i)
         keys = list(todo)
-        if keys:
-            batch = [self.messages(prompts[todo[k][0]], responses[todo[k][0]], references[todo[k][0]]) for k in keys]
-            self.stats["requests"] += len(keys)
-            replies = self.client.chat_many(
-                batch,
-                self.concurrency,
-                return_exceptions=True,
-                progress=len(keys) >= 100 if progress is None else progress,
-                model=self.model,
-                temperature=self.temperature,
-                max_tokens=self.max_tokens,
-            )
-            failures: list[ApiError] = []
-            for key, reply in zip(keys, replies):
-                if isinstance(reply, ApiError):
-                    failures.append(reply)
-                    continue
+        if not keys:
+            return scores, errors
+        batch = [self.messages(prompts[todo[k][0]], responses[todo[k][0]], references[todo[k][0]]) for k in keys]
+        self.stats["requests"] += len(keys)
+        replies = self.client.chat_many(
+            batch,
+            self.concurrency,
+            return_exceptions=True,
+            progress=len(keys) >= 100 if progress is None else progress,
+            model=self.model,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+        )
+        failed = 0
+        for key, reply in zip(keys, replies):
+            if not isinstance(reply, ApiError):
                 try:
                     value = parse_score(reply, self.scale)
                 except JudgeParseError as e:
-                    failures.append(e)
+                    reply = e
+                else:
+                    self.cache.put(key, {"score": value, "model": self.model, "raw": reply[:200], "ts": time.time()})
+                    for i in todo[key]:
+                        scores[i] = value
                     continue
-                self.cache.put(key, {"score": value, "model": self.model, "raw": reply[:200], "ts": time.time()})
-                for i in todo[key]:
-                    scores[i] = value
-            if failures:
-                log.warning("judge: %d of %d requests failed; the other answers are cached", len(failures), len(keys))
-                raise next((e for e in failures if not isinstance(e, ApiSkipped)), failures[0])
-        return [float(s) for s in scores]  # type: ignore[arg-type]
+            if isinstance(reply, (ApiAuthError, ApiConfigError)):
+                raise reply
+            failed += 1
+            for i in todo[key]:
+                errors[i] = reply
+        if failed:
+            self.stats["failed"] += failed
+            log.warning("judge: %d of %d requests failed; the other answers are cached", failed, len(keys))
+        return scores, errors
 
     def score_one(self, prompt: str, response: str, reference: str) -> float:
         return self.score([prompt], [response], [reference])[0]

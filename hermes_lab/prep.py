@@ -1,9 +1,10 @@
 """Distill stage: ingest execution logs, validate every line, distill them into GRPO data, apply the gates.
 
-Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``; one
-``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), the trajectories of
-rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``) and the state's
-last training time. Writes into the output dir (``runs/round-NN/prep/`` by convention):
+Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
+``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), the
+trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``) and
+the state's last training time. Inputs are only ever read. Writes into the output dir
+(``runs/round-NN/prep/`` by convention), each file through a temp file renamed into place:
 
   accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped)
   negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
@@ -14,35 +15,41 @@ last training time. Writes into the output dir (``runs/round-NN/prep/`` by conve
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason
-  summary.json        counts, gate verdicts ({name, passed, detail}), paths
+  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
 
 Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``
 (blank: empty or whitespace-only lines, skipped, not errors; duplicates: valid lines whose
 (prompt, response, task_id) was already accepted from any file, inputs first, then negatives).
 ``new_samples`` = accepted lines of the --input files: the min_samples gate counts those.
 
-Decisions: a line over ``data.max_line_bytes`` (16 MiB) is rejected as "line too long" without being held in
-memory (rejects.jsonl keeps its first 4 KiB; the source file is never modified), a valid line below it is
-accepted however long. NaN/Infinity anywhere in a line rejects it (Python's json accepts them; Arrow and
-the loss do not). Rewards outside 0..scale are rejected at ingest: that is the clip which keeps the loss
-finite. Within range, a robust z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0)
-beyond ``data.outlier_z`` flags a reward: listed, counted and kept, never dropped. The split hashes the
-task_id, so a task (and every prompt seen under a held-out task_id) lands in one set only. Negative
-prompts carry ``weight = data.negative_weight`` (1 otherwise); ``expand_by_weight(ds)`` repeats the rows.
+Decisions: every field of every line is validated (``hermes_lab.prep_ingest``: bad UTF-8, NaN/Infinity,
+numbers that overflow or cannot be converted, duplicate keys, lone surrogates anywhere, wrong types; each a
+rejected line with its number and reason). A line over ``data.max_line_bytes`` (16 MiB) is rejected as
+"line too long" without being held in memory (rejects.jsonl keeps its first 4 KiB). Rewards outside
+0..scale are rejected at ingest: that is the clip which keeps the loss finite. Within range, a robust
+z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond ``data.outlier_z`` flags a
+reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
+seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
+(1 otherwise); ``expand_by_weight(ds)`` repeats the rows. Free text that becomes an identifier (a family in a
+plot label or a metric name) is made safe where it is used (``hermes_lab.jsonl.safe_name``); the data keeps it.
+
+Memory: prep streams (``hermes_lab.prep_ingest``, ``hermes_lab.prep_distill``); record text is held within
+``data.memory_budget_mb``, plus ~60 bytes of fixed-size fields per accepted record. An input that is one of
+prep's own outputs (``--input D/accepted.jsonl --output D``) is refused before anything is opened.
 Exit codes: 0 ok, 2 bad input (PrepError), 3 a gate refused (GateRefused); summary.json is written in all three.
 
     hermes-lab prep --input runs/round-01/trajectories.jsonl --output runs/round-01/prep --params params/embedded.yaml
-    python -m hermes_lab.prep --input a.jsonl b.jsonl --output DIR [--override-cooldown --reason TEXT]
+    python -m hermes_lab.prep --input a.jsonl b.jsonl.gz --output DIR [--override-cooldown --reason TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
+import os
 import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,16 +57,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from hermes_lab import tasks
 from hermes_lab.config import ConfigError, HermesConfig, load_config
-from hermes_lab.live_log import describe_gateway
+from hermes_lab.jsonl import plot_label, write_json_atomic
+from hermes_lab.live_log import describe_gateway, expand_inputs
+from hermes_lab.prep_ingest import LINE_BITS, SINKS, Ingest, estimated_size
+from hermes_lab.prep_ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.redaction import redact
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
-BOM = b"\xef\xbb\xbf"
-REQUIRED = ("prompt", "response", "reward", "task_id")
-RAW_KEEP = 4096  # bytes of a too-long line kept in rejects.jsonl
-PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
+OUTPUT_FILES = (*(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")), "summary.json")
+OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "plots")
 
 
 class PrepError(Exception):
@@ -89,203 +97,47 @@ class PrepResult:
         return bool(self.summary.get("gates_passed"))
 
 
-class _Bad(ValueError):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
+# ---------------------------------------------------------------------------------------------- inputs
+def resolve_inputs(
+    inputs: list[str | Path], negatives: list[str | Path] | None, state: FlywheelState | None, out: Path
+) -> tuple[list[Path], list[tuple[Path, int | None, str]]]:
+    """Every file prep will read: the --input files and the negatives (state's, then --negatives), with the
+    round each negative came from. The one place inputs are interpreted, and checked before anything is
+    opened or created: each must be a regular file, and none may be one of prep's own outputs in ``out``
+    (prep would replace it: ``--input D/accepted.jsonl --output D``)."""
+    ins = [Path(p) for p in inputs]
+    for p in ins:
+        if not p.is_file():
+            raise PrepError(f"input file not found (or not a regular file): {p}")
+    negs = [
+        (Path(p), _round_of(str(p), state, i), "state.negative_files")
+        for i, p in enumerate(state.negative_files if state else [])
+    ]
+    negs += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
+    for p, _, origin in negs:
+        if not p.is_file():
+            raise PrepError(f"negative file not found: {p} (listed in {origin})")
+    _refuse_own_outputs([*ins, *(p for p, _, _ in negs)], out)
+    return ins, negs
 
 
-def _no_constants(name: str) -> Any:
-    raise _Bad("NaN/Infinity not allowed", f"{name} is not valid JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constants)  # one decoder: json.loads(**kw) builds one per call
-
-
-def _kind(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
-
-
-def _check_record(obj: Any, scale: float) -> tuple[str, str, float, str, str | None]:
-    """(prompt, response, reward, task_id, family field) of a valid record, else raises _Bad."""
-    if type(obj) is not dict:
-        raise _Bad("not a JSON object", f"got a JSON {_kind(obj)}")
-    for k in REQUIRED:
-        if k not in obj:
-            raise _Bad(f"missing field '{k}'", f"required: {', '.join(REQUIRED)}; present: {', '.join(list(obj)[:12])}")
-    prompt, response, reward, task_id = obj["prompt"], obj["response"], obj["reward"], obj["task_id"]
-    if type(prompt) is not str:
-        raise _Bad("prompt not a string", f"prompt is a JSON {_kind(prompt)}")
-    if not prompt.strip():
-        raise _Bad("empty prompt")
-    if type(response) is not str:
-        raise _Bad("response not a string", f"response is a JSON {_kind(response)}")
-    if type(reward) is not float and type(reward) is not int:  # bool is not a reward; neither is "4.2"
-        raise _Bad("reward not a number", f"reward is a JSON {_kind(reward)}: {str(reward)[:40]}")
-    if not 0 <= reward <= scale:  # 1e999 parses to inf: caught here too
-        raise _Bad("reward out of range", f"reward {reward} outside 0..{scale:g}")
-    if type(task_id) is int:  # numeric ids are common in exports; the split hashes the text
-        task_id = str(task_id)
-    elif type(task_id) is not str or not task_id.strip():
-        raise _Bad("bad task_id", f"task_id must be a non-empty string, got {json.dumps(task_id)[:40]}")
-    for name, s in (("prompt", prompt), ("response", response), ("task_id", task_id)):
-        if not s.isascii():
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:  # "\ud800" escapes decode to lone surrogates Arrow cannot store
-                raise _Bad("invalid Unicode", f"lone surrogate escape in {name}") from None
-    fam = obj.get("family")
-    return prompt, response, float(reward), task_id, fam if type(fam) is str and fam else None
-
-
-class _Ingest:
-    """Streams every line of every file into column lists and the four JSONL sinks."""
-
-    def __init__(self, out: Path, scale: float, max_line_bytes: int):
-        self.scale, self.cap = scale, max_line_bytes
-        self.cols: dict[str, list[Any]] = {
-            k: [] for k in ("prompt", "response", "reward", "task_id", "family", "file", "line", "negative")
-        }
-        self.seen: dict[tuple[str, str, str], str] = {}
-        self.files: list[dict[str, Any]] = []
-        self.sinks = {
-            name: open(out / f"{name}.jsonl", "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in close())
-            for name in ("accepted", "negatives", "duplicates", "rejects")
-        }
-
-    def close(self) -> None:
-        for f in self.sinks.values():
-            f.close()
-
-    def _reject(self, st: dict[str, Any], lineno: int, reason: str, detail: str, raw: bytes, **extra: Any) -> None:
-        st["rejected"] += 1
-        st["by_reason"][reason] += 1
-        if len(st["first_errors"]) < 5:
-            st["first_errors"].append(f"line {lineno}: {reason}" + (f" ({detail})" if detail else ""))
-        rec = {
-            "file": st["file"],
-            "line": lineno,
-            "reason": reason,
-            "detail": detail,
-            "raw": raw.decode("utf-8", errors="backslashreplace"),
-            **extra,
-        }
-        self.sinks["rejects"].write(json.dumps(rec) + "\n")
-
-    def scan(self, path: Path, role: str, round_no: int | None) -> dict[str, Any]:
-        from tqdm import tqdm
-
-        st: dict[str, Any] = {
-            "file": str(path),
-            "role": role,
-            "round": round_no,
-            "lines": 0,
-            "blank": 0,
-            "read": 0,
-            "accepted": 0,
-            "rejected": 0,
-            "duplicates": 0,
-            "by_reason": Counter(),
-            "first_errors": [],
-        }
-        fidx, negative = len(self.files), role == "negative"
-        self.files.append(st)
-        c = self.cols
-        c_prompt, c_resp, c_rew, c_tid, c_fam = c["prompt"], c["response"], c["reward"], c["task_id"], c["family"]
-        c_file, c_line, c_neg = c["file"], c["line"], c["negative"]
-        seen, scale, cap, decode = self.seen, self.scale, self.cap, _DECODER.decode
-        out = self.sinks["negatives" if negative else "accepted"]
-        dup_out = self.sinks["duplicates"]
-        enc = json.encoder.encode_basestring_ascii  # C encoder: a duplicate costs no dict dumps
-        file_js = enc(st["file"])
-        size = path.stat().st_size
-        bar = tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            desc=f"prep {path.name}",
-            disable=size < PROGRESS_MIN,
-            mininterval=1.0,
-        )
-        lineno = pending = read = blank = accepted = dups = 0
-        with open(path, "rb") as f:
-            readline = f.readline
-            while True:
-                raw = readline(cap + 1)  # bounded: a 1 GiB line never sits in memory whole
-                if not raw:
-                    break
-                lineno += 1
-                pending += len(raw)
-                if pending > 1 << 22:
-                    bar.update(pending)
-                    pending = 0
-                if len(raw) > cap and not raw.endswith(b"\n"):
-                    total, chunk = len(raw), raw
-                    while chunk and not chunk.endswith(b"\n"):
-                        chunk = readline(1 << 20)
-                        total += len(chunk)
-                    pending += total - len(raw)
-                    read += 1
-                    self._reject(
-                        st,
-                        lineno,
-                        "line too long",
-                        f"{total} bytes > data.max_line_bytes {cap}",
-                        raw[:RAW_KEEP],
-                        raw_truncated=True,
-                    )
-                    continue
-                line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw.rstrip(b"\r")
-                if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
-                    line = line[3:]
-                if not line.strip():
-                    blank += 1
-                    continue
-                read += 1
-                try:
-                    text = line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    self._reject(st, lineno, "not valid UTF-8", f"{e.reason} at byte {e.start}", line)
-                    continue
-                try:
-                    obj = decode(text)
-                    prompt, response, reward, task_id, fam = _check_record(obj, scale)
-                except _Bad as e:
-                    self._reject(st, lineno, e.reason, e.detail, line)
-                    continue
-                except json.JSONDecodeError as e:
-                    self._reject(st, lineno, "malformed JSON", f"{e.msg} at column {e.colno}", line)
-                    continue
-                except RecursionError:
-                    self._reject(st, lineno, "malformed JSON", "nested too deeply", line)
-                    continue
-                key = (prompt, response, task_id)
-                first = seen.get(key)
-                if first is not None:
-                    dups += 1
-                    dup_out.write(
-                        f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {enc(first)}, "raw": {enc(text)}}}\n'
-                    )
-                    continue
-                seen[key] = f"{st['file']}:{lineno}"
-                accepted += 1
-                if negative:
-                    obj["_negative"] = {"file": st["file"], "round": round_no}
-                    out.write(json.dumps(obj) + "\n")  # ASCII escapes: extra fields may hold lone surrogates
-                else:
-                    out.write(text + "\n")
-                c_prompt.append(prompt)
-                c_resp.append(response)
-                c_rew.append(reward)
-                c_tid.append(task_id)
-                c_fam.append(fam)
-                c_file.append(fidx)
-                c_line.append(lineno)
-                c_neg.append(negative)
-        bar.update(pending)
-        bar.close()
-        st.update(lines=lineno, read=read, blank=blank, accepted=accepted, duplicates=dups)
-        return st
+def _refuse_own_outputs(files: list[Path], out: Path) -> None:
+    root = out.resolve()
+    owned = [root / n for n in OUTPUT_FILES]
+    for f in files:
+        r = f.resolve()
+        try:
+            top = r.relative_to(root).parts[0]
+        except ValueError:  # not under the output dir
+            top = ""
+        hit = top in OUTPUT_FILES or top in OUTPUT_DIRS or top.startswith(".prep-")  # .prep-*: prep's temp dirs
+        same = next((o for o in owned if o.exists() and os.path.samefile(o, f)), None)  # a hard link
+        if hit or same is not None:
+            name = top if hit else same.name  # type: ignore[union-attr]
+            raise PrepError(
+                f"input {f} is {name}, one of prep's own outputs in --output {out}: prep would replace it. "
+                "Copy it elsewhere first, or write to another --output directory."
+            )
 
 
 def _round_of(path: str, state: FlywheelState | None, index: int) -> int | None:
@@ -300,173 +152,10 @@ def _round_of(path: str, state: FlywheelState | None, index: int) -> int | None:
     return None
 
 
-def _families(prompts: list[str], fields: list[str | None]) -> list[str]:
-    """The record's own "family" field, else the embedded task family of the prompt, else "unknown"."""
-    cache: dict[str, str] = {}
-    out = []
-    for p, fam in zip(prompts, fields):
-        if fam is None:
-            fam = cache.get(p)
-            if fam is None:
-                fam = cache[p] = tasks.family_of(p) or "unknown"
-        out.append(fam)
-    return out
-
-
-def _outliers(rewards: Any, z_max: float) -> tuple[Any, dict[str, Any]]:
-    """Robust z-scores (median / 1.4826*MAD; 1.2533*MeanAD when MAD is 0) and what was used."""
-    import numpy as np
-
-    if len(rewards) == 0:
-        return np.zeros(0), {"method": "robust_z", "z": z_max, "median": None, "sigma": None}
-    med = float(np.median(rewards))
-    dev = np.abs(rewards - med)
-    sigma = 1.4826 * float(np.median(dev))
-    if sigma == 0:  # more than half the rewards equal (e.g. all passes): fall back to the mean deviation
-        sigma = 1.2533 * float(dev.mean())
-    z = (rewards - med) / sigma if sigma > 0 else np.zeros(len(rewards))
-    return z, {"method": "robust_z", "z": z_max, "median": med, "sigma": sigma}
-
-
-def _split_of(task_id: str, fraction: float, cache: dict[str, bool]) -> bool:
-    """True when the task_id is held out: first 8 hex of sha1(task_id) / 0xFFFFFFFF < fraction."""
-    held = cache.get(task_id)
-    if held is None:
-        held = int(hashlib.sha1(task_id.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
-        cache[task_id] = held
-    return held
-
-
-class _Prompt:
-    """One row of the GRPO / held-out prompt set, accumulated over the records of its prompt."""
-
-    __slots__ = ("family", "n", "n_out", "neg_round", "neg_source", "ref_reward", "reference", "task_id", "total")
-
-    def __init__(self, task_id: str | None, family: str, response: str, reward: float):
-        self.task_id, self.family, self.reference, self.ref_reward = task_id, family, response, reward
-        self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
-
-
-def _group(
-    ing: _Ingest, fams: list[str], is_out: Any, frac: float
-) -> tuple[dict[str, _Prompt], dict[str, _Prompt], int]:
-    """Split by task_id hash and group by prompt. A prompt also logged under a held-out task_id is held out
-    whole (no prompt leaks either); a held-out row always names a held-out task_id."""
-    c, files = ing.cols, ing.files
-    cache: dict[str, bool] = {}
-    held = [_split_of(t, frac, cache) for t in c["task_id"]]
-    held_prompts = {p for p, h in zip(c["prompt"], held) if h}
-    groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
-    moved = 0
-    for i, (p, resp, r, tid, neg) in enumerate(
-        zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])
-    ):
-        h = held[i] or p in held_prompts
-        moved += h and not held[i]
-        g = groups[h].get(p)
-        if g is None:
-            g = groups[h][p] = _Prompt(tid if held[i] or not h else None, fams[i], resp, r)
-        elif r > g.ref_reward:  # reference: the highest-reward logged response (the first one on ties)
-            g.reference, g.ref_reward = resp, r
-        if g.task_id is None and held[i]:
-            g.task_id = tid
-        g.n += 1
-        g.total += r
-        g.n_out += int(is_out[i])
-        if neg and g.neg_source is None:
-            g.neg_source, g.neg_round = files[c["file"][i]]["file"], files[c["file"][i]]["round"]
-    return groups[0], groups[1], moved
-
-
-def _prompt_table(groups: dict[str, _Prompt], neg_weight: int) -> Any:
-    import pyarrow as pa
-
-    gs = list(groups.values())
-    return pa.table(
-        {
-            "prompt": pa.array(list(groups), pa.string()),
-            "task_id": pa.array([g.task_id for g in gs], pa.string()),
-            "family": pa.array([g.family for g in gs], pa.string()),
-            "reference": pa.array([g.reference for g in gs], pa.string()),
-            "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
-            "n_logged": pa.array([g.n for g in gs], pa.int64()),
-            "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
-            "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
-            "weight": pa.array([neg_weight if g.neg_source is not None else 1 for g in gs], pa.int64()),
-            "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
-            "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
-            "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
-        }
-    )
-
-
 def expand_by_weight(dataset: Any) -> Any:
     """The GRPO prompt set with every row repeated ``weight`` times (hard negative prompts count more)."""
     idx = [i for i, w in enumerate(dataset["weight"]) for _ in range(max(1, int(w)))]
     return dataset.select(idx)
-
-
-def _save_datasets(tables: dict[str, Any], out: Path) -> dict[str, Path]:
-    import datasets
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # two "Saving the dataset" bars per round say nothing
-    paths = {}
-    try:
-        for name, table in tables.items():
-            paths[name] = out / name
-            shutil.rmtree(paths[name], ignore_errors=True)  # a rerun into the same dir leaves no stale shards
-            datasets.Dataset(table).save_to_disk(str(paths[name]))
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-    return paths
-
-
-def _review_sample(ing: _Ingest, fams: list[str], cfg: HermesConfig, path: Path) -> dict[str, Any]:
-    """Stratified (family x reward band) share of the new records, at least one per non-empty stratum,
-    ranked by a seeded hash of the review id: the same records give the same sample in any order."""
-    c, scale = ing.cols, float(cfg.reward.scale)
-    low, high = 0.3 * scale, cfg.reward.success_threshold  # on the 5 scale: low < 1.5, high >= 3
-    seed, rf = cfg.data.seed, cfg.data.review_fraction
-    strata: dict[tuple[str, str], list[tuple[bytes, str, int]]] = {}
-    for i, (p, resp, r, tid, neg) in enumerate(
-        zip(c["prompt"], c["response"], c["reward"], c["task_id"], c["negative"])
-    ):
-        if neg:
-            continue
-        rid = hashlib.sha1((tid + p + resp).encode("utf-8")).hexdigest()[:12]
-        band = "low" if r < low else "high" if r >= high else "mid"
-        strata.setdefault((fams[i], band), []).append((hashlib.sha1(f"{seed}:{rid}".encode()).digest(), rid, i))
-    picked = []
-    for members in strata.values():
-        k = 0 if rf <= 0 else max(1, int(rf * len(members) + 0.5))
-        picked += sorted(members)[:k]
-    with open(path, "w", encoding="utf-8") as f:
-        for _, rid, i in sorted(picked):
-            p, resp, r = c["prompt"][i], c["response"][i], c["reward"][i]
-            f.write(
-                json.dumps(
-                    {
-                        "review_id": rid,
-                        "task_id": c["task_id"][i],
-                        "family": fams[i],
-                        "prompt": p,
-                        "response": resp,
-                        "reward": r,
-                        "reward_band": "low" if r < low else "high" if r >= high else "mid",
-                        "simulated_label": tasks.verify(p, resp, scale) if tasks.family_of(p) else None,
-                    }
-                )
-                + "\n"
-            )  # ASCII escapes: readers that splitlines() must not split on U+2028
-    return {
-        "fraction": rf,
-        "seed": seed,
-        "population": sum(map(len, strata.values())),
-        "size": len(picked),
-        "strata": {f"{fa}|{b}": len(m) for (fa, b), m in sorted(strata.items())},
-    }
 
 
 def _fmt_span(td: timedelta) -> str:
@@ -528,31 +217,34 @@ def _save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
-def _plots(out: Path, fams: list[str], rewards: Any, by_reason: Counter, scale: float) -> dict[str, Path]:
+def _plots(
+    out: Path, fam_names: list[str], fam_ids: Any, rewards: Any, by_reason: Counter, scale: float
+) -> dict[str, Path]:
     import numpy as np
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    fam_arr = np.asarray(fams, dtype=object)
-    for fam, count in Counter(fams).most_common(8):
+    counts = np.bincount(fam_ids, minlength=len(fam_names)) if len(fam_ids) else np.zeros(0, np.int64)
+    top = sorted(range(len(counts)), key=lambda i: -counts[i])[:8]  # ties: first seen first, like most_common
+    for fid in top:
         ax.hist(
-            rewards[fam_arr == fam],
+            rewards[fam_ids == fid],
             bins=np.linspace(0, scale, 21),
             histtype="step",
             linewidth=1.5,
-            label=f"{fam} (n={count})",
+            label=f"{plot_label(fam_names[fid])} (n={counts[fid]})",  # "$x^2$", "_x": no mathtext, no hidden entry
         )
     ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
-    if fams:
+    if top:
         ax.legend(fontsize=8)
     paths = {"plot_rewards": _save_figure(fig, out / "plots" / "reward_by_family.png")}
     fig = Figure(figsize=(7, 3))
     ax = fig.subplots()
     if by_reason:
-        reasons, counts = zip(*by_reason.most_common())
-        ax.barh(list(reasons)[::-1], list(counts)[::-1], color="tab:red")
+        reasons, n = zip(*by_reason.most_common())
+        ax.barh([plot_label(r) for r in reasons][::-1], list(n)[::-1], color="tab:red")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel="lines", title="Rejected lines by reason")
     else:
@@ -567,12 +259,12 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
         return
     import mlflow
 
-    from hermes_lab.tracking import log_params
+    from hermes_lab import tracking
 
     if mlflow.active_run() is None:
         return
     ov = summary["override"]
-    log_params(
+    tracking.log_params(
         {
             "prep.inputs": ",".join(summary["inputs"]),
             "prep.negatives": ",".join(summary["negatives"]),
@@ -581,7 +273,7 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
         }
     )
     mlflow.log_metrics({f"prep.{k}": float(v) for k, v in summary["counts"].items()})
-    mlflow.set_tags(
+    tracking.set_tags(
         {
             "prep.status": summary["status"],
             "prep.gates_passed": str(summary["gates_passed"]).lower(),
@@ -595,7 +287,13 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
 
 def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
     summary["paths"] = {k: str(v) for k, v in paths.items()}
-    paths["summary"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    write_json_atomic(paths["summary"], summary)  # the round runner reads it back
+
+
+def _partitions(files: list[Path], budget: int) -> int:
+    """How many prompt partitions keep one partition's text (and its Python objects, ~3x) within half the budget."""
+    est = sum(estimated_size(p) for p in files)
+    return max(1, math.ceil(3 * est / (budget / 2)))
 
 
 def run_prep(
@@ -611,129 +309,61 @@ def run_prep(
     make_plots: bool = True,
 ) -> PrepResult:
     """Ingest, validate, distill and gate. Raises PrepError (bad input) or GateRefused, after writing summary.json."""
-    import numpy as np
-
     t0 = time.perf_counter()
     if override_cooldown and not override_reason.strip():
         raise PrepError("--override-cooldown needs a --reason (it is recorded in MLflow and summary.json)")
-    if cfg.data.max_line_bytes < 1024:
-        raise ConfigError("data.max_line_bytes: must be >= 1024")
     if not inputs:
         raise PrepError("no input file given")
     if clock is None:
         clock = state.clock(True) if state is not None and cfg.round.simulated_clock else WallClock()
-    neg_files = [
-        (Path(p), _round_of(str(p), state, i), "state.negative_files")
-        for i, p in enumerate(state.negative_files if state else [])
-    ]
-    neg_files += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
-    from hermes_lab.live_log import expand_inputs  # a gateway log dir -> its requests joined with their feedback
-
-    inputs, gateway = expand_inputs(list(inputs), output_dir, cfg)
-    for p in map(Path, inputs):
-        if not p.is_file():
-            raise PrepError(f"input file not found (or not a regular file): {p}")
-    for p, _, origin in neg_files:
-        if not p.is_file():
-            raise PrepError(f"negative file not found: {p} (listed in {origin})")
     out = Path(output_dir)
+    # a gateway log dir -> its requests joined with their feedback (hermes_lab.live_log), then the plain files
+    inputs, gateway = expand_inputs(list(inputs), out, cfg)
+    in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
     out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        n: out / f"{n}.jsonl" for n in ("accepted", "negatives", "duplicates", "rejects", "outliers", "review_queue")
-    } | {"summary": out / "summary.json"}
-    ing = _Ingest(out, float(cfg.reward.scale), cfg.data.max_line_bytes)
+    paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
+    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # sinks in progress and spills; removed whatever happens
     try:
-        files = [ing.scan(Path(p), "input", None) for p in inputs]
-        files += [ing.scan(p, "negative", r) for p, r, _ in neg_files]
+        ing = Ingest(
+            tmp,
+            float(cfg.reward.scale),
+            cfg.data.max_line_bytes,
+            cfg.data.memory_budget_mb << 20,
+            _partitions([*in_files, *(p for p, _, _ in neg_files)], cfg.data.memory_budget_mb << 20),
+            cfg,
+        )
+        try:
+            files = [ing.scan(p, "input", None) for p in in_files]
+            files += [ing.scan(p, "negative", r) for p, r, _ in neg_files]
+        finally:
+            ing.close()
+        ing.commit(paths)
+        t_ingest = time.perf_counter()
+        summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
+        summary["gateway"] = gateway
+        too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
+        if too_bad:
+            summary["status"] = "bad_input"
+            _write_summary(summary, paths)
+            _log_mlflow(summary, paths)
+            msgs = [
+                f"{f['file']}: {f['rejected']} of {f['read']} non-blank lines rejected "
+                f"({f['rejected'] / f['read']:.1%} > data.max_bad_fraction {cfg.data.max_bad_fraction:.0%}); "
+                f"first: {'; '.join(f['first_errors'])}"
+                for f in too_bad
+            ]
+            raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
+        _distill(ing, cfg, summary, paths, out, tmp, make_plots)
     finally:
-        ing.close()
-    t_ingest = time.perf_counter()
-    counts = {k: sum(f[k] for f in files) for k in ("lines", "blank", "read", "accepted", "rejected", "duplicates")}
-    counts["new_samples"] = sum(f["accepted"] for f in files if f["role"] == "input")
-    counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
-    by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
-    summary: dict[str, Any] = {
-        "stage": "prep",
-        "status": "ok",
-        "now": clock.now().isoformat(),
-        "output_dir": str(out),
-        "inputs": [str(p) for p in inputs],
-        "negatives": [str(p) for p, _, _ in neg_files],
-        "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
-        "counts": counts,
-        "by_reason": dict(by_reason.most_common()),
-        "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
-        "gateway": gateway,
-        "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
-        "gates": [],
-        "gates_passed": False,
-    }
-    too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
-    if too_bad:
-        summary["status"] = "bad_input"
-        _write_summary(summary, paths)
-        _log_mlflow(summary, paths)
-        msgs = [
-            f"{f['file']}: {f['rejected']} of {f['read']} non-blank lines rejected "
-            f"({f['rejected'] / f['read']:.1%} > data.max_bad_fraction {cfg.data.max_bad_fraction:.0%}); "
-            f"first: {'; '.join(f['first_errors'])}"
-            for f in too_bad
-        ]
-        raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
-
-    c = ing.cols
-    fams = _families(c["prompt"], c["family"])
-    rewards = np.asarray(c["reward"], dtype=np.float64)
-    z, summary["outliers"] = _outliers(rewards, cfg.data.outlier_z)
-    is_out = np.abs(z) > cfg.data.outlier_z
-    with open(paths["outliers"], "w", encoding="utf-8") as f:
-        for i in np.flatnonzero(is_out).tolist():
-            f.write(
-                json.dumps(
-                    {
-                        "file": files[c["file"][i]]["file"],
-                        "line": c["line"][i],
-                        "task_id": c["task_id"][i],
-                        "reward": c["reward"][i],
-                        "z": round(float(z[i]), 3),
-                    }
-                )
-                + "\n"
-            )
-    summary["outliers"].update(
-        count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
-    )
-
-    grpo, held, moved = _group(ing, fams, is_out, cfg.data.holdout_fraction)
-    w = cfg.data.negative_weight
-    tables = {"grpo_dataset": _prompt_table(grpo, w), "heldout_dataset": _prompt_table(held, w)}
-    paths.update(_save_datasets(tables, out))
-    grpo_tids = set(tables["grpo_dataset"]["task_id"].to_pylist())
-    held_tids = set(tables["heldout_dataset"]["task_id"].to_pylist())
-    n_neg = sum(g.neg_source is not None for g in grpo.values())
-    summary["split"] = {
-        "holdout_fraction": cfg.data.holdout_fraction,
-        "grpo_prompts": len(grpo),
-        "heldout_prompts": len(held),
-        "grpo_rows_weighted": len(grpo) + n_neg * (w - 1),
-        "grpo_task_ids": len(grpo_tids),
-        "heldout_task_ids": len(held_tids),
-        "task_id_overlap": len(grpo_tids & held_tids),
-        "records_moved_to_heldout": moved,
-        "negative_prompts": n_neg,
-        "negative_weight": w,
-    }
-    summary["review"] = _review_sample(ing, fams, cfg, paths["review_queue"])
-    summary["families"] = dict(Counter(fams).most_common())
-    if make_plots:
-        paths.update(_plots(out, fams, rewards, by_reason, float(cfg.reward.scale)))
+        shutil.rmtree(tmp, ignore_errors=True)
     t_distill = time.perf_counter()
-
+    counts = summary["counts"]
     summary["gates"] = evaluate_gates(
         counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
     )
     summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
     summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
+    summary["memory"] = {"budget_mb": cfg.data.memory_budget_mb, "partitions": len(ing.part_paths)}
     summary["timing_s"] = {
         "ingest": round(t_ingest - t0, 3),
         "distill": round(t_distill - t_ingest, 3),
@@ -746,6 +376,71 @@ def run_prep(
         why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])
         raise GateRefused(f"data gates refused training: {why}. Verdicts in {paths['summary']}", result)
     return result
+
+
+def _base_summary(
+    files: list[dict[str, Any]],
+    clock: Clock,
+    out: Path,
+    in_files: list[Path],
+    neg_files: list[tuple[Path, int | None, str]],
+    override_cooldown: bool,
+    override_reason: str,
+) -> dict[str, Any]:
+    """summary.json as far as the ingest can fill it: counts per file and in total, rejects by reason."""
+    counts = {k: sum(f[k] for f in files) for k in ("lines", "blank", "read", "accepted", "rejected", "duplicates")}
+    counts["new_samples"] = sum(f["accepted"] for f in files if f["role"] == "input")
+    counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
+    by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
+    return {
+        "stage": "prep",
+        "status": "ok",
+        "now": clock.now().isoformat(),
+        "output_dir": str(out),
+        "inputs": [str(p) for p in in_files],
+        "negatives": [str(p) for p, _, _ in neg_files],
+        "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
+        "counts": counts,
+        "by_reason": dict(by_reason.most_common()),
+        "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
+        "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
+        "gates": [],
+        "gates_passed": False,
+    }
+
+
+def _distill(
+    ing: Ingest, cfg: HermesConfig, summary: dict[str, Any], paths: dict[str, Path], out: Path, tmp: Path, plots: bool
+) -> None:
+    """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
+    import numpy as np
+
+    from hermes_lab.prep_distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
+
+    cols, fam_names = ing.columns(), ing.family_names()
+    rewards = cols["reward"]
+    summary["outliers"] = outlier_stats(rewards, cfg.data.outlier_z)
+    is_out = outlier_flags(rewards, summary["outliers"])
+    picked, summary["review"] = review_selection(cols, fam_names, cfg)
+    spill_budget = (cfg.data.memory_budget_mb << 20) // 8  # one bucket's lines, sorted in memory: ~3x its bytes
+    line_bytes = ing.text_bytes / max(1, ing.n) + 200
+    review = SortedSpill(tmp, "review", 1 << (64 + LINE_BITS), int(picked.sum() * line_bytes), spill_budget)
+    outliers = SortedSpill(tmp, "outliers", ing.n, int(is_out.sum()) * 200, spill_budget)
+    distill = Distill(ing, cols, cfg, is_out, picked, summary["outliers"])
+    distill.run(review, outliers)
+    for spill, name in ((outliers, "outliers"), (review, "review_queue")):
+        spill.write_sorted(tmp / f"{name}.jsonl")
+        os.replace(tmp / f"{name}.jsonl", paths[name])
+    summary["outliers"].update(
+        count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
+    )
+    paths.update(distill.save(out))
+    summary["split"] = distill.split_summary()
+    fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
+    summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
+    if plots:
+        by_reason = Counter(summary["by_reason"])
+        paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -815,10 +510,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except GateRefused as e:
         for info in (e.result.summary.get("gateway") or {}).values():
             print(describe_gateway(info))
-        print(f"hermes-lab prep: refused: {e}", file=sys.stderr)
+        print(f"hermes-lab prep: refused: {redact(str(e))}", file=sys.stderr)
         return EXIT_REFUSED
-    except (PrepError, ConfigError) as e:
-        print(f"hermes-lab prep: error: {e}", file=sys.stderr)
+    except (PrepError, ConfigError) as e:  # details quote the data: a key that sits in it is masked
+        print(f"hermes-lab prep: error: {redact(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     k = res.summary["counts"]
     print(

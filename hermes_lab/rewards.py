@@ -12,7 +12,9 @@ Every reward lies on the user's 0..scale range (reward.scale, 5 by default):
 - ``comparison``: comparison feedback, the completion judged against the logged reference response
   (the best response prep found for that prompt). With ``reward.model`` set to a model id it asks an
   OpenAI-compatible judge (``hermes_lab.judge.ApiJudge``: batched, concurrent, retried, cached); with no
-  model or ``local`` it uses the local judge below, so the embedded default runs offline.
+  model or ``local`` it uses the local judge below, so the embedded default runs offline. A judge fault
+  is per sample (``JudgeFaults``: a documented fallback, counted in health.json); training stops only
+  when the failure share passes ``reward.max_judge_failure_rate``.
 - ``"pkg.module:function"`` in ``reward.types``: any user function, the open-r1/TRL escape hatch.
 
 Local judge, deliberately simple: similarity to a reference that passed earns up to ``scale``;
@@ -98,14 +100,20 @@ def make_comparison_reward(cfg: HermesConfig) -> RewardFn:
         from hermes_lab.judge import ApiJudge
 
         judge = ApiJudge.from_config(cfg)
+        stats = JudgeFaults(r.max_judge_failure_rate, r.judge_failure_window, judge.stats)
 
         def comparison(
             prompts: list[Any], completions: list[Any], reference: list[str] | None = None, **kw: Any
         ) -> list[float | None]:
             if reference is None:
                 raise RewardError("comparison reward needs a 'reference' column in the GRPO dataset (prep writes it)")
-            return judge.score([_text(p) for p in prompts], [_text(c) for c in completions], list(reference))
+            texts = [_text(p) for p in prompts]
+            scores, errors = judge.score_or_none(texts, [_text(c) for c in completions], list(reference))
+            out = stats.fill(texts, scores, errors)
+            stats.check()  # raises RewardError once the failure share passes reward.max_judge_failure_rate
+            return out
 
+        comparison.judge_stats = stats  # type: ignore[attr-defined]  (train writes it into health.json)
         return comparison
 
     def comparison(
@@ -127,6 +135,95 @@ REGISTRY: dict[str, Callable[[HermesConfig], RewardFn]] = {
     "system": make_system_reward,
     "comparison": make_comparison_reward,
 }
+
+
+# -------------------------------------------------------------------------------------- judge faults
+class JudgeFaults:
+    """Per-sample judge failures: the fallback, the counts, and the stop when there are too many.
+
+    Fallback for a sample whose judgement failed (a 429 or 5xx after the retries, a timeout, a reply
+    without a score): the mean comparison score of the same prompt's other completions in this batch
+    when any of them was judged, so the missing judgement moves neither way within its GRPO group; None
+    when the whole group failed, which TRL reads as "not applicable": the group is then ranked by the
+    system reward alone. (A None next to judged siblings would not do: TRL sums the weighted rewards with
+    nansum, so that completion alone would lose the comparison term and get a spurious negative advantage.)
+
+    Training stops with a RewardError when more than ``max_rate`` of the last ``window`` judged samples
+    failed (decided once 16 samples, or the whole window if smaller, have been seen)."""
+
+    MIN_DECIDE = 16
+
+    def __init__(self, max_rate: float, window: int, request_stats: dict[str, int] | None = None):
+        self.max_rate, self.window = float(max_rate), max(1, int(window))
+        self.recent: deque[bool] = deque(maxlen=self.window)
+        self.request_stats = request_stats if request_stats is not None else {}
+        self.samples = self.failures = self.imputed = self.left_to_system = 0
+        self.by_kind: dict[str, int] = {}
+        self.first_errors: list[str] = []
+
+    def fill(self, prompts: list[str], scores: list[float | None], errors: list[Any]) -> list[float | None]:
+        """The scores with the fallback applied to failed samples; counts them."""
+        ok: dict[str, list[float]] = {}
+        for p, v, e in zip(prompts, scores, errors):
+            if e is None and v is not None:
+                ok.setdefault(p, []).append(float(v))
+        out: list[float | None] = []
+        for p, v, e in zip(prompts, scores, errors):
+            failed = e is not None
+            self.samples += 1
+            self.recent.append(failed)
+            if not failed:
+                out.append(v)
+                continue
+            self.failures += 1
+            kind = type(e).__name__
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+            if len(self.first_errors) < 5:
+                from hermes_lab.redaction import redact
+
+                self.first_errors.append(redact(str(e))[:300])
+            sib = ok.get(p)
+            if sib:
+                self.imputed += 1
+                out.append(round(sum(sib) / len(sib), 4))
+            else:
+                self.left_to_system += 1
+                out.append(None)
+        return out
+
+    @property
+    def rate(self) -> float:
+        return self.failures / self.samples if self.samples else 0.0
+
+    def recent_rate(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+    def check(self) -> None:
+        n = len(self.recent)
+        if n < min(self.MIN_DECIDE, self.window) or self.recent_rate() <= self.max_rate:
+            return
+        first = self.first_errors[0] if self.first_errors else "?"
+        raise RewardError(
+            f"the comparison judge failed on {sum(self.recent)} of the last {n} samples "
+            f"({self.recent_rate():.0%} > reward.max_judge_failure_rate {self.max_rate:.0%}); first error: {first}. "
+            "Check the judge (hermes-lab doctor), then continue with --resume from the last checkpoint."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "judge_requests": int(self.request_stats.get("requests", 0)),
+            "judge_cache_hits": int(self.request_stats.get("cache_hits", 0)),
+            "judge_failed_requests": int(self.request_stats.get("failed", 0)),
+            "judge_samples": self.samples,
+            "judge_failures": self.failures,
+            "judge_failure_rate": round(self.rate, 4),
+            "imputed_from_group": self.imputed,
+            "system_reward_only": self.left_to_system,
+            "by_kind": dict(self.by_kind),
+            "first_errors": list(self.first_errors),
+            "max_failure_rate": self.max_rate,
+            "window": self.window,
+        }
 
 
 # ------------------------------------------------------------------------------------------ the guard
@@ -158,7 +255,13 @@ def _guard(fn: RewardFn, name: str, samples: SampleLog | None) -> RewardFn:
         return out
 
     guarded.__name__ = name  # TRL logs rewards/<__name__>/mean
+    guarded.judge_stats = getattr(fn, "judge_stats", None)  # type: ignore[attr-defined]
     return guarded
+
+
+def judge_faults(funcs: list[RewardFn]) -> JudgeFaults | None:
+    """The judge-fault counter of a config's reward functions (None without an API judge)."""
+    return next((f.judge_stats for f in funcs if getattr(f, "judge_stats", None) is not None), None)
 
 
 def get_reward_funcs(cfg: HermesConfig, samples: SampleLog | None = None) -> tuple[list[RewardFn], list[float]]:

@@ -1,6 +1,6 @@
 """Flywheel state and the clock: what the gates need to know about earlier rounds.
 
-Reads and writes ``runs/state.json`` (atomically: write to a temp file, then rename) holding the last
+Reads and writes ``runs/state.json`` (atomically: ``hermes_lab.jsonl.write_json_atomic``) holding the last
 training time, the champion adapter, the rounds whose data is negative, and the last round number.
 
 The clock is injectable: the real one is UTC wall time; a ``SimulatedClock`` (embedded flywheel, tests)
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
+
+from hermes_lab.jsonl import write_json_atomic
 
 
 class Clock(Protocol):
@@ -70,14 +71,7 @@ class FlywheelState:
         return cls(**known)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".state-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(self), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
+        write_json_atomic(path, asdict(self))  # unique temp name, fsync, rename, fsync the directory
 
     def clock(self, simulated: bool) -> Clock:
         if not simulated:

@@ -4,6 +4,9 @@ Writes to the MLflow store: by default the SQLite file ``runs/mlflow.db`` with a
 ``runs/mlartifacts/`` (MLflow 3 refuses a plain ``./mlruns`` folder store). ``MLFLOW_TRACKING_URI``
 overrides it, e.g. an ``mlflow server`` for a team.
 
+Secrets never reach a param or a tag: ``log_params``/``set_tags`` mask them by value (``safe_params``,
+``hermes_lab.redaction``), never by the param's name.
+
 Nesting across processes: each stage notebook runs in its own kernel, so a stage run is tied to its
 round's run with the ``mlflow.parentRunId`` tag (what ``nested=True`` sets in-process).
 
@@ -14,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SECRET_KEY = re.compile(r"(api[_-]?key(?!_env)|token|secret|password|authorization|bearer)", re.I)
+from hermes_lab import redaction
 
 
 def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
@@ -55,29 +57,33 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
     return exp_id
 
 
-def secret_values() -> set[str]:
-    """Values of env vars that look like secrets; never logged, never printed."""
-    return {v for k, v in os.environ.items() if v and len(v) >= 6 and SECRET_KEY.search(k)}
+def secret_values(extra_env_names: Any = ()) -> set[str]:
+    """Every secret value known now (``hermes_lab.redaction``); never logged, never printed."""
+    return redaction.secret_values(extra_env_names)
 
 
 def redact(text: str) -> str:
-    for s in secret_values():
-        text = text.replace(s, "***")
-    return text
+    return redaction.redact(text)
 
 
 def safe_params(params: dict[str, Any]) -> dict[str, str]:
-    """Drop secret-looking keys and values; stringify and truncate (MLflow caps param values)."""
-    secrets = secret_values()
+    """Params fit for MLflow: secrets masked BY VALUE, stringified and truncated (MLflow caps values).
+
+    No key is dropped for its name (``reward.base_url``, ``execute.max_new_tokens`` and ``model.api_key_env``
+    are logged). In every value, the value of any secret variable (``hermes_lab.redaction``: secret-named,
+    key-shaped, or named by a ``*api_key_env`` param of this batch) becomes ***, as do ``user:password@``
+    in URLs and key-looking tokens."""
+    named = [v for k, v in params.items() if str(k).endswith("api_key_env") and isinstance(v, str) and v]
+    secrets = secret_values(named)
     out: dict[str, str] = {}
     for k, v in params.items():
-        if SECRET_KEY.search(k):
-            continue
-        s = str(v)
-        if any(sec in s for sec in secrets):
-            continue
-        out[k] = s[:6000]
+        out[str(k)] = redaction.redact(str(v), *secrets, env=False)[:6000]
     return out
+
+
+def safe_tags(tags: dict[str, Any]) -> dict[str, str]:
+    """Tags fit for MLflow, filtered like ``safe_params``."""
+    return safe_params(tags)
 
 
 @contextlib.contextmanager
@@ -106,6 +112,13 @@ def log_params(params: dict[str, Any]) -> None:
     items = list(clean.items())
     for i in range(0, len(items), 90):  # MLflow accepts at most 100 params per batch
         mlflow.log_params(dict(items[i : i + 90]))
+
+
+def set_tags(tags: dict[str, Any]) -> None:
+    """``mlflow.set_tags`` with secrets masked by value (``safe_tags``)."""
+    import mlflow
+
+    mlflow.set_tags(safe_tags(tags))
 
 
 def log_figure(fig: Any, path: str | os.PathLike[str]) -> Path:

@@ -4,11 +4,14 @@ Reads the GRPO prompt set (a prep output dir ``runs/round-NN/prep/``, a saved ``
 trajectories JSONL, which is run through prep first) and writes under ``--output`` (``runs/round-NN/train/``):
 ``adapter/`` (LoRA adapter + tokenizer), ``train_log.jsonl`` (every TRL log line), ``samples.jsonl``
 (completions with their rewards), ``config.yaml`` (resolved, no secrets), ``health.json`` (guard
-verdicts), ``eval.json`` (held-out pass rate before/after) and ``run.json`` (MLflow run id, base, adapter).
+verdicts, the API judge's requests and failures), ``eval.json`` (held-out pass rate before/after),
+``run.json`` (MLflow run id, base, adapter) and ``trl/`` (checkpoints every ``grpo.save_steps`` steps:
+``--resume`` continues from the last one, see ``hermes_lab.train_state``). JSON files are written atomically.
 
     python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep \
         --output runs/round-01/train
     hermes-lab train --config params/embedded.yaml --data trajectories.jsonl --output checkpoints/round-01
+    hermes-lab train ... --resume          # a killed training continues from its last checkpoint
 
 The user's keys map onto TRL and PEFT like this (TRL's own defaults are never relied on):
 
@@ -53,6 +56,9 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config import HermesConfig, dump_config, load_config
+from hermes_lab.jsonl import write_json_atomic
+from hermes_lab.redaction import redact
+from hermes_lab.train_state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
 
@@ -76,6 +82,8 @@ class TrainResult:
     warnings: list[str] = field(default_factory=list)
     eval: dict[str, Any] = field(default_factory=dict)
     flagged_prompts: int = 0
+    resumed_from: int | None = None  # the checkpoint step training continued from
+    judge: dict[str, Any] | None = None  # the API judge's request/failure counts (hermes_lab.rewards.JudgeFaults)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -174,7 +182,10 @@ def grpo_kwargs(
         use_vllm=g.use_vllm,
         gradient_checkpointing=g.gradient_checkpointing,
         report_to="none",  # our callback logs to MLflow itself: nesting and names stay ours
-        save_strategy="no",  # the adapter is saved once, at the end, where the round expects it
+        # checkpoints (adapter + optimizer state) for --resume; the final adapter is saved where the round expects it
+        save_strategy="steps",
+        save_steps=save_steps(cfg),
+        save_total_limit=g.save_total_limit,
         bf16=on_gpu and torch.cuda.is_bf16_supported(),
         use_cpu=not on_gpu,
         dataloader_num_workers=0,
@@ -186,9 +197,15 @@ def grpo_kwargs(
     return kw
 
 
+def save_steps(cfg: HermesConfig) -> int:
+    """Checkpoint interval: grpo.save_steps, or about four checkpoints a run (at most every 50 steps)."""
+    g = cfg.grpo
+    return g.save_steps or max(1, min(50, math.ceil(g.max_steps / 4)))
+
+
 # ------------------------------------------------------------------------------------------ callback
-def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool) -> Any:
-    """TRL log line -> train_log.jsonl + MLflow metrics + health guards."""
+def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool, judge: Any = None) -> Any:
+    """TRL log line -> train_log.jsonl + MLflow metrics + health guards (+ the judge's failure counts)."""
     from transformers import TrainerCallback
 
     class HermesCallback(TrainerCallback):
@@ -214,6 +231,9 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             logs = dict(logs or {})
             step = state.global_step
+            if judge is not None and "loss" in logs:  # cumulative, so a curve shows when the judge faltered
+                logs["train/judge_failures"] = judge.failures
+                logs["train/judge_failure_rate"] = round(judge.rate, 4)
             loss = logs.get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 raise TrainingHealthError(
@@ -302,8 +322,14 @@ def train(
     start_adapter: str | None = None,
     evaluate_heldout: bool = True,
     eval_tasks_per_family: int = 60,
+    resume: bool = False,
 ) -> TrainResult:
-    """Run one GRPO + LoRA training. Returns where the adapter is and what happened."""
+    """Run one GRPO + LoRA training. Returns where the adapter is and what happened.
+
+    Checkpoints (adapter + optimizer + scheduler + RNG state) land in ``<output>/trl/`` every
+    ``save_steps(cfg)`` steps. ``resume``: continue from the newest complete one (same settings and data,
+    else a ValueError says what changed); without one, training starts at step 0. Without ``resume``,
+    checkpoints of an earlier run in that folder are removed first."""
     import torch
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -328,6 +354,10 @@ def train(
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
+    log_path, trl_dir = out / "train_log.jsonl", out / "trl"
+    marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
+    ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
+    resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
 
     dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
@@ -347,30 +377,30 @@ def train(
 
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
-    log_path = out / "train_log.jsonl"
     if is_main:
-        log_path.unlink(missing_ok=True)
         dump_config(cfg, out / "config.yaml")
-    callback = make_callback(cfg, log_path, samples, is_main)
+    judge = rewards.judge_faults(funcs)
+    callback = make_callback(cfg, log_path, samples, is_main, judge)
     run_id = None
-    ctx = (
-        tracking.stage_run("train", parent_run_id, runs_dir, cfg.round.experiment)
-        if is_main
-        else contextlib.nullcontext()
-    )  # only rank 0 tracks
-    with ctx as run:
+    ctx = mlflow_run(saved.get("mlflow_run_id"), parent_run_id, runs_dir, cfg) if is_main else contextlib.nullcontext()
+    with ctx as run:  # only rank 0 tracks
         if run is not None:
             run_id = run.info.run_id
-            tracking.log_params(
-                {
-                    **cfg.flat_params(),
-                    **{f"trl.{k}": v for k, v in gkw.items()},
-                    "train.prompts": len(ds),
-                    "train.flagged_prompts": len(flagged),
-                    "train.start_adapter": start_adapter or "",
-                    "train.base": base,
-                }
-            )
+            if resumed_from is None:
+                tracking.log_params(
+                    {
+                        **cfg.flat_params(),
+                        **{f"trl.{k}": v for k, v in gkw.items()},
+                        "train.prompts": len(ds),
+                        "train.flagged_prompts": len(flagged),
+                        "train.start_adapter": start_adapter or "",
+                        "train.base": base,
+                    }
+                )
+            else:
+                tracking.set_tags({"train.resumed_from_step": str(resumed_from)})
+        if is_main:
+            write_json_atomic(trl_dir / RESUME_FILE, {**marker, "mlflow_run_id": run_id})
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=funcs,
@@ -380,23 +410,31 @@ def train(
             peft_config=peft_config,
             callbacks=[callback],
         )
+
         try:
-            trainer.train()
+            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        except Exception as e:
+            if is_main:  # a stopped run still says why, and how many judgements failed
+                h = health_report("stopped", callback.warnings, flagged, trainer.state.global_step, resumed_from, judge)
+                write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
+            raise
         finally:  # a run stopped by a guard keeps its curve up to the stop
             callback.flush()
         adapter_dir = out / "adapter"
         result = TrainResult(
             out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings, flagged_prompts=len(flagged)
         )
+        result.resumed_from = resumed_from
+        result.judge = judge.to_dict() if judge else None
         if is_main:
             trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
             tok.save_pretrained(str(adapter_dir))
             _write_jsonl(out / "samples.jsonl", list(samples.rows))
-            health = {"warnings": callback.warnings, "flagged_prompts": flagged, "steps": trainer.state.global_step}
-            (out / "health.json").write_text(json.dumps(health, indent=2))
+            h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge)
+            write_json_atomic(out / "health.json", h)
             if evaluate_heldout:
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
-                (out / "eval.json").write_text(json.dumps(result.eval, indent=2))
+                write_json_atomic(out / "eval.json", result.eval)
             result.seconds = round(time.time() - t0, 1)
             meta = {
                 "mlflow_run_id": run_id,
@@ -405,8 +443,9 @@ def train(
                 "start_adapter": start_adapter,
                 "steps": result.steps,
                 "seconds": result.seconds,
+                "resumed_from_step": resumed_from,
             }
-            (out / "run.json").write_text(json.dumps(meta, indent=2))
+            write_json_atomic(out / "run.json", meta)
             if run is not None:
                 _log_artifacts(out, result)
     return result
@@ -440,6 +479,14 @@ def _log_artifacts(out: Path, result: TrainResult) -> None:
             mlflow.log_artifact(str(out / name))
     mlflow.log_artifacts(str(result.adapter_dir), artifact_path="adapter")
     mlflow.log_metric("train.seconds", result.seconds)
+    if result.judge:
+        mlflow.log_metrics(
+            {
+                "train/judge_requests": result.judge["judge_requests"],
+                "train/judge_failures": result.judge["judge_failures"],
+                "train/judge_failure_rate": result.judge["judge_failure_rate"],
+            }
+        )
     if result.eval:
         mlflow.log_metrics(
             {
@@ -465,14 +512,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint in <output>/trl/ (same settings and data); none there: start at 0",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set grpo.save_steps=5 (repeatable)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"grpo.max_steps": args.max_steps} if args.max_steps else None
-    cfg = load_config(args.config, overrides)
+    from hermes_lab.config import ConfigError
     from hermes_lab.rewards import RewardError
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {"grpo.max_steps": args.max_steps} if args.max_steps else {}
+    for kv in args.set:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
+        overrides[k] = v
+    cfg = load_config(args.config, overrides or None)
     try:
         res = train(
             cfg,
@@ -481,16 +546,27 @@ def run_cli(args: argparse.Namespace) -> int:
             parent_run_id=args.parent_run_id or None,
             start_adapter=args.start_adapter,
             evaluate_heldout=not args.no_eval,
+            resume=args.resume,
         )
     except FileNotFoundError as e:  # --data: the message names the path
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except (RewardError, TrainingHealthError) as e:  # the message is the diagnosis; a traceback adds nothing
-        print(f"error: {e}", file=sys.stderr)
+    except ConfigError:
+        raise  # the entry point prints it as a config error (exit 2)
+    except (RewardError, TrainingHealthError, ValueError) as e:  # the message is the diagnosis
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 1
     if not _is_main():
         return 0
+    if res.resumed_from is not None:
+        print(f"resumed from the checkpoint at step {res.resumed_from}")
     print(f"adapter: {res.adapter_dir}  ({res.steps} steps, {res.seconds} s, MLflow run {res.mlflow_run_id})")
+    if res.judge and res.judge["judge_failures"]:
+        j = res.judge
+        print(
+            f"judge: {j['judge_failures']} of {j['judge_samples']} judgements failed ({j['judge_failure_rate']:.1%}); "
+            f"{j['imputed_from_group']} took their group's mean, {j['system_reward_only']} the system reward alone"
+        )
     for w in res.warnings:
         print(f"warning: {w}")
     if res.eval:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hermes_lab import tasks as T
+from hermes_lab.jsonl import write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -375,8 +376,6 @@ def regression_gate(
     Never raises on a stop: call ``raise_if_stopped(report)`` for that. A set too small for
     validate.min_power is warned about (``warnings`` in the report, and a Python warning)."""
     import warnings
-
-    from hermes_lab.jsonl import write_json_atomic
 
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)

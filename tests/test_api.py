@@ -67,7 +67,7 @@ def test_key_pasted_with_bearer_prefix_is_sent_once(fake, monkeypatch):
         ("eyJhbGciOiJSUzI1NiJ9.eyJpc3MiOiJodHRwczovL2lkcC5leGFtcGxlIiwiZXhwIjoxfQ.c2lnbmF0dXJl", "oauth"),
         ("ya29.a0AfH6SMBxyz0123456789", "oauth"),
         ("Bearer sk-abc0123456789", "bearer"),
-        ("sk-abc 0123456789", "whitespace"),
+        ("sk-abc 0123456789", "malformed"),
     ],
 )
 def test_describe_key_tells_oauth_from_api_key_without_showing_it(key, kind):
@@ -268,7 +268,7 @@ def test_judge_scores_batches_and_caches_on_disk(fake, tmp_path):
     scores = judge.score(prompts, responses, refs)
     assert scores == [judge_score(r, ref) for r, ref in zip(responses, refs)] == [5, 5, 2, 5]
     assert fake.count("/v1/chat/completions") == 3  # the duplicate asked once
-    assert judge.stats == {"requests": 3, "cache_hits": 0}
+    assert judge.stats == {"requests": 3, "cache_hits": 0, "failed": 0}
     sent = fake.requests[-1].body
     assert sent["model"] == "judge-1" and sent["temperature"] == 0.0 and "<reference>" in sent["messages"][1]["content"]
 
@@ -316,3 +316,134 @@ def test_judge_from_the_users_config(fake, tmp_path, monkeypatch):
         ApiJudge.from_config(load_config(cfg_path, overrides={"reward.model": "local"}))
     with pytest.raises(api.ApiConfigError, match="reward.base_url"):
         ApiJudge.from_config(load_config(cfg_path, overrides={"reward.base_url": ""}))
+
+
+# ------------------------------------------------------------------------------------ hardening (issue 16)
+PASTED = "Qx7Zr9WmTk3Lp8Vb"  # no word in it: a message that held any 4 characters of it would be caught
+
+
+def _no_part_of(key: str, text: str) -> bool:
+    return not any(key[i : i + 4] in text for i in range(len(key) - 3))
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        (f"{PASTED}\n{PASTED[::-1]}", "line break"),
+        (f"{PASTED}\r\nmore", "line break"),
+        (f"{PASTED} {PASTED[::-1]}", "space or tab"),
+        (f"{PASTED}\u2013{PASTED[::-1]}", "non-ASCII"),  # an en dash from a pasted document
+        (f"{PASTED}\u200b", "non-ASCII"),  # an invisible zero-width space
+        (f"{PASTED}\x1b[0m", "control character"),
+        (f'"{PASTED}"', "quotes"),
+    ],
+)
+def test_a_malformed_key_is_refused_before_any_request_without_showing_it(fake, monkeypatch, value, problem):
+    """A bad paste used to reach httpx, whose header error quoted the key (or crashed on non-ASCII)."""
+    monkeypatch.setenv("TAOTOKEN_API_KEY", value)
+    with pytest.raises(api.ApiConfigError) as e:
+        client(fake.url).list_models()
+    msg = str(e.value)
+    assert "TAOTOKEN_API_KEY" in msg and problem in msg
+    assert _no_part_of(PASTED, msg) and _no_part_of(PASTED[::-1], msg) and "position" not in msg
+    assert fake.count() == 0
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["nan", "-5", "soon", "1e999", "inf", "", "Wed, 21 Oct 2015 07:28:00 GMT", "Fri, 99 Foo 2026 25:61:00", "1, 2"],
+)
+def test_any_retry_after_is_handled_and_never_raises(fake, header):
+    """'nan' used to reach time.sleep() and raise a plain ValueError out of the client."""
+    fake.configure(fail_429=1, retry_after=header)
+    t0 = time.perf_counter()
+    assert client(fake.url, retries=1, retry_after_max_s=0.3).chat("hi") == "OK"
+    assert time.perf_counter() - t0 < 2.0 and fake.count() == 2
+
+
+def test_retry_after_forms():
+    from email.utils import formatdate
+
+    now = time.time()
+    assert api.retry_after_seconds("2") == 2.0 and api.retry_after_seconds(" 0.5 ") == 0.5
+    assert api.retry_after_seconds(formatdate(now + 30, usegmt=True), now=now) == pytest.approx(30, abs=1)
+    assert api.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: retry now
+    assert api.retry_after_seconds("Wed, 21 Oct 2015 07:28:00 -0000", now=0) > 1e9  # no zone: GMT
+    for bad in (None, "", "nan", "-1", "soon", "1, 2", "Fri, 99 Foo 2026"):
+        assert api.retry_after_seconds(bad) is None, bad
+    assert api.retry_after_seconds("inf") == float("inf")  # the caller caps it
+
+
+CTRL_C_CHILD = """
+import sys, time
+from hermes_lab import api
+c = api.ApiClient(sys.argv[1], "TAOTOKEN_API_KEY", "judge-1", timeout=5, retries=0)
+t0 = time.monotonic()
+try:
+    c.chat_many(["hi"] * 40, concurrency=2)
+except KeyboardInterrupt:
+    print(f"interrupted {time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+def test_ctrl_c_cancels_a_batch_at_once(fake, tmp_path):
+    """Ctrl-C (or a papermill timeout's interrupt) used to wait for every queued request of the pool."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    fake.delay_s = 0.4  # 40 requests, 2 at a time: 8 s if the queue were drained
+    env = dict(os.environ, TAOTOKEN_API_KEY=KEY)
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_CHILD, fake.url], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while fake.count() < 2 and time.monotonic() < deadline:  # the batch is under way
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, _ = child.communicate(timeout=30)
+    assert "interrupted" in out, out
+    assert time.monotonic() - t0 < 2.5  # at most the requests in flight finish (0.4 s each)
+    time.sleep(0.5)
+    assert fake.count() <= 6  # nothing queued was sent after the interrupt
+
+
+def test_a_batch_deadline_cancels_the_rest(fake):
+    fake.delay_s = 0.3
+    t0 = time.perf_counter()
+    out = client(fake.url).chat_many(["hi"] * 20, concurrency=2, deadline_s=0.5, return_exceptions=True)
+    assert time.perf_counter() - t0 < 1.5
+    done = [r for r in out if r == "OK"]
+    cancelled = [r for r in out if isinstance(r, api.ApiCancelled)]
+    assert 1 <= len(done) <= 6 and len(done) + len(cancelled) == 20 and "deadline" in str(cancelled[0])
+    time.sleep(0.4)
+    assert fake.count() <= 6
+    with pytest.raises(api.ApiCancelled):
+        client(fake.url).chat_many(["hi"] * 6, concurrency=1, deadline_s=0.1)
+
+
+def test_url_credentials_are_redacted_in_every_message(fake, monkeypatch):
+    port = free_port()
+    with pytest.raises(api.ApiConnectionError) as e:
+        client(f"http://bob:pw-s3cret-word@127.0.0.1:{port}", retries=0).list_models()
+    with pytest.raises(api.ApiConfigError) as e2:
+        api.ApiClient("ftp://bob:pw-s3cret-word@host/", "TAOTOKEN_API_KEY")
+    c = client(f"http://bob:pw-s3cret-word@127.0.0.1:{fake.port}")
+    for text in (str(e.value), str(e2.value), repr(c), str(c.describe()), api.redact(f"GET {c.base_url}/v1/models")):
+        assert "pw-s3cret-word" not in text and "bob:" not in text, text
+
+
+def test_judge_failures_are_per_sample(fake, tmp_path):
+    """A 429 after the retries or an unparsable reply used to raise out of the whole batch."""
+    fake.configure(fail_429=2)
+    judge = ApiJudge(client(fake.url, retries=0), concurrency=1, cache_path=tmp_path / "c.jsonl")
+    scores, errors = judge.score_or_none(["p1", "p2", "p3", "p4"], ["a", "b", "c", "d"], ["a", "b", "c", "x"])
+    assert scores[:2] == [None, None] and scores[2:] == [5.0, 0.0]
+    assert all(isinstance(e, api.ApiStatusError) and e.status == 429 for e in errors[:2]) and errors[2:] == [None] * 2
+    assert len(judge.cache) == 2 and judge.stats == {"requests": 4, "cache_hits": 0, "failed": 2}
+    fake.chat_reply = "I cannot decide."
+    scores, errors = judge.score_or_none(["p1", "p3"], ["a", "c"], ["a", "c"])
+    assert scores == [None, 5.0] and isinstance(errors[0], JudgeParseError)  # p3 came from the cache
+    fake.configure(chat_reply=None, api_key="another")  # every request would fail: raised, not per sample
+    with pytest.raises(api.ApiAuthError):
+        judge.score_or_none(["p9"], ["a"], ["b"])

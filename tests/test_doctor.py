@@ -179,3 +179,29 @@ def test_python_dash_m_entry_point(fake):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks passed" in res.stdout and KEY not in res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------ hardening (issue 16)
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("Qx7Zr9WmTk3Lp8Vb\u2013Kp2", "non-ASCII"),  # used to crash the doctor (UnicodeEncodeError in httpx)
+        ("Qx7Zr9WmTk3Lp8Vb\udcffKp2", "not valid UTF-8"),  # invalid bytes in the environment (surrogateescape)
+        ("Qx7Zr9WmTk3Lp8Vb\nKp2Lv8Ns", "line break"),  # httpx quoted the part after the newline
+    ],
+)
+def test_a_malformed_key_is_a_fail_row_naming_the_variable_never_a_crash(fake, capsys, monkeypatch, value, problem):
+    monkeypatch.setenv("TAOTOKEN_API_KEY", value)
+    code, rows, out, err = run(capsys)
+    assert code == 1
+    assert rows["key"].startswith("FAIL") and "TAOTOKEN_API_KEY" in rows["key"] and problem in rows["key"]
+    assert rows["GET /v1/models"].startswith("SKIP") and fake.count() == 0
+    for part in ("Qx7Z", "r9Wm", "Tk3L", "p8Vb", "Kp2L", "v8Ns"):
+        assert part not in out and part not in err
+
+
+def test_credentials_in_the_base_url_are_never_printed(fake, capsys, monkeypatch):
+    monkeypatch.setenv("TAOTOKEN_BASE_URL", f"http://bob:pw-s3cret-word@127.0.0.1:{fake.port}")
+    _code, rows, out, err = run(capsys, "--debug")
+    assert "pw-s3cret-word" not in out + err and "bob:" not in out + err
+    assert "127.0.0.1" in rows["base URL"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -509,3 +510,183 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
         )
     s = json.loads((runs / "round-01" / "prep" / "summary.json").read_text())
     assert s["status"] == "gates_refused" and "cooldown: 4h 0m left" in s["gates"][1]["detail"]
+
+
+# --------------------------------------------------------------------------------- hardening (issue 16)
+def test_an_input_that_is_one_of_prep_s_outputs_is_refused_before_anything_is_opened(tmp_path, cfg):
+    """`prep --input D/accepted.jsonl --output D` used to empty the input, then refuse for lack of samples."""
+    d = tmp_path / "D"
+    d.mkdir()
+    data = "".join(json.dumps(r) + "\n" for r in good_records(50))
+    for name in ("accepted.jsonl", "review_queue.jsonl"):
+        (d / name).write_text(data)
+    (d / "grpo_dataset").mkdir()
+    (d / "grpo_dataset" / "x.jsonl").write_text(data)
+    linked = tmp_path / "elsewhere.jsonl"
+    os.link(d / "accepted.jsonl", linked)  # the same file under another name
+    for bad in (d / "accepted.jsonl", d / "review_queue.jsonl", d / "grpo_dataset" / "x.jsonl", linked):
+        before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+        with pytest.raises(PrepError, match="one of prep's own outputs") as e:
+            run_prep([bad], d, cfg, make_plots=False)
+        assert str(bad) in str(e.value)
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()} == before
+        assert not (d / "summary.json").exists() and not list(d.glob(".prep-*"))
+    # an input that merely lives in the output dir is read and processed, and left as it was
+    own = d / "trajectories.jsonl"
+    own.write_text(data)
+    c = load_config(None, overrides={"data.min_samples": 1})
+    res = run_prep([own], d, c, make_plots=False)
+    assert res.summary["counts"]["accepted"] == 50 and own.read_text() == data
+
+
+HOSTILE: list[tuple[bytes, str]] = [
+    (b'{"prompt": "p", "response": "r", "reward": 1' + b"0" * 5000 + b', "task_id": "t"}', "number out of range"),
+    (
+        b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "n": 1' + b"0" * 5000 + b"}",
+        "number out of range",
+    ),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "x": 1e400}', "number out of range"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "family": "a\\udc80"}', "invalid Unicode"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "meta": {"k": ["\\ud83d"]}}', "invalid Unicode"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "\\udfff": 1}', "invalid Unicode"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "reward": 5}', "duplicate key"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "m": {"a": 1, "a": 2}}', "duplicate key"),
+    (b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "family": 7}', "bad family"),
+    (
+        b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "deep": '
+        + b"[" * 50_000
+        + b"]" * 50_000
+        + b"}",
+        "malformed JSON",
+    ),
+]
+
+
+def test_values_python_cannot_convert_or_represent_are_rejected_with_their_line(tmp_path):
+    """Huge integers, overflowing floats, lone surrogates anywhere, duplicate keys: rejects, never a traceback."""
+    good = [line(r) for r in good_records(100)]
+    lines = good[:50] + [b for b, _ in HOSTILE] + good[50:]
+    lines.append(b'{"prompt": "p", "response": "r", "reward": 1, "task_id": "t", "e": "\\ud83d\\ude00 ok"}')  # a pair
+    p = tmp_path / "hostile.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    c = load_config(None, overrides={"data.min_samples": 1})
+    res = run_prep([p], tmp_path / "out", c, make_plots=True)
+    rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
+    assert {r["line"]: r["reason"] for r in rejects} == {51 + i: reason for i, (_, reason) in enumerate(HOSTILE)}
+    assert all(r["detail"] for r in rejects)
+    k = res.summary["counts"]
+    assert k["read"] == k["accepted"] + k["rejected"] + k["duplicates"] and k["accepted"] == 101
+    for name in ("accepted.jsonl", "review_queue.jsonl", "outliers.jsonl"):
+        for x in (tmp_path / "out" / name).read_text(encoding="utf-8").splitlines():
+            json.loads(x)  # every written line reads back as strict JSON
+            assert "Infinity" not in x and "NaN" not in x
+
+
+def test_family_text_that_breaks_plots_or_metric_names_is_kept_in_the_data(tmp_path, mlflow_store):
+    """'$\\foo$' broke the mathtext of the plots and 'c++' the MLflow metric names later in the round."""
+    import datasets
+
+    from hermes_lab import review, tracking
+
+    fams = ["c++", r"$\notacommand$", "$x^2$", "a/b", "..", "_hidden", "x" * 300]
+    recs = [
+        {"prompt": f"q{i}", "response": "a", "reward": float(i % 6), "task_id": f"t{i}", "family": fams[i % len(fams)]}
+        for i in range(140)
+    ]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = load_config(None, overrides={"data.min_samples": 1, "data.review_fraction": 0.5})
+    with tracking.stage_run("prep", runs_dir=tmp_path):
+        res = run_prep([tmp_path / "t.jsonl"], tmp_path / "out", c, make_plots=True)
+    assert Path(res.paths["plot_rewards"]).stat().st_size > 1000
+    rows = datasets.load_from_disk(str(tmp_path / "out" / "grpo_dataset"))["family"]
+    assert set(rows) <= set(fams) and r"$\notacommand$" in rows  # the data keeps the original text
+    assert set(res.summary["families"]) == set(fams)
+    queue, labels = tmp_path / "out" / "review_queue.jsonl", review.LabelStore(tmp_path / "labels.jsonl")
+    labels.append_many(
+        [labels.make_record(it["review_id"], "alice", round(it["reward"])) for it in review.load_queue(queue)]
+    )
+    with tracking.stage_run("review", runs_dir=tmp_path) as run:  # the review gate logs a metric per family
+        gate = review.review_gate(queue, labels.path, c, simulate=False)
+    assert set(gate.per_family) <= set(fams)
+    metrics = mlflow_store.MlflowClient().get_run(run.info.run_id).data.metrics
+    assert len([m for m in metrics if m.startswith("review_agreement_")]) == len(gate.per_family) >= 3
+
+
+def test_gzip_inputs_are_read_transparently(tmp_path):
+    import gzip
+
+    recs = good_records(80)
+    plain = b"".join(line(r) + b"\n" for r in recs)
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(plain))
+    c = load_config(None, overrides={"data.min_samples": 1})
+    res = run_prep([tmp_path / "t.jsonl.gz"], tmp_path / "out", c, make_plots=False)
+    assert res.summary["counts"]["accepted"] == 80
+    assert (tmp_path / "out" / "accepted.jsonl").read_bytes() == plain
+    cut = gzip.compress(plain)[:-300]  # a logger killed mid-write: what was compressed is kept, the rest named
+    (tmp_path / "cut.jsonl.gz").write_bytes(cut)
+    res = run_prep([tmp_path / "cut.jsonl.gz"], tmp_path / "out2", c, make_plots=False)
+    k = res.summary["counts"]
+    assert k["lines"] == k["blank"] + k["read"] and k["read"] == k["accepted"] + k["rejected"] + k["duplicates"]
+    assert "corrupt gzip stream" in res.summary["by_reason"] and 0 < k["accepted"] < 80
+
+
+def _synthetic(path: Path, n: int) -> None:
+    """n records, ~150 bytes each: many prompts, repeats, negatives of the same prompts, outliers, families."""
+    rng = random.Random(4)
+    with open(path, "w") as f:
+        for i in range(n):
+            j = rng.randrange(n // 3)
+            reward = 0.0 if i % 97 == 0 else round(3 + rng.random(), 2)
+            rec = {"prompt": f"Summarise ticket #{j} in one line.", "response": f"ok {rng.randrange(9)}"}
+            rec |= {"reward": reward, "task_id": f"ticket-{j % 5000}", "family": ["a", "b", "c++"][j % 3]}
+            f.write(json.dumps(rec) + "\n")
+
+
+@pytest.mark.slow
+def test_prep_in_partitions_gives_the_same_outputs(tmp_path):
+    """data.memory_budget_mb small enough to split the prompts into partitions: the outputs do not change."""
+    import datasets
+
+    _synthetic(tmp_path / "t.jsonl", 90_000)
+    (tmp_path / "round-02").mkdir()
+    _synthetic(tmp_path / "round-02" / "neg.jsonl", 3000)
+    outs = {}
+    for budget in (512, 64):
+        c = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": budget})
+        res = run_prep(
+            [tmp_path / "t.jsonl"], tmp_path / f"out{budget}", c, negatives=[tmp_path / "round-02" / "neg.jsonl"]
+        )
+        outs[budget] = res.summary
+    assert outs[512]["memory"]["partitions"] == 1 and outs[64]["memory"]["partitions"] > 1
+    for name in ("accepted", "negatives", "duplicates", "rejects", "outliers", "review_queue"):
+        a, b = (tmp_path / f"out{x}" / f"{name}.jsonl" for x in (512, 64))
+        assert a.read_bytes() == b.read_bytes(), name
+    for name in ("grpo_dataset", "heldout_dataset"):
+        a, b = (datasets.load_from_disk(str(tmp_path / f"out{x}" / name)) for x in (512, 64))
+        assert a.to_list() == b.to_list() and a.features == b.features, name
+    for key in ("counts", "split", "review", "outliers", "families", "by_reason"):
+        assert outs[512][key] == outs[64][key], key
+    assert outs[64]["counts"]["negative_records"] > 0 and outs[64]["outliers"]["count"] > 0
+
+
+def test_sorted_spill_writes_every_line_in_key_order_across_buckets(tmp_path):
+    from hermes_lab.prep_distill import SortedSpill
+
+    rng = random.Random(0)
+    keys = rng.sample(range(1 << 50), 5000)
+    spill = SortedSpill(tmp_path, "s", 1 << 50, est_bytes=5000 * 20, budget_bytes=4000)
+    assert spill.n > 8
+    for k in keys:
+        spill.add(k, json.dumps({"k": k, "t": "tab\there\nnewline"}))
+    assert spill.write_sorted(tmp_path / "out.jsonl") == 5000
+    got = [json.loads(x)["k"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert got == sorted(keys) and not list(tmp_path.glob("s-*"))
+
+
+def test_memory_budget_and_line_cap_are_checked_in_the_config():
+    from hermes_lab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.memory_budget_mb"):
+        load_config(None, overrides={"data.memory_budget_mb": 8})
+    with pytest.raises(ConfigError, match="data.max_line_bytes"):
+        load_config(None, overrides={"data.max_line_bytes": 100})

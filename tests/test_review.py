@@ -110,9 +110,35 @@ def test_truncated_last_line_is_reported_and_repaired(queue, tmp_path):
     assert not loaded.truncated and [r["label"] for r in loaded.records] == [5.0, 1.0, 4.0]
     assert (tmp_path / "labels.jsonl.torn").read_bytes().startswith(b'{"label_id": "abc"')
 
-    store.write_text(store.read_text() + "garbage\n" + json.dumps(loaded.records[0]) + "\n")
-    with pytest.raises(ValueError, match=r"labels.jsonl:4: corrupt"):
-        review.read_labels(store)
+
+def test_corrupt_middle_line_is_quarantined_and_the_store_keeps_working(queue, tmp_path):
+    """A corrupt line in the middle (a bad merge, a hand edit) no longer makes the whole store unreadable."""
+    q, recs = queue
+    store = tmp_path / "labels.jsonl"
+    s = review.LabelStore(store)
+    s.append(recs[0]["review_id"], "alice", 5)
+    with open(store, "ab") as f:
+        f.write(b'garbage \xff{"label_id"\n{"not": "a label"}\n')
+    s.append(recs[1]["review_id"], "alice", 1)
+    before = store.read_bytes()
+    with pytest.warns(UserWarning, match=r"labels.jsonl:2 \(not valid JSON\).*labels.jsonl:3 \(not a label record"):
+        loaded = review.read_labels(store)
+    assert [r["label"] for r in loaded.records] == [5.0, 1.0] and not loaded.truncated
+    assert [b["line"] for b in loaded.quarantined] == [2, 3]
+    quarantine = tmp_path / "labels.jsonl.quarantine"
+    rows = [json.loads(x) for x in quarantine.read_text().splitlines()]
+    assert [(r["file"], r["line"]) for r in rows] == [(str(store), 2), (str(store), 3)]
+    assert "\\xff" in rows[0]["raw"] and rows[1]["raw"] == '{"not": "a label"}'  # the raw bytes, visible
+    assert store.read_bytes() == before  # the store is not rewritten
+    with pytest.warns(UserWarning, match="corrupt"):
+        s2 = review.LabelStore(store)  # loading again does not quarantine the same lines twice
+    assert len(quarantine.read_text().splitlines()) == 2 and "labels.jsonl:2" in s2.recovered
+    s2.append(recs[2]["review_id"], "alice", 4)  # and appends go on
+    with pytest.warns(UserWarning):
+        assert [r["label"] for r in review.read_labels(store).records] == [5.0, 1.0, 4.0]
+    with pytest.warns(UserWarning):
+        app = ReviewApp(q, store, reviewer="alice")
+    assert app.index == 3 and "corrupt" in app.message
 
 
 def test_undo_appends_tombstone_and_goes_back(queue, tmp_path):

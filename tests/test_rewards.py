@@ -274,3 +274,42 @@ def test_scores_are_finite_floats_on_scale():
     ts = T.generate_tasks(10, seed=1)
     out = fn(prompts=[t.prompt for t in ts], completions=[t.answer + "!" for t in ts])
     assert all(isinstance(v, float) and math.isfinite(v) and 0 <= v < 3 for v in out)
+
+
+# ------------------------------------------------------------------------------------ hardening (issue 16)
+def test_a_failed_judgement_falls_back_per_sample_and_is_counted(judge_env, tmp_path):
+    """A 429 after the retries used to raise out of the reward function and end training."""
+    cfg = load_config(
+        USER_YAML,
+        {"round.runs_dir": str(tmp_path), "reward.judge_retries": 0, "reward.judge_concurrency": 1},
+    )
+    funcs, _ = R.get_reward_funcs(cfg)
+    comparison = funcs[1]
+    faults = R.judge_faults(funcs)
+    judge_env.fail_429 = 1  # the first request of the batch fails
+    prompts = ["rev abcd="] * 3 + ["up cat="] * 2
+    comps, refs = ["dcba", "dcab", "xxxx", "CAT", "CAX"], ["dcba"] * 3 + ["CAT"] * 2
+    out = comparison(prompts=prompts, completions=comps, reference=refs)
+    siblings = [float(judge_score(c, r)) for c, r in zip(comps[1:3], refs[1:3])]
+    assert out[0] == pytest.approx(sum(siblings) / 2)  # its group's mean: the judge moves it neither way
+    assert out[1:] == [float(judge_score(c, r)) for c, r in zip(comps[1:], refs[1:])]
+    judge_env.chat_reply = "I cannot decide."  # unparsable: a whole group fails
+    out = comparison(prompts=["sort 3142="] * 2, completions=["1234", "4321"], reference=["1234"] * 2)
+    assert out == [None, None]  # TRL: not applicable, so the group is ranked by the system reward alone
+    d = faults.to_dict()
+    assert (d["judge_samples"], d["judge_failures"], d["imputed_from_group"], d["system_reward_only"]) == (7, 3, 1, 2)
+    assert d["judge_failed_requests"] == 3 and d["by_kind"] == {"ApiStatusError": 1, "JudgeParseError": 2}
+    assert "429" in d["first_errors"][0] and KEY not in str(d)
+
+
+def test_too_many_judge_failures_stop_training_with_a_clear_error(judge_env, tmp_path):
+    cfg = load_config(USER_YAML, {"round.runs_dir": str(tmp_path), "reward.max_judge_failure_rate": 0.25})
+    funcs, _ = R.get_reward_funcs(cfg)
+    judge_env.chat_reply = "no idea"
+    prompts = [f"rev {c}=" for c in "abcdefgh"]
+    assert funcs[1](prompts=prompts, completions=["x"] * 8, reference=["y"] * 8) == [None] * 8  # 8 < 16: no verdict
+    with pytest.raises(
+        R.RewardError, match=r"failed on 16 of the last 16 samples \(100% > reward.max_judge_failure_rate 25%\)"
+    ):
+        funcs[1](prompts=prompts, completions=["z"] * 8, reference=["y"] * 8)
+    assert R.judge_faults(R.get_reward_funcs(cfg_with(reward__types=["system"]))[0]) is None  # local: no counter

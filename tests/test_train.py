@@ -54,7 +54,8 @@ def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
     assert kw["temperature"] == 0.9
     assert kw["max_completion_length"] == 256
     assert kw["reward_weights"] == [1.0, 0.5]
-    assert kw["report_to"] == "none" and kw["save_strategy"] == "no"
+    assert kw["report_to"] == "none" and kw["save_strategy"] == "steps"
+    assert kw["save_steps"] == 50 and kw["save_total_limit"] == 2  # 300 steps: every 50 (at most), 2 kept
     assert kw["remove_unused_columns"] is False  # reference / ref_reward reach the rewards
     assert kw["output_dir"] == str(tmp_path / "trl")
 
@@ -64,6 +65,31 @@ def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
     assert (args.temperature, args.max_steps, args.max_completion_length) == (0.9, 300, 256)
     assert args.reward_weights == [1.0, 0.5] and args.report_to in ("none", [], ["none"])
     assert args.generation_batch_size % args.num_generations == 0
+
+
+def test_checkpoint_interval(tmp_path):
+    from hermes_lab.train import grpo_kwargs
+
+    kw = grpo_kwargs(load_config(EMBEDDED_YAML), tmp_path, 16, [1.0, 0.25])
+    assert kw["save_steps"] == 10  # the embedded 40-step run saves four times
+    kw = grpo_kwargs(load_config(EMBEDDED_YAML, {"grpo.save_steps": 3}), tmp_path, 16, [1.0, 0.25])
+    assert kw["save_steps"] == 3
+    with pytest.raises(ConfigError, match="grpo.save_total_limit"):
+        load_config(EMBEDDED_YAML, {"grpo.save_total_limit": 0})
+
+
+def test_judge_failures_in_the_inspect_diagnostics(tmp_path):
+    from hermes_lab.train_state import judge_diagnostic
+
+    assert judge_diagnostic(tmp_path, 0.2) is None  # no health.json
+    (tmp_path / "health.json").write_text(json.dumps({"status": "completed", "judge": None}))
+    assert judge_diagnostic(tmp_path, 0.2) is None  # the local judge: nothing to report
+    judge = {"judge_samples": 200, "judge_failures": 10, "imputed_from_group": 8, "system_reward_only": 2}
+    (tmp_path / "health.json").write_text(json.dumps({"judge": {**judge, "by_kind": {"ApiStatusError": 10}}}))
+    d = judge_diagnostic(tmp_path, 0.2)
+    assert d["rule"] == "judge_failures" and d["severity"] == "warn" and d["value"] == 0.05
+    assert "10 of 200 judged samples failed (5.0%)" in d["message"] and "doctor" in d["advice"]
+    assert judge_diagnostic(tmp_path, 0.04)["severity"] == "fail"
 
 
 def test_grpo_kwargs_always_pass_beta_even_zero(tmp_path):
@@ -483,6 +509,108 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
     assert not (tmp_path / "train_d" / "adapter").exists()
     runs = mlflow_store.search_runs(experiment_names=["hermes-lab"], output_format="list")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+# ================================================================================ hardening (issue 16)
+@pytest.mark.slow
+def test_judge_faults_are_per_sample_in_a_real_training(tiny_policy, prompt_set, tmp_path, monkeypatch, fake_openai):
+    """A 429 after the retries, or an unparsable reply, used to raise out of the reward function and end training:
+    now each fails its own sample, is counted in health.json and the train log, and only a failure share past
+    reward.max_judge_failure_rate stops training, with health.json saying why."""
+    from hermes_lab.rewards import RewardError
+    from hermes_lab.train import train
+
+    monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
+    judge = {
+        "reward.model": "judge-1",
+        "reward.base_url": fake_openai.url,
+        "reward.judge_retries": 0,
+        "model.base_model": str(tiny_policy),
+    }
+    fake_openai.fail_429 = 6  # the first six judge requests are rate-limited (no retries left)
+    cfg = load_config(
+        EMBEDDED_YAML,
+        {**judge, "grpo.max_steps": 2, "reward.max_judge_failure_rate": 0.6, "round.runs_dir": str(tmp_path / "r1")},
+    )
+    res = train(cfg, prompt_set, tmp_path / "ok", evaluate_heldout=False)
+    assert res.steps == 2
+    health = json.loads((tmp_path / "ok" / "health.json").read_text())
+    j = health["judge"]
+    assert health["status"] == "completed" and j["judge_failed_requests"] == 6 and health["judge_failures"] >= 6
+    assert j["judge_samples"] == 2 * 4 * 8 and j["imputed_from_group"] + j["system_reward_only"] == j["judge_failures"]
+    assert health["judge_requests"] == j["judge_requests"] > 6 and j["by_kind"] == {
+        "ApiStatusError": j["judge_failures"]
+    }
+    rows = _step_rows(tmp_path / "ok")
+    assert rows[-1]["train/judge_failures"] == j["judge_failures"] and all("rewards/comparison/mean" in r for r in rows)
+
+    fake_openai.chat_reply = "I cannot say."  # every judgement unparsable: past the limit at the first step
+    cfg = load_config(EMBEDDED_YAML, {**judge, "grpo.max_steps": 2, "round.runs_dir": str(tmp_path / "r2")})
+    with pytest.raises(RewardError, match=r"judge failed on (\d+) of the last \1 samples.*max_judge_failure_rate 20%"):
+        train(cfg, prompt_set, tmp_path / "stop", evaluate_heldout=False)
+    health = json.loads((tmp_path / "stop" / "health.json").read_text())
+    assert health["status"] == "stopped" and "max_judge_failure_rate" in health["error"]
+    assert health["judge"]["by_kind"] == {"JudgeParseError": 32} and KEY not in json.dumps(health)
+
+
+@pytest.mark.slow
+def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_set, tmp_path):
+    """SIGKILL after a checkpoint, then --resume: training continues from that step (not from 0) and ends at
+    max_steps, with one train_log row per step and the same MLflow run."""
+    import signal
+
+    import mlflow
+
+    from hermes_lab.train_state import RESUME_FILE, last_checkpoint
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "hermes_lab.train", "--config", str(EMBEDDED_YAML), "--data", str(prompt_set)]
+    argv += ["--output", str(out), "--max-steps", "6", "--no-eval", "--set", "grpo.save_steps=2"]
+    argv += ["--set", f"model.base_model={tiny_policy}", "--set", f"round.runs_dir={tmp_path}"]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and first.poll() is None:
+            steps = [r["step"] for r in _step_rows(out)] if (out / "train_log.jsonl").exists() else []
+            if (out / "trl" / "checkpoint-2" / "trainer_state.json").exists() and steps and max(steps) >= 3:
+                break
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)  # no cleanup, no final save: a killed kernel
+    finally:
+        first.wait(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    ckpt = last_checkpoint(out / "trl")
+    k = int(ckpt.name.split("-")[1])
+    assert 2 <= k < 6 and not (out / "adapter").exists()
+    run_id = json.loads((out / "trl" / RESUME_FILE).read_text())["mlflow_run_id"]
+
+    second = subprocess.run(argv + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from the checkpoint at step {k}" in second.stdout and f"checkpoint-{k}" in second.stderr
+    assert [r["step"] for r in _step_rows(out)] == list(range(1, 7))  # steps 1..k from the first run, then the rest
+    state = json.loads((out / "trl" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and state["max_steps"] == 6
+    health = json.loads((out / "health.json").read_text())
+    assert health["status"] == "completed" and health["resumed_from_step"] == k and health["steps"] == 6
+    assert json.loads((out / "run.json").read_text())["mlflow_run_id"] == run_id  # the same MLflow run continued
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(run_id, "reward")} >= set(range(k + 1, 7))
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    # a resume with other settings is refused, naming what changed
+    bad = subprocess.run(
+        argv + ["--resume", "--set", "grpo.learning_rate=0.01"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad.returncode == 1 and "grpo.learning_rate" in bad.stderr and "other settings" in bad.stderr
 
 
 # ========================================================================================= torchrun

@@ -1,0 +1,323 @@
+"""Distill stage, part 2 (``hermes_lab.prep``): from the ingested records to the GRPO / held-out prompt sets, the
+outlier report and the human review sample, in bounded memory.
+
+Reads what ``hermes_lab.prep_ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
+negative, review rank; indexed by the record's seq number, its order of acceptance) and the text spill,
+partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldout_dataset/``,
+``outliers.jsonl`` and ``review_queue.jsonl`` (contents in ``hermes_lab.prep``'s docstring).
+
+How the memory stays bounded: a prompt's records all sit in one partition, so the per-prompt rows are built
+one partition at a time; rows keep the seq of their prompt's first record, and the datasets are written in
+that order (the order the whole input would give). The outliers (in input order) and the review sample (in
+seeded-hash order) go through ``SortedSpill``: lines bucketed on disk by key range, each bucket sorted in
+memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from array import array
+from pathlib import Path
+from typing import Any
+
+from hermes_lab import tasks
+from hermes_lab.prep_ingest import LINE_BITS, review_id
+
+ROW_BATCH = 65536
+
+
+# -------------------------------------------------------------------------------------------- outliers
+def outlier_stats(rewards: Any, z_max: float) -> dict[str, Any]:
+    """Robust z-score parameters (median / 1.4826*MAD; 1.2533*MeanAD when MAD is 0)."""
+    import numpy as np
+
+    if len(rewards) == 0:
+        return {"method": "robust_z", "z": z_max, "median": None, "sigma": None}
+    med = float(np.median(rewards))
+    dev = np.abs(rewards - med)
+    sigma = 1.4826 * float(np.median(dev))
+    if sigma == 0:  # more than half the rewards equal (e.g. all passes): fall back to the mean deviation
+        sigma = 1.2533 * float(dev.mean())
+    return {"method": "robust_z", "z": z_max, "median": med, "sigma": sigma}
+
+
+def outlier_flags(rewards: Any, info: dict[str, Any]) -> Any:
+    import numpy as np
+
+    if not info["sigma"]:
+        return np.zeros(len(rewards), dtype=bool)
+    return np.abs((rewards - info["median"]) / info["sigma"]) > info["z"]
+
+
+# ------------------------------------------------------------------------------------------ sorted spill
+class SortedSpill:
+    """Lines with an integer sort key in [0, key_max), bucketed on disk by key range; ``write_sorted`` writes
+    them in key order, holding one bucket in memory at a time."""
+
+    def __init__(self, tmp: Path, name: str, key_max: int, est_bytes: int, budget_bytes: int):
+        self.key_max = max(1, key_max)
+        self.n = max(1, min(256, math.ceil(est_bytes / max(1, budget_bytes))))
+        self.paths = [tmp / f"{name}-{i:03d}.txt" for i in range(self.n)]
+        self.files = [open(p, "w", encoding="utf-8", newline="\n") for p in self.paths]  # noqa: SIM115
+        self.width = len(f"{self.key_max:x}")
+
+    def add(self, key: int, text: str) -> None:
+        """``text``: one JSON line without its newline (JSON escapes raw newlines and tabs)."""
+        self.files[key * self.n // self.key_max].write(f"{key:0{self.width}x}\t{text}\n")
+
+    def write_sorted(self, path: Path) -> int:
+        for f in self.files:
+            f.close()
+        n = 0
+        with open(path, "w", encoding="utf-8", newline="\n") as out:
+            for p in self.paths:
+                lines = p.read_text(encoding="utf-8").splitlines()
+                lines.sort()  # fixed-width hex keys: text order is key order
+                out.writelines(line.split("\t", 1)[1] + "\n" for line in lines)
+                n += len(lines)
+                p.unlink()
+        return n
+
+
+# ------------------------------------------------------------------------------------------ review
+def review_selection(cols: dict[str, Any], fam_names: list[str], cfg: Any) -> tuple[Any, dict[str, Any]]:
+    """Stratified (family x reward band) share of the new records, at least one per non-empty stratum,
+    ranked by a seeded hash of the review id: the same records give the same sample in any order.
+    Returns the picked mask (by seq) and the summary's review section."""
+    import numpy as np
+
+    scale = float(cfg.reward.scale)
+    low, high = 0.3 * scale, cfg.reward.success_threshold  # on the 5 scale: low < 1.5, high >= 3
+    rf = cfg.data.review_fraction
+    rewards, new = cols["reward"], ~cols["negative"]
+    band = np.where(rewards < low, 1, np.where(rewards >= high, 0, 2))  # 0 high, 1 low, 2 mid
+    stratum = cols["family"].astype(np.int64) * 3 + band
+    seqs = np.flatnonzero(new)
+    counts = np.bincount(stratum[seqs], minlength=3 * max(1, len(fam_names)))
+    picked = np.zeros(len(rewards), dtype=bool)
+    if rf > 0 and len(seqs):
+        order = seqs[np.lexsort((seqs, cols["rank"][seqs], stratum[seqs]))]  # by stratum, then rank, then seq
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        k = np.maximum(1, (rf * counts + 0.5).astype(np.int64))
+        for s in np.flatnonzero(counts).tolist():
+            picked[order[starts[s] : starts[s] + k[s]]] = True
+    names = ("high", "low", "mid")
+    strata = {(fam_names[s // 3], names[s % 3]): int(c) for s, c in enumerate(counts.tolist()) if c}
+    info = {
+        "fraction": rf,
+        "seed": cfg.data.seed,
+        "population": int(len(seqs)),
+        "size": int(picked.sum()),
+        "strata": {f"{fa}|{b}": n for (fa, b), n in sorted(strata.items())},
+    }
+    return picked, info
+
+
+def _review_line(prompt: str, response: str, task_id: str, family: str, reward: float, scale: float, thr: float) -> str:
+    band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
+    rec = {
+        "review_id": review_id(task_id, prompt, response),
+        "task_id": task_id,
+        "family": family,
+        "prompt": prompt,
+        "response": response,
+        "reward": reward,
+        "reward_band": band,
+        "simulated_label": tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None,
+    }
+    return json.dumps(rec)  # ASCII escapes: readers that splitlines() must not split on U+2028
+
+
+# ------------------------------------------------------------------------------------------ grouping
+class _Prompt:
+    """One row of the GRPO / held-out prompt set, accumulated over the records of its prompt."""
+
+    __slots__ = (
+        "family",
+        "first",
+        "n",
+        "n_out",
+        "neg_round",
+        "neg_source",
+        "ref_reward",
+        "reference",
+        "task_id",
+        "total",
+    )
+
+    def __init__(self, first: int, task_id: str | None, family: str, response: str, reward: float):
+        self.first, self.task_id, self.family, self.reference, self.ref_reward = (
+            first,
+            task_id,
+            family,
+            response,
+            reward,
+        )
+        self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
+
+
+def _table(groups: dict[str, _Prompt], neg_weight: int) -> Any:
+    import pyarrow as pa
+
+    gs = list(groups.values())
+    return pa.table(
+        {
+            "prompt": pa.array(list(groups), pa.string()),
+            "task_id": pa.array([g.task_id for g in gs], pa.string()),
+            "family": pa.array([g.family for g in gs], pa.string()),
+            "reference": pa.array([g.reference for g in gs], pa.string()),
+            "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
+            "n_logged": pa.array([g.n for g in gs], pa.int64()),
+            "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
+            "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
+            "weight": pa.array([neg_weight if g.neg_source is not None else 1 for g in gs], pa.int64()),
+            "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
+            "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
+            "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
+            "first_seq": pa.array([g.first for g in gs], pa.int64()),
+        }
+    )
+
+
+def _tid_hash(task_id: str | None) -> int:
+    return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
+
+
+class Distill:
+    """Builds the prompt tables partition by partition, feeding the outlier and review spills on the way."""
+
+    def __init__(self, ing: Any, cols: dict[str, Any], cfg: Any, is_out: Any, picked: Any, z: dict[str, Any]):
+        self.ing, self.cols, self.cfg, self.is_out, self.picked, self.z = ing, cols, cfg, is_out, picked, z
+        self.fam_names = ing.family_names()
+        self.moved = 0
+        # one partition: its tables stay in memory; several: each partition's rows go to an Arrow file at once
+        self.tables: dict[str, list[Any]] = {"grpo_dataset": [], "heldout_dataset": []}
+        self.rows = {"grpo_dataset": 0, "heldout_dataset": 0}
+        self.tids: dict[str, Any] = {"grpo_dataset": array("Q"), "heldout_dataset": array("Q")}
+        self.n_negative_grpo = 0
+
+    def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
+        import pyarrow as pa
+
+        for path in self.ing.part_paths:
+            with pa.memory_map(str(path)) as src:
+                table = pa.ipc.open_stream(src).read_all()
+            if table.num_rows:
+                self._partition(table, review, outliers)
+            del table
+            path.unlink()
+
+    def _partition(self, table: Any, review: SortedSpill, outliers: SortedSpill) -> None:
+        import pyarrow as pa
+
+        c, files = self.cols, self.ing.files
+        scale, thr = float(self.cfg.reward.scale), float(self.cfg.reward.success_threshold)
+        med, sigma = self.z["median"], self.z["sigma"]
+        seq_all = table.column("seq").to_numpy()
+        held_all = c["held"][seq_all]
+        held_prompts = set(table.column("prompt").filter(pa.array(held_all)).to_pylist())
+        groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
+        for batch in table.to_batches(max_chunksize=ROW_BATCH):
+            sq = batch.column(0).to_numpy()
+            cols = zip(
+                sq.tolist(),
+                batch.column(1).to_pylist(),
+                batch.column(2).to_pylist(),
+                batch.column(3).to_pylist(),
+                c["reward"][sq].tolist(),
+                c["held"][sq].tolist(),
+                c["negative"][sq].tolist(),
+                c["family"][sq].tolist(),
+                c["origin"][sq].tolist(),
+                self.is_out[sq].tolist(),
+                self.picked[sq].tolist(),
+            )
+            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick in cols:
+                fam = self.fam_names[fid]
+                h = held or p in held_prompts
+                self.moved += h and not held
+                g = groups[h].get(p)
+                if g is None:
+                    g = groups[h][p] = _Prompt(seq, tid if held or not h else None, fam, resp, r)
+                elif r > g.ref_reward:  # reference: the highest-reward logged response (the first one on ties)
+                    g.reference, g.ref_reward = resp, r
+                if g.task_id is None and held:
+                    g.task_id = tid
+                g.n += 1
+                g.total += r
+                g.n_out += out
+                fidx = origin >> LINE_BITS
+                if neg and g.neg_source is None:
+                    g.neg_source, g.neg_round = files[fidx]["file"], files[fidx]["round"]
+                if out:
+                    line = origin & ((1 << LINE_BITS) - 1)
+                    z = round((r - med) / sigma, 3)
+                    rec = {"file": files[fidx]["file"], "line": line, "task_id": tid, "reward": r, "z": z}
+                    outliers.add(seq, json.dumps(rec))
+                if pick:
+                    key = int(c["rank"][seq]) << LINE_BITS | seq
+                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr))
+        w = self.cfg.data.negative_weight
+        for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
+            if not grp:
+                continue
+            t = _table(grp, w)
+            self.rows[name] += t.num_rows
+            self.tids[name].extend(_tid_hash(g.task_id) for g in grp.values())
+            if len(self.ing.part_paths) == 1:
+                self.tables[name].append(t)
+                continue
+            f = self.ing.tmp / f"{name}-{len(self.tables[name]):04d}.arrow"
+            with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
+                writer.write_table(t)
+            self.tables[name].append(f)
+        self.n_negative_grpo += sum(g.neg_source is not None for g in groups[0].values())
+
+    def split_summary(self) -> dict[str, Any]:
+        import numpy as np
+
+        w = self.cfg.data.negative_weight
+        n = self.rows
+        tids = {k: np.unique(np.frombuffer(v, dtype=np.uint64)) for k, v in self.tids.items()}
+        return {
+            "holdout_fraction": self.cfg.data.holdout_fraction,
+            "grpo_prompts": n["grpo_dataset"],
+            "heldout_prompts": n["heldout_dataset"],
+            "grpo_rows_weighted": n["grpo_dataset"] + self.n_negative_grpo * (w - 1),
+            "grpo_task_ids": int(len(tids["grpo_dataset"])),
+            "heldout_task_ids": int(len(tids["heldout_dataset"])),
+            "task_id_overlap": int(len(np.intersect1d(tids["grpo_dataset"], tids["heldout_dataset"]))),
+            "records_moved_to_heldout": int(self.moved),
+            "negative_prompts": self.n_negative_grpo,
+            "negative_weight": w,
+        }
+
+    def save(self, out: Path) -> dict[str, Path]:
+        """Write both datasets (save_to_disk), rows in the order of their prompt's first record."""
+        import datasets
+        import numpy as np
+
+        bars = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # two "Saving the dataset" bars per round say nothing
+        paths = {}
+        try:
+            for name, parts in self.tables.items():
+                paths[name] = out / name
+                shutil.rmtree(paths[name], ignore_errors=True)  # a rerun into the same dir leaves no stale shards
+                if not parts or not isinstance(parts[0], Path):  # one partition: rows already in first-record order
+                    table = parts[0] if parts else _table({}, 1)
+                    datasets.Dataset(table.drop_columns(["first_seq"])).save_to_disk(str(paths[name]))
+                    continue
+                # several partitions: their Arrow files memory-mapped, one ordered pass (save_to_disk batches it)
+                pieces = [datasets.Dataset.from_file(str(f)) for f in parts]
+                ds = datasets.concatenate_datasets(pieces)
+                order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
+                ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
+                del ds, pieces
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+        return paths
