@@ -316,8 +316,11 @@ def look_sums(
         return np.cumsum(np.bincount(key, weights=w, minlength=size).reshape(shape), axis=1)
 
     r = reward[keep].astype(np.float64)
+    fin = np.isfinite(r)  # NaN: no reward yet (a live request awaiting feedback), in the guardrails only
+    r = np.where(fin, r, 0.0)
     ll = np.log(np.maximum(latency_ms[keep], 1.0))
     out = {"n": cum(None), "s1": cum(r), "s2": cum(r * r), "nerr": cum(error[keep].astype(np.float64))}
+    out["nr"] = out["n"] if fin.all() else cum(fin.astype(np.float64))
     nb = len(LAT_BINS) - 1  # uniform bins: the index is arithmetic, no search
     lb = np.minimum(((ll - LAT_BINS[0]) * (nb / (LAT_BINS[-1] - LAT_BINS[0]))).astype(np.int64), nb - 1)
     out["hist"] = np.cumsum(np.bincount(key * nb + lb, minlength=size * nb).reshape(*shape, nb), axis=1)
@@ -346,7 +349,8 @@ def look_path(
     statistics the decision uses: the CS of delta, the guardrails' one-sided bounds, SRM on unit counts.
 
     ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
-    units). The rows of each group must be in time order. ``planned_n``: the requests the bets are tuned
+    units). The rows of each group must be in time order. A NaN reward (a live request without feedback
+    yet) is left out of the reward's statistics and counts in the guardrails, SRM and ``min_per_arm``. ``planned_n``: the requests the bets are tuned
     to be sharpest at (``Stage.tune_n``); it never affects validity. Guardrails, both on
     bounded unit observations: error indicator; latency above ``max_latency_ratio`` x the baseline's p95 of
     the earlier looks (the p95-ratio guardrail as an exceedance rate, so bounded and finite-sample valid).
@@ -357,7 +361,7 @@ def look_path(
     sums = look_sums(t, arm, cols["reward"], cols["error"], cols["latency_ms"], look_times, group, n_groups)
     L, keep, win = len(look_times), sums["keep"], sums["win"][sums["keep"]]
     g = None if group is None else np.asarray(group, np.int64)[keep]
-    n = sums["n"].astype(np.float64)
+    n, nr = sums["n"].astype(np.float64), sums["nr"].astype(np.float64)
     # latency threshold per look window from the baseline's latencies before it (predictable); none at first
     tau = np.log(st.max_latency_ratio) + _p95_log(sums["hist"][:, :, 0])
     tau = np.concatenate([np.full((n_groups, 1), np.inf), tau[:, :-1]], axis=1)
@@ -387,21 +391,24 @@ def look_path(
         _, first = np.unique(key, return_index=True)
         fk = ((0 if g is None else g[first]) * L + win[first]) * 2 + arm[keep][first]
         cu = np.cumsum(np.bincount(fk, minlength=n_groups * L * 2).reshape(n_groups, L, 2), axis=1).astype(float)
-    lo, hi = ab_cs.fan_cs(un, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
+    un_r = us["nk"][0] if "nk" in us else un  # units with a reward
+    lo, hi = ab_cs.fan_cs(un_r, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
     err_lo, _ = ab_cs.fan_cs(un, us["S"][1], us["Q"][1], ratio, n_star, st.guardrail_alpha, None)
     lat_lo, _ = ab_cs.fan_cs(un, us["S"][2], us["Q"][2], ratio, n_star, st.guardrail_alpha, None)
     with np.errstate(divide="ignore", invalid="ignore"):
-        mean = sums["s1"] / n
-        var = np.maximum(sums["s2"] - n * mean**2, 0) / (n - 1)  # sample variance, ddof=1 like scipy
+        mean = sums["s1"] / nr
+        var = np.maximum(sums["s2"] - nr * mean**2, 0) / (nr - 1)  # sample variance, ddof=1 like scipy
         welch = stats.ttest_ind_from_stats(
-            mean[..., 1], np.sqrt(var[..., 1]), n[..., 1], mean[..., 0], np.sqrt(var[..., 0]), n[..., 0], False
+            mean[..., 1], np.sqrt(var[..., 1]), nr[..., 1], mean[..., 0], np.sqrt(var[..., 0]), nr[..., 0], False
         ).pvalue
         err = sums["nerr"] / n
     p95 = np.exp(_p95_log(sums["hist"]))
     enough = (cu[..., 1] >= st.min_per_arm) & (cu[..., 0] >= st.min_per_arm)
     return {
-        "n_b": n[..., 0],
-        "n_c": n[..., 1],
+        "n_b": nr[..., 0],  # requests behind the reward's numbers
+        "n_c": nr[..., 1],
+        "req_b": n[..., 0],  # every request (error rates)
+        "req_c": n[..., 1],
         "units_b": cu[..., 0],
         "units_c": cu[..., 1],
         "mean_b": mean[..., 0],
@@ -633,10 +640,16 @@ def analyse_stage(
             out["user_rule_reason"] = f"{why} (look at {looks[i] / 3600:.2f} h)"
     arm, r = cols["arm"].astype(np.int64), cols["reward"]
     cand = arm == 1
-    c, b = r[cand], r[~cand]
+    unit, fam = cols.get("unit"), cols.get("family")
+    rw = np.isfinite(r)  # the reward's numbers: rows with a reward (all of them, but live before feedback)
+    if not rw.all():
+        ra, r = arm[rw], r[rw]
+        unit, fam = (None if unit is None else unit[rw]), (None if fam is None else fam[rw])
+    else:
+        ra = arm
+    c, b = r[ra == 1], r[ra == 0]
     success = (r >= st.threshold).astype(np.float64)
-    unit = cols.get("unit")
-    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, arm, r, success, unit), 0, st))
+    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, ra, r, success, unit), 0, st))
     out["mann_whitney"] = {k: _scalar(v) for k, v in mann_whitney(c, b).items()}
     last = len(looks) - 1
     out["srm"] = {
@@ -677,6 +690,8 @@ def analyse_stage(
                 "t": float(looks[k]),
                 "n_baseline": int(S["n_b"][k]),
                 "n_candidate": int(S["n_c"][k]),
+                "requests_baseline": int(S["req_b"][k]),
+                "requests_candidate": int(S["req_c"][k]),
                 "units_baseline": int(S["units_b"][k]),
                 "units_candidate": int(S["units_c"][k]),
                 "delta": _scalar(S["delta"][k]),
@@ -689,10 +704,9 @@ def analyse_stage(
             for k in range(len(looks))
         ],
     }
-    fam = cols.get("family")
     out["per_family"] = {}
     if fam is not None and len(family_names):
-        fm = _slice_moments(fam, len(family_names), arm, r, success, unit)
+        fm = _slice_moments(fam, len(family_names), ra, r, success, unit)
         for f, name in enumerate(family_names):
             if fm["n"][f].sum():
                 out["per_family"][name] = _breakdown(fm, f, st)
@@ -775,7 +789,9 @@ def analyse_log(
             continue
         part = {k: v[lo:hi] for k, v in cols.items()}
         results.append(analyse_stage(part, stg, st, (stage_until or {}).get(stg.index), family_names))
-    overall = compare(cols["reward"][cols["arm"] == 0], cols["reward"][cols["arm"] == 1], st.threshold)
+    r, arm = cols["reward"], cols["arm"]
+    rw = np.isfinite(r)  # the user's pooled formula on the requests with a reward
+    overall = compare(r[rw & (arm == 0)], r[rw & (arm == 1)], st.threshold)
     fams = {}
     for name in family_names:
         fams[name] = stratify([r["per_family"][name] for r in results if name in r["per_family"]], st.alpha)
