@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from hermes_lab import ab
+from hermes_lab import ab, ab_rollout
 from hermes_lab import tasks as T
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import iter_objects, write_json_atomic
@@ -223,7 +223,7 @@ def run_ab(
     lat_rng = np.random.default_rng([seed, 11])
     stages_run: list[ab.Stage] = []
     stage_until: dict[int, float] = {}
-    pos, start, stopped_by = 0, 0.0, None
+    pos, stopped_by = 0, None
     log.info(
         "A/B rollout: %d stages planned, %.0f simulated seconds at most, %d requests",
         len(plan),
@@ -239,19 +239,13 @@ def run_ab(
         disable=not (sys.stderr.isatty() or "ipykernel" in sys.modules),
     )
     with log_path.open("w", encoding="utf-8") as logf:
-        for stg0 in plan:
-            if start >= horizon:
-                break
-            stg = ab.Stage(
-                stg0.index, stg0.ratio, start, stg0.seconds, stg0.max_extension, stg0.look_every, stg0.planned_n
-            )
+        # the steps between looks and stages are hermes_lab.ab_rollout's, which the live gateway shares
+        stg: ab.Stage | None = ab_rollout.start_stage(plan[0], 0.0) if plan and horizon > 0 else None
+        while stg is not None:
             stages_run.append(stg)
             router = ab.ABRouter(names[0], names[1], stg.ratio, a.salt)
             lo_row = len(cols["t"])
-            prev = start
-            end = min(stg.hard_end, horizon)
-            action = None
-            for look in stg.look_times(end):
+            for look in stg.look_times(min(stg.hard_end, horizon)):
                 hi = int(np.searchsorted(traffic.t, look, side="right"))
                 idx = list(range(pos, hi))
                 pos = hi
@@ -273,19 +267,13 @@ def run_ab(
                         unit_codes,
                     )
                     bar.update(len(idx))
-                prev = look
                 part = {k: np.asarray(v[lo_row:]) for k, v in cols.items()}
-                if not len(part["t"]):
-                    continue
                 part["unit"] = part["unit"] if a.unit == "user" else None
-                action = ab.stage_action(_cols(part), stg, st, look, st.rule)
-                if action:
+                _, step = ab_rollout.look_step(plan, stg, _cols(part), st, float(look), horizon)
+                if step.kind != "stay":
                     break
-            stage_until[stg.index] = prev
-            start = prev
-            if action is None or action[0] != "widen":  # a passed stage widens to the next one
-                stopped_by = action[0] if action else ("duration" if prev < stg.hard_end - 1e-9 else "keep observing")
-                break
+            stage_until[stg.index] = float(look)
+            stg, stopped_by = step.stage, step.stopped_by
     bar.close()
     arr = _cols({k: np.asarray(v) for k, v in cols.items()})
     if a.unit != "user":
