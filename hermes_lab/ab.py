@@ -353,7 +353,8 @@ def look_path(
     yet) is left out of the reward's statistics and counts in the guardrails, SRM and ``min_per_arm``.
     ``planned_n``: the requests the bets are tuned to be sharpest at (``Stage.tune_n``); it never affects
     validity. Guardrails, both on bounded unit observations: error indicator; latency above
-    ``max_latency_ratio`` x the baseline's p95 of the earlier looks (the p95-ratio guardrail as an exceedance rate, so bounded and finite-sample valid).
+    ``max_latency_ratio`` x the baseline's p95 of the earlier looks (the p95-ratio guardrail as an exceedance
+    rate, so bounded and finite-sample valid).
     """
     from scipy import stats
 
