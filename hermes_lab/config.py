@@ -264,7 +264,11 @@ class ABSection:
     stages: list[list[float]] = _f(
         [[0.1, 7200], [0.3, 14400], [1.0, 0]], "Rollout stages as [ratio, seconds]; a final ratio 1.0 means promoted."
     )
-    request_rate: float = _f(0.25, "Simulated requests per second.")
+    request_rate: float = _f(
+        0.25,
+        "Simulated requests per second; a live rollout (serve) takes it as the expected rate per experiment "
+        "second, which tunes where its confidence sequence is tightest (never its validity).",
+    )
     salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")
     alpha: float = _f(0.05, "Significance level.")
     srm_alpha: float = _f(0.001, "Sample-ratio-mismatch threshold: below it, hold.")
@@ -360,6 +364,21 @@ class ServeSection:
         False, "Also write each request as an MLflow trace and each feedback as an assessment (off the request path)."
     )
     access_log: bool = _f(False, "uvicorn's access log (one line per request; never headers or bodies).")
+    rollout: bool = _f(
+        True,
+        "Run the staged rollout live: the stages of ab.stages on the wall clock, a look every ab.look_every, "
+        "decided by hermes_lab.ab; the candidate share changes in place. false: a fixed share, no looks.",
+    )
+    time_scale: float = _f(
+        1.0,
+        "Experiment clock speed: K runs the stages and looks K times faster than the wall clock (demos, "
+        "tests; --time-scale). The report says so. A restart must keep the experiment's time scale.",
+    )
+    fallback: str = _f(
+        "none",
+        "baseline: a failed candidate call (upstream error, timeout, 5xx) is answered by the baseline and "
+        "still counted as a candidate error. none: the client gets the error.",
+    )
 
 
 @dataclass
@@ -591,10 +610,15 @@ def _check_serve(cfg: HermesConfig, bad: Any) -> None:
         ("batch_wait_ms", 0 <= s.batch_wait_ms <= 1000),
         ("max_batch", s.max_batch >= 1),
         ("max_new_tokens", s.max_new_tokens >= 1),
+        ("time_scale", 0 < s.time_scale <= 1e6),
     ):
         if not ok:
             bad(f"serve.{key}", f"has an invalid value: {getattr(s, key)!r}")
-    for key, allowed in (("durability", ("fsync", "write")), ("upstream_client", ("aiohttp", "httpx"))):
+    for key, allowed in (
+        ("durability", ("fsync", "write")),
+        ("upstream_client", ("aiohttp", "httpx")),
+        ("fallback", ("none", "baseline")),
+    ):
         if getattr(s, key) not in allowed:
             bad(f"serve.{key}", f"must be one of {', '.join(allowed)}, got {getattr(s, key)!r}")
     if s.score_unrewarded not in ("none", "judge"):
