@@ -106,6 +106,12 @@ def _num(x: Any, digits: int = 4) -> float | None:
     return None if x is None else round(float(x), digits)
 
 
+def duration(seconds: float) -> str:
+    """Experiment seconds in words: 2 h, 30 min, 45 s."""
+    s = float(seconds)
+    return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
+
+
 class LiveRollout:
     """The experiment's rollout on the (scaled) wall clock; the gateway routes with ``state['ratio']``."""
 
@@ -122,8 +128,20 @@ class LiveRollout:
         self.st = ab.Settings.from_config(cfg)
         self.stages = [list(map(float, s)) for s in state["stages"]]
         self.plan = ab.plan_stages(self.stages, a.request_rate, a.look_every, a.max_extension)
-        self.K, self.t0 = float(state["time_scale"]), float(state["start_unix"])
+        self.K = float(state["time_scale"])
         self.enabled = cfg.serve.rollout
+        self.reporting = False  # the final report is being written: a shutdown waits for it
+
+    @property
+    def t0(self) -> float:
+        return float(self.state["start_unix"])
+
+    def start_clock(self) -> None:
+        """A new experiment's clock starts when the gateway is ready to serve, not when it began loading."""
+        if not self.state["looks"] and self.tally.n == [0, 0] and not self.state["restarts"]:
+            self.state["start_unix"] = time.time()
+            self.state["created"] = L.now_iso(self.state["start_unix"])
+            L.save_experiment(self.log_dir, self.state)
 
     # ------------------------------------------------------------------------------------------ clock
     def clock(self, now: float | None = None) -> float:
@@ -222,13 +240,13 @@ class LiveRollout:
     def progress(self, rec: dict[str, Any]) -> str:
         """One line per look: when, where, the counts, delta and its interval, the decision."""
         q, rw, cs = rec["requests"], rec["rewarded"], rec["cs"]
-        into = (rec["t"] - float(self.state["stage_starts"][rec["stage"]])) / 3600
+        into = duration(rec["t"] - float(self.state["stage_starts"][rec["stage"]]))
         iv = "" if cs[0] is None else f", CS [{cs[0]:+.2f}, {cs[1]:+.2f}]"
         delta = "" if rec["delta"] is None else f"  delta {rec['delta']:+.3f}{iv}"
         return (
             f"[look {rec['n']:3d} {time.strftime('%H:%M:%S')}] stage {rec['stage']} ({rec['ratio']:.0%}) "
-            f"{into:.2f} h in: "
-            f"baseline {q['baseline']} req ({rw['baseline']} rewarded), candidate {q['candidate']} "
+            f"{into} in: "
+            f"baseline {q['baseline']} req ({rw['baseline']} scored), candidate {q['candidate']} "
             f"({rw['candidate']}){delta} -> {rec['decision']}"
         )
 
@@ -302,11 +320,15 @@ class LiveRollout:
                 rec, step = await asyncio.to_thread(self.look, t)
                 self.apply(rec, step)
                 on_change()
+                self.reporting = step.kind == "end"
                 await asyncio.to_thread(L.save_experiment, self.log_dir, copy.deepcopy(self.state))
                 if step.kind == "end":
-                    from hermes_lab.live_report import write_live_report
+                    from hermes_lab.live_report import REPORT, write_live_report
 
                     rep = await asyncio.to_thread(write_live_report, self.cfg, self.log_dir)
+                    self.state["report"] = str(self.log_dir / REPORT)
+                    await asyncio.to_thread(L.save_experiment, self.log_dir, copy.deepcopy(self.state))
+                    self.reporting = False
                     why = "; ".join(rep["reasons"][-2:])
                     self.say(f"  report {self.log_dir / 'ab_report.json'}: {rep['decision']}; {why}")
         except asyncio.CancelledError:

@@ -169,6 +169,8 @@ class Gateway:
             from hermes_lab.live_mlflow import TraceSink
 
             self.traces = TraceSink(self.cfg, self.name)
+        self.rollout.start_clock()
+        self.t0 = self.rollout.t0
         if self.rollout.next_look() is not None:
             self._looks = asyncio.create_task(self.rollout.run(self._moved))
 
@@ -178,7 +180,8 @@ class Gateway:
 
     async def shutdown(self) -> None:
         if self._looks is not None:
-            self._looks.cancel()
+            if not self.rollout.reporting:  # the final report is being written: let it finish
+                self._looks.cancel()
             await asyncio.gather(self._looks, return_exceptions=True)
         for a in self.arms.values():
             await a.close()
@@ -488,6 +491,7 @@ class Gateway:
             "next_look": None if nxt is None else {"t": nxt, "in_s": round(max(ro.wall_at(nxt) - time.time(), 0), 3)},
             "waiting_for": ro.waiting_for(),
             "rollout_decision": st.get("decision"),
+            "report": st.get("report"),
             "restarts": st["restarts"],
             "n_baseline": t.n[0],
             "n_candidate": t.n[1],

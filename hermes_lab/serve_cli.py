@@ -136,7 +136,13 @@ def rollout_line(gw: Gateway) -> str:
     ro, st = gw.rollout, gw.state
     if not ro.enabled:
         return "rollout: off (serve.rollout: false): a fixed candidate share, no looks"
-    plan = " -> ".join(f"{s.ratio:.0%} for {s.seconds / 3600:g} h" for s in ro.plan) + " -> 100%"
+    from hermes_lab.live_experiment import duration
+
+    plan = " -> ".join(f"{s.ratio:.0%} for {duration(s.seconds)}" for s in ro.plan) + " -> 100%"
     clock = f", clock x{ro.K:g} (--time-scale)" if ro.K != 1 else ""
-    where = f"stage {st['stage']} since {st['stage_starts'][-1] / 3600:.2f} h" if ro.running else st["status"]
-    return f"rollout: {plan}, a look every {gw.cfg.ab.look_every:g} s{clock}; now {where}"
+    where = (
+        f"stage {st['stage']} ({st['ratio']:.0%}), since {duration(st['stage_starts'][-1])} into the experiment"
+        if ro.running
+        else st["status"]
+    )
+    return f"rollout: {plan}, a look every {duration(gw.cfg.ab.look_every)}{clock}; now {where}"
