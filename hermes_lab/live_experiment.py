@@ -221,7 +221,7 @@ class LiveRollout:
         s["stage_starts"].append(t)
         if step.kind == "next":
             s["stage"], s["ratio"] = step.stage.index, step.stage.ratio
-            self.say(f"  -> widen: stage {step.stage.index} starts, candidate at {step.stage.ratio:.0%}")
+            self.say(f"  -> widen: stage {step.stage.index + 1} starts, candidate at {step.stage.ratio:.0%}")
             return
         key = f"{self.st.rule}_decision"
         results = [{"index": r["index"], "ratio": r["ratio"], key: r["decision"]} for r in s["stage_results"]]
@@ -244,7 +244,7 @@ class LiveRollout:
         iv = "" if cs[0] is None else f", CS [{cs[0]:+.2f}, {cs[1]:+.2f}]"
         delta = "" if rec["delta"] is None else f"  delta {rec['delta']:+.3f}{iv}"
         return (
-            f"[look {rec['n']:3d} {time.strftime('%H:%M:%S')}] stage {rec['stage']} ({rec['ratio']:.0%}) "
+            f"[look {rec['n']:3d} {time.strftime('%H:%M:%S')}] stage {rec['stage'] + 1} ({rec['ratio']:.0%}) "
             f"{into} in: "
             f"baseline {q['baseline']} req ({rw['baseline']} scored), candidate {q['candidate']} "
             f"({rw['candidate']}){delta} -> {rec['decision']}"
@@ -310,6 +310,25 @@ class LiveRollout:
             "p_value": res.get("p_value"),
             "interval": [last.get("cs_lower"), last.get("cs_upper")],
         }
+
+    def status_line(self) -> str:
+        """One line for ``hermes-lab status``: the stage (counted from 1), since when, the next look, what it
+        waits for."""
+        s = self.state
+        if not self.running:
+            rep = f", report {s['report']}" if s.get("report") else ""
+            return f"ab: live rollout {s['status']}, candidate at {float(s['ratio']):.0%}{rep}"
+        i = int(s["stage"])
+        since = time.strftime("%H:%M", time.localtime(self.wall_at(float(s["stage_starts"][i]))))
+        nxt = self.next_look()
+        when = (
+            "no looks (serve.rollout: false)"
+            if nxt is None
+            else f"next look in {duration(max(self.wall_at(nxt) - time.time(), 0))} (wall)"
+        )
+        return (
+            f"ab: live stage {i + 1} ({float(s['ratio']):.0%}) since {since}, {when}, waiting for {self.waiting_for()}"
+        )
 
     # ------------------------------------------------------------------------------------------ loop
     async def run(self, on_change: Callable[[], None]) -> None:

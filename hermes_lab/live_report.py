@@ -91,7 +91,9 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
         wall=wall,
     )
     if running:
-        report["reasons"].insert(0, f"the experiment is still running (stage {state['stage']}): a report so far")
+        report["reasons"].insert(
+            0, f"the experiment is still running (stage {state['stage'] + 1} of the plan): a report so far"
+        )
     if K != 1:
         report["reasons"].append(
             f"clock: --time-scale {K:g}, the experiment clock ran {K:g} times faster than the wall clock "

@@ -141,7 +141,7 @@ def rollout_line(gw: Gateway) -> str:
     plan = " -> ".join(f"{s.ratio:.0%} for {duration(s.seconds)}" for s in ro.plan) + " -> 100%"
     clock = f", clock x{ro.K:g} (--time-scale)" if ro.K != 1 else ""
     where = (
-        f"stage {st['stage']} ({st['ratio']:.0%}), since {duration(st['stage_starts'][-1])} into the experiment"
+        f"stage {st['stage'] + 1} ({st['ratio']:.0%}), since {duration(st['stage_starts'][-1])} into the experiment"
         if ro.running
         else st["status"]
     )

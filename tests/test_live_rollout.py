@@ -157,7 +157,7 @@ def test_better_candidate_is_promoted_through_every_stage(tmp_path, perfect, bad
     assert {Path(p).name for p in rep["plots"]} == {"ab_scores.png", "ab_sequence.png", "ab_breakdown.png"}
     assert all(Path(p).stat().st_size > 1000 for p in rep["plots"])
     out = gw.output()
-    assert out.count("[look") == len(state["looks"]) and "-> widen: stage 1" in out and "-> promoted" in out
+    assert out.count("[look") == len(state["looks"]) and "-> widen: stage 2 starts" in out and "-> promoted" in out
 
 
 def test_failing_candidate_is_rolled_back_at_the_first_look_and_fallback_hides_it(tmp_path, perfect):
@@ -230,7 +230,7 @@ def test_a_restart_in_stage_2_resumes_at_stage_2(tmp_path, perfect, bad):
     assert state["looks"][: len(before["looks"])] == before["looks"]  # kept across the restart
     assert [r["decision"] for r in state["stage_results"]] == ["widen", "widen"]
     assert state["stage_starts"][:2] == before["stage_starts"]
-    assert "hermes-lab serve" in gw.output() and "now stage 1 (60%)" in gw.output()
+    assert "hermes-lab serve" in gw.output() and "now stage 2 (60%)" in gw.output()
     # --report rebuilds the same report from the log dir alone
     (gw.log_dir / "ab_report.json").unlink()
     r = subprocess.run(
@@ -252,3 +252,55 @@ def test_a_restart_in_stage_2_resumes_at_stage_2(tmp_path, perfect, bad):
     rep = json.loads((gw.log_dir / "ab_report.json").read_text())
     assert rep["decision"] == "promote" and rep["restarts"] == 1 and "decision: promote" in r.stdout
     assert [s["sequential_decision"] for s in rep["stages"]] == ["widen", "widen"]
+
+
+def test_timeouts_and_5xx_are_errors_of_their_arm_and_fallback_streams_the_baseline(tmp_path, perfect):
+    """serve.rollout off (a fixed 50% share). The candidate upstream accepts connections and never answers:
+    a timeout is a 504 error of the candidate; with serve.fallback: baseline the client gets the baseline's
+    answer instead, streamed or not, and the record stays the candidate's error."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # connections queue up; nothing is ever read or answered
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    args = ["--ratio", "0.5", "--baseline", perfect.url, "--baseline-model", "good", "--candidate", url]
+    args += ["--candidate-model", "m", "--set", "serve.rollout=false", "--set", "serve.upstream_timeout_s=0.5"]
+    (tmp_path / "plain").mkdir()
+    gw = Gateway(tmp_path / "plain", args).start()
+    try:
+        h = gw.http()
+        rid = next(f"to-{i}" for i in range(100) if formula_arm(f"to-{i}", 0.5) == "candidate")
+        body = {"model": "hermes", "messages": [{"role": "user", "content": "up ab="}]}
+        r = h.post("/v1/chat/completions", json=body, headers={"X-Request-ID": rid})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "gateway_timeout"
+        exp = gw.experiment()
+        assert exp["errors"] == {"baseline": 0, "candidate": 1} and exp["looks"] == 0 and exp["next_look"] is None
+    finally:
+        gw.stop()
+    (tmp_path / "fb").mkdir()
+    gw = Gateway(tmp_path / "fb", [*args, "--set", "serve.fallback=baseline"]).start()
+    try:
+        h = gw.http()
+        ids = [f"fb-{i}" for i in range(40) if formula_arm(f"fb-{i}", 0.5) == "candidate"][:2]
+        r = h.post("/v1/chat/completions", json=body, headers={"X-Request-ID": ids[0]})
+        assert r.status_code == 200 and r.headers["x-hermes-fallback"] == "baseline"
+        assert r.headers["x-hermes-arm"] == "candidate" and r.json()["choices"][0]["message"]["content"] == "AB"
+        with h.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}, headers={"X-Request-ID": ids[1]}
+        ) as s:
+            assert s.status_code == 200 and s.headers["x-hermes-fallback"] == "baseline"
+            raw = s.read().decode()
+        assert raw.rstrip().endswith("data: [DONE]") and '"content":"A' in raw.replace(" ", "")
+        recs = {x["request_id"]: x for x in gw.records()}
+        for i in ids:
+            rec = recs[i]
+            assert rec["arm"] == "candidate" and rec["status"] == "error" and rec["http_status"] == 504
+            assert rec["fallback"]["arm"] == "baseline" and rec["fallback"]["http_status"] == 200
+        assert recs[ids[1]]["stream"] and gw.experiment()["errors"]["candidate"] == 2
+        # feedback on a fallback answer is accepted but is not the candidate's reward
+        assert h.post("/v1/feedback", json={"request_id": ids[0], "reward": 5}).status_code == 202
+        assert gw.experiment()["feedback"]["candidate"] == 0
+    finally:
+        gw.stop()
+        silent.close()
