@@ -54,10 +54,54 @@ STATUS = {
 GRACE_S = 0.25  # wall seconds a look waits past its time: records of that instant are in the tally by then
 
 
+def live_stages(
+    cfg: HermesConfig, log_dir: str | os.PathLike[str], ratio: float | None = None
+) -> tuple[list[list[float]], float | None]:
+    """(the experiment's stage list, the first ratio asked for): ``ab.stages`` (checked; errors name the
+    key); ``--ratio R`` puts the first stage at R and drops later stages below R (ramps only rise). A
+    restart without --ratio continues at the experiment's own first ratio."""
+    from hermes_lab.ab_run import check_ab_config
+
+    stages = check_ab_config(cfg)
+    prior = L.load_experiment(log_dir)
+    if ratio is None and prior and float(prior["stages"][0][0]) != stages[0][0]:
+        ratio = float(prior["stages"][0][0])
+    if ratio is not None:
+        if not 0 <= ratio < 1:
+            raise ConfigError(f"--ratio must lie in [0, 1) (a test needs a baseline), got {ratio}")
+        stages = [[float(ratio), stages[0][1]]] + [x for x in stages[1:] if x[0] > ratio]
+    return stages, ratio
+
+
+def experiment_ident(cfg: HermesConfig, arms: dict[str, Any], name: str) -> dict[str, Any]:
+    """What identifies an experiment (a restart must match it): the arms (``ArmSpec.describe()``), the
+    public model, the unit, the salt, the time scale."""
+    return {
+        "experiment": name,
+        "arms": arms,
+        "public_model": cfg.serve.public_model,
+        "unit": cfg.ab.unit,
+        "salt": cfg.ab.salt,
+        "time_scale": float(cfg.serve.time_scale),
+    }
+
+
+def arm_specs(specs: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """How the arms were given (spec, model id, key env var NAME): a gateway started on the log dir without
+    arm flags serves these."""
+    return {n: {"spec": a.spec, "model": a.model, "key_env": a.key_env} for n, a in specs.items()}
+
+
 def open_experiment(
-    log_dir: str | os.PathLike[str], ident: dict[str, Any], stages: list[list[float]], ratio: float | None
+    log_dir: str | os.PathLike[str],
+    ident: dict[str, Any],
+    stages: list[list[float]],
+    ratio: float | None,
+    arm_specs: dict[str, Any] | None = None,
+    restart: bool = True,
 ) -> dict[str, Any]:
-    """The experiment of ``log_dir``: created at the first start, continued (and checked) at a restart."""
+    """The experiment of ``log_dir``: created at the first start, continued (and checked) at a restart.
+    ``restart`` False: only check and return it (the round attaching to its experiment)."""
     log_dir = Path(log_dir)
     st = L.load_experiment(log_dir)
     if st is None:
@@ -79,6 +123,11 @@ def open_experiment(
     else:
         st.setdefault("time_scale", 1.0)  # experiments from before the live rollout
         st.setdefault("stage_results", [])
+        if ratio is not None and float(ratio) != float(st["stages"][0][0]):
+            raise ConfigError(
+                f"--ratio {ratio}: the experiment in {log_dir} started at ratio {st['stages'][0][0]} (stage and "
+                "ratio live in experiment.json); omit --ratio to continue it"
+            )
         for k, v in [*ident.items(), ("stages", stages)]:
             if k != "experiment" and st.get(k) != v:
                 raise ConfigError(
@@ -86,12 +135,11 @@ def open_experiment(
                     f"{st.get(k)!r}; this start has {v!r}. Continue it with the same settings, or pass another "
                     "--log-dir / --experiment"
                 )
-        if ratio is not None and float(ratio) != float(st["stages"][0][0]):
-            raise ConfigError(
-                f"--ratio {ratio}: the experiment in {log_dir} started at ratio {st['stages'][0][0]} (stage and "
-                "ratio live in experiment.json); omit --ratio to continue it"
-            )
+        if not restart:
+            return st
         st["restarts"] = int(st.get("restarts", 0)) + 1
+    if arm_specs:
+        st["arm_specs"] = arm_specs
     L.save_experiment(log_dir, st)
     return st
 
@@ -138,7 +186,7 @@ class LiveRollout:
 
     def start_clock(self) -> None:
         """A new experiment's clock starts when the gateway is ready to serve, not when it began loading."""
-        if not self.state["looks"] and self.tally.n == [0, 0] and not self.state["restarts"]:
+        if not self.state["looks"] and self.tally.n == [0, 0]:  # (also an experiment a round prepared)
             self.state["start_unix"] = time.time()
             self.state["created"] = L.now_iso(self.state["start_unix"])
             L.save_experiment(self.log_dir, self.state)

@@ -112,28 +112,18 @@ class Gateway:
         experiment: str | None = None,
         say: Any = print,
     ):
-        from hermes_lab.ab_run import check_ab_config
-
         self.cfg, s = cfg, cfg.serve
         self.specs, self.say = specs, say
-        self.stages = check_ab_config(cfg)  # errors name the ab.* key
         self.name = experiment or s.experiment or default_experiment(specs)
         self.log_dir = Path(log_dir or s.log_dir or Path(cfg.round.runs_dir) / "live" / self.name)
-        prior = L.load_experiment(self.log_dir)
-        if ratio is None and prior and float(prior["stages"][0][0]) != self.stages[0][0]:
-            ratio = float(prior["stages"][0][0])  # a restart without --ratio continues at the experiment's own
-        if ratio is not None:  # --ratio R: the first stage at R; later stages below R are dropped (ramps only rise)
-            if not 0 <= ratio < 1:
-                raise ConfigError(f"--ratio must lie in [0, 1) (a test needs a baseline), got {ratio}")
-            self.stages = [[float(ratio), self.stages[0][1]]] + [x for x in self.stages[1:] if x[0] > ratio]
+        self.stages, ratio = X.live_stages(cfg, self.log_dir, ratio)  # errors name the ab.* key
         self.public = s.public_model
         self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
         self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
-        ident = {"arms": {n: specs[n].describe() for n in ARMS}, "public_model": self.public, "unit": cfg.ab.unit}
-        ident |= {"experiment": self.name, "salt": self.salt, "time_scale": float(s.time_scale)}
-        self.state = X.open_experiment(self.log_dir, ident, self.stages, ratio)
+        ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, self.name)
+        self.state = X.open_experiment(self.log_dir, ident, self.stages, ratio, arm_specs=X.arm_specs(specs))
         self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
         self.t0 = float(self.state["start_unix"])
         self.fallback = s.fallback == "baseline"

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from hermes_lab import live_log as L
 from hermes_lab.arms_live import ARMS, resolve_arm
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.serve import Gateway, build_app, log
@@ -69,10 +70,15 @@ def config_of(args: argparse.Namespace) -> HermesConfig:
 
 def make_gateway(args: argparse.Namespace) -> Gateway:
     cfg = config_of(args)
-    specs = {
-        a: resolve_arm(cfg, a, getattr(args, a), getattr(args, f"{a}_model"), getattr(args, f"{a}_key_env"))
-        for a in ARMS
-    }
+    # an experiment continued on its log dir (one a round prepared, or a restart) serves its recorded arms
+    # unless a flag names another
+    known = args.log_dir or cfg.serve.log_dir
+    recorded = ((L.load_experiment(known) if known else None) or {}).get("arm_specs", {})
+    specs = {}
+    for a in ARMS:
+        given = (getattr(args, a), getattr(args, f"{a}_model"), getattr(args, f"{a}_key_env"))
+        r = recorded.get(a) if given[0] is None else None
+        specs[a] = resolve_arm(cfg, a, r["spec"], r["model"], r["key_env"]) if r else resolve_arm(cfg, a, *given)
     return Gateway(cfg, specs, ratio=args.ratio, log_dir=args.log_dir, experiment=args.experiment)
 
 

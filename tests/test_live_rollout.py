@@ -45,9 +45,10 @@ def bad():
     s.stop()
 
 
-def params(tmp: Path, stages: list, look_every: float, **serve) -> Path:
+def params(tmp: Path, stages: list, look_every: float, rate: float = 2.0, **serve) -> Path:
+    """ab.request_rate: about what Traffic sends per experiment second (it tunes the bets, never validity)."""
     p = tmp / "live.yaml"
-    ab = {"stages": stages, "look_every": look_every, "min_per_arm": 8, "request_rate": 5.0, "max_extension": 1.0}
+    ab = {"stages": stages, "look_every": look_every, "min_per_arm": 8, "request_rate": rate, "max_extension": 1.0}
     p.write_text(yaml.safe_dump({"ab": ab, "serve": serve}))
     return p
 
@@ -166,8 +167,8 @@ def test_failing_candidate_is_rolled_back_at_the_first_look_and_fallback_hides_i
     failing = OpenAIStub(models=("good",))
     failing.fail = True
     failing.start()
-    stages = [[0.5, 600], [1.0, 0]]
-    p = params(tmp_path, stages, 30, fallback="baseline")
+    stages = [[0.5, 120], [1.0, 0]]
+    p = params(tmp_path, stages, 40, rate=1.0, fallback="baseline")
     gw = Gateway(tmp_path, ["--params", str(p), "--time-scale", str(SCALE), *arms(perfect, "good", failing, "good")])
     gw.start()
     traffic = Traffic(gw.url)
@@ -187,8 +188,8 @@ def test_failing_candidate_is_rolled_back_at_the_first_look_and_fallback_hides_i
     fell = [x for x in traffic.sent if x[3] == "baseline"]
     assert fell and all(a == "candidate" for _, a, _, _ in fell)
     state = json.loads((gw.log_dir / "experiment.json").read_text())
-    (look,) = state["looks"]  # one look, at 30 s: the rollback
-    assert look["t"] == 30 and look["decision"] == "roll back" and look["error_rate"]["candidate"] == 1.0
+    (look,) = state["looks"]  # one look, at 40 s: the rollback
+    assert look["t"] == 40 and look["decision"] == "roll back" and look["error_rate"]["candidate"] == 1.0
     cand = [r for r in gw.records() if r["arm"] == "candidate"]
     assert cand and all(r["status"] == "error" and r["fallback"]["arm"] == "baseline" for r in cand)
     assert all(r["fallback"]["http_status"] == 200 and r["http_status"] == 500 for r in cand)
