@@ -751,7 +751,14 @@ def notebook_run(
     out = Path(round_dir) / "ab"
     report_path = out / REPORT_NAME
     with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
-        if report_path.is_file() and (out / LOG_NAME).is_file():
+        if cfg.ab.mode == "live":  # the gateway's rollout decides (hermes_lab.live_round); pending: the round stops
+            from hermes_lab import live_round
+
+            report, cols = live_round.ab_stage(cfg, round_dir, baseline, candidate)
+            log_to_mlflow(cfg, report, report_path, Path(report["log"]))
+            paths = [Path(p) for p in report["plots"]]
+            fams = live_round.FAM_NAMES
+        elif report_path.is_file() and (out / LOG_NAME).is_file():
             report = json.loads(report_path.read_text(encoding="utf-8"))
             cols, fams = read_log(out / LOG_NAME)
             paths = make_plots(cols, report, out / "plots", fams)

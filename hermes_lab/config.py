@@ -168,6 +168,17 @@ class ExecuteSection:
     max_new_tokens: int = _f(16, "Max new tokens per response.")
     batch_size: int = _f(64, "Generation batch size.")
     families: list[str] = _f([], "Task families to draw (empty: all).")
+    source: str = _f(
+        "tasks",
+        "Where a round's data comes from. tasks: the policy executes the embedded tasks. live: a gateway log "
+        "(execute.live_dir) joined with its feedback; round 1 with an empty live_dir executes the tasks (no "
+        "traffic yet).",
+    )
+    live_dir: str = _f(
+        "",
+        "execute.source live: the gateway log dir (requests.jsonl, feedback.jsonl). Empty: the previous round's "
+        "live experiment, runs/live/round-<NN-1>.",
+    )
 
 
 @dataclass
@@ -275,6 +286,11 @@ class ABSection:
     max_error_rate: float = _f(0.02, "Guardrail: candidate error rate above baseline by more than this rolls back.")
     max_latency_ratio: float = _f(1.5, "Guardrail: candidate p95 latency over baseline p95 above this rolls back.")
     rule: str = _f("sequential", "Decision rule: sequential (always-valid) or user (the SPEC's p<0.05 rule).")
+    mode: str = _f(
+        "simulated",
+        "A round's A/B stage. simulated: ab-run on a simulated clock. live: the gateway (hermes-lab serve) runs "
+        "the rollout on real traffic; the round waits ('awaiting live A/B', --resume) until it is decided.",
+    )
     look_every: float = _f(
         900.0,
         "Seconds between two interim looks within a stage. Harm, guardrails and SRM are "
@@ -562,6 +578,10 @@ def _check(cfg: HermesConfig, src: str) -> None:
         bad("ab.traffic_ratio", "must lie in (0, 1]")
     if cfg.ab.rule not in {"sequential", "user"}:
         bad("ab.rule", "must be sequential or user")
+    if cfg.ab.mode not in {"simulated", "live"}:
+        bad("ab.mode", f"must be simulated or live, got {cfg.ab.mode!r}")
+    if cfg.execute.source not in {"tasks", "live"}:
+        bad("execute.source", f"must be tasks or live, got {cfg.execute.source!r}")
     if not 0 < cfg.ab.guardrail_alpha < 1:
         bad("ab.guardrail_alpha", f"must lie in (0, 1), got {cfg.ab.guardrail_alpha}")
     if cfg.review.label_mode not in {"score", "passfail"}:

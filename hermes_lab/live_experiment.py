@@ -392,7 +392,7 @@ class LiveRollout:
                 if step.kind == "end":
                     from hermes_lab.live_report import REPORT, write_live_report
 
-                    rep = await asyncio.to_thread(write_live_report, self.cfg, self.log_dir)
+                    rep, _ = await asyncio.to_thread(write_live_report, self.cfg, self.log_dir)
                     self.state["report"] = str(self.log_dir / REPORT)
                     await asyncio.to_thread(L.save_experiment, self.log_dir, copy.deepcopy(self.state))
                     self.reporting = False

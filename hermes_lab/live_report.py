@@ -120,27 +120,33 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     return report, cols
 
 
-def write_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str], plots: bool = True) -> dict[str, Any]:
-    """Build the report, save its plots under ``<log_dir>/plots/`` and write ``<log_dir>/ab_report.json``."""
+def write_live_report(
+    cfg: HermesConfig,
+    log_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    plots: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Build the report of ``log_dir``, save its plots under ``<out_dir>/plots/`` and write
+    ``<out_dir>/ab_report.json`` (``out_dir``: the log dir by default; a live round's ``ab/``). Returns the
+    report and the rewarded requests' columns (the score plots')."""
     from hermes_lab.ab_run import make_plots
 
-    log_dir = Path(log_dir)
+    out = Path(out_dir or log_dir)
     report, cols = build_live_report(cfg, log_dir)
-    if plots and len(cols["t"]):
-        rw = np.isfinite(cols["reward"])  # score histograms: the rewarded requests
-        pngs = make_plots({k: v[rw] for k, v in cols.items()}, report, log_dir / "plots", FAM_NAMES)
-        report["plots"] = [str(p) for p in pngs]
-    else:
-        report["plots"] = []
-    write_json_atomic(log_dir / REPORT, report)
-    return report
+    rw = np.isfinite(cols["reward"])  # score histograms: the rewarded requests
+    scored = {k: v[rw] for k, v in cols.items()}
+    report["plots"] = (
+        [str(p) for p in make_plots(scored, report, out / "plots", FAM_NAMES)] if plots and rw.any() else []
+    )
+    write_json_atomic(out / REPORT, report)
+    return report, scored
 
 
 def report_cli(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> int:
     """``hermes-lab serve --report DIR``: write the report of a log dir and print its summary."""
     from hermes_lab.ab_run import summary
 
-    rep = write_live_report(cfg, log_dir)
+    rep, _ = write_live_report(cfg, log_dir)
     print(summary(rep))
     print(f"status: {rep['status']}   report: {Path(log_dir) / REPORT}   plots: {len(rep['plots'])}")
     return 0
