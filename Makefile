@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
 ROUNDS ?= 3
 
-.PHONY: setup round flywheel status serve test test-fast lint lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve live-demo test test-fast lint lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ status: setup
 ## the live A/B gateway on 127.0.0.1:8700: baseline embedded:tiny, candidate the latest round's adapter (else an A/A)
 serve: setup
 	$(BIN)/hermes-lab serve --params $(PARAMS)
+
+## a live 10% -> 30% -> 100% rollout on a 120x clock (serve + the stand-in agent), then a round trains on that traffic
+live-demo: setup
+	$(BIN)/python -m hermes_lab.live_demo --params $(PARAMS)
 
 test: setup lint
 	$(BIN)/python -m pytest -q tests
