@@ -515,7 +515,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {raw!r}")
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+    # HermesConfig.source (the file it came from) is no key; a section may have a key named source
+    names = [f.name for f in dataclasses.fields(cls) if not (cls is HermesConfig and f.name == "source")]
     unknown = [k for k in raw if k not in names]
     if unknown:
         raise ConfigError(f"{where or 'top level'}: unknown key '{unknown[0]}'. Valid keys: {', '.join(names)}")
@@ -701,7 +702,7 @@ def field_help(cls: type = HermesConfig, prefix: str = "") -> dict[str, str]:
     """'section.key' -> help text, for --explain and notebooks."""
     out: dict[str, str] = {}
     for f in dataclasses.fields(cls):
-        if f.name == "source":
+        if cls is HermesConfig and f.name == "source":
             continue
         tp = get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):

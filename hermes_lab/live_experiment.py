@@ -367,6 +367,9 @@ class LiveRollout:
             rep = f", report {s['report']}" if s.get("report") else ""
             return f"ab: live rollout {s['status']}, candidate at {float(s['ratio']):.0%}{rep}"
         i = int(s["stage"])
+        req = self.log_dir / L.REQUESTS
+        if not s["looks"] and not (req.is_file() and req.stat().st_size):
+            return f"ab: live experiment {self.log_dir} prepared, not served yet: waiting for hermes-lab serve on it"
         since = time.strftime("%H:%M", time.localtime(self.wall_at(float(s["stage_starts"][i]))))
         nxt = self.next_look()
         when = (

@@ -92,8 +92,12 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     if args.debug:
         log.setLevel(logging.DEBUG)
-    else:  # quiet by default: no weight-loading bars from transformers
+    else:  # quiet by default: no weight-loading bars or deprecation notes from transformers / peft
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        import warnings
+
+        for mod in ("transformers", "peft"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
     if args.report:
         from hermes_lab.live_report import report_cli
 
