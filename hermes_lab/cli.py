@@ -3,6 +3,7 @@
 
     hermes-lab --help
     hermes-lab <command> --help
+    hermes-lab --debug <command> ...     # library logging and warnings too (hermes_lab.quiet)
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "flywheel": ("hermes_lab.round", "Run several rounds unattended on a simulated clock."),
     "status": ("hermes_lab.round", "Is a round due? If not, why (samples, cooldown, review)."),
     "doctor": ("hermes_lab.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
+    "lab": ("hermes_lab.lab", "JupyterLab on the project, opening notebooks/README.md (make lab)."),
 }
+DEBUG_HELP = "let library logging (HTTP requests...) and every warning through (hermes_lab.quiet)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (modname, help_) in COMMANDS.items():
         try:
@@ -50,13 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
-    """Run a command; a config problem is one line on stderr and exit 2, never a traceback."""
+    """Run a command; a config problem or a policy argument that names nothing is one line on stderr and
+    exit 2, never a traceback."""
+    from hermes_lab import quiet
+    from hermes_lab.arms import ArmError
     from hermes_lab.config import ConfigError
 
+    quiet.configure(getattr(args, "debug", False) or None)
     try:
         return int(runner(args) or 0)
     except ConfigError as e:
         print(f"{name}: config error: {e}", file=sys.stderr)
+        return 2
+    except ArmError as e:
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
 
 
@@ -70,6 +81,8 @@ def run_module(
     """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     add_arguments(p)
+    if not any("--debug" in a.option_strings for a in p._actions):
+        p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return _run(run_cli, p.parse_args(argv), f"python -m {module}")
 
 

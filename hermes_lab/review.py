@@ -51,7 +51,7 @@ from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import iter_objects, write_json_atomic
 from hermes_lab.tasks import family_of, verify
 
-DEFAULT_STORE = "runs/review/labels.jsonl"
+DEFAULT_STORE = "runs/review/labels.jsonl"  # relative to the project root (hermes_lab.paths), not to the cwd
 SIMULATED_REVIEWER = "simulated:verifier"
 PASS, BLOCKED, AWAITING = "pass", "blocked", "awaiting review"
 EXIT_CODES = {PASS: 0, AWAITING: 3, BLOCKED: 4}
@@ -154,8 +154,10 @@ def _lock(fd: int) -> None:
 class LabelStore:
     """Append-only JSONL of labels. ``records`` holds everything this process read or wrote."""
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_STORE, scale: float = 5.0):
-        self.path, self.scale = Path(path), float(scale)
+    def __init__(self, path: str | os.PathLike[str] | None = None, scale: float = 5.0):
+        from hermes_lab.paths import resolve
+
+        self.path, self.scale = Path(path) if path else resolve(DEFAULT_STORE), float(scale)
         loaded = read_labels(self.path)
         self.records, self.recovered = loaded.records, loaded.message
 
@@ -415,7 +417,7 @@ def _pct(x: float | None) -> str:
 
 def review_gate(
     queue_path: str | os.PathLike[str],
-    store_path: str | os.PathLike[str] = DEFAULT_STORE,
+    store_path: str | os.PathLike[str] | None = None,
     cfg: HermesConfig | None = None,
     simulate: bool | None = None,
     *,
@@ -433,6 +435,7 @@ def review_gate(
     simulate = rc.simulate if simulate is None else bool(simulate)
     queue_path = Path(queue_path)
     items = load_queue(queue_path)
+    store_path = store_path or Path(cfg.round.runs_dir) / "review" / "labels.jsonl"
     store = LabelStore(store_path, scale=scale)
     unknown = simulate_labels(items, store)[1] if simulate else 0
 
@@ -650,7 +653,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)"
     )
-    parser.add_argument("--labels", default=DEFAULT_STORE, help=f"label store (default {DEFAULT_STORE})")
+    parser.add_argument("--labels", default=None, help="label store (default: <round.runs_dir>/review/labels.jsonl)")
     parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
     parser.add_argument(
         "--simulate",

@@ -26,7 +26,9 @@ def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    db = Path(runs_dir).resolve() / "mlflow.db"
+    from hermes_lab.paths import resolve
+
+    db = resolve(runs_dir) / "mlflow.db"  # a relative runs_dir is the project's, whatever the cwd
     db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
 
@@ -47,7 +49,9 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
     if exp is None:
         art = None
         if not user_uri:
-            art = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
+            from hermes_lab.paths import resolve
+
+            art = (resolve(runs_dir) / "mlartifacts").as_uri()
         exp_id = mlflow.create_experiment(experiment, artifact_location=art)
     else:
         exp_id = exp.experiment_id

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab import tasks as T
+from hermes_lab.arms import ADAPTER_KINDS, ArmError, resolve_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -156,10 +157,11 @@ def candidate_from_train_dir(train_dir: str | Path, cfg: Any) -> tuple[str, str]
 def resolve_baseline_adapter(cfg: Any, explicit: str | None = None) -> str | None:
     """The baseline the candidate must not fall below: an explicit adapter, else the live champion
     (runs/state.json), else model.adapter, else None (the bare base policy)."""
+    from hermes_lab.paths import project_root
     from hermes_lab.state import FlywheelState, state_path
 
-    if explicit:
-        return explicit
+    if explicit:  # an adapter, a train output dir or 'champion' (notebook parameters: project-relative)
+        return resolve_adapter(explicit, "baseline_adapter", cfg, project_root())
     champ = FlywheelState.load(state_path(cfg.round.runs_dir)).champion_adapter
     return champ or cfg.model.adapter or None
 
@@ -377,11 +379,11 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="Base model: hub id, local path or embedded:tiny.")
-    p.add_argument("--candidate-adapter", required=True, help="LoRA adapter dir of the candidate.")
+    p.add_argument("--candidate-adapter", required=True, help=f"The candidate: {ADAPTER_KINDS}.")
     p.add_argument(
         "--baseline-adapter",
         default=None,
-        help="LoRA adapter dir of the baseline (default: the champion in runs/state.json, else "
+        help=f"The baseline: {ADAPTER_KINDS} (default: the champion in runs/state.json, else "
         "model.adapter, else the bare base).",
     )
     p.add_argument("--params", default=None, help="YAML config (validate section: tolerance, sampling).")
@@ -398,8 +400,13 @@ def run_cli(args: argparse.Namespace) -> int:
     from hermes_lab.config import load_config
 
     cfg = load_config(args.params)
+    # typed in a shell: relative to the cwd; a train output dir means its adapter/
+    candidate = resolve_adapter(args.candidate_adapter, "--candidate-adapter", cfg)
+    if candidate is None:
+        raise ArmError("--candidate-adapter", args.candidate_adapter, "no champion promoted yet", ADAPTER_KINDS)
+    explicit = resolve_adapter(args.baseline_adapter, "--baseline-adapter", cfg)
     tasks, note = regression_tasks(cfg, heldout_dir=args.heldout)
-    baseline = resolve_baseline_adapter(cfg, args.baseline_adapter)
+    baseline = explicit or resolve_baseline_adapter(cfg)
     ctx = (
         contextlib.nullcontext()
         if args.no_mlflow
@@ -407,7 +414,7 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     with ctx:
         report = regression_gate(
-            cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note, output_dir=args.output
+            cfg, args.base, candidate, baseline, tasks=tasks, task_note=note, output_dir=args.output
         )
     print(report_table(report).to_string(float_format=lambda x: f"{x:.3f}"))
     if report["passed"]:

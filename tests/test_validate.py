@@ -133,7 +133,8 @@ def test_candidate_and_baseline_resolution(tmp_path):
     assert V.resolve_baseline_adapter(cfg) is None  # no champion yet: the bare base
     FlywheelState(champion_adapter="/champ").save(state_path(tmp_path))
     assert V.resolve_baseline_adapter(cfg) == "/champ"
-    assert V.resolve_baseline_adapter(cfg, "/explicit") == "/explicit"
+    assert V.resolve_baseline_adapter(cfg, str(adapter)) == str(adapter)
+    assert V.resolve_baseline_adapter(cfg, str(tmp_path / "train")) == str(adapter)  # a train output dir
 
 
 def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
