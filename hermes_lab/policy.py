@@ -279,7 +279,10 @@ def load_policy(
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter)
+        from hermes_lab.quiet import third_party_deprecations
+
+        with third_party_deprecations():  # PEFT reads a deprecated transformers property: not ours
+            model = PeftModel.from_pretrained(model, adapter)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     return Policy(model, tok, name=str(name_or_path), adapter=adapter)

@@ -11,7 +11,10 @@ What is quieted, and why it is noise rather than news:
   auto``, used when the kernelspec declares support and pyzmq has libsodium, as its wheels do), so the
   channel is encrypted and the kernel has nothing to warn about.
 - transformers' FutureWarning on ``gradient_checkpointing`` came from our own GRPOConfig call, which now
-  passes the new name (hermes_lab.train).
+  passes the new name (hermes_lab.train). TRL 1.16 and PEFT 0.21 still read ``model.is_gradient_checkpointing``
+  (a FutureWarning at every training and every adapter load): their call, not ours, and nothing a user can
+  act on, so ``third_party_deprecations()`` hides exactly that message around our calls into them.
+- MLflow logs "Creating initial MLflow database tables..." (INFO) when it opens a new SQLite store.
 Warnings that mean something to the user (a training health guard, a bad record) are never filtered.
 
     hermes-lab --debug round --params params/embedded.yaml    # everything, also inside the stage kernels
@@ -20,13 +23,17 @@ Warnings that mean something to the user (a training health guard, a bad record)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 ENV_DEBUG = "HERMES_LAB_DEBUG"  # inherited by child processes: papermill kernels, JupyterLab's kernels
-NOISY_LOGGERS = ("httpx", "httpcore")
+NOISY_LOGGERS = ("httpx", "httpcore", "mlflow.store.db.utils")
+# FutureWarnings raised inside TRL / PEFT by their own calls into transformers 5 (not ours to fix)
+THIRD_PARTY_DEPRECATIONS = (r"`is_gradient_checkpointing` is deprecated",)
 
 
 def debug_enabled() -> bool:
@@ -50,6 +57,16 @@ def configure(debug: bool | None = None) -> bool:
         for name in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
     return debug
+
+
+@contextlib.contextmanager
+def third_party_deprecations() -> Iterator[None]:
+    """Around our calls into TRL / PEFT: hide the deprecations they trigger (all shown with --debug)."""
+    with warnings.catch_warnings():
+        if not debug_enabled():
+            for message in THIRD_PARTY_DEPRECATIONS:
+                warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
 
 
 def kernel_config() -> Any:

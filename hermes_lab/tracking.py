@@ -40,8 +40,12 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline workbench
+    from hermes_lab import quiet
+
     # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if not quiet.debug_enabled():
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     # read before set_tracking_uri: MLflow 3 exports MLFLOW_TRACKING_URI itself
     user_uri = bool(os.environ.get("MLFLOW_TRACKING_URI"))
     mlflow.set_tracking_uri(tracking_uri(runs_dir))

@@ -321,7 +321,7 @@ def train(
     from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab import policy as P
-    from hermes_lab import rewards, tracking
+    from hermes_lab import quiet, rewards, tracking
 
     t0 = time.time()
     out = Path(output_dir)
@@ -345,7 +345,8 @@ def train(
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     peft_config = None
     if start_adapter:  # continue the champion; TRL copies it into a frozen "ref" adapter for KL
-        model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
+        with quiet.third_party_deprecations():
+            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
     else:
         lc = cfg.lora
         peft_config = LoraConfig(
@@ -370,7 +371,8 @@ def train(
         if is_main
         else contextlib.nullcontext()
     )  # only rank 0 tracks
-    with ctx as run:
+    # TRL and PEFT read a property transformers 5 deprecated (a FutureWarning per run): hidden, see quiet.py
+    with ctx as run, quiet.third_party_deprecations():
         if run is not None:
             run_id = run.info.run_id
             tracking.log_params(

@@ -165,6 +165,7 @@ def test_commands_from_another_cwd_use_one_runs_dir(project_copy, tmp_path):
     write_trajectories(other / "traj.jsonl")
     env = {**os.environ, paths.ENV_ROOT: str(project_copy)}
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     py = [sys.executable, "-m"]
     steps = [
         [*py, "hermes_lab.prep", "--input", "traj.jsonl", "--output", "prep", "--params", "params/embedded.yaml"],
