@@ -36,7 +36,8 @@ DEBUG_HELP = "let library logging (HTTP requests...) and every warning through (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
-    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # its own dest: a subcommand's --debug (doctor has one) would overwrite a shared one
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (modname, help_) in COMMANDS.items():
         try:
@@ -60,7 +61,7 @@ def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Name
     from hermes_lab.arms import ArmError
     from hermes_lab.config import ConfigError
 
-    quiet.configure(getattr(args, "debug", False) or None)
+    quiet.configure(getattr(args, "global_debug", False) or None)  # None: $HERMES_LAB_DEBUG decides
     try:
         return int(runner(args) or 0)
     except ConfigError as e:
@@ -81,8 +82,8 @@ def run_module(
     """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     add_arguments(p)
-    if not any("--debug" in a.option_strings for a in p._actions):
-        p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    if not any("--debug" in a.option_strings for a in p._actions):  # doctor's own --debug wins
+        p.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     return _run(run_cli, p.parse_args(argv), f"python -m {module}")
 
 
