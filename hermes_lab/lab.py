@@ -25,8 +25,12 @@ import sys
 from pathlib import Path
 
 START_PAGE = "notebooks/README.md"
-# JupyterLab opens Markdown in the text editor by default; the start page reads better rendered
-OVERRIDES = {"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Markdown Preview"}}}
+# JupyterLab opens Markdown in the text editor by default: the start page reads better rendered. An offline
+# workbench does not fetch Jupyter news or check for updates (and no toast asks about it)
+OVERRIDES = {
+    "@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Markdown Preview"}},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
 
 
 def lab_command(root: Path, port: int | None = None, ip: str | None = None, no_browser: bool = False) -> list[str]:
@@ -51,6 +55,8 @@ def lab_command(root: Path, port: int | None = None, ip: str | None = None, no_b
         cmd.append(f"--ServerApp.ip={ip}")
     if no_browser:
         cmd.append("--no-browser")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI run as root; jupyter refuses without it
+        cmd.append("--allow-root")
     return cmd
 
 
