@@ -186,10 +186,15 @@ def make_adapter(base: Path, out: Path, broken: bool) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base),
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"),
-    )
+    from hermes_lab.quiet import third_party_deprecations
+
+    with third_party_deprecations():  # PEFT reads a property transformers 5 deprecated: not ours to fix
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base),
+            LoraConfig(
+                r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"
+            ),
+        )
     if broken:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
