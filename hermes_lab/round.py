@@ -110,7 +110,7 @@ def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | 
     """Execute one stage notebook; unknown parameters are refused (papermill only warns)."""
     import papermill as pm
 
-    from hermes_lab import quiet
+    from hermes_lab import paths, quiet
 
     src = NOTEBOOKS / name
     known = pm.inspect_notebook(str(src))
@@ -123,7 +123,7 @@ def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | 
             str(out),
             parameters=params,
             kernel_name="python3",
-            cwd=str(REPO),
+            cwd=str(paths.project_root()),  # the kernels resolve relative paths against the runner's project
             log_output=True,
             progress_bar=False,
             execution_timeout=timeout_s,
