@@ -11,9 +11,10 @@ What is quieted, and why it is noise rather than news:
   auto``, used when the kernelspec declares support and pyzmq has libsodium, as its wheels do), so the
   channel is encrypted and the kernel has nothing to warn about.
 - transformers' FutureWarning on ``gradient_checkpointing`` came from our own GRPOConfig call, which now
-  passes the new name (hermes_lab.train). TRL 1.16 and PEFT 0.21 still read ``model.is_gradient_checkpointing``
-  (a FutureWarning at every training and every adapter load): their call, not ours, and nothing a user can
-  act on, so ``third_party_deprecations()`` hides exactly that message around our calls into them.
+  passes the new name (hermes_lab.train). TRL 1.16 and PEFT 0.21 still use ``model.is_gradient_checkpointing``
+  and ``gradient_checkpointing_enable/disable`` (FutureWarnings at every training and adapter load): their
+  calls, not ours, and nothing a user can act on, so ``third_party_deprecations()`` hides exactly those
+  messages around our calls into them.
 - MLflow logs "Creating initial MLflow database tables..." (INFO) when it opens a new SQLite store.
 Warnings that mean something to the user (a training health guard, a bad record) are never filtered.
 
@@ -33,7 +34,11 @@ from typing import Any
 ENV_DEBUG = "HERMES_LAB_DEBUG"  # inherited by child processes: papermill kernels, JupyterLab's kernels
 NOISY_LOGGERS = ("httpx", "httpcore", "mlflow.store.db.utils")
 # FutureWarnings raised inside TRL / PEFT by their own calls into transformers 5 (not ours to fix)
-THIRD_PARTY_DEPRECATIONS = (r"`is_gradient_checkpointing` is deprecated",)
+# (with grpo.gradient_checkpointing on, PEFT and TRL also switch it with the old-named methods)
+THIRD_PARTY_DEPRECATIONS = (
+    r"`is_gradient_checkpointing` is deprecated",
+    r"`gradient_checkpointing_(enable|disable)` is deprecated",
+)
 
 
 def debug_enabled() -> bool:
