@@ -1,7 +1,8 @@
 """The staged A/B rollout: drive traffic through the router, score it, decide at every look, report.
 
-Stage: validate (A/B). Reads the baseline and candidate policies (a model dir, a LoRA adapter dir, a hub id
-or ``embedded:tiny``) and optionally a request log to replay. Writes, by default beside ``--output``
+Stage: validate (A/B). Reads the baseline and candidate policies (a model dir, a LoRA adapter dir, a train
+output dir, a hub id, ``embedded:tiny`` or ``champion``: ``hermes_lab.arms``) and optionally a request log
+to replay. Writes, by default beside ``--output``
 (the round's ``runs/round-NN/ab/`` when the notebook runs it):
 - ``ab_report.json``: the user's fields (delta, p_value, significant; overall and per stage), the decision
   and its reasons, per-stage and per-family statistics, SRM, guardrails, the confidence-sequence path,
@@ -36,6 +37,7 @@ import numpy as np
 
 from hermes_lab import ab
 from hermes_lab import tasks as T
+from hermes_lab.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import iter_objects, write_json_atomic
 
@@ -142,16 +144,17 @@ class Traffic:
 
 
 def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
-    """A policy object (anything with .generate) as is; a path/id, or a (base, adapter) pair, through
-    hermes_lab.policy.load_policy, which also detects a LoRA adapter dir by its adapter_config.json.
-    The same spec is loaded once (an A/A test shares one policy)."""
+    """A policy object (anything with .generate) as is; a spec string (hermes_lab.arms: model, adapter or
+    train output dir, hub id, embedded:tiny, champion), an ArmSpec or a (base, adapter) pair through
+    hermes_lab.policy.load_policy. The same spec is loaded once (an A/A test shares one policy)."""
     if hasattr(spec, "generate"):
         return spec
     key = _name(spec)
     if key not in cache:
         from hermes_lab.policy import load_policy
 
-        base, adapter = spec if isinstance(spec, tuple) else (str(spec), None)
+        arm = resolve_arm(spec, "policy", cfg) if isinstance(spec, str) else spec  # ArmError: names nothing
+        base, adapter = load_args(arm)
         cache[key] = load_policy(
             str(base),
             adapter=adapter,
@@ -166,6 +169,8 @@ def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
 def _name(spec: Any) -> str:
     if hasattr(spec, "generate"):
         return getattr(spec, "name", type(spec).__name__)
+    if isinstance(spec, ArmSpec):
+        return spec.label
     if isinstance(spec, tuple):
         return f"{spec[0]}+{spec[1]}" if spec[1] else str(spec[0])
     return str(spec)
@@ -197,6 +202,13 @@ def run_ab(
     st = ab.Settings.from_config(cfg)
     a = cfg.ab
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
+    cache: dict[str, Any] = {}
+    pols = {}
+    for arm, spec, flag in ((0, baseline, "--baseline"), (1, candidate, "--candidate")):
+        try:  # a spec that names nothing fails here, before any file is written
+            pols[arm] = load_arm(spec, cfg, cache)
+        except ArmError as e:
+            raise e.with_flag(flag) from None
     full = sum(s.seconds * (1 + s.max_extension) for s in plan)
     horizon = min(duration, full) if duration and duration > 0 else full
     output = Path(output)
@@ -207,8 +219,6 @@ def run_ab(
         from hermes_lab.rewards import score_responses
 
         score_fn = lambda ps, rs: score_responses(cfg, ps, rs)  # noqa: E731
-    cache: dict[str, Any] = {}
-    pols = {0: load_arm(baseline, cfg, cache), 1: load_arm(candidate, cfg, cache)}
     names = {0: _name(baseline), 1: _name(candidate)}
     log_path = log_dir / LOG_NAME
     if replay and Path(replay).resolve() == log_path.resolve():
@@ -740,10 +750,14 @@ def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", c
     """The notebook's arms. Empty baseline: validate.resolve_baseline, the policy the regression gate
     compared against (champion, else model.adapter, else the bare base). Empty candidate: this round's
     training output (<round_dir>/train/adapter on the base named in train/run.json), as validate finds it."""
+    from hermes_lab.paths import project_root
     from hermes_lab.validate import candidate_from_train_dir, resolve_baseline
 
-    b: Any = baseline or resolve_baseline(cfg)
-    c: Any = candidate or candidate_from_train_dir(Path(round_dir) / "train", cfg)
+    root = project_root()  # notebook parameters are relative to the project, not to the kernel's cwd
+    b: Any = resolve_arm(baseline, "baseline", cfg, root) if baseline else None
+    c: Any = resolve_arm(candidate, "candidate", cfg, root) if candidate else None
+    b = b or resolve_baseline(cfg)
+    c = c or candidate_from_train_dir(Path(round_dir) / "train", cfg)
     return b, c
 
 
@@ -845,12 +859,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="HermesConfig YAML (ab section: stages, request_rate, salt, alpha, "
         "srm_alpha, guardrails, rule). Default: built-in defaults",
     )
-    p.add_argument(
-        "--baseline", required=True, help="baseline policy: model dir, LoRA adapter dir, hub id or embedded:tiny"
-    )
-    p.add_argument(
-        "--candidate", required=True, help="candidate policy: model dir, LoRA adapter dir, hub id or embedded:tiny"
-    )
+    p.add_argument("--baseline", required=True, help=f"baseline policy: {POLICY_KINDS}")
+    p.add_argument("--candidate", required=True, help=f"candidate policy: {POLICY_KINDS}")
     p.add_argument(
         "--ratio", type=float, default=None, help="candidate share of the first stage (default: ab.traffic_ratio)"
     )
@@ -874,8 +884,11 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    for noisy in ("urllib3", "alembic", "matplotlib", "filelock", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from hermes_lab import quiet
+
+    if not quiet.debug_enabled():  # hermes-lab --debug: everything
+        for noisy in ("urllib3", "alembic", "matplotlib", "filelock", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = load_config(args.params)
     kw = dict(
         ratio=args.ratio,

@@ -3,6 +3,7 @@
 
     hermes-lab --help
     hermes-lab <command> --help
+    hermes-lab --debug <command> ...     # library logging and warnings too (hermes_lab.quiet)
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hermes_lab.agent",
         "Stand-in agent: embedded tasks through the openai SDK, verifier scores as feedback.",
     ),
+    "lab": ("hermes_lab.lab", "JupyterLab on the project, opening notebooks/README.md (make lab)."),
 }
+DEBUG_HELP = "let library logging (HTTP requests...) and every warning through (hermes_lab.quiet)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
+    # its own dest: a subcommand's --debug (doctor has one) would overwrite a shared one
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (modname, help_) in COMMANDS.items():
         try:
@@ -55,13 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
-    """Run a command; a config problem is one line on stderr and exit 2, never a traceback."""
+    """Run a command; a config problem or a policy argument that names nothing is one line on stderr and
+    exit 2, never a traceback."""
+    from hermes_lab import quiet
+    from hermes_lab.arms import ArmError
     from hermes_lab.config import ConfigError
 
+    quiet.configure(getattr(args, "global_debug", False) or None)  # None: $HERMES_LAB_DEBUG decides
     try:
         return int(runner(args) or 0)
     except ConfigError as e:
         print(f"{name}: config error: {e}", file=sys.stderr)
+        return 2
+    except ArmError as e:
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
 
 
@@ -75,6 +87,8 @@ def run_module(
     """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     add_arguments(p)
+    if not any("--debug" in a.option_strings for a in p._actions):  # doctor's own --debug wins
+        p.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     return _run(run_cli, p.parse_args(argv), f"python -m {module}")
 
 

@@ -29,6 +29,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from hermes_lab import paths
+
 EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 
 
@@ -622,10 +624,14 @@ def load_config(
     raw: dict[str, Any] = {}
     src = "<defaults>"
     if path is not None:
-        p = Path(path)
+        # as given relative to the cwd if it is there, else relative to the project root (a notebook's
+        # kernel runs in notebooks/, a shell anywhere): hermes_lab.paths
+        p = paths.config_file(path)
         src = str(p)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            raise ConfigError(
+                f"config file not found: {path} (looked in {Path.cwd()} and in the project root {paths.project_root()})"
+            )
         text = _interpolate(p.read_text(encoding="utf-8"), src, env)
         try:
             raw = yaml.safe_load(text) or {}
@@ -649,8 +655,20 @@ def load_config(
     _check(cfg, src)
     from hermes_lab.redaction import register_secret_env  # their values are masked wherever we log or print
 
-    register_secret_env(cfg.model.api_key_env, cfg.reward.api_key_env)
+    s = cfg.serve
+    register_secret_env(
+        cfg.model.api_key_env, cfg.reward.api_key_env, s.api_key_env, s.baseline_key_env, s.candidate_key_env
+    )
+    _resolve_paths(cfg)
     return cfg
+
+
+def _resolve_paths(cfg: HermesConfig) -> None:
+    """Path-valued fields -> absolute, against the project root: one runs/ whatever the cwd (paths.py)."""
+    cfg.round.runs_dir = str(paths.resolve(cfg.round.runs_dir))
+    if cfg.model.adapter and paths.is_local_spec(cfg.model.adapter):
+        cfg.model.adapter = str(paths.resolve(cfg.model.adapter))
+    cfg.model.base_model = paths.resolve_spec(cfg.model.base_model)
 
 
 def field_help(cls: type = HermesConfig, prefix: str = "") -> dict[str, str]:

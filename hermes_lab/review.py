@@ -304,7 +304,7 @@ def _pct(x: float | None) -> str:
 
 def review_gate(
     queue_path: str | os.PathLike[str],
-    store_path: str | os.PathLike[str] = DEFAULT_STORE,
+    store_path: str | os.PathLike[str] | None = None,
     cfg: HermesConfig | None = None,
     simulate: bool | None = None,
     *,
@@ -322,6 +322,7 @@ def review_gate(
     queue_path = Path(queue_path)
     min_labels, max_items = gate_sizes(cfg)
     items = load_queue(queue_path, max_items)
+    store_path = store_path or Path(cfg.round.runs_dir) / "review" / "labels.jsonl"
     store = LabelStore(store_path, scale=scale)
     unknown = simulate_labels(items, store)[1] if simulate else 0
 
@@ -574,7 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)"
     )
-    parser.add_argument("--labels", default=DEFAULT_STORE, help=f"label store (default {DEFAULT_STORE})")
+    parser.add_argument("--labels", default=None, help="label store (default: <round.runs_dir>/review/labels.jsonl)")
     parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
     parser.add_argument(
         "--simulate",

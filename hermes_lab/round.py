@@ -110,6 +110,8 @@ def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | 
     """Execute one stage notebook; unknown parameters are refused (papermill only warns)."""
     import papermill as pm
 
+    from hermes_lab import paths, quiet
+
     src = NOTEBOOKS / name
     known = pm.inspect_notebook(str(src))
     unknown = sorted(set(params) - set(known))
@@ -121,10 +123,11 @@ def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | 
             str(out),
             parameters=params,
             kernel_name="python3",
-            cwd=str(REPO),
+            cwd=str(paths.project_root()),  # the kernels resolve relative paths against the runner's project
             log_output=True,
             progress_bar=False,
             execution_timeout=timeout_s,
+            config=quiet.kernel_config(),  # an encrypted kernel channel: no plain-TCP warning per stage
         )
     except pm.PapermillExecutionError as e:
         stop = GATE_STOPS.get(e.ename)
@@ -152,7 +155,8 @@ def _stage_params(
     stage: str, cfg: HermesConfig, params_path: str, rd: Path, parent: str, state: FlywheelState, n: int
 ) -> dict[str, Any]:
     runs = Path(cfg.round.runs_dir)
-    common = {"config_path": params_path, "round_dir": str(rd), "parent_run_id": parent}
+    # the config file as load_config found it (absolute): the kernels' cwd is not the user's
+    common = {"config_path": cfg.source or params_path, "round_dir": str(rd), "parent_run_id": parent}
     champion = state.champion_adapter or ""
     if stage == "execute":
         return common | {"adapter": champion, "seed": n}

@@ -28,7 +28,9 @@ def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    db = Path(runs_dir).resolve() / "mlflow.db"
+    from hermes_lab.paths import resolve
+
+    db = resolve(runs_dir) / "mlflow.db"  # a relative runs_dir is the project's, whatever the cwd
     db.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{db}"
 
@@ -40,8 +42,12 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline workbench
+    from hermes_lab import quiet
+
     # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if not quiet.debug_enabled():
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     # read before set_tracking_uri: MLflow 3 exports MLFLOW_TRACKING_URI itself
     user_uri = bool(os.environ.get("MLFLOW_TRACKING_URI"))
     mlflow.set_tracking_uri(tracking_uri(runs_dir))
@@ -49,7 +55,9 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
     if exp is None:
         art = None
         if not user_uri:
-            art = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
+            from hermes_lab.paths import resolve
+
+            art = (resolve(runs_dir) / "mlartifacts").as_uri()
         exp_id = mlflow.create_experiment(experiment, artifact_location=art)
     else:
         exp_id = exp.experiment_id

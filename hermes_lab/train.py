@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.config import HermesConfig, dump_config, load_config
 from hermes_lab.jsonl import write_json_atomic
 from hermes_lab.redaction import redact
@@ -158,10 +159,20 @@ def grpo_kwargs(
     cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]
 ) -> dict[str, Any]:
     """The GRPOConfig keyword arguments for a HermesConfig (the table in the module docstring)."""
+    import dataclasses
+
     import torch
+    from trl import GRPOConfig
 
     g = cfg.grpo
     on_gpu = torch.cuda.is_available()
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns (FutureWarning) on
+    # the old name: pass the new one where it exists (older 5.x releases only know the old one)
+    ckpt = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in {f.name for f in dataclasses.fields(GRPOConfig)}
+        else "gradient_checkpointing"
+    )
     kw = dict(
         output_dir=str(output_dir / "trl"),
         num_generations=g.group_size,
@@ -180,7 +191,6 @@ def grpo_kwargs(
         logging_steps=g.logging_steps,
         seed=g.seed,
         use_vllm=g.use_vllm,
-        gradient_checkpointing=g.gradient_checkpointing,
         report_to="none",  # our callback logs to MLflow itself: nesting and names stay ours
         # checkpoints (adapter + optimizer state) for --resume; the final adapter is saved where the round expects it
         save_strategy="steps",
@@ -192,6 +202,7 @@ def grpo_kwargs(
         disable_tqdm=False,
         remove_unused_columns=False,  # reward functions read reference / ref_reward columns
     )
+    kw[ckpt] = g.gradient_checkpointing
     if g.use_vllm:
         kw["vllm_mode"] = g.vllm_mode
     return kw
@@ -336,7 +347,7 @@ def train(
     from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab import policy as P
-    from hermes_lab import rewards, tracking
+    from hermes_lab import quiet, rewards, tracking
 
     t0 = time.time()
     out = Path(output_dir)
@@ -349,7 +360,8 @@ def train(
     samples = rewards.SampleLog()
     funcs, weights = rewards.get_reward_funcs(cfg, samples)
     base = P.resolve_model_name(cfg.model.base_model, runs_dir, cfg.model.seed)
-    start_adapter = start_adapter or cfg.model.adapter
+    # an adapter dir, a train output dir (its adapter/) or 'champion' (hermes_lab.arms)
+    start_adapter = resolve_adapter(start_adapter or cfg.model.adapter, "start_adapter / model.adapter", cfg)
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -363,7 +375,8 @@ def train(
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     peft_config = None
     if start_adapter:  # continue the champion; TRL copies it into a frozen "ref" adapter for KL
-        model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
+        with quiet.third_party_deprecations():
+            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
     else:
         lc = cfg.lora
         peft_config = LoraConfig(
@@ -383,7 +396,8 @@ def train(
     callback = make_callback(cfg, log_path, samples, is_main, judge)
     run_id = None
     ctx = mlflow_run(saved.get("mlflow_run_id"), parent_run_id, runs_dir, cfg) if is_main else contextlib.nullcontext()
-    with ctx as run:  # only rank 0 tracks
+    # TRL and PEFT read a property transformers 5 deprecated (a FutureWarning per run): hidden, see quiet.py
+    with ctx as run, quiet.third_party_deprecations():  # only rank 0 tracks
         if run is not None:
             run_id = run.info.run_id
             if resumed_from is None:
@@ -508,7 +522,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "--params", dest="config", required=True, help="the training YAML (user's format)")
     p.add_argument("--data", required=True, help="prep output dir, saved datasets dir, or trajectories JSONL")
     p.add_argument("--output", required=True, help="output dir (adapter/, train_log.jsonl, ...)")
-    p.add_argument("--start-adapter", default=None, help="continue training this adapter (the champion)")
+    p.add_argument(
+        "--start-adapter", default=None, help=f"continue training this adapter (e.g. champion): {ADAPTER_KINDS}"
+    )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
@@ -538,13 +554,15 @@ def run_cli(args: argparse.Namespace) -> int:
             raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
         overrides[k] = v
     cfg = load_config(args.config, overrides or None)
+    start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
+
     try:
         res = train(
             cfg,
             args.data,
             args.output,
             parent_run_id=args.parent_run_id or None,
-            start_adapter=args.start_adapter,
+            start_adapter=start_adapter,
             evaluate_heldout=not args.no_eval,
             resume=args.resume,
         )

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hermes_lab import tasks as T
+from hermes_lab.arms import ADAPTER_KINDS, ArmError, resolve_adapter
 from hermes_lab.jsonl import write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,10 +164,11 @@ def resolve_baseline(cfg: Any, explicit: str | None = None) -> tuple[str, str | 
     """(base model, adapter) of THE baseline: the policy both gates compare the candidate with -- the
     regression gate here and the A/B stage (``ab_run.resolve_arms``, the round's A/B parameters). An
     explicit adapter, else the live champion (runs/state.json), else model.adapter, else None (bare base)."""
+    from hermes_lab.paths import project_root
     from hermes_lab.state import FlywheelState, state_path
 
-    if explicit:
-        return cfg.model.base_model, explicit
+    if explicit:  # an adapter, a train output dir or 'champion' (notebook parameters: project-relative)
+        return cfg.model.base_model, resolve_adapter(explicit, "baseline_adapter", cfg, project_root())
     champ = FlywheelState.load(state_path(cfg.round.runs_dir)).champion_adapter
     return cfg.model.base_model, champ or cfg.model.adapter or None
 
@@ -471,11 +473,11 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="Base model: hub id, local path or embedded:tiny.")
-    p.add_argument("--candidate-adapter", required=True, help="LoRA adapter dir of the candidate.")
+    p.add_argument("--candidate-adapter", required=True, help=f"The candidate: {ADAPTER_KINDS}.")
     p.add_argument(
         "--baseline-adapter",
         default=None,
-        help="LoRA adapter dir of the baseline (default: the champion in runs/state.json, else "
+        help=f"The baseline: {ADAPTER_KINDS} (default: the champion in runs/state.json, else "
         "model.adapter, else the bare base).",
     )
     p.add_argument("--params", default=None, help="YAML config (validate section: tolerance, sampling).")
@@ -492,8 +494,13 @@ def run_cli(args: argparse.Namespace) -> int:
     from hermes_lab.config import load_config
 
     cfg = load_config(args.params)
+    # typed in a shell: relative to the cwd; a train output dir means its adapter/
+    candidate = resolve_adapter(args.candidate_adapter, "--candidate-adapter", cfg)
+    if candidate is None:
+        raise ArmError("--candidate-adapter", args.candidate_adapter, "no champion promoted yet", ADAPTER_KINDS)
+    explicit = resolve_adapter(args.baseline_adapter, "--baseline-adapter", cfg)
     tasks, note = regression_tasks(cfg, heldout_dir=args.heldout)
-    baseline = resolve_baseline(cfg, args.baseline_adapter)[1]
+    baseline = explicit or resolve_baseline(cfg)[1]
     ctx = (
         contextlib.nullcontext()
         if args.no_mlflow
@@ -501,7 +508,7 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     with ctx:
         report = regression_gate(
-            cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note, output_dir=args.output
+            cfg, args.base, candidate, baseline, tasks=tasks, task_note=note, output_dir=args.output
         )
     print(report_table(report).to_string(float_format=lambda x: f"{x:.3f}"))
     for w in report["warnings"]:

@@ -121,6 +121,31 @@ def test_papermill_sees_parameters_with_help(path):
         assert required in info
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_parameters_are_typed_for_papermill_help(path):
+    """`papermill --help-notebook` shows type, default and help for every parameter (not "Unknown type"):
+    papermill reads the type from an annotation, `max_steps: int = 0  # help`."""
+    for name, p in papermill.inspect_notebook(str(path)).items():
+        default = ast.literal_eval(p["default"])
+        assert p["inferred_type_name"] == type(default).__name__, f"{path.name}: '{name}' is typed {p}"
+        assert not p["help"].startswith("help:"), f"{path.name}: '{name}': the help repeats 'help:'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_config_cell_resolves_paths_against_the_project_root(path):
+    """The second code cell makes path parameters absolute against the project root before anything reads
+    them (the kernel's cwd is notebooks/ under JupyterLab): hermes_lab.paths.resolve_params."""
+    second = _code_cells(_read(path))[1].source
+    assert "paths.resolve_params(globals())" in second and "quiet.configure()" in second
+    assert second.index("paths.resolve_params") < second.index("load_config(")
+    names = [n for n, _, _ in _assignments(_parameters_cell(_read(path)).source)]
+    from hermes_lab.paths import LIST_PARAMS, PATH_PARAMS, SPEC_PARAMS
+
+    pathlike = [n for n in names if n.endswith(("_path", "_dir")) or n in ("trajectories", "adapter")]
+    missing = [n for n in pathlike if n not in PATH_PARAMS + LIST_PARAMS + SPEC_PARAMS]
+    assert not missing, f"{path.name}: path parameters {missing} are not resolved (add them to hermes_lab.paths)"
+
+
 def test_round_stage_notebooks_exist_and_accept_round_params():
     from hermes_lab.round import NOTEBOOKS as ROUND_NOTEBOOKS
     from hermes_lab.round import STAGES

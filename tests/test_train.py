@@ -460,7 +460,8 @@ def test_users_yaml_as_is_with_fake_judge(
     monkeypatch.setenv("TAOTOKEN_BASE_URL", fake_openai.url)
     monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
     monkeypatch.setenv("HERMES_REWARD_MODEL", "judge-1")
-    monkeypatch.chdir(tmp_path)  # the user's runs_dir is ./runs: the judge cache lands in tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HERMES_LAB_ROOT", str(tmp_path))  # the user's runs_dir is the project's runs/: tmp_path's
     cfg = load_config(USER_YAML, {"grpo.max_steps": 1})
     t0 = time.time()
     res = train(cfg, prompt_set, tmp_path / "train_c", evaluate_heldout=False)

@@ -190,11 +190,12 @@ def test_candidate_and_baseline_resolution(tmp_path):
     assert V.resolve_baseline(cfg_a) == ("embedded:tiny", "/start")
     from hermes_lab import ab_run
 
-    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate="c")[0] == V.resolve_baseline(cfg_a)
+    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == V.resolve_baseline(cfg_a)
     FlywheelState(champion_adapter="/champ").save(state_path(tmp_path))
     assert V.resolve_baseline_adapter(cfg) == "/champ" and V.resolve_baseline(cfg_a)[1] == "/champ"
-    assert V.resolve_baseline_adapter(cfg, "/explicit") == "/explicit"
-    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate="c")[0] == ("embedded:tiny", "/champ")
+    assert V.resolve_baseline_adapter(cfg, str(adapter)) == str(adapter)
+    assert V.resolve_baseline_adapter(cfg, str(tmp_path / "train")) == str(adapter)  # a train output dir
+    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == ("embedded:tiny", "/champ")
 
 
 def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
@@ -242,10 +243,15 @@ def make_adapter(base: Path, out: Path, broken: bool) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base),
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"),
-    )
+    from hermes_lab.quiet import third_party_deprecations
+
+    with third_party_deprecations():  # PEFT reads a property transformers 5 deprecated: not ours to fix
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base),
+            LoraConfig(
+                r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "k_proj", "o_proj"], task_type="CAUSAL_LM"
+            ),
+        )
     if broken:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
