@@ -92,28 +92,33 @@ def load_train_log(path: str | Path) -> pd.DataFrame:
     return _frame(rows, str(p))
 
 
-def _normalise_key(key: str, keys: set[str]) -> str:
-    # some integrations prefix training metrics with "train/"; TRL's own names are what the rules use
-    if key.startswith("train/") and key[len("train/") :] not in keys:
-        return key[len("train/") :]
-    return key
+def _curve_keys(keys: set[str]) -> dict[str, str]:
+    """MLflow key -> curve name. The train stage logs TRL's per-step metrics as ``train/<TRL name>`` (the
+    ``stage/metric`` namespace); its summaries (train.SUMMARY_METRICS) are not curves. A run without
+    ``train/`` keys (logged by another integration) is read as is."""
+    from hermes_lab.train import SUMMARY_METRICS
+
+    prefix = "train/"
+    staged = {k: k[len(prefix) :] for k in keys if k.startswith(prefix)}
+    if not staged:
+        return {k: k for k in keys}
+    return {k: name for k, name in staged.items() if name not in SUMMARY_METRICS}
 
 
 def load_mlflow_curves(run_id: str, tracking_uri: str | None = None) -> pd.DataFrame:
-    """Every metric of an MLflow run, per step (the last value logged at a step wins)."""
+    """Every per-step metric of an MLflow training run (the last value logged at a step wins)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.get_run(run_id)
-    keys = set(run.data.metrics)
-    if not keys:
+    names = _curve_keys(set(run.data.metrics))
+    if not names:
         raise ValueError(f"MLflow run {run_id} has no metrics")
     rows: dict[int, dict[str, float]] = {}
-    for key in sorted(keys):
+    for key in sorted(names):
         hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        name = _normalise_key(key, keys)
         for m in hist:
-            rows.setdefault(int(m.step), {})[name] = float(m.value)
+            rows.setdefault(int(m.step), {})[names[key]] = float(m.value)
     return _frame(rows, f"mlflow:{run_id}")
 
 
@@ -751,7 +756,7 @@ def inspect_run(
 ) -> dict[str, Any]:
     """Load, plot, diagnose; write ``out_dir/diagnostics.json``; log to the active MLflow run if any.
     Returns {"curves", "compare", "diagnostics", "plots", "worst", "path"}."""
-    import mlflow
+    from hermes_lab import tracking
 
     runs_dir = cfg.round.runs_dir
     df = load_curves(train_dir, run_id=run_id, runs_dir=runs_dir)
@@ -773,11 +778,11 @@ def inspect_run(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "diagnostics.json"
     path.write_text(json.dumps(report, indent=2), encoding="utf-8")
-    if mlflow.active_run() is not None:
-        mlflow.log_artifact(str(path))
-        mlflow.set_tag("diagnostics.worst", report["worst"])
-        for sev in SEVERITIES[1:]:
-            mlflow.log_metric(f"diagnostics/{sev}_count", sum(d["severity"] == sev for d in diags))
+    tracking.log_artifact(path)
+    tracking.set_tags({"diagnostics.worst": report["worst"]})
+    tracking.log_metrics(
+        "validate", {f"diagnostics_{sev}_count": sum(d["severity"] == sev for d in diags) for sev in SEVERITIES[1:]}
+    )
     return {
         "curves": df,
         "compare": others,

@@ -15,6 +15,7 @@ last training time. Writes into the output dir (``runs/round-NN/prep/`` by conve
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason
   summary.json        counts, gate verdicts ({name, passed, detail}), paths
+  verdict.json        the gates in the round runner's format (hermes_lab.stages), stop: "skipped: data gate"
 
 Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``
 (blank: empty or whitespace-only lines, skipped, not errors; duplicates: valid lines whose
@@ -50,8 +51,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from hermes_lab import tasks
+from hermes_lab import tasks, tracking
 from hermes_lab.config import ConfigError, HermesConfig, load_config
+from hermes_lab.stages import STOP_DATA, gate, write_verdict
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
 BOM = b"\xef\xbb\xbf"
@@ -517,16 +519,6 @@ def evaluate_gates(
     return gates
 
 
-def _save_figure(fig: Any, path: Path) -> Path:
-    if "mlflow" in sys.modules:  # a run may be active: save and log it
-        from hermes_lab.tracking import log_figure
-
-        return log_figure(fig, path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # CLI/benchmark: no run, spare the 3 s mlflow import
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
-
-
 def _plots(out: Path, fams: list[str], rewards: Any, by_reason: Counter, scale: float) -> dict[str, Path]:
     import numpy as np
     from matplotlib.figure import Figure
@@ -546,7 +538,7 @@ def _plots(out: Path, fams: list[str], rewards: Any, by_reason: Counter, scale: 
     ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
     if fams:
         ax.legend(fontsize=8)
-    paths = {"plot_rewards": _save_figure(fig, out / "plots" / "reward_by_family.png")}
+    paths = {"plot_rewards": tracking.log_figure(fig, out / "plots" / "reward_by_family.png")}
     fig = Figure(figsize=(7, 3))
     ax = fig.subplots()
     if by_reason:
@@ -557,21 +549,14 @@ def _plots(out: Path, fams: list[str], rewards: Any, by_reason: Counter, scale: 
     else:
         ax.text(0.5, 0.5, "no rejected lines", ha="center", va="center")
         ax.set_axis_off()
-    paths["plot_rejects"] = _save_figure(fig, out / "plots" / "rejects_by_reason.png")
+    paths["plot_rejects"] = tracking.log_figure(fig, out / "plots" / "rejects_by_reason.png")
     return paths
 
 
 def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
-    if "mlflow" not in sys.modules:  # nobody imported mlflow: no run can be active, skip the import cost
-        return
-    import mlflow
-
-    from hermes_lab.tracking import log_params
-
-    if mlflow.active_run() is None:
-        return
+    """Params, prep/* metrics, tags and the summary to the active MLflow run (no-op without one)."""
     ov = summary["override"]
-    log_params(
+    tracking.log_params(
         {
             "prep.inputs": ",".join(summary["inputs"]),
             "prep.negatives": ",".join(summary["negatives"]),
@@ -579,8 +564,8 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
             "prep.override_reason": ov["reason"],
         }
     )
-    mlflow.log_metrics({f"prep.{k}": float(v) for k, v in summary["counts"].items()})
-    mlflow.set_tags(
+    tracking.log_metrics("prep", summary["counts"])
+    tracking.set_tags(
         {
             "prep.status": summary["status"],
             "prep.gates_passed": str(summary["gates_passed"]).lower(),
@@ -588,8 +573,8 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
         }
     )
     for name in ("summary", "review_queue"):
-        if name in paths and paths[name].exists():
-            mlflow.log_artifact(str(paths[name]), artifact_path="prep")
+        if name in paths:
+            tracking.log_artifact(paths[name], "prep")
 
 
 def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
@@ -615,8 +600,6 @@ def run_prep(
     t0 = time.perf_counter()
     if override_cooldown and not override_reason.strip():
         raise PrepError("--override-cooldown needs a --reason (it is recorded in MLflow and summary.json)")
-    if cfg.data.max_line_bytes < 1024:
-        raise ConfigError("data.max_line_bytes: must be >= 1024")
     if not inputs:
         raise PrepError("no input file given")
     if clock is None:
@@ -736,6 +719,12 @@ def run_prep(
     }
     _write_summary(summary, paths)
     _log_mlflow(summary, paths)
+    write_verdict(
+        out,
+        "prep",
+        [gate(g["name"], g["passed"], g["detail"]) for g in summary["gates"]],
+        stop=None if summary["gates_passed"] else STOP_DATA,
+    )
     result = PrepResult(summary, out, paths)
     if not result.gates_passed:
         why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])

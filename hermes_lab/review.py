@@ -7,7 +7,8 @@ Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample: review_id, task_id
                                               reward, reward_band, optional simulated_label)
         runs/review/labels.jsonl              (the label store, shared by rounds and reviewers)
 Writes  runs/review/labels.jsonl              (append only, one fsync'd line per click)
-        runs/<round>/review/gate.json         (status + statistics; the round runner reads the status)
+        runs/<round>/review/gate.json         (status + statistics)
+        runs/<round>/review/verdict.json      (the gate for the round runner, hermes_lab.stages)
         MLflow params/metrics/tags of the active stage run (notebooks/15_review_gate.ipynb)
 
     jupyter lab notebooks/review.ipynb                               # label (hermes_lab.review_app)
@@ -49,6 +50,7 @@ from typing import Any
 
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import iter_objects, write_json_atomic
+from hermes_lab.stages import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks import family_of, verify
 
 DEFAULT_STORE = "runs/review/labels.jsonl"
@@ -370,16 +372,6 @@ class GateResult:
             raise ReviewGateStop(self)
 
 
-def _check_review_config(cfg: HermesConfig) -> None:
-    rc = cfg.review
-    if rc.agreement_metric not in ("threshold", "within1"):
-        raise ConfigError(f"review.agreement_metric must be threshold or within1, got {rc.agreement_metric!r}")
-    if rc.kappa_weights not in ("quadratic", "linear"):
-        raise ConfigError(f"review.kappa_weights must be quadratic or linear, got {rc.kappa_weights!r}")
-    if not 0 <= rc.min_agreement <= 1 or rc.min_kappa > 1 or rc.min_labels < 1:
-        raise ConfigError("review: min_agreement must lie in [0, 1], min_kappa <= 1, min_labels >= 1")
-
-
 def simulate_labels(items: list[dict[str, Any]], store: LabelStore) -> tuple[int, int]:
     """The task verifier labels every item nobody labelled yet (simulated=True). Returns (written, unknown)."""
     from tqdm.auto import tqdm
@@ -428,7 +420,6 @@ def review_gate(
     folder above prep/) receives review/gate.json unless ``write`` is False. Logs to the active MLflow run.
     """
     cfg = cfg or load_config(None)
-    _check_review_config(cfg)
     rc, scale, thr = cfg.review, float(cfg.reward.scale), float(cfg.reward.success_threshold)
     simulate = rc.simulate if simulate is None else bool(simulate)
     queue_path = Path(queue_path)
@@ -544,20 +535,18 @@ def review_gate(
             if round_dir
             else (queue_path.parent.parent if queue_path.parent.name == "prep" else queue_path.parent)
         )
-        write_json_atomic(rd / "review" / "gate.json", result.to_dict())  # the round runner reads it
+        write_json_atomic(rd / "review" / "gate.json", result.to_dict())
+        stop = {PASS: None, AWAITING: STOP_AWAITING_REVIEW, BLOCKED: STOP_BLOCKED_REVIEW}[status]
+        write_verdict(rd / "review", "review", [gate("review_agreement", status == PASS, result.message)], stop)
     _log_mlflow(result, cfg, simulate)
     return result
 
 
 def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
-    # no one imported mlflow -> no run can be active: keep the CLI free of mlflow's import time
-    if "mlflow" not in sys.modules:
-        return
-    import mlflow
-
+    """review/* metrics, params, tags and gate.json on the active MLflow run (no-op without one)."""
     from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
+    if tracking.active_run() is None:
         return
     rc = cfg.review
     tracking.log_params(
@@ -573,19 +562,19 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         }
     )
     metrics = {
-        "review_agreement": result.agreement,
-        "review_within1": result.within1,
-        "review_kappa": result.kappa,
-        "review_kappa_weighted": result.kappa_weighted,
-        "review_n_labels": result.n_labels,
-        "review_n_simulated": result.n_simulated,
-        "review_ci_low": result.ci[0] if result.ci else None,
-        "review_ci_high": result.ci[1] if result.ci else None,
+        "agreement": result.agreement,
+        "within1": result.within1,
+        "kappa": result.kappa,
+        "kappa_weighted": result.kappa_weighted,
+        "n_labels": result.n_labels,
+        "n_simulated": result.n_simulated,
+        "ci_low": result.ci[0] if result.ci else None,
+        "ci_high": result.ci[1] if result.ci else None,
     }
-    metrics.update({f"review_agreement_{f}": v["agreement"] for f, v in result.per_family.items()})
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
-    mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
-    mlflow.log_dict(result.to_dict(), "review/gate.json")
+    metrics.update({f"agreement_{f}": v["agreement"] for f, v in result.per_family.items()})
+    tracking.log_metrics("review", metrics)
+    tracking.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
+    tracking.log_dict(result.to_dict(), "review/gate.json")
 
 
 # -------------------------------------------------------------------------------------------- display

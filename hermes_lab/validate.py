@@ -17,14 +17,15 @@ Reads:
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate, per_family (deltas and a
 one-sided two-proportion test), overall, reasons, sampling} and, in the active MLflow run, the same
-numbers as metrics plus the tag ``regression_gate`` = passed | stopped.
+numbers as ``validate/regression_*`` metrics plus the tag ``regression_gate`` = passed | stopped.
 
     hermes-lab validate --base embedded:tiny --candidate-adapter runs/round-01/train/adapter \\
         --output runs/round-01/validate            # exit 0: passed, 4: stopped
     python -m hermes_lab.validate ...               # the same
 
-The notebook raises ``RegressionGateStop`` when the gate stops a candidate, so papermill fails the
-stage; the round runner reads regression.json for the reason.
+Also ``verdict.json`` (the gate in the round runner's format, ``hermes_lab.stages``). The notebook raises
+``RegressionGateStop`` when the gate stops a candidate, so papermill stops; the verdict tells the round
+runner it was the gate.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab import tasks as T
+from hermes_lab.stages import STOP_REGRESSION, gate, write_verdict
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -318,34 +320,39 @@ def regression_gate(
         out.mkdir(parents=True, exist_ok=True)
         report["path"] = str(out / "regression.json")
         (out / "regression.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        detail = "; ".join(report["reasons"]) or "no family regressed"
+        write_verdict(
+            out,
+            "validate",
+            [gate("regression", report["passed"], detail)],
+            None if report["passed"] else STOP_REGRESSION,
+        )
     log_report(report)
     return report
 
 
 def log_report(report: dict[str, Any]) -> None:
-    """Metrics + tags of the gate in the active MLflow run (no-op without one)."""
-    import mlflow
+    """validate/regression_* metrics + tags of the gate in the active MLflow run (no-op without one)."""
+    from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
-        return
-    m: dict[str, float] = {"regression/passed": float(report["passed"])}
+    m: dict[str, float] = {"regression_passed": float(report["passed"])}
     for arm in ("baseline", "candidate"):
-        m[f"regression/{arm}_pass_rate"] = float(report[arm]["pass_rate"])
-        m[f"regression/{arm}_mean_reward"] = float(report[arm]["mean_reward"])
-    m["regression/delta"] = float(report["overall"]["delta"])
+        m[f"regression_{arm}_pass_rate"] = float(report[arm]["pass_rate"])
+        m[f"regression_{arm}_mean_reward"] = float(report[arm]["mean_reward"])
+    m["regression_delta"] = float(report["overall"]["delta"])
     for f, row in report["per_family"].items():
-        m[f"regression/{f}/delta"] = float(row["delta"])
-        m[f"regression/{f}/candidate_pass_rate"] = row["candidate_pass_rate"]
-        m[f"regression/{f}/baseline_pass_rate"] = row["baseline_pass_rate"]
-    mlflow.log_metrics(m)
-    mlflow.set_tags(
+        m[f"regression_{f}_delta"] = float(row["delta"])
+        m[f"regression_{f}_candidate_pass_rate"] = row["candidate_pass_rate"]
+        m[f"regression_{f}_baseline_pass_rate"] = row["baseline_pass_rate"]
+    tracking.log_metrics("validate", m)
+    tracking.set_tags(
         {
             "regression_gate": "passed" if report["passed"] else "stopped",
             "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000],
         }
     )
     if report.get("path"):
-        mlflow.log_artifact(report["path"])
+        tracking.log_artifact(report["path"])
 
 
 def raise_if_stopped(report: dict[str, Any]) -> None:

@@ -201,9 +201,10 @@ def log_run(mlflow, df: pd.DataFrame, tmp_path) -> str:
     from hermes_lab import tracking
 
     tracking.setup(tmp_path, "test-train")
-    with mlflow.start_run(run_name="train") as run:
+    with mlflow.start_run(run_name="train") as run:  # the names train.py gives them: train/<TRL name>
         for step, row in df.iterrows():
-            mlflow.log_metrics({k: float(v) for k, v in row.items()}, step=int(step))
+            mlflow.log_metrics({f"train/{k}": float(v) for k, v in row.items()}, step=int(step))
+        mlflow.log_metrics({"train/seconds": 12.0, "train/eval_pass_rate_after": 0.5})  # summaries, not curves
     return run.info.run_id
 
 
@@ -215,6 +216,7 @@ def test_load_curves_from_mlflow(tmp_path, mlflow_store):
     assert got.attrs["source"] == f"mlflow:{run_id}"
     assert list(got.index) == list(range(1, 9))
     np.testing.assert_allclose(got["rewards/system/mean"], df["rewards/system/mean"])
+    assert set(got.columns) == set(df.columns)  # prefix dropped, summaries left out
     assert got.attrs["nonfinite"] == {"kl": [5]}
     # via run.json, as train writes it; MLflow wins over the JSONL when it has the run
     train = tmp_path / "round-01" / "train"
@@ -293,7 +295,7 @@ def test_inspect_run_writes_diagnostics_json(tmp_path, mlflow_store):
     assert spike["step"] == 46 and "raise kl_coefficient" in spike["advice"]
     assert all(math.isfinite(d["value"]) for d in data["diagnostics"] if d["value"] is not None)
     r = mlflow_store.tracking.MlflowClient().get_run(run.info.run_id)
-    assert r.data.tags["diagnostics.worst"] == "fail" and r.data.metrics["diagnostics/fail_count"] >= 1
+    assert r.data.tags["diagnostics.worst"] == "fail" and r.data.metrics["validate/diagnostics_fail_count"] >= 1
     assert len(res["plots"]) == 9
 
 

@@ -371,8 +371,8 @@ def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
     got = mlflow_store.MlflowClient().get_run(run.info.run_id).data
     assert got.tags["review.status"] == "pass" and got.tags["review.simulated"] == "true"
     assert got.params["review.simulate"] == "True" and got.params["review.min_agreement"] == "0.9"
-    assert got.metrics["review_agreement"] == 1.0 and got.metrics["review_n_simulated"] == 30
-    assert "review_agreement_add" in got.metrics
+    assert got.metrics["review/agreement"] == 1.0 and got.metrics["review/n_simulated"] == 30
+    assert "review/agreement_add" in got.metrics
     arts = {a.path for a in mlflow_store.MlflowClient().list_artifacts(run.info.run_id, "review")}
     assert "review/gate.json" in arts
 

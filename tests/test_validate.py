@@ -153,8 +153,8 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
         V.log_report(rep)
     r = MlflowClient().get_run(run.info.run_id)
     assert r.data.tags["regression_gate"] == "stopped" and "family 'add'" in r.data.tags["regression_reasons"]
-    assert r.data.metrics["regression/add/delta"] == pytest.approx(-0.4)
-    assert r.data.metrics["regression/passed"] == 0.0
+    assert r.data.metrics["validate/regression_add_delta"] == pytest.approx(-0.4)
+    assert r.data.metrics["validate/regression_passed"] == 0.0
     table = V.report_table(rep)
     assert list(table.index) == ["add", "sort", "overall"] and bool(table.loc["add", "regressed"])
 
@@ -241,7 +241,7 @@ def test_cli_passes_an_untouched_adapter(tiny_base, adapters, store, tmp_path):
     assert rep["sampling"]["temperature"] == 0.9 and rep["baseline"]["n"] == rep["candidate"]["n"] == 5 * 24
     assert set(rep["per_family"]) == set(T.FAMILIES)
     (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hermes-lab").experiment_id])
-    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["regression/delta"] == 0.0
+    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["validate/regression_delta"] == 0.0
 
 
 @pytest.mark.slow
