@@ -717,8 +717,7 @@ def load_config(
     cfg.source = src if path is not None else None
     cfg.explicit = frozenset(f"{s}.{k}" for s, kv in raw.items() if isinstance(kv, dict) for k in kv)
     _resolve_alias(cfg, problems)
-    if not problems:
-        problems += _problems(cfg)[0]
+    problems += _problems(cfg)[0]  # a key that failed to load kept its default: no false alarm from it
     if problems:  # name the file too: the key alone does not say which YAML to fix
         raise _error(src, problems)
     return cfg
