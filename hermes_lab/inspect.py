@@ -9,7 +9,7 @@ Writes under ``<round_dir>/validate/``:
   entropy, completion lengths, clip ratios, learning rate, loss / grad norm (also logged to MLflow);
 - ``diagnostics.json``: one entry per rule of thumb {rule, severity (ok/warn/fail), step, value, message,
   advice} -- KL spike, KL above the guard, reward not rising, NaN anywhere, groups with zero reward
-  spread, reward outliers -- with the user's advice in plain words (SPEC "Rules of thumb").
+  spread, reward outliers -- with the user's advice in plain words (docs/SPEC.md, "Rules of thumb").
 
     hermes-lab inspect --train-dir runs/round-01/train --output runs/round-01/validate
     python -m hermes_lab.inspect --train-dir runs/round-02/train --compare runs/round-01/train --output ...

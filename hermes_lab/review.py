@@ -1,6 +1,6 @@
 """Human review: spot-check the reward model against human judgement, and gate training on it.
 
-Stage: between prep and train. The user's rule (SPEC): humans spot-check 10% of samples; below 90%
+Stage: between prep and train. The user's rule (docs/SPEC.md): humans spot-check 10% of samples; below 90%
 agreement between the reward model and the humans, fix the reward model before training the policy.
 
 Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample: review_id, task_id, family, prompt, response,
