@@ -57,7 +57,7 @@ LAT_BINS = np.linspace(0.0, np.log(1e5), 257)  # log-latency histogram edges (1 
 
 # ------------------------------------------------------------------------------------------- routing
 def bucket(unit_id: Any, salt: str = "") -> float:
-    """The bucket of a unit (docs/SPEC.md) in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
+    """docs/SPEC.md's bucket of a unit, in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
     key = str(unit_id) if not salt else f"{salt}:{unit_id}"
     return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF
 

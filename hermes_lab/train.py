@@ -184,9 +184,8 @@ def grpo_kwargs(
 def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool) -> Any:
     """TRL log line -> train_log.jsonl + ``train/<TRL name>`` MLflow metrics + health guards.
 
-    The step's cost to the training loop is one JSON line and one queue put: MLflow is written by
-    ``tracking.MetricWriter``'s child process (a SQL store write costs more than a tiny-policy step can
-    spare), from the active run when the first line is logged."""
+    The JSONL gets every line at once; MLflow gets them in batches (``tracking.MetricBuffer``: a write to
+    the SQL store costs more than a tiny-policy step can spare) and at the end, also after a guard stop."""
     from transformers import TrainerCallback
 
     from hermes_lab import tracking
@@ -198,8 +197,7 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             self.zero_hist: list[float] = []
             self._warned: set[str] = set()
             self._file: Any = None  # train_log.jsonl, opened on the first line
-            self.writer: tracking.MetricWriter | None = None
-            self._sinks_open = False
+            self.metrics = tracking.MetricBuffer("train")
 
         def _warn(self, key: str, msg: str) -> None:
             if key not in self._warned:  # once per kind, or a long run prints a wall of warnings
@@ -225,15 +223,11 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             self._guard_zero_std(logs.get("frac_reward_zero_std"), step)
             if not is_main:
                 return
-            if not self._sinks_open:
-                self._sinks_open = True
+            if self._file is None:
                 self._file = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-                run_id = tracking.active_run_id()
-                self.writer = tracking.MetricWriter(run_id, "train") if run_id else None
             self._file.write(json.dumps({"step": step, "epoch": state.epoch, **logs}) + "\n")
             self._file.flush()  # inspect may read it live; a crash keeps every finished step
-            if self.writer is not None:
-                self.writer.log(logs, step)
+            self.metrics.log(logs, step)
 
         def _guard_kl(self, kl: Any, step: int) -> None:
             if kl is None or not math.isfinite(kl):
@@ -271,15 +265,11 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             self.close()
 
         def close(self) -> None:
-            """Close train_log.jsonl and wait for the MLflow writer (also when a guard stopped training)."""
+            """Close train_log.jsonl and write the buffered MLflow metrics (also when a guard stopped training)."""
             if self._file is not None:
                 self._file.close()
                 self._file = None
-            if self.writer is not None:
-                for problem in self.writer.close():
-                    log.warning(problem)
-                self.writer = None
-            self._sinks_open = False
+            self.metrics.flush(wait=True)
 
     return HermesCallback()
 
