@@ -36,34 +36,11 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from hermes_lab.yaml_typed import ConfigError, bound_problems, build, read_yaml
+from hermes_lab.yaml_typed import field_with as _f
+
 EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 META = ("source", "explicit")  # HermesConfig fields that are not config keys
-
-
-class ConfigError(ValueError):
-    """A config problem, phrased so the user can fix it from the message alone. ``problems``: all of them."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = problems or [message]
-
-
-def _f(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    why: str = "",
-) -> Any:
-    """A config field: default, help text, and the bounds its value (or each list element) must meet."""
-    meta = {"help": help, "bounds": (ge, gt, le, lt), "why": why}
-    if isinstance(default, (list, dict)):
-        value = default
-        return field(default_factory=lambda: type(value)(value), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -396,31 +373,6 @@ def trl_choices(name: str) -> tuple[str, ...] | None:
     return None
 
 
-def _bound_problems(sec: str, obj: Any) -> list[str]:
-    out = []
-    for f in dataclasses.fields(obj):
-        ge, gt, le, lt = f.metadata.get("bounds", (None,) * 4)
-        value = getattr(obj, f.name)
-        for v in value if isinstance(value, list) else [value]:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                continue
-            bad = [
-                f"{op} {b:g}"
-                for op, b, ok in (
-                    (">=", ge, ge is None or v >= ge),
-                    (">", gt, gt is None or v > gt),
-                    ("<=", le, le is None or v <= le),
-                    ("<", lt, lt is None or v < lt),
-                )
-                if not ok
-            ]
-            if bad:
-                why = f" ({f.metadata['why']})" if f.metadata.get("why") else ""
-                out.append(f"{sec}.{f.name} must be {' and '.join(bad)}{why}, got {v}")
-                break
-    return out
-
-
 def ab_stage_problems(stages: Any, where: str = "ab.stages") -> list[str]:
     """The rollout plan: [ratio, seconds] pairs; ratios in (0, 1], starting below 1, never decreasing."""
     if not stages or any(not isinstance(s, list) or len(s) != 2 for s in stages):
@@ -451,7 +403,7 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     warns: list[str] = []
     for f in dataclasses.fields(cfg):
         if f.name not in META:
-            errs += _bound_problems(f.name, getattr(cfg, f.name))
+            errs += bound_problems(f.name, getattr(cfg, f.name))
     m, g, r, d, a = cfg.model, cfg.grpo, cfg.reward, cfg.data, cfg.ab
     for key, value in (("model.api_key_env", m.api_key_env), ("reward.api_key_env", r.api_key_env)):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value or ""):  # never echo it: it may be the key
@@ -563,110 +515,6 @@ def _error(src: str, problems: list[str]) -> ConfigError:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_COMMENT = re.compile(r"(?:^|\s)#")
-
-
-def _interpolate(text: str, source: str, env: dict[str, str]) -> str:
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        # comments may mention ${VAR}: only the part before a YAML comment ('#' at the line start or after
-        # whitespace, a tab included) is interpolated
-        m_comment = _COMMENT.search(line)
-        cut = m_comment.start() if m_comment else len(line)
-        code, comment = line[:cut], line[cut:]
-
-        def sub(m: re.Match[str], code: str = code, i: int = i) -> str:
-            name, default = m.group(1), m.group(2)
-            if name in env and env[name] != "":
-                return env[name]
-            if default is not None:
-                return default
-            key = code.split(":", 1)[0].strip() or "?"
-            raise ConfigError(
-                f"{source}:{i + 1}: environment variable {name} is not set (used by key '{key}'). "
-                f"Set it, e.g. `export {name}=...`, or write ${{{name}:-default}}."
-            )
-
-        lines[i] = _VAR.sub(sub, code) + comment
-    return "".join(lines)
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin, args = get_origin(tp), get_args(tp)
-    if value is None:
-        if type(None) in args:
-            return None
-        raise ConfigError(f"{where}: must not be empty (expected {_type_name(tp)})")
-    if args and type(None) in args:  # Optional[X]
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, where)
-    if origin is Literal:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value) in args:
-            return str(value)
-        raise ConfigError(f"{where}: must be one of {', '.join(args)}; got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{where}[{j}]") for j, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in {"true", "false", "1", "0", "yes", "no"}:
-            return value.lower() in {"true", "1", "yes"}
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not (
-            isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit())
-        ):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
-    if tp is float:
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
-    """The dataclass from a mapping; each bad key is a problem (and keeps its default), all are collected."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        problems.append(f"{where}: expected a mapping of keys, got {raw!r}")
-        return cls()
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in META]
-    for k in raw:
-        if k not in names:
-            problems.append(f"{where or 'top level'}: unknown key '{k}'. Valid keys: {', '.join(names)}")
-    kwargs = {}
-    for k, v in raw.items():
-        if k not in names:
-            continue
-        tp, key_where = hints[k], f"{where}.{k}" if where else k
-        try:
-            kwargs[k] = (
-                _build(tp, v, key_where, problems) if dataclasses.is_dataclass(tp) else _coerce(v, tp, key_where)
-            )
-        except ConfigError as e:
-            problems.append(str(e))
-    return cls(**kwargs)
-
-
 def _resolve_alias(cfg: HermesConfig, problems: list[str]) -> None:
     """ab.traffic_ratio is ab.stages[0][0] by another name: the one set explicitly wins; both set, they must agree."""
     a = cfg.ab
@@ -690,30 +538,10 @@ def load_config(
     env: dict[str, str] | None = None,
 ) -> HermesConfig:
     """Read, interpolate, type and check a config. ``overrides`` are dotted keys ('grpo.max_steps': 5)."""
-    env = dict(os.environ) if env is None else env
-    raw: dict[str, Any] = {}
-    src = "<defaults>"
-    if path is not None:
-        p = Path(path)
-        src = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        text = _interpolate(p.read_text(encoding="utf-8"), src, env)
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{src}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{src}: the top level must be a mapping of sections")
-    for dotted, value in (overrides or {}).items():
-        sec, _, key = dotted.partition(".")
-        if not key:
-            raise ConfigError(f"override '{dotted}': use section.key")
-        if not isinstance(raw.get(sec), dict):
-            raw[sec] = {}
-        raw[sec][key] = value
+    src = str(path) if path is not None else "<defaults>"
+    raw = read_yaml(path, dict(os.environ) if env is None else env, overrides)
     problems: list[str] = []
-    cfg = _build(HermesConfig, raw, "", problems)
+    cfg = build(HermesConfig, raw, "", problems, skip=META)
     cfg.source = src if path is not None else None
     cfg.explicit = frozenset(f"{s}.{k}" for s, kv in raw.items() if isinstance(kv, dict) for k in kv)
     _resolve_alias(cfg, problems)
