@@ -432,7 +432,7 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if r.success_threshold > r.scale:
         errs.append(f"reward.success_threshold {r.success_threshold:g} lies above reward.scale {r.scale:g}")
     if "comparison" in r.types and r.model and r.model.strip().lower() != "local":
-        from hermes_lab.api import ApiConfigError, normalize_base_url
+        from hermes_lab.api_setup import ApiConfigError, normalize_base_url
 
         try:
             normalize_base_url(r.base_url, "reward.base_url (the judge API for reward.model)")
