@@ -212,10 +212,10 @@ def run_round(
 
     cfg = load_config(params_path)
     runs = Path(cfg.round.runs_dir)
-    for w in _check_deep(cfg, runs):
-        if not quiet:
-            print(f"warning: {w}", flush=True)
     with RoundLock(runs):
+        for w in _check_deep(cfg, runs):
+            if not quiet:
+                print(f"warning: {w}", flush=True)
         state = FlywheelState.load(state_path(runs))
         n = state.last_round + 1
         rd = _round_dir(runs, n)
@@ -225,7 +225,7 @@ def run_round(
         if prog and not resume:
             raise RoundError(
                 f"{rd} holds an unfinished round ({prog.get('status')}, stages done: "
-                f"{prog.get('completed')}); continue it with --resume or remove the folder"
+                f"{prog.get('completed')}); continue it with --resume (make clean-runs starts over)"
             )
         if resume and not prog:
             raise RoundError(f"nothing to resume: round {n} in {state_path(runs)} has not started")
