@@ -15,7 +15,11 @@ Writes  runs/review/labels.jsonl              (append only, one fsync'd line per
     hermes-lab review --queue runs/round-01/prep/review_queue.jsonl  # the gate: exit 0 pass,
                                                                      # 3 awaiting review, 4 blocked
 
-Label store: ``hermes_lab.labels`` (append-only, crash-safe); its names are importable from here too.
+Label store. A click is one JSON line written with a single write() then flush+fsync, so a dead kernel
+loses at most the click in flight. Nothing is rewritten: undo appends a tombstone (``undo_of`` = the
+undone ``label_id``); a relabel appends a newer record, which wins. A torn last line (the kernel died
+mid-write) is ignored with a warning; the next writer moves it to ``labels.jsonl.torn`` and cuts it off,
+since no one ever saw it acknowledged.
 
 Agreement (reward model vs reviewer, one pair per labelled item; several reviewers -> their median):
 - threshold: both on the same side of reward.success_threshold (>= 3 = success). The gated number by
@@ -37,16 +41,19 @@ import json
 import os
 import statistics
 import sys
+import uuid
+import warnings
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import iter_objects, write_json_atomic
-from hermes_lab.labels import DEFAULT_STORE, LabelStore, LoadResult, current_labels, read_labels  # noqa: F401
 from hermes_lab.stages import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks import family_of, verify
 
+DEFAULT_STORE = "runs/review/labels.jsonl"
 SIMULATED_REVIEWER = "simulated:verifier"
 PASS, BLOCKED, AWAITING = "pass", "blocked", "awaiting review"
 EXIT_CODES = {PASS: 0, AWAITING: 3, BLOCKED: 4}
@@ -85,6 +92,176 @@ def load_queue(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         rec["family"] = rec.get("family") or family_of(str(rec["prompt"])) or "unknown"
         items.append(rec)
     return items
+
+
+# -------------------------------------------------------------------------------------- the label store
+@dataclass
+class LoadResult:
+    records: list[dict[str, Any]]
+    truncated: bool = False
+    message: str = ""
+
+
+def read_labels(path: str | os.PathLike[str]) -> LoadResult:
+    """All records of a store, in write order. A torn last line is dropped and reported, not fatal."""
+    p = Path(path)
+    if not p.exists():
+        return LoadResult([])
+    lines = p.read_bytes().split(b"\n")
+    tail = lines.pop()  # b"" when the file ends in a newline, as every complete write does
+    records = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{p}:{i}: corrupt label record (only the last line may be torn)") from None
+        if not isinstance(rec, dict) or not {"label_id", "review_id", "reviewer"} <= rec.keys():
+            raise ValueError(f"{p}:{i}: not a label record (needs label_id, review_id, reviewer)")
+        records.append(rec)
+    result = LoadResult(records)
+    if tail.strip():
+        try:
+            records.append(json.loads(tail))  # complete record, only its newline is missing
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            result.truncated = True
+            result.message = (
+                f"{p}: ignored a truncated last line ({len(tail)} bytes): the kernel stopped "
+                f"mid-write. {len(records)} records loaded; that last click is lost, redo it."
+            )
+            warnings.warn(result.message, stacklevel=2)
+    return result
+
+
+def current_labels(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(review_id, reviewer) -> the label in force: the latest record not undone by a tombstone."""
+    undone = {r["undo_of"] for r in records if r.get("undo_of")}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        if r.get("undo_of") or r["label_id"] in undone:
+            continue
+        out[(r["review_id"], r["reviewer"])] = r
+    return out
+
+
+def _lock(fd: int) -> None:
+    try:
+        import fcntl  # Unix; several reviewers' kernels may append to one shared store
+    except ImportError:  # pragma: no cover - Windows: single writer assumed
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+
+
+class LabelStore:
+    """Append-only JSONL of labels. ``records`` holds everything this process read or wrote."""
+
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_STORE, scale: float = 5.0):
+        self.path, self.scale = Path(path), float(scale)
+        loaded = read_labels(self.path)
+        self.records, self.recovered = loaded.records, loaded.message
+
+    def _repair_tail(self, fd: int) -> None:
+        # under the lock: cut a torn tail (saved aside) so the next record starts on its own line
+        data = self.path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:])
+            os.write(fd, b"\n")  # a complete record missing only its newline: keep it
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            with open(self.path.with_name(self.path.name + ".torn"), "ab") as f:
+                f.write(data[cut:] + b"\n")
+            os.truncate(self.path, cut)
+
+    def make_record(
+        self,
+        review_id: str,
+        reviewer: str,
+        label: float | None,
+        *,
+        mode: str = "score",
+        note: str = "",
+        simulated: bool = False,
+        undo_of: str | None = None,
+    ) -> dict[str, Any]:
+        if label is not None:
+            label = float(label)
+            if not 0 <= label <= self.scale:
+                raise ValueError(f"label {label} outside 0..{self.scale:g}")
+            if mode == "passfail" and label not in (0.0, self.scale):
+                raise ValueError(f"pass/fail labels are 0 or {self.scale:g}, got {label}")
+        if not reviewer:
+            raise ValueError("reviewer id is empty: every label records who gave it")
+        return {
+            "label_id": uuid.uuid4().hex[:16],
+            "review_id": str(review_id),
+            "reviewer": reviewer,
+            "label": label,
+            "mode": mode,
+            "note": note,
+            "simulated": bool(simulated),
+            "undo_of": undo_of,
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        }
+
+    def append_many(self, recs: list[dict[str, Any]]) -> None:
+        """One unbuffered write() and one fsync per batch (per click in the app): a crash can tear only
+        the last line, which the next load ignores and the next append cuts off."""
+        if not recs:
+            return
+        data = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in recs).encode("utf-8")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            _lock(fd)
+            self._repair_tail(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:  # the new directory entry must survive a crash too
+            try:
+                dfd = os.open(self.path.parent, os.O_RDONLY)
+                os.fsync(dfd)
+                os.close(dfd)
+            except OSError:  # pragma: no cover - platforms without directory fsync
+                pass
+        self.records.extend(recs)
+
+    def append(self, review_id: str, reviewer: str, label: float, **kw: Any) -> dict[str, Any]:
+        rec = self.make_record(review_id, reviewer, label, **kw)
+        self.append_many([rec])
+        return rec
+
+    def undo(self, reviewer: str) -> dict[str, Any] | None:
+        """Tombstone ``reviewer``'s latest label in force; returns the undone record (None: nothing to undo)."""
+        live = current_labels(self.records)
+        mine = [r for (_, who), r in live.items() if who == reviewer]
+        if not mine:
+            return None
+        order = {r["label_id"]: i for i, r in enumerate(self.records)}
+        last = max(mine, key=lambda r: order[r["label_id"]])
+        self.append_many(
+            [
+                self.make_record(
+                    last["review_id"],
+                    reviewer,
+                    None,
+                    mode=last.get("mode", "score"),
+                    simulated=last.get("simulated", False),
+                    undo_of=last["label_id"],
+                )
+            ]
+        )
+        return last
+
+    def labelled_ids(self, reviewer: str) -> set[str]:
+        return {rid for (rid, who) in current_labels(self.records) if who == reviewer}
 
 
 # ---------------------------------------------------------------------------------------- statistics
