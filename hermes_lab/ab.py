@@ -6,7 +6,7 @@ and writes ``runs/round-NN/ab/`` (request log, ab_report.json, plots); the analy
 
     python -m hermes_lab.ab_run --baseline DIR --candidate DIR --ratio 0.1 --duration 7200 --output ab_report.json
 
-The user's interfaces, bit for bit (SPEC "A/B split and analysis"):
+The user's interfaces, bit for bit (docs/SPEC.md, "A/B split and analysis"):
 - ``ABRouter(baseline, candidate, traffic_ratio).route(request_id)``: bucket = first 8 hex digits of
   md5(id) / 0xFFFFFFFF, candidate when bucket < ratio. A salt (empty by default: the exact formula) gives
   each experiment its own split; since a unit's bucket never changes, raising the ratio only moves units
@@ -28,7 +28,7 @@ What gates the rollout by default (``ab.rule: sequential``) and why:
   latency ratio above ``max_latency_ratio``, each also shown by a one-sided always-valid bound at
   ``guardrail_alpha``) -> roll back; sample ratio mismatch on unit counts (anytime-valid p < srm_alpha)
   -> hold, the split is broken and no number can be trusted; CS entirely below 0 -> roll back
-  (significant harm); CS entirely above 0 -> widen, acted on only from the stage's planned end (the SPEC's
+  (significant harm); CS entirely above 0 -> widen, acted on only from the stage's planned end (docs/SPEC.md's
   "10% for 2 h" is a minimum exposure); otherwise keep observing (the stage is extended by up to
   ``max_extension`` times its length). The rollout is "promote" only once traffic reaches 100%.
 - Rollback needs *significant* harm: the user's "delta < 0 -> roll back" fires on ~half of all A/A
@@ -62,7 +62,7 @@ LAT_BINS = np.linspace(0.0, np.log(1e5), 257)  # log-latency histogram edges (1 
 
 # ------------------------------------------------------------------------------------------- routing
 def bucket(unit_id: Any, salt: str = "") -> float:
-    """The SPEC bucket of a unit in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
+    """docs/SPEC.md's bucket of a unit, in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
     key = str(unit_id) if not salt else f"{salt}:{unit_id}"
     return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF
 
@@ -79,7 +79,7 @@ class ABRouter:
     """The user's router. ``route(id)`` -> ("candidate", candidate) when bucket < ratio, else baseline.
 
     The same id always lands in the same arm (md5 is stable across processes, unlike ``hash``). Note the
-    SPEC's threshold rule keeps the one id whose bucket is exactly 1.0 on baseline even at ratio 1.0.
+    docs/SPEC.md's threshold rule keeps the one id whose bucket is exactly 1.0 on baseline even at ratio 1.0.
     """
 
     def __init__(self, baseline_model: Any, candidate_model: Any, traffic_ratio: float = 0.1, salt: str = ""):
@@ -109,7 +109,7 @@ class ABRouter:
 def compare(
     baseline_scores: Sequence[float], candidate_scores: Sequence[float], threshold: float = 3.0
 ) -> dict[str, Any]:
-    """The SPEC's comparison: means, delta, success shares (>= 3), Welch p, significant."""
+    """The comparison of docs/SPEC.md: means, delta, success shares (>= 3), Welch p, significant."""
     from scipy import stats
 
     b = np.asarray(baseline_scores, dtype=np.float64)

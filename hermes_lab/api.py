@@ -10,7 +10,7 @@ the client sends exactly that. Check a setup with
 
     hermes-lab doctor            # or: python -m hermes_lab.doctor
 
-Errors are typed and say what to fix (SPEC, "Errors the user hits with the model API"):
+Errors are typed and say what to fix (docs/SPEC.md, "Errors the user hits with the model API"):
 ApiAuthError (401/403), ApiBadBody ("Error reading choices": the body was not the expected JSON; shows
 status, content-type and the first bytes), ApiConnectionError (.kind: refused, dns, timeout, proxy, tls,
 network), ApiStatusError (other HTTP errors, or 429/5xx once retries are spent), ApiConfigError

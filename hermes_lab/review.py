@@ -1,13 +1,14 @@
 """Human review: spot-check the reward model against human judgement, and gate training on it.
 
-Stage: between prep and train. The user's rule (SPEC): humans spot-check 10% of samples; below 90%
+Stage: between prep and train. The user's rule (docs/SPEC.md): humans spot-check 10% of samples; below 90%
 agreement between the reward model and the humans, fix the reward model before training the policy.
 
 Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample: review_id, task_id, family, prompt, response,
                                               reward, reward_band, optional simulated_label)
         runs/review/labels.jsonl              (the label store, shared by rounds and reviewers)
 Writes  runs/review/labels.jsonl              (append only, one fsync'd line per click)
-        runs/<round>/review/gate.json         (status + statistics; the round runner reads the status)
+        runs/<round>/review/gate.json         (status + statistics)
+        runs/<round>/review/verdict.json      (the gate for the round runner, hermes_lab.stages)
         MLflow params/metrics/tags of the active stage run (notebooks/15_review_gate.ipynb)
 
     jupyter lab notebooks/review.ipynb                               # label (hermes_lab.review_app)
@@ -58,6 +59,7 @@ from hermes_lab.labels import (  # noqa: F401  (re-exported: the gate's callers 
     current_labels,
     read_labels,
 )
+from hermes_lab.stages import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks import family_of, verify
 
 SIMULATED_REVIEWER = "simulated:verifier"
@@ -464,20 +466,23 @@ def review_gate(
             if round_dir
             else (queue_path.parent.parent if queue_path.parent.name == "prep" else queue_path.parent)
         )
-        write_json_atomic(rd / "review" / "gate.json", result.to_dict())  # the round runner reads it
+        write_json_atomic(rd / "review" / "gate.json", result.to_dict())
+        stop = {
+            PASS: None,
+            AWAITING: STOP_AWAITING_REVIEW,
+            INCONCLUSIVE: STOP_AWAITING_REVIEW,
+            BLOCKED: STOP_BLOCKED_REVIEW,
+        }[status]  # inconclusive ("label N more") waits for labels like awaiting review
+        write_verdict(rd / "review", "review", [gate("review_agreement", status == PASS, result.message)], stop)
     _log_mlflow(result, cfg, simulate)
     return result
 
 
 def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
-    # no one imported mlflow -> no run can be active: keep the CLI free of mlflow's import time
-    if "mlflow" not in sys.modules:
-        return
-    import mlflow
-
+    """review/* metrics, params, tags and gate.json on the active MLflow run (no-op without one)."""
     from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
+    if tracking.active_run() is None:
         return
     rc = cfg.review
     tracking.log_params(
@@ -495,21 +500,21 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         }
     )
     metrics = {
-        "review/agreement": result.agreement,
-        "review/gated_agreement": result.value,
-        "review/within1": result.within1,
-        "review/kappa": result.kappa,
-        "review/kappa_weighted": result.kappa_weighted,
-        "review/n_labels": result.n_labels,
-        "review/n_simulated": result.n_simulated,
-        "review/ci_low": result.ci[0] if result.ci else None,
-        "review/ci_high": result.ci[1] if result.ci else None,
-        "review/labels_more": result.labels_more,
+        "agreement": result.agreement,
+        "gated_agreement": result.value,
+        "within1": result.within1,
+        "kappa": result.kappa,
+        "kappa_weighted": result.kappa_weighted,
+        "n_labels": result.n_labels,
+        "n_simulated": result.n_simulated,
+        "ci_low": result.ci[0] if result.ci else None,
+        "ci_high": result.ci[1] if result.ci else None,
+        "labels_more": result.labels_more,
     }
-    metrics.update({f"review/agreement/{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
-    mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
-    mlflow.log_dict(result.to_dict(), "review/gate.json")
+    metrics.update({f"agreement_{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
+    tracking.log_metrics("review", metrics)
+    tracking.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
+    tracking.log_dict(result.to_dict(), "review/gate.json")
 
 
 # -------------------------------------------------------------------------------------------- display

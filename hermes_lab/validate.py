@@ -21,14 +21,16 @@ Reads:
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
 and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
-sampling} and, in the active MLflow run, ``validate/...`` metrics plus the tag ``regression_gate``.
+sampling} and, in the active MLflow run, ``validate/regression_*`` metrics plus the tag
+``regression_gate`` = passed | stopped.
 
     hermes-lab validate --base embedded:tiny --candidate-adapter runs/round-01/train/adapter \\
         --output runs/round-01/validate            # exit 0: passed, 4: stopped
     python -m hermes_lab.validate ...               # the same
 
-The notebook raises ``RegressionGateStop`` when the gate stops a candidate, so papermill fails the
-stage; the round runner reads regression.json for the reason.
+Also ``verdict.json`` (the gate in the round runner's format, ``hermes_lab.stages``). The notebook raises
+``RegressionGateStop`` when the gate stops a candidate, so papermill stops; the verdict tells the round
+runner it was the gate.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import numpy as np
 
 from hermes_lab import tasks as T
 from hermes_lab.arms import ADAPTER_KINDS, ArmError, resolve_adapter
-from hermes_lab.jsonl import write_json_atomic
+from hermes_lab.jsonl import safe_name, write_json_atomic
+from hermes_lab.stages import STOP_REGRESSION, gate, write_verdict
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -411,27 +414,32 @@ def regression_gate(
     if output_dir is not None:
         report["path"] = str(Path(output_dir) / "regression.json")
         write_json_atomic(report["path"], report)  # the round runner reads it back
+        detail = "; ".join(report["reasons"]) or "no family regressed"
+        write_verdict(
+            output_dir,
+            "validate",
+            [gate("regression", report["passed"], detail)],
+            None if report["passed"] else STOP_REGRESSION,
+        )
     log_report(report)
     return report
 
 
 def log_report(report: dict[str, Any]) -> None:
-    """Metrics (``validate/...``) + tags of the gate in the active MLflow run (no-op without one)."""
-    import mlflow
+    """validate/regression_* metrics + tags of the gate in the active MLflow run (no-op without one)."""
+    from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
-        return
-    m: dict[str, float] = {"validate/passed": float(report["passed"]), "validate/warnings": len(report["warnings"])}
+    m: dict[str, float] = {"regression_passed": float(report["passed"]), "regression_warnings": len(report["warnings"])}
     for arm in ("baseline", "candidate"):
-        m[f"validate/{arm}_pass_rate"] = float(report[arm]["pass_rate"])
-        m[f"validate/{arm}_mean_reward"] = float(report[arm]["mean_reward"])
+        m[f"regression_{arm}_pass_rate"] = float(report[arm]["pass_rate"])
+        m[f"regression_{arm}_mean_reward"] = float(report[arm]["mean_reward"])
     for f, row in [*report["per_family"].items(), ("overall", report["overall"])]:
-        pre = "validate" if f == "overall" else f"validate/{f}"
+        pre = "regression" if f == "overall" else f"regression_{safe_name(f)}"
         for k in ("delta", "drop_ucb", "stop_if_drop", "pass_if_equal", "candidate_pass_rate", "baseline_pass_rate"):
             if row.get(k) is not None:
-                m[f"{pre}/{k}"] = float(row[k])
-    mlflow.log_metrics(m)
-    mlflow.set_tags(
+                m[f"{pre}_{k}"] = float(row[k])
+    tracking.log_metrics("validate", m)
+    tracking.set_tags(
         {
             "regression_gate": "passed" if report["passed"] else "stopped",
             "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000],
@@ -439,7 +447,7 @@ def log_report(report: dict[str, Any]) -> None:
         }
     )
     if report.get("path"):
-        mlflow.log_artifact(report["path"])
+        tracking.log_artifact(report["path"])
 
 
 def raise_if_stopped(report: dict[str, Any]) -> None:

@@ -13,6 +13,8 @@ import nbformat
 import papermill
 import pytest
 
+from hermes_lab.stages import STAGES
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "bearer"}
@@ -147,14 +149,33 @@ def test_config_cell_resolves_paths_against_the_project_root(path):
 
 
 def test_round_stage_notebooks_exist_and_accept_round_params():
-    from hermes_lab.round import NOTEBOOKS as ROUND_NOTEBOOKS
-    from hermes_lab.round import STAGES
+    from hermes_lab.round import notebook_path
 
     assert STAGES, "no stages"
-    assert len({nb for _, nb in STAGES}) == len(STAGES)
-    for stage, nb in STAGES:
-        path = ROUND_NOTEBOOKS / nb
-        assert path.is_file(), f"stage '{stage}': {nb} is missing"
+    assert len({s.notebook for s in STAGES}) == len(STAGES) and len({s.name for s in STAGES}) == len(STAGES)
+    for stage in STAGES:
+        path = notebook_path(stage)
+        assert path.is_file(), f"stage '{stage.name}': {stage.notebook} is missing"
         info = papermill.inspect_notebook(str(path))
         missing = [p for p in ROUND_PARAMS if p not in info]
-        assert not missing, f"stage '{stage}' ({nb}) lacks parameters {missing}"
+        assert not missing, f"stage '{stage.name}' ({stage.notebook}) lacks parameters {missing}"
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
+def test_parameters_cell_is_pinned_to_its_registry_row(stage, tmp_path):
+    """Each stage notebook's parameters cell is exactly its row's notebook_params, in order, and the
+    parameters the round passes (the row's builder) are all among them."""
+    from hermes_lab.config import load_config
+    from hermes_lab.round import notebook_path
+    from hermes_lab.stages import ROUND_PARAMS as COMMON
+    from hermes_lab.stages import RoundContext
+    from hermes_lab.state import FlywheelState
+
+    cell = list(papermill.inspect_notebook(str(notebook_path(stage))))
+    assert tuple(cell) == stage.notebook_params, f"{stage.notebook}: cell {cell} != row {stage.notebook_params}"
+    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
+    ctx = RoundContext(cfg, "params/embedded.yaml", tmp_path / "round-02", 2, "run-id", FlywheelState(last_round=1))
+    if stage.name == "ab":  # its builder resolves the embedded policy's dir: give it a champion instead
+        ctx.state.champion_adapter = str(tmp_path / "round-01" / "train" / "adapter")
+    passed = [*COMMON, *stage.params(ctx)]
+    assert set(passed) <= set(cell), f"{stage.name}: the round passes {sorted(set(passed) - set(cell))} it lacks"

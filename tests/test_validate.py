@@ -210,8 +210,10 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
         V.log_report(rep)
     r = MlflowClient().get_run(run.info.run_id)
     assert r.data.tags["regression_gate"] == "stopped" and "family 'add'" in r.data.tags["regression_reasons"]
-    assert r.data.metrics["validate/add/delta"] == pytest.approx(-0.4)
-    assert r.data.metrics["validate/passed"] == 0.0 and r.data.metrics["validate/add/drop_ucb"] > 0.4
+    assert r.data.metrics["validate/regression_add_delta"] == pytest.approx(-0.4)
+    assert (
+        r.data.metrics["validate/regression_passed"] == 0.0 and r.data.metrics["validate/regression_add_drop_ucb"] > 0.4
+    )
     table = V.report_table(rep)
     assert list(table.index) == ["add", "sort", "overall"] and not bool(table.loc["add", "passed"])
     assert {"drop_ucb", "stop_if_drop", "pass_if_equal", "lost", "gained"} <= set(table.columns)
@@ -309,7 +311,7 @@ def test_cli_passes_an_untouched_adapter(tiny_base, adapters, store, tmp_path):
     assert all(r["lost"] == r["gained"] == 0 for r in rep["per_family"].values())
     assert set(rep["per_family"]) == set(T.FAMILIES)
     (run,) = MlflowClient().search_runs([MlflowClient().get_experiment_by_name("hermes-lab").experiment_id])
-    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["validate/delta"] == 0.0
+    assert run.data.tags["regression_gate"] == "passed" and run.data.metrics["validate/regression_delta"] == 0.0
 
 
 @pytest.mark.slow
