@@ -375,7 +375,9 @@ def test_retry_after_forms():
 
 
 CTRL_C_CHILD = """
-import sys, time
+import signal, sys, time
+# a shell's background job starts with SIGINT ignored, and Python then keeps it so: Ctrl-C is what we test
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from hermes_lab import api
 c = api.ApiClient(sys.argv[1], "TAOTOKEN_API_KEY", "judge-1", timeout=5, retries=0)
 t0 = time.monotonic()
