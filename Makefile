@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
 ROUNDS ?= 3
+# DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
+HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
 
-.PHONY: setup round flywheel status serve live-demo test test-fast lint lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve live-demo test test-fast lint browser-deps lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -23,14 +25,14 @@ $(STAMP): pyproject.toml requirements/torch-cpu.txt
 
 ## main job: one full round on the embedded default (offline, CPU)
 round: setup
-	$(BIN)/hermes-lab round --params $(PARAMS)
+	$(HL) round --params $(PARAMS)
 
 ## the loop, unattended, on a simulated clock
 flywheel: setup
-	$(BIN)/hermes-lab flywheel --params $(PARAMS) --rounds $(ROUNDS)
+	$(HL) flywheel --params $(PARAMS) --rounds $(ROUNDS)
 
 status: setup
-	$(BIN)/hermes-lab status --params $(PARAMS)
+	$(HL) status --params $(PARAMS)
 
 ## the live A/B gateway on 127.0.0.1:8700: baseline embedded:tiny, candidate the latest round's adapter (else an A/A)
 serve: setup
@@ -40,8 +42,13 @@ serve: setup
 live-demo: setup
 	$(BIN)/python -m hermes_lab.live_demo --params $(PARAMS)
 
-test: setup lint
+test: setup lint browser-deps
 	$(BIN)/python -m pytest -q tests
+
+## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
+## elsewhere the browser tests skip and say why
+browser-deps:
+	@sh tests/browser_deps.sh
 
 lint: setup
 	$(BIN)/ruff check .
@@ -50,8 +57,9 @@ lint: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/lab.py)
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(HL) lab
 
 mlflow-ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1 --port 5000

@@ -1,8 +1,10 @@
 """`hermes-lab`: the command line. Each subcommand lives in its stage module, which provides
-``add_arguments(parser)`` and ``run_cli(args) -> int``; this file only wires them up.
+``add_arguments(parser)`` and ``run_cli(args) -> int``; this file only wires them up. The stages'
+commands come from the stage registry (``hermes_lab.stages``).
 
     hermes-lab --help
     hermes-lab <command> --help
+    hermes-lab --debug <command> ...     # library logging and warnings too (hermes_lab.quiet)
 """
 
 from __future__ import annotations
@@ -10,20 +12,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-# command -> (module, one-line help). Modules keep heavy imports (torch, trl, mlflow) inside functions
-# so that `hermes-lab --help` stays fast.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("hermes_lab.config_cli", "Print the resolved config, or explain every key (--explain)."),
+from hermes_lab.stages import STAGES, Stage
+
+# command -> (module, one-line help). The round's stage commands come from the stage registry (its rows'
+# ``command``); these are the others. Modules keep heavy imports (torch, trl, mlflow) inside functions so
+# that `hermes-lab --help` stays fast.
+BEFORE_STAGES: dict[str, tuple[str, str]] = {
+    "config": ("hermes_lab.config_cli", "Print the resolved config, check it (--check), or explain every key."),
     "build-policy": ("hermes_lab.policy", "Build (or reuse) the embedded tiny base policy and report its pass rate."),
-    "execute": ("hermes_lab.execute", "Run a policy on tasks and write trajectories JSONL (execution logs)."),
-    "prep": ("hermes_lab.prep", "Ingest, validate and distill trajectories; apply the data gates."),
-    "review": ("hermes_lab.review", "Reward-model agreement gate over the human review labels."),
-    "train": ("hermes_lab.train", "GRPO + LoRA training from the user's YAML."),
+}
+AFTER_STAGES: dict[str, tuple[str, str]] = {
     "inspect": ("hermes_lab.inspect", "Reward/KL curves and diagnostics of a training run."),
-    "validate": ("hermes_lab.validate", "Regression gate: candidate vs baseline on the held-out set."),
-    "ab-run": ("hermes_lab.ab_run", "Run the staged A/B rollout and write ab_report.json."),
     "round": ("hermes_lab.round", "Run one full round of stage notebooks with papermill."),
     "flywheel": ("hermes_lab.round", "Run several rounds unattended on a simulated clock."),
     "status": ("hermes_lab.round", "Is a round due? If not, why (samples, cooldown, review)."),
@@ -33,19 +34,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hermes_lab.agent",
         "Stand-in agent: embedded tasks through the openai SDK, verifier scores as feedback.",
     ),
+    "lab": ("hermes_lab.lab", "JupyterLab on the project, opening notebooks/README.md (make lab)."),
 }
+DEBUG_HELP = "let library logging (HTTP requests...) and every warning through (hermes_lab.quiet)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def commands(stages: Sequence[Stage] = STAGES) -> dict[str, tuple[str, str]]:
+    """Every command, in --help order: the fixed ones around the stages' own."""
+    return BEFORE_STAGES | {s.command: (s.module, s.help) for s in stages if s.command} | AFTER_STAGES
+
+
+COMMANDS = commands()
+
+
+def build_parser(stages: Sequence[Stage] = STAGES) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
+    # its own dest: a subcommand's --debug (doctor has one) would overwrite a shared one
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (modname, help_) in COMMANDS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name == modname:
-                continue  # stage not built yet
-            raise
+    for name, (modname, help_) in commands(stages).items():
+        mod = importlib.import_module(modname)  # a missing module is an error, not a silently absent command
         p = sub.add_parser(name, help=help_, description=help_)
         adder = getattr(mod, f"add_arguments_{name.replace('-', '_')}", None) or mod.add_arguments
         runner = getattr(mod, f"run_cli_{name.replace('-', '_')}", None) or mod.run_cli
@@ -55,13 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
-    """Run a command; a config problem is one line on stderr and exit 2, never a traceback."""
+    """Run a command; a config problem or a policy argument that names nothing is one line on stderr and
+    exit 2, never a traceback."""
+    from hermes_lab import quiet
+    from hermes_lab.arms import ArmError
     from hermes_lab.config import ConfigError
 
+    quiet.configure(getattr(args, "global_debug", False) or None)  # None: $HERMES_LAB_DEBUG decides
     try:
         return int(runner(args) or 0)
     except ConfigError as e:
         print(f"{name}: config error: {e}", file=sys.stderr)
+        return 2
+    except ArmError as e:
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
 
 
@@ -75,6 +90,8 @@ def run_module(
     """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     add_arguments(p)
+    if not any("--debug" in a.option_strings for a in p._actions):  # doctor's own --debug wins
+        p.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
     return _run(run_cli, p.parse_args(argv), f"python -m {module}")
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab import tasks as T
+from hermes_lab.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.config import HermesConfig, load_config
 
 
@@ -51,6 +52,7 @@ def execute(
         if src is not None:
             return live_round.execute_live(cfg, output, src)
         print("execute.source is live, but this first round has no traffic yet: it executes the embedded tasks")
+    adapter = resolve_adapter(adapter, "adapter", cfg)  # a train output dir (its adapter/) or 'champion' too
     pol = policy or load_policy(
         cfg.model.base_model,
         adapter=adapter,
@@ -97,7 +99,7 @@ def execute(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default="params/embedded.yaml", help="config YAML")
     p.add_argument("--output", required=True, help="trajectories JSONL to write")
-    p.add_argument("--adapter", default=None, help="LoRA adapter on the base (e.g. the champion)")
+    p.add_argument("--adapter", default=None, help=f"LoRA adapter on the base (e.g. champion): {ADAPTER_KINDS}")
     p.add_argument("--num-tasks", type=int, default=None, help="override execute.num_tasks")
     p.add_argument("--seed", type=int, default=0, help="task and sampling seed")
 
@@ -105,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     overrides = {"execute.num_tasks": args.num_tasks} if args.num_tasks else None
     cfg = load_config(args.params, overrides)
-    res = execute(cfg, args.output, adapter=args.adapter, seed=args.seed)
+    adapter = resolve_adapter(args.adapter, "--adapter", cfg)  # a train output dir means its adapter/
+    res = execute(cfg, args.output, adapter=adapter, seed=args.seed)
     print(f"wrote {res['records']} trajectories to {res['output']} (pass rate {res['pass_rate']:.1%})")
     return 0
 

@@ -1,15 +1,15 @@
 """Validate stage, part 1: reward-curve / KL inspection of a GRPO training run, with diagnostics.
 
-Reads a training run's per-step curves from MLflow (the run id in ``<round_dir>/train/run.json``) or,
-when MLflow is off or does not have the run, from ``<round_dir>/train/train_log.jsonl`` (one TRL log dict
-per line plus "step"). Earlier rounds (``runs/round-NN/train/``) are overlaid for comparison.
+Reads a training run's per-step curves (``hermes_lab.curves``: MLflow, the run id in
+``<round_dir>/train/run.json``, or ``<round_dir>/train/train_log.jsonl``), and those of earlier rounds
+(``runs/round-NN/train/``), which the plots (``hermes_lab.inspect_plots``) overlay for comparison.
 
 Writes under ``<round_dir>/validate/``:
 - ``plots/*.png``: reward mean with a +/-std band, per-reward-function curves, KL, frac_reward_zero_std,
   entropy, completion lengths, clip ratios, learning rate, loss / grad norm (also logged to MLflow);
 - ``diagnostics.json``: one entry per rule of thumb {rule, severity (ok/warn/fail), step, value, message,
   advice} -- KL spike, KL above the guard, reward not rising, NaN anywhere, groups with zero reward
-  spread, reward outliers -- with the user's advice in plain words (SPEC "Rules of thumb").
+  spread, reward outliers -- with the user's advice in plain words (docs/SPEC.md, "Rules of thumb").
 
     hermes-lab inspect --train-dir runs/round-01/train --output runs/round-01/validate
     python -m hermes_lab.inspect --train-dir runs/round-02/train --compare runs/round-01/train --output ...
@@ -21,212 +21,21 @@ matplotlib, mlflow, scipy) live inside functions so that ``hermes-lab --help`` s
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hermes_lab.jsonl import iter_objects, write_json_atomic
+from hermes_lab.curves import earlier_train_dirs, load_comparisons, load_curves
+from hermes_lab.inspect_plots import plot_curves
+from hermes_lab.jsonl import write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 SEVERITIES = ("ok", "warn", "fail")
 RULES = ("nan", "kl_spike", "kl_high", "reward_rising", "zero_std_groups", "reward_outliers")
-_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 SUSTAIN_STEPS = 3  # steps after a KL spike looked at to tell a sustained jump from one noisy batch
-
-
-# ------------------------------------------------------------------------------------------- loading
-def _num(value: Any) -> float | None:
-    """A logged value as float; None for things that are not numbers (strings, lists)."""
-    if value is None:  # JSON cannot hold NaN: a logger that sanitises NaN writes null
-        return math.nan
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
-
-
-def _frame(rows: dict[int, dict[str, float]], source: str) -> pd.DataFrame:
-    import pandas as pd
-
-    df = pd.DataFrame.from_dict(rows, orient="index").sort_index()
-    df.index = df.index.astype(int)
-    df.index.name = "step"
-    # Missing cells (a key not logged at that step) and logged NaN look alike in a frame; the NaN rule
-    # must only see the latter, so the loaders record the non-finite cells that were really logged.
-    nonfinite: dict[str, list[int]] = {}
-    for step, vals in rows.items():
-        for k, v in vals.items():
-            if not math.isfinite(v):
-                nonfinite.setdefault(k, []).append(int(step))
-    df.attrs["nonfinite"] = {k: sorted(v) for k, v in nonfinite.items()}
-    df.attrs["source"] = source
-    return df
-
-
-def load_train_log(path: str | Path) -> pd.DataFrame:
-    """Curves from a ``train_log.jsonl`` as a DataFrame indexed by step (later lines win per step)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "train_log.jsonl"
-    if not p.is_file():
-        raise FileNotFoundError(f"training log not found: {p}")
-    rows: dict[int, dict[str, float]] = {}
-    for lineno, rec in iter_objects(p):
-        if "step" not in rec:
-            raise ValueError(f"{p}:{lineno}: no 'step' key (every log line needs the optimizer step)")
-        try:
-            step = int(rec["step"])
-        except (TypeError, ValueError):
-            raise ValueError(f"{p}:{lineno}: 'step' must be an integer, got {rec['step']!r}") from None
-        vals = {k: v for k, v in ((k, _num(v)) for k, v in rec.items() if k != "step") if v is not None}
-        rows.setdefault(step, {}).update(vals)  # e.g. the end-of-training summary shares the last step
-    if not rows:
-        raise ValueError(f"{p}: no log lines")
-    return _frame(rows, str(p))
-
-
-def _normalise_key(key: str, keys: set[str]) -> str:
-    # some integrations prefix training metrics with "train/"; TRL's own names are what the rules use
-    if key.startswith("train/") and key[len("train/") :] not in keys:
-        return key[len("train/") :]
-    return key
-
-
-def load_mlflow_curves(run_id: str, tracking_uri: str | None = None) -> pd.DataFrame:
-    """Every metric of an MLflow run, per step (the last value logged at a step wins)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    run = client.get_run(run_id)
-    keys = set(run.data.metrics)
-    if not keys:
-        raise ValueError(f"MLflow run {run_id} has no metrics")
-    rows: dict[int, dict[str, float]] = {}
-    for key in sorted(keys):
-        hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        name = _normalise_key(key, keys)
-        for m in hist:
-            rows.setdefault(int(m.step), {})[name] = float(m.value)
-    return _frame(rows, f"mlflow:{run_id}")
-
-
-def read_run_json(train_dir: str | Path) -> dict[str, Any]:
-    p = Path(train_dir) / "run.json"
-    if not p.is_file():
-        return {}
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e.msg})") from None
-    return data if isinstance(data, dict) else {}
-
-
-def load_curves(
-    train_dir: str | Path | None = None,
-    run_id: str | None = None,
-    tracking_uri: str | None = None,
-    runs_dir: str | Path = "runs",
-) -> pd.DataFrame:
-    """Curves of one training run: MLflow first (``run_id`` or run.json's), else train_log.jsonl.
-
-    ``df.attrs["source"]`` says which one was used, ``df.attrs["fallback"]`` why MLflow was not.
-    """
-    run_id = run_id or (read_run_json(train_dir).get("mlflow_run_id") if train_dir else None)
-    why = "no MLflow run id"
-    if run_id:
-        try:
-            from hermes_lab import tracking
-
-            df = load_mlflow_curves(run_id, tracking_uri or tracking.tracking_uri(runs_dir))
-            if "reward" in df.columns or train_dir is None:
-                return _with_logged_nans(df, train_dir)
-            why = f"MLflow run {run_id} has no 'reward' metric"
-        except Exception as e:  # MLflow down, store missing, run deleted: the JSONL still has the curves
-            why = f"MLflow unavailable for run {run_id}: {type(e).__name__}: {e}"
-            if train_dir is None:
-                raise
-    if train_dir is None:
-        raise ValueError("load_curves needs a train_dir or an MLflow run id")
-    df = load_train_log(train_dir)
-    df.attrs["fallback"] = why
-    return df
-
-
-def _with_logged_nans(df: pd.DataFrame, train_dir: str | Path | None) -> pd.DataFrame:
-    """MLflow curves plus the NaN/inf cells of the JSONL: the train callback logs only finite values to
-    MLflow, so a NaN would otherwise vanish from the curves the NaN rule looks at."""
-    log = Path(train_dir) / "train_log.jsonl" if train_dir is not None else None
-    if log is None or not log.is_file():
-        return df
-    try:
-        nonfinite = load_train_log(log).attrs["nonfinite"]
-    except ValueError:  # a broken JSONL does not spoil curves MLflow already has
-        return df
-    merged = {k: list(v) for k, v in df.attrs.get("nonfinite", {}).items()}
-    for col, steps in nonfinite.items():
-        for st in steps:
-            df.loc[st, col] = math.nan  # adds the row/column when MLflow has none
-        merged[col] = sorted(set(merged.get(col, [])) | set(steps))
-    df = df.sort_index()
-    df.attrs["nonfinite"] = merged
-    return df
-
-
-def round_label(path_or_id: str | Path) -> str:
-    """'round-01' for runs/round-01/train, the folder name otherwise, the first 8 chars of a run id."""
-    s = str(path_or_id)
-    if _RUN_ID.match(s) and not Path(s).exists():
-        return s[:8]
-    p = Path(s)
-    return p.parent.name if p.name == "train" else p.name
-
-
-def earlier_train_dirs(round_dir: str | Path) -> list[Path]:
-    """Train dirs of the rounds before ``round_dir`` (runs/round-NN/train with a log), oldest first."""
-    rd = Path(round_dir)
-    m = re.search(r"(\d+)$", rd.name)
-    current = int(m.group(1)) if m else None
-    out: list[tuple[int, Path]] = []
-    for d in rd.parent.glob("round-*"):
-        dm = re.search(r"(\d+)$", d.name)
-        if not dm or d.resolve() == rd.resolve():
-            continue
-        n = int(dm.group(1))
-        if current is not None and n >= current:
-            continue
-        t = d / "train"
-        if (t / "train_log.jsonl").is_file() or (t / "run.json").is_file():
-            out.append((n, t))
-    return [p for _, p in sorted(out)]
-
-
-def load_comparisons(
-    items: list[str | Path], tracking_uri: str | None = None, runs_dir: str | Path = "runs"
-) -> dict[str, pd.DataFrame]:
-    """Curves of earlier rounds by label; an item is a train dir or an MLflow run id. Bad ones are skipped
-    with a printed note: a missing old round must not stop today's inspection."""
-    out: dict[str, pd.DataFrame] = {}
-    for item in items:
-        s = str(item).strip()
-        if not s:
-            continue
-        try:
-            if Path(s).exists():
-                df = load_curves(s, tracking_uri=tracking_uri, runs_dir=runs_dir)
-            else:
-                df = load_curves(None, run_id=s, tracking_uri=tracking_uri, runs_dir=runs_dir)
-        except Exception as e:
-            print(f"inspect: skipping comparison {s}: {e}", file=sys.stderr)
-            continue
-        out[round_label(s)] = df
-    return out
 
 
 # ------------------------------------------------------------------------------------------- diagnostics
@@ -562,161 +371,7 @@ def worst(diags: list[dict[str, Any]]) -> str:
     return max((d["severity"] for d in diags), key=SEVERITIES.index, default="ok")
 
 
-# ------------------------------------------------------------------------------------------- plots
-@dataclass
-class _Panel:
-    name: str
-    title: str
-    ylabel: str
-    cols: list[str]
-    overlay: list[str] = field(default_factory=list)  # columns drawn for earlier rounds too
-    logy: bool = False
-
-
-PANELS = [
-    _Panel("reward", "Reward (mean +/- std over completions)", "reward", ["reward"], ["reward"]),
-    _Panel("kl", "KL to the reference policy", "KL", ["kl"], ["kl"]),
-    _Panel(
-        "frac_reward_zero_std",
-        "Groups with zero reward spread",
-        "fraction",
-        ["frac_reward_zero_std"],
-        ["frac_reward_zero_std"],
-    ),
-    _Panel("entropy", "Policy entropy", "nats/token", ["entropy"], ["entropy"]),
-    _Panel(
-        "completion_lengths",
-        "Completion length",
-        "tokens",
-        ["completions/mean_length", "completions/min_length", "completions/max_length"],
-        ["completions/mean_length"],
-    ),
-    _Panel(
-        "clip_ratios",
-        "Clipping: policy ratio (clip_ratio/*) and truncated completions",
-        "fraction",
-        ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/clipped_ratio"],
-    ),
-    _Panel("learning_rate", "Learning rate", "lr", ["learning_rate"]),
-    _Panel("loss_grad_norm", "Loss and gradient norm", "value", ["loss", "grad_norm"], ["loss"]),
-]
-
-
-def _has(df: pd.DataFrame, col: str) -> bool:
-    return col in df.columns and bool(df[col].notna().any())
-
-
-def _plot_panel(panel: _Panel, df: pd.DataFrame, compare: dict[str, pd.DataFrame], marks: dict[str, list[int]]) -> Any:
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    cols = [c for c in panel.cols if _has(df, c)]
-    if not cols:
-        return None
-    with sns.axes_style("whitegrid"):
-        fig, ax = plt.subplots(figsize=(8, 4))
-    palette = sns.color_palette("tab10", max(3, len(cols) + len(compare)))
-    for i, c in enumerate(cols):
-        s = df[c].dropna()
-        ax.plot(s.index, s.to_numpy(), color=palette[i], lw=1.6, label=c if len(cols) > 1 or compare else None)
-        std_col = {"reward": "reward_std"}.get(c)
-        if std_col and _has(df, std_col):
-            sd = df[std_col].reindex(s.index)
-            ax.fill_between(s.index, s - sd, s + sd, color=palette[i], alpha=0.2, label=f"{c} +/- std")
-    for j, (label, other) in enumerate(compare.items()):
-        for c in panel.overlay:
-            if _has(other, c):
-                s = other[c].dropna()
-                ax.plot(
-                    s.index,
-                    s.to_numpy(),
-                    color=palette[len(cols) + j],
-                    lw=1.1,
-                    ls="--",
-                    alpha=0.8,
-                    label=f"{label}: {c}",
-                )
-    for c in cols:
-        for st in marks.get(c, []):
-            if st in df.index:
-                ax.axvline(st, color="crimson", lw=1, ls=":")
-                ax.annotate("spike", (st, df.at[st, c]), color="crimson", fontsize=8)
-    if panel.logy and all((df[c].dropna() > 0).all() for c in cols):
-        ax.set_yscale("log")
-    ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    return fig
-
-
-def _plot_reward_functions(df: pd.DataFrame, compare: dict[str, pd.DataFrame]) -> Any:
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    names = [
-        c[len("rewards/") : -len("/mean")]
-        for c in df.columns
-        if c.startswith("rewards/") and c.endswith("/mean") and _has(df, c)
-    ]
-    if not names:
-        return None
-    with sns.axes_style("whitegrid"):
-        fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8), squeeze=False)
-    palette = sns.color_palette("tab10", 1 + len(compare))
-    for ax, n in zip(axes[0], names):
-        s = df[f"rewards/{n}/mean"].dropna()
-        ax.plot(s.index, s.to_numpy(), color=palette[0], lw=1.6, label="this run")
-        if _has(df, f"rewards/{n}/std"):
-            sd = df[f"rewards/{n}/std"].reindex(s.index)
-            ax.fill_between(s.index, s - sd, s + sd, color=palette[0], alpha=0.2)
-        for j, (label, other) in enumerate(compare.items()):
-            if _has(other, f"rewards/{n}/mean"):
-                o = other[f"rewards/{n}/mean"].dropna()
-                ax.plot(o.index, o.to_numpy(), color=palette[1 + j], ls="--", lw=1.1, label=label)
-        ax.set(title=f"reward: {n}", xlabel="step", ylabel="mean +/- std")
-        if compare:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_curves(
-    df: pd.DataFrame,
-    out_dir: str | Path,
-    compare: dict[str, pd.DataFrame] | None = None,
-    diagnostics: list[dict[str, Any]] | None = None,
-    close: bool = True,
-) -> dict[str, Path]:
-    """Render every panel whose metrics were logged; PNGs under ``out_dir`` (and the active MLflow run).
-    A panel with no logged metric is skipped rather than drawn empty. ``close=False`` leaves the figures
-    open so a notebook shows them."""
-    import matplotlib.pyplot as plt
-
-    from hermes_lab import tracking
-
-    compare = compare or {}
-    marks = {
-        "kl": [
-            d["step"]
-            for d in diagnostics or []
-            if d["rule"] == "kl_spike" and d["severity"] != "ok" and d["step"] is not None
-        ]
-    }
-    out_dir = Path(out_dir)
-    written: dict[str, Path] = {}
-    figs = [(p.name, _plot_panel(p, df, compare, marks)) for p in PANELS[:1]]
-    figs.append(("reward_functions", _plot_reward_functions(df, compare)))
-    figs += [(p.name, _plot_panel(p, df, compare, marks)) for p in PANELS[1:]]
-    for name, fig in figs:
-        if fig is None:
-            continue
-        written[name] = tracking.log_figure(fig, out_dir / f"{name}.png")
-        if close:
-            plt.close(fig)
-    return written
-
-
+# ------------------------------------------------------------------------------------------- tables
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """First / last / min / max / mean of every logged metric: the notebook's quick look."""
     import pandas as pd
@@ -751,7 +406,7 @@ def inspect_run(
 ) -> dict[str, Any]:
     """Load, plot, diagnose; write ``out_dir/diagnostics.json``; log to the active MLflow run if any.
     Returns {"curves", "compare", "diagnostics", "plots", "worst", "path"}."""
-    import mlflow
+    from hermes_lab import tracking
 
     runs_dir = cfg.round.runs_dir
     df = load_curves(train_dir, run_id=run_id, runs_dir=runs_dir)
@@ -777,11 +432,11 @@ def inspect_run(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "diagnostics.json"
     write_json_atomic(path, report)
-    if mlflow.active_run() is not None:
-        mlflow.log_artifact(str(path))
-        mlflow.set_tag("diagnostics.worst", report["worst"])
-        for sev in SEVERITIES[1:]:
-            mlflow.log_metric(f"diagnostics/{sev}_count", sum(d["severity"] == sev for d in diags))
+    tracking.log_artifact(path)
+    tracking.set_tags({"diagnostics.worst": report["worst"]})
+    tracking.log_metrics(
+        "validate", {f"diagnostics_{sev}_count": sum(d["severity"] == sev for d in diags) for sev in SEVERITIES[1:]}
+    )
     return {
         "curves": df,
         "compare": others,

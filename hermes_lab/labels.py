@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STORE = "runs/review/labels.jsonl"
+DEFAULT_STORE = "runs/review/labels.jsonl"  # relative to the project root (hermes_lab.paths), not to the cwd
 
 
 @dataclass
@@ -146,8 +146,10 @@ def _lock(fd: int) -> None:
 class LabelStore:
     """Append-only JSONL of labels. ``records`` holds everything this process read or wrote."""
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_STORE, scale: float = 5.0):
-        self.path, self.scale = Path(path), float(scale)
+    def __init__(self, path: str | os.PathLike[str] | None = None, scale: float = 5.0):
+        from hermes_lab.paths import resolve
+
+        self.path, self.scale = Path(path) if path else resolve(DEFAULT_STORE), float(scale)
         loaded = read_labels(self.path)
         self.records, self.recovered = loaded.records, loaded.message
 

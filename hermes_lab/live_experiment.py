@@ -60,9 +60,9 @@ def live_stages(
     """(the experiment's stage list, the first ratio asked for): ``ab.stages`` (checked; errors name the
     key); ``--ratio R`` puts the first stage at R and drops later stages below R (ramps only rise). A
     restart without --ratio continues at the experiment's own first ratio."""
-    from hermes_lab.ab_run import check_ab_config
+    from hermes_lab.config import ab_stages
 
-    stages = check_ab_config(cfg)
+    stages = ab_stages(cfg)
     prior = L.load_experiment(log_dir)
     if ratio is None and prior and float(prior["stages"][0][0]) != stages[0][0]:
         ratio = float(prior["stages"][0][0])

@@ -7,7 +7,7 @@ stages and the current one up to its latest look).
 
     hermes-lab serve --report runs/live/tiny-vs-round-01 --params params/embedded.yaml
 
-The analysis and the report are ab-run's (``ab.analyse_log``, ``ab_run.build_report``, ``ab_run.make_plots``),
+The analysis and the report are ab-run's (``ab.analyse_log``, ``ab_report.build_report``, ``ab_report.make_plots``),
 so the user's fields (delta, p_value, significant) and the decision sit where they do in ab-run's report.
 Each stage is analysed on what the gateway knew at the look that ended it (its requests complete by then,
 the rewards whose feedback had arrived: ``Tally.columns(known_by=...)``), so the report re-derives the
@@ -53,7 +53,7 @@ def stages_to_report(state: dict[str, Any], plan: list[ab.Stage]) -> list[tuple[
 
 def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the report, the analysed columns) of a gateway log dir."""
-    from hermes_lab.ab_run import build_report
+    from hermes_lab.ab_report import RunFacts, build_report
 
     log_dir = Path(log_dir)
     state = L.load_experiment(log_dir)
@@ -76,20 +76,18 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     wall = (datetime.fromisoformat(ended).timestamp() if ended else time.time()) - float(state["start_unix"])
     horizon = max((u for _, u in todo), default=0.0)
     running = state.get("status") == "running"
-    report = build_report(
-        cfg,
-        analysis,
-        stage_list,
-        st,
-        {0: _arm_name(state["arms"]["baseline"]), 1: _arm_name(state["arms"]["candidate"])},
-        seed=0,
-        duration=0,
-        horizon=horizon,
-        stopped_by="running" if running else state.get("stopped_by"),
-        log_path=log_dir / L.REQUESTS,
-        replay=None,
-        wall=wall,
+    facts = RunFacts(
+        _arm_name(state["arms"]["baseline"]),
+        _arm_name(state["arms"]["candidate"]),
+        0,
+        0,
+        horizon,
+        "running" if running else state.get("stopped_by"),
+        log_dir / L.REQUESTS,
+        None,
+        wall,
     )
+    report = build_report(cfg, analysis, stage_list, st, facts)
     if running:
         report["reasons"].insert(
             0, f"the experiment is still running (stage {state['stage'] + 1} of the plan): a report so far"
@@ -129,7 +127,7 @@ def write_live_report(
     """Build the report of ``log_dir``, save its plots under ``<out_dir>/plots/`` and write
     ``<out_dir>/ab_report.json`` (``out_dir``: the log dir by default; a live round's ``ab/``). Returns the
     report and the rewarded requests' columns (the score plots')."""
-    from hermes_lab.ab_run import make_plots
+    from hermes_lab.ab_report import make_plots
 
     out = Path(out_dir or log_dir)
     report, cols = build_live_report(cfg, log_dir)
@@ -144,7 +142,7 @@ def write_live_report(
 
 def report_cli(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> int:
     """``hermes-lab serve --report DIR``: write the report of a log dir and print its summary."""
-    from hermes_lab.ab_run import summary
+    from hermes_lab.ab_report import summary
 
     rep, _ = write_live_report(cfg, log_dir)
     print(summary(rep))

@@ -35,8 +35,9 @@ from typing import Any
 from hermes_lab import live_log as L
 from hermes_lab.config import ConfigError, HermesConfig
 from hermes_lab.live_report import FAM_NAMES  # noqa: F401 (the notebook's family names)
+from hermes_lab.stages import STOP_AWAITING_LIVE, gate, write_verdict
 
-AWAITING = "awaiting live A/B"
+AWAITING = STOP_AWAITING_LIVE
 
 
 class LiveABPending(Exception):
@@ -56,6 +57,15 @@ def source_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path | N
     if n <= 1:
         return None
     return Path(cfg.round.runs_dir) / "live" / f"round-{n - 1:02d}"
+
+
+def pending_samples(cfg: HermesConfig, round_dir: str | os.PathLike[str], default: int) -> int:
+    """``hermes-lab status``: the new samples a live round would train on (its source's requests with
+    feedback); ``default`` for a first round that executes the tasks."""
+    src = source_dir(cfg, round_dir)
+    if src is None:
+        return default
+    return sum(1 for _ in L.read_jsonl(src / L.FEEDBACK))  # an upper bound: re-scores count twice
 
 
 def execute_live(cfg: HermesConfig, output: str | os.PathLike[str], log_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -114,18 +124,21 @@ def status_line(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> str | Non
     return X.LiveRollout(cfg, state, log_dir, L.Tally(), say=lambda _: None).status_line()
 
 
+def arm_spec(path: str) -> str:
+    """A train output's adapter as its train dir (the gateway then takes the base from its run.json)."""
+    a = Path(path)
+    return str(a.parent) if a.name == "adapter" and (a.parent / "run.json").is_file() else path
+
+
 def baseline_spec(cfg: HermesConfig, explicit: str = "") -> str:
     """The live baseline as an arm spec: the policy the regression gate compared against (champion, else
-    model.adapter, else the bare base; ``validate.resolve_baseline``), a train dir when it is one's adapter."""
+    model.adapter, else the bare base; ``validate.resolve_baseline``)."""
     from hermes_lab.validate import resolve_baseline
 
     if explicit:
-        return explicit
+        return arm_spec(explicit)
     base, adapter = resolve_baseline(cfg)
-    if not adapter:
-        return base
-    a = Path(adapter)
-    return str(a.parent) if a.name == "adapter" and (a.parent / "run.json").is_file() else str(a)
+    return arm_spec(adapter) if adapter else base
 
 
 def ab_stage(
@@ -135,14 +148,19 @@ def ab_stage(
     its plots, and the rewarded requests' columns), or ``LiveABPending`` while the gateway decides."""
     from hermes_lab.live_report import write_live_report
 
-    candidate = candidate or str(Path(round_dir) / "train")
+    candidate = arm_spec(candidate or str(Path(round_dir) / "train"))
     state = prepare(cfg, round_dir, baseline_spec(cfg, baseline), candidate)
-    log_dir = experiment_dir(cfg, round_dir)
+    log_dir, out = experiment_dir(cfg, round_dir), Path(round_dir) / "ab"
     if state["status"] == "running":
         where = status_line(cfg, log_dir)
-        raise LiveABPending(
+        msg = (
             f"{AWAITING}: {where}. Serve it: hermes-lab serve --params {cfg.source or '<params>'} --log-dir {log_dir} "
             "(and the agent's traffic), then: hermes-lab round --resume"
         )
+        write_verdict(out, "ab", [gate("ab_decision", None, msg)], stop=AWAITING)  # the round stops, resumable
+        raise LiveABPending(msg)
+    # the traffic as trajectories: the next round's fuel, and its negatives on a roll back (stages.py)
+    info = L.gateway_trajectories(log_dir, out / "live", cfg)
+    shutil.copyfile(info["trajectories"], out / "live_trajectories.jsonl")
     # rebuilt from the log dir alone: the same decisions the gateway took, in the round's ab/
-    return write_live_report(cfg, log_dir, Path(round_dir) / "ab")
+    return write_live_report(cfg, log_dir, out)

@@ -94,7 +94,9 @@ def _tiny_model(vocab_size: int, seed: int) -> Any:
 
 # --------------------------------------------------------------------------------------------- building
 def tiny_dir(runs_dir: str | os.PathLike[str], seed: int) -> Path:
-    return Path(runs_dir) / "policies" / f"tiny-s{seed}-v{TINY_VERSION}"
+    from hermes_lab.paths import resolve
+
+    return resolve(runs_dir) / "policies" / f"tiny-s{seed}-v{TINY_VERSION}"  # relative: the project's runs/
 
 
 @contextmanager
@@ -277,7 +279,10 @@ def load_policy(
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter)
+        from hermes_lab.quiet import third_party_deprecations
+
+        with third_party_deprecations():  # PEFT reads a deprecated transformers property: not ours
+            model = PeftModel.from_pretrained(model, adapter)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     return Policy(model, tok, name=str(name_or_path), adapter=adapter)
@@ -319,13 +324,17 @@ def evaluate(
 
 # ------------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs-dir", default="runs", help="where runs/policies/ lives")
+    p.add_argument("--runs-dir", default=None, help="where runs/policies/ lives (default: the project's runs/)")
     p.add_argument("--seed", type=int, default=0, help="build seed (the build is deterministic by seed)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    path = build_tiny_policy(args.runs_dir, args.seed, force=args.force)
+    from hermes_lab.paths import resolve
+
+    # typed on a command line: relative to the cwd, like any shell path; the default: the project's runs/
+    runs_dir = os.path.abspath(args.runs_dir) if args.runs_dir else resolve("runs")
+    path = build_tiny_policy(runs_dir, args.seed, force=args.force)
     report = json.loads((path / "build.json").read_text())
     print(f"tiny policy: {path}  ({report['parameters']:,} parameters, built in {report['build_seconds']} s)")
     print(f"sampled pass rate at T=0.9 on held-out tasks: {report['pass_rate']:.1%}")

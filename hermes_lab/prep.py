@@ -16,6 +16,7 @@ the state's last training time. Inputs are only ever read. Writes into the outpu
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason
   summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
+  verdict.json        the gates in the round runner's format (hermes_lab.stages), stop: "skipped: data gate"
 
 Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``
 (blank: empty or whitespace-only lines, skipped, not errors; duplicates: valid lines whose
@@ -57,16 +58,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from hermes_lab import tracking
 from hermes_lab.config import ConfigError, HermesConfig, load_config
 from hermes_lab.jsonl import plot_label, write_json_atomic
 from hermes_lab.live_log import describe_gateway, expand_inputs
 from hermes_lab.prep_ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.prep_ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
 from hermes_lab.redaction import redact
+from hermes_lab.stages import STOP_DATA, gate, write_verdict
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
-OUTPUT_FILES = (*(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")), "summary.json")
+OUTPUT_FILES = (*(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")), "summary.json", "verdict.json")
 OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "plots")
 
 
@@ -207,16 +210,6 @@ def evaluate_gates(
     return gates
 
 
-def _save_figure(fig: Any, path: Path) -> Path:
-    if "mlflow" in sys.modules:  # a run may be active: save and log it
-        from hermes_lab.tracking import log_figure
-
-        return log_figure(fig, path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # CLI/benchmark: no run, spare the 3 s mlflow import
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
-
-
 def _plots(
     out: Path, fam_names: list[str], fam_ids: Any, rewards: Any, by_reason: Counter, scale: float
 ) -> dict[str, Path]:
@@ -239,7 +232,7 @@ def _plots(
     ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
     if top:
         ax.legend(fontsize=8)
-    paths = {"plot_rewards": _save_figure(fig, out / "plots" / "reward_by_family.png")}
+    paths = {"plot_rewards": tracking.log_figure(fig, out / "plots" / "reward_by_family.png")}
     fig = Figure(figsize=(7, 3))
     ax = fig.subplots()
     if by_reason:
@@ -250,19 +243,12 @@ def _plots(
     else:
         ax.text(0.5, 0.5, "no rejected lines", ha="center", va="center")
         ax.set_axis_off()
-    paths["plot_rejects"] = _save_figure(fig, out / "plots" / "rejects_by_reason.png")
+    paths["plot_rejects"] = tracking.log_figure(fig, out / "plots" / "rejects_by_reason.png")
     return paths
 
 
 def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
-    if "mlflow" not in sys.modules:  # nobody imported mlflow: no run can be active, skip the import cost
-        return
-    import mlflow
-
-    from hermes_lab import tracking
-
-    if mlflow.active_run() is None:
-        return
+    """Params, prep/* metrics, tags and the summary to the active MLflow run (no-op without one)."""
     ov = summary["override"]
     tracking.log_params(
         {
@@ -272,7 +258,7 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
             "prep.override_reason": ov["reason"],
         }
     )
-    mlflow.log_metrics({f"prep.{k}": float(v) for k, v in summary["counts"].items()})
+    tracking.log_metrics("prep", summary["counts"])
     tracking.set_tags(
         {
             "prep.status": summary["status"],
@@ -281,8 +267,8 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
         }
     )
     for name in ("summary", "review_queue"):
-        if name in paths and paths[name].exists():
-            mlflow.log_artifact(str(paths[name]), artifact_path="prep")
+        if name in paths:
+            tracking.log_artifact(paths[name], "prep")
 
 
 def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
@@ -371,6 +357,12 @@ def run_prep(
     }
     _write_summary(summary, paths)
     _log_mlflow(summary, paths)
+    write_verdict(
+        out,
+        "prep",
+        [gate(g["name"], g["passed"], g["detail"]) for g in summary["gates"]],
+        stop=None if summary["gates_passed"] else STOP_DATA,
+    )
     result = PrepResult(summary, out, paths)
     if not result.gates_passed:
         why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])

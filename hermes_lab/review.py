@@ -1,20 +1,22 @@
 """Human review: spot-check the reward model against human judgement, and gate training on it.
 
-Stage: between prep and train. The user's rule (SPEC): humans spot-check 10% of samples; below 90%
+Stage: between prep and train. The user's rule (docs/SPEC.md): humans spot-check 10% of samples; below 90%
 agreement between the reward model and the humans, fix the reward model before training the policy.
 
 Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample: review_id, task_id, family, prompt, response,
                                               reward, reward_band, optional simulated_label)
         runs/review/labels.jsonl              (the label store, shared by rounds and reviewers)
 Writes  runs/review/labels.jsonl              (append only, one fsync'd line per click)
-        runs/<round>/review/gate.json         (status + statistics; the round runner reads the status)
+        runs/<round>/review/gate.json         (status + statistics)
+        runs/<round>/review/verdict.json      (the gate for the round runner, hermes_lab.stages)
         MLflow params/metrics/tags of the active stage run (notebooks/15_review_gate.ipynb)
 
     jupyter lab notebooks/review.ipynb                               # label (hermes_lab.review_app)
     hermes-lab review --queue runs/round-01/prep/review_queue.jsonl  # the gate: exit 0 pass,
                                                                      # 3 awaiting review, 4 blocked
 
-Label store: ``hermes_lab.labels`` (append-only, crash-safe, corrupt lines quarantined), re-exported here.
+Label store: ``hermes_lab.labels`` (append-only, crash-safe, corrupt lines quarantined); agreement statistics:
+``hermes_lab.review_stats``. Both are re-exported here.
 
 Agreement (reward model vs reviewer, one pair per labelled item; several reviewers -> their median):
 - threshold: both on the same side of reward.success_threshold (>= 3 = success). The gated number by
@@ -58,12 +60,21 @@ from hermes_lab.labels import (  # noqa: F401  (re-exported: the gate's callers 
     current_labels,
     read_labels,
 )
+from hermes_lab.review_stats import (  # noqa: F401  (re-exported: the agreement statistics of the gate)
+    Z95,
+    AgreementStats,
+    agreement_stats,
+    kappa_from_table,
+    labels_for_halfwidth,
+    labels_to_settle,
+    wilson,
+)
+from hermes_lab.stages import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks import family_of, verify
 
 SIMULATED_REVIEWER = "simulated:verifier"
 PASS, BLOCKED, AWAITING, INCONCLUSIVE = "pass", "blocked", "awaiting review", "inconclusive"
 EXIT_CODES = {PASS: 0, AWAITING: 3, INCONCLUSIVE: 3, BLOCKED: 4}  # inconclusive waits like awaiting review
-Z95 = 1.959963984540054
 QUEUE_KEYS = ("review_id", "task_id", "prompt", "response", "reward")
 
 
@@ -102,125 +113,6 @@ def load_queue(path: str | os.PathLike[str], max_items: int | None = None) -> li
         if max_items and len(items) >= max_items:
             break
     return items
-
-
-# ---------------------------------------------------------------------------------------- statistics
-@dataclass
-class AgreementStats:
-    n: int
-    agreement: float | None  # threshold agreement: same side of the success threshold
-    ci: tuple[float, float] | None  # Wilson interval of ``agreement``
-    within1: float | None  # |reward - label| <= 1, score labels only
-    within1_ci: tuple[float, float] | None  # Wilson interval of ``within1`` (n_scored labels)
-    n_scored: int
-    kappa: float | None  # unweighted, pass/fail
-    kappa_weighted: float | None  # on integer-binned scores, score labels only
-    confusion: list[list[int]]  # pass/fail: rows reward fail/pass, columns reviewer fail/pass
-    confusion_scores: list[list[int]]  # binned scores: rows reward 0..scale, columns reviewer 0..scale
-
-
-def kappa_from_table(table: Any, wt: str | None = None) -> float | None:
-    """Cohen's kappa of a square confusion matrix (statsmodels); None when undefined."""
-    import numpy as np
-    from statsmodels.stats.inter_rater import cohens_kappa
-
-    t = np.asarray(table, dtype=float)
-    if t.sum() == 0:
-        return None
-    k = t.shape[0]
-    dist = np.subtract.outer(np.arange(k), np.arange(k))
-    w = {None: dist != 0, "linear": np.abs(dist), "quadratic": dist**2}[wt]
-    p = t / t.sum()
-    if (w * np.outer(p.sum(1), p.sum(0))).sum() == 0:  # chance disagreement is 0: kappa is 0/0
-        return None
-    return float(cohens_kappa(t, wt=wt, return_results=False))  # no variance: it warns on tiny tables
-
-
-def wilson(k: float, n: int, alpha: float = 0.05) -> tuple[float, float] | None:
-    """Wilson score interval of k successes in n (statsmodels); None without data."""
-    from statsmodels.stats.proportion import proportion_confint
-
-    if n <= 0:
-        return None
-    lo, hi = proportion_confint(k, n, alpha=alpha, method="wilson")
-    return float(lo), float(hi)
-
-
-def labels_for_halfwidth(p: float, halfwidth: float, z: float = Z95) -> int:
-    """Fewest labels whose Wilson 95% interval at agreement rate ``p`` is at most +-halfwidth wide."""
-    import numpy as np
-
-    n = np.arange(1, 200_001, dtype=np.float64)
-    hw = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))  # Wilson's half-width
-    return int(n[np.argmax(hw <= halfwidth)]) if (hw <= halfwidth).any() else int(n[-1])
-
-
-def labels_to_settle(k: int, n: int, threshold: float, cap: int = 100_000) -> int | None:
-    """More labels needed until the Wilson interval clears ``threshold`` (lies entirely on one side),
-    if agreement stays at its current rate k/n; None when it never would (the rate is the threshold)."""
-    if n == 0:
-        return None
-    p = k / n
-
-    def settled(m: int) -> bool:
-        lo, hi = wilson(p * (n + m), n + m)
-        return lo >= threshold or hi < threshold
-
-    if settled(0):
-        return 0
-    if abs(p - threshold) < 1e-12 or not settled(cap):
-        return None
-    lo_m, hi_m = 0, cap  # settled() is monotone in m at a fixed rate: bisect
-    while hi_m - lo_m > 1:
-        mid = (lo_m + hi_m) // 2
-        lo_m, hi_m = (lo_m, mid) if settled(mid) else (mid, hi_m)
-    return hi_m
-
-
-def agreement_stats(
-    rewards: list[float],
-    labels: list[float],
-    scored: list[bool] | None = None,
-    *,
-    scale: float = 5.0,
-    threshold: float = 3.0,
-    weights: str = "quadratic",
-    alpha: float = 0.05,
-) -> AgreementStats:
-    """Reward model vs reviewer on paired items. ``scored[i]``: label i is a 0..scale score (not pass/fail)."""
-    import numpy as np
-
-    r, h = np.asarray(rewards, dtype=float), np.asarray(labels, dtype=float)
-    s = np.ones(len(r), bool) if scored is None else np.asarray(scored, bool)
-    n, k = len(r), int(scale) + 1
-    rp, hp = r >= threshold, h >= threshold
-    confusion = np.zeros((2, 2), int)
-    np.add.at(confusion, (rp.astype(int), hp.astype(int)), 1)
-    agree = int((rp == hp).sum())
-    first_pass_bin = int(np.ceil(threshold))
-
-    def binned(x: Any) -> Any:
-        # round half up, as a reviewer reads 3.5 on a 0..5 scale, but never across the success threshold:
-        # a 2.5 is a fail and must not land in the first success bin (issue #14)
-        b = np.clip(np.floor(x + 0.5), 0, k - 1).astype(int)
-        return np.where(x >= threshold, np.maximum(b, first_pass_bin), np.minimum(b, first_pass_bin - 1))
-
-    scores = np.zeros((k, k), int)
-    np.add.at(scores, (binned(r[s]), binned(h[s])), 1)
-    w1 = int((np.abs(r[s] - h[s]) <= 1 + 1e-9).sum())
-    n_s = int(s.sum())
-    return AgreementStats(
-        n=n,
-        agreement=agree / n if n else None,
-        ci=wilson(agree, n, alpha),
-        within1=w1 / n_s if n_s else None,
-        within1_ci=wilson(w1, n_s, alpha),
-        n_scored=n_s,
-        kappa=kappa_from_table(confusion),
-        kappa_weighted=kappa_from_table(scores, weights),
-        confusion=confusion.tolist(),
-        confusion_scores=scores.tolist(),
-    )
 
 
 # ------------------------------------------------------------------------------------------- the gate
@@ -304,7 +196,7 @@ def _pct(x: float | None) -> str:
 
 def review_gate(
     queue_path: str | os.PathLike[str],
-    store_path: str | os.PathLike[str] = DEFAULT_STORE,
+    store_path: str | os.PathLike[str] | None = None,
     cfg: HermesConfig | None = None,
     simulate: bool | None = None,
     *,
@@ -322,6 +214,7 @@ def review_gate(
     queue_path = Path(queue_path)
     min_labels, max_items = gate_sizes(cfg)
     items = load_queue(queue_path, max_items)
+    store_path = store_path or Path(cfg.round.runs_dir) / "review" / "labels.jsonl"
     store = LabelStore(store_path, scale=scale)
     unknown = simulate_labels(items, store)[1] if simulate else 0
 
@@ -463,20 +356,23 @@ def review_gate(
             if round_dir
             else (queue_path.parent.parent if queue_path.parent.name == "prep" else queue_path.parent)
         )
-        write_json_atomic(rd / "review" / "gate.json", result.to_dict())  # the round runner reads it
+        write_json_atomic(rd / "review" / "gate.json", result.to_dict())
+        stop = {
+            PASS: None,
+            AWAITING: STOP_AWAITING_REVIEW,
+            INCONCLUSIVE: STOP_AWAITING_REVIEW,
+            BLOCKED: STOP_BLOCKED_REVIEW,
+        }[status]  # inconclusive ("label N more") waits for labels like awaiting review
+        write_verdict(rd / "review", "review", [gate("review_agreement", status == PASS, result.message)], stop)
     _log_mlflow(result, cfg, simulate)
     return result
 
 
 def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
-    # no one imported mlflow -> no run can be active: keep the CLI free of mlflow's import time
-    if "mlflow" not in sys.modules:
-        return
-    import mlflow
-
+    """review/* metrics, params, tags and gate.json on the active MLflow run (no-op without one)."""
     from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
+    if tracking.active_run() is None:
         return
     rc = cfg.review
     tracking.log_params(
@@ -494,21 +390,21 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
         }
     )
     metrics = {
-        "review/agreement": result.agreement,
-        "review/gated_agreement": result.value,
-        "review/within1": result.within1,
-        "review/kappa": result.kappa,
-        "review/kappa_weighted": result.kappa_weighted,
-        "review/n_labels": result.n_labels,
-        "review/n_simulated": result.n_simulated,
-        "review/ci_low": result.ci[0] if result.ci else None,
-        "review/ci_high": result.ci[1] if result.ci else None,
-        "review/labels_more": result.labels_more,
+        "agreement": result.agreement,
+        "gated_agreement": result.value,
+        "within1": result.within1,
+        "kappa": result.kappa,
+        "kappa_weighted": result.kappa_weighted,
+        "n_labels": result.n_labels,
+        "n_simulated": result.n_simulated,
+        "ci_low": result.ci[0] if result.ci else None,
+        "ci_high": result.ci[1] if result.ci else None,
+        "labels_more": result.labels_more,
     }
-    metrics.update({f"review/agreement/{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
-    mlflow.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
-    mlflow.log_dict(result.to_dict(), "review/gate.json")
+    metrics.update({f"agreement_{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
+    tracking.log_metrics("review", metrics)
+    tracking.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
+    tracking.log_dict(result.to_dict(), "review/gate.json")
 
 
 # -------------------------------------------------------------------------------------------- display
@@ -574,7 +470,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)"
     )
-    parser.add_argument("--labels", default=DEFAULT_STORE, help=f"label store (default {DEFAULT_STORE})")
+    parser.add_argument("--labels", default=None, help="label store (default: <round.runs_dir>/review/labels.jsonl)")
     parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
     parser.add_argument(
         "--simulate",

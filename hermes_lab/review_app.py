@@ -9,9 +9,10 @@ Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample, through review.loa
 Writes  runs/review/labels.jsonl              (the crash-safe label store, review.LabelStore: append only,
                                               one fsync'd line per click, undo appends a tombstone)
 
-Open it in JupyterLab, then run notebooks/review.ipynb with your reviewer id:
+Open it in JupyterLab, then run notebooks/review.ipynb with your reviewer id (by default it labels the
+latest round's queue, ``latest_queue``):
 
-    make lab                                                         # jupyter lab notebooks/
+    make lab                                                         # JupyterLab on the project
     hermes-lab review --queue runs/round-01/prep/review_queue.jsonl  # afterwards: the gate
 
 Keyboard. JupyterLab keeps keystrokes for its own commands, and a widget cannot bind global shortcuts
@@ -24,9 +25,37 @@ from __future__ import annotations
 
 import html
 import os
+import re
+from pathlib import Path
 from typing import Any
 
-from hermes_lab.review import DEFAULT_STORE, LabelStore, load_queue
+from hermes_lab.review import LabelStore, load_queue
+
+QUEUE = Path("prep") / "review_queue.jsonl"  # prep writes each round's sample here, under runs/round-NN/
+
+
+def latest_queue(runs_dir: str | os.PathLike[str]) -> Path:
+    """The newest round's review queue (runs/round-NN/prep/review_queue.jsonl, highest NN that has one)."""
+    rounds = []
+    for d in Path(runs_dir).glob("round-*"):
+        m = re.fullmatch(r"round-(\d+)", d.name)
+        if m and (d / QUEUE).is_file():
+            rounds.append((int(m.group(1)), d / QUEUE))
+    if not rounds:
+        raise FileNotFoundError(
+            f"no review queue yet: no {Path(runs_dir) / 'round-NN' / QUEUE}. Run a round first (make round; "
+            "its prep stage samples the queue), or set queue_path / round_dir"
+        )
+    return max(rounds)[1]
+
+
+def find_queue(runs_dir: str | os.PathLike[str], round_dir: str = "", queue_path: str = "") -> Path:
+    """review.ipynb's queue: queue_path if given, else round_dir's, else the latest round's."""
+    if queue_path:
+        return Path(queue_path)
+    if round_dir:
+        return Path(round_dir) / QUEUE
+    return latest_queue(runs_dir)
 
 
 def _pre(text: str) -> str:
@@ -46,7 +75,7 @@ class ReviewApp:
     def __init__(
         self,
         queue_path: str | os.PathLike[str],
-        store_path: str | os.PathLike[str] = DEFAULT_STORE,
+        store_path: str | os.PathLike[str] | None = None,
         reviewer: str = "",
         mode: str = "score",
         *,

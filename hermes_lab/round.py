@@ -1,19 +1,24 @@
-"""The round and the flywheel: stage notebooks run in sequence by papermill, gates, promotion, rollback.
+"""The round and the flywheel: the stage notebooks of ``hermes_lab.stages`` run in order by papermill.
 
-Reads ``params/*.yaml`` and ``runs/state.json``; writes ``runs/round-NN/`` (the executed notebooks,
-every stage's outputs, ``progress.json`` for --resume, ``summary.json``) and the round's MLflow runs
-(one parent run, one nested run per stage). Promotion sets the MLflow registry alias ``champion``;
-rollback marks the round's data negative for the next prep.
+Reads ``params/*.yaml`` and ``runs/state.json``; writes ``runs/round-NN/`` (the executed notebooks, every
+stage's outputs, ``summary.json``, and ``progress.json``, a copy of the progress kept in state.json) and
+the round's MLflow runs (one parent run, one nested run per stage). Promotion sets the MLflow registry
+alias ``champion``; a rollback marks the round's data negative for the next prep.
 
     hermes-lab round --params params/embedded.yaml          # one round (make round)
     hermes-lab round --params params/embedded.yaml --resume # continue after the last completed stage
     hermes-lab flywheel --params params/embedded.yaml --rounds 3
     hermes-lab status --params params/embedded.yaml
 
-Gates, in order, each with its verdict in summary.json and MLflow: data trigger (>= min_samples new
-samples) and cooldown (hard) in prep; review agreement; training health; regression; the A/B decision.
-A gate that says no ends the round cleanly with its status; a failing cell fails the round with the
-notebook and cell named, and the executed notebook is kept.
+Gates, in registry order, each with its verdict in summary.json and MLflow (a gate that did not run says
+why): data trigger (>= min_samples new samples) and cooldown (hard) in prep; review agreement; training
+health; regression; the A/B decision. A gate that says no ends the round cleanly with its status (the
+stage's verdict file says so, see ``hermes_lab.stages``); a failing cell fails the round with the notebook
+and cell named, and the executed notebook is kept.
+
+Crash safety: every change of a round's progress and of the flywheel state (cooldown, negatives,
+champion, round number) is one atomic rename of state.json, made under the runs/ lock; registering the
+champion in MLflow is idempotent, so a resumed round never registers a version twice.
 
 Secrets are never papermill parameters (they would be written into the executed notebooks): stages
 read keys from the environment.
@@ -27,6 +32,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,27 +40,12 @@ from typing import Any
 
 from hermes_lab.config import HermesConfig, load_config
 from hermes_lab.jsonl import write_json_atomic
+from hermes_lab.stages import STAGES, STOP_AWAITING_LIVE, WAITING, RoundContext, Stage, fresh_data, read_verdict
 from hermes_lab.state import FlywheelState, SimulatedClock, parse_time, state_path
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
-# stage name, notebook. 50_round_compare runs last so its table includes this round.
-STAGES = [
-    ("execute", "00_execute.ipynb"),
-    ("prep", "10_data_prep.ipynb"),
-    ("review", "15_review_gate.ipynb"),
-    ("train", "20_grpo_train.ipynb"),
-    ("validate", "30_inspect_validate.ipynb"),
-    ("ab", "40_ab_analysis.ipynb"),
-    ("compare", "50_round_compare.ipynb"),
-]
-# exception names a stage raises when its gate says no -> the round's status
-GATE_STOPS = {
-    "GateRefused": "skipped: data gate",
-    "ReviewGateStop": "awaiting review",
-    "RegressionGateStop": "stopped: regression gate",
-    "TrainingHealthError": "stopped: training health",
-}
+OK_STATUSES = ("promoted", "rolled back", "completed", *WAITING, "candidate held", "skipped")
 
 
 class RoundError(RuntimeError):
@@ -78,8 +69,8 @@ class RoundResult:
 class RoundLock:
     """An exclusive flock on runs/.round.lock: released by the kernel even if the process is killed."""
 
-    def __init__(self, runs_dir: Path):
-        self.path = runs_dir / ".round.lock"
+    def __init__(self, runs_dir: str | Path):
+        self.path = Path(runs_dir) / ".round.lock"
         self.f: Any = None
 
     def __enter__(self) -> RoundLock:
@@ -106,191 +97,213 @@ class RoundLock:
 
 
 # ------------------------------------------------------------------------------------------ papermill
-def run_notebook(name: str, out: Path, params: dict[str, Any], timeout_s: int | None = None) -> None:
-    """Execute one stage notebook; unknown parameters are refused (papermill only warns)."""
+def notebook_path(stage: Stage) -> Path:
+    p = Path(stage.notebook)
+    return p if p.is_absolute() else NOTEBOOKS / p
+
+
+def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s: int | None = None) -> None:
+    """Execute one notebook; unknown parameters are refused (papermill only warns)."""
     import papermill as pm
 
-    src = NOTEBOOKS / name
+    from hermes_lab import paths, quiet
+
+    src = Path(name) if Path(name).is_absolute() else NOTEBOOKS / name
     known = pm.inspect_notebook(str(src))
     unknown = sorted(set(params) - set(known))
     if unknown:
-        raise RoundError(f"{name}: unknown parameter(s) {unknown}; the notebook takes {sorted(known)}")
+        raise RoundError(f"{src.name}: unknown parameter(s) {unknown}; the notebook takes {sorted(known)}")
     try:
         pm.execute_notebook(
             str(src),
             str(out),
             parameters=params,
             kernel_name="python3",
-            cwd=str(REPO),
+            cwd=str(paths.project_root()),  # the kernels resolve relative paths against the runner's project
             log_output=True,
             progress_bar=False,
             execution_timeout=timeout_s,
+            config=quiet.kernel_config(),  # an encrypted kernel channel: no plain-TCP warning per stage
         )
     except pm.PapermillExecutionError as e:
-        stop = GATE_STOPS.get(e.ename)
-        if stop:
-            raise GateStop(stop, f"{e.ename}: {e.evalue}") from None
         raise RoundError(
-            f"{name} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: {e.evalue}. "
+            f"{src.name} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: {e.evalue}. "
             f"Executed notebook kept at {out}"
         ) from None
 
 
-class GateStop(Exception):
-    def __init__(self, status: str, detail: str):
-        super().__init__(detail)
-        self.status, self.detail = status, detail
+def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
+    """Run one stage's notebook; the stop status its verdict gives, or None. Raises RoundError on a failure
+    that no verdict of this execution explains."""
+    verdict_path = ctx.round_dir / stage.verdict if stage.verdict else None
+    if verdict_path is not None:
+        verdict_path.unlink(missing_ok=True)  # a verdict read below is this execution's
+    # the config file as load_config found it (absolute): the kernels' cwd is not the user's
+    params = {
+        "config_path": ctx.cfg.source or ctx.params_path,
+        "round_dir": str(ctx.round_dir),
+        "parent_run_id": ctx.parent_run_id,
+    }
+    params |= stage.params(ctx)
+    failure = None
+    try:
+        run_notebook(notebook_path(stage), ctx.round_dir / Path(stage.notebook).name, params)
+    except RoundError as e:
+        failure = e
+    verdict = read_verdict(verdict_path) if verdict_path is not None else None
+    stop = (verdict or {}).get("stop")
+    if stop and stop not in stage.stops:
+        raise RoundError(f"stage '{stage.name}': its verdict stops with '{stop}', not one of {list(stage.stops)}")
+    if stop:
+        return stop
+    if failure is not None:
+        raise failure
+    return None
 
 
 # --------------------------------------------------------------------------------------------- round
-def _progress(round_dir: Path) -> dict[str, Any]:
-    p = round_dir / "progress.json"
-    return json.loads(p.read_text()) if p.exists() else {}
-
-
-def _stage_params(
-    stage: str, cfg: HermesConfig, params_path: str, rd: Path, parent: str, state: FlywheelState, n: int
-) -> dict[str, Any]:
-    runs = Path(cfg.round.runs_dir)
-    common = {"config_path": params_path, "round_dir": str(rd), "parent_run_id": parent}
-    champion = state.champion_adapter or ""
-    if stage == "execute":
-        return common | {"adapter": champion, "seed": n}
-    if stage == "prep":
-        inputs = [str(rd / "trajectories.jsonl")]
-        prev_ab = runs / f"round-{n - 1:02d}" / "ab" / "requests.jsonl"
-        if prev_ab.exists():  # the last round's A/B traffic logs: execution logs of both policies
-            inputs.append(str(prev_ab))
-        return common | {
-            "trajectories": ",".join(inputs),
-            "state_path": str(state_path(runs)),
-            "simulated_now": state.simulated_now or "",
-        }
-    if stage == "review":
-        return common | {"labels_path": str(runs / "review" / "labels.jsonl")}
-    if stage == "train":
-        return common | {"start_adapter": champion}
-    # one baseline for both gates (issue #14): empty -> the notebooks resolve it with validate.resolve_baseline
-    # (champion, else model.adapter, else the bare base), the regression gate and the A/B stage alike
-    if stage == "validate":
-        return common | {"baseline_adapter": ""}
-    if stage == "ab":
-        return common | {"baseline": "", "candidate": str(rd / "train" / "adapter"), "seed": n}
-    return common
-
-
 def _round_dir(runs: Path, n: int) -> Path:
     return runs / f"round-{n:02d}"
 
 
-def run_round(params_path: str, resume: bool = False, quiet: bool = False) -> RoundResult:
-    """One round: every stage notebook in order, then promotion or rollback."""
-    import mlflow
+def _commit(state: FlywheelState, runs: Path, rd: Path, prog: dict[str, Any]) -> None:
+    """The one write that changes a round's progress and the flywheel state together (atomic rename).
+    progress.json is a copy for people and notebooks; nothing reads it back."""
+    state.save(state_path(runs))
+    write_json_atomic(rd / "progress.json", prog)
 
+
+def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
+    """check_config(deep=True) before the first stage: what TRL would refuse at the train stage fails now,
+    not an hour in. Its ~15 s of imports are paid once per config and TRL version (a stamp in runs/)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hermes_lab.config import check_config
+
+    try:
+        trl_version = version("trl")
+    except PackageNotFoundError:
+        trl_version = "none"
+    key = hashlib.sha256(json.dumps([cfg.to_dict(), trl_version], sort_keys=True, default=str).encode()).hexdigest()
+    stamp = runs / ".config-checked"
+    if stamp.is_file() and stamp.read_text().strip() == key:
+        return check_config(cfg)
+    warnings = check_config(cfg, deep=True)
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key)
+    return warnings
+
+
+def _due(state: FlywheelState, cfg: HermesConfig) -> None:
+    """Simulated clock only: move it past the cooldown of the last training, if that has not passed."""
+    last = parse_time(state.last_train_time)
+    now = parse_time(state.simulated_now) or SimulatedClock().now()
+    if last is not None and now < last + timedelta(hours=cfg.data.cooldown_hours):
+        now = last + timedelta(hours=cfg.data.cooldown_hours + 1)
+    state.simulated_now = now.isoformat()
+
+
+def run_round(
+    params_path: str,
+    resume: bool | None = False,
+    quiet: bool = False,
+    stages: Sequence[Stage] = STAGES,
+    *,
+    due: bool = False,
+) -> RoundResult:
+    """One round: every stage notebook in order, then promotion or rollback.
+
+    ``resume``: True continues the unfinished round, None continues it if there is one. ``due`` (the
+    flywheel, simulated clock only): move the clock past the cooldown first, under the lock."""
     from hermes_lab import tracking
 
     cfg = load_config(params_path)
     runs = Path(cfg.round.runs_dir)
     with RoundLock(runs):
-        sp = state_path(runs)
-        state = FlywheelState.load(sp)
+        for w in _check_deep(cfg, runs):
+            if not quiet:
+                print(f"warning: {w}", flush=True)
+        state = FlywheelState.load(state_path(runs))
         n = state.last_round + 1
         rd = _round_dir(runs, n)
-        prog = _progress(rd)
+        prog = state.progress if state.progress and state.progress.get("round") == n else None
+        if resume is None:
+            resume = prog is not None
         if prog and not resume:
             raise RoundError(
                 f"{rd} holds an unfinished round ({prog.get('status')}, stages done: "
-                f"{prog.get('completed')}); continue it with --resume or remove the folder"
+                f"{prog.get('completed')}); continue it with --resume (make clean-runs starts over)"
             )
         if resume and not prog:
-            raise RoundError(f"nothing to resume: {rd} has no progress.json")
-        if prog:
-            prog["status"] = "running"
+            raise RoundError(f"nothing to resume: round {n} in {state_path(runs)} has not started")
         rd.mkdir(parents=True, exist_ok=True)
         if cfg.model.base_model == "embedded:tiny" and not quiet:
             _report_tiny(cfg)
-        if state.simulated_now is None and cfg.round.simulated_clock:
-            state.simulated_now = SimulatedClock().now().isoformat()
-        state.save(sp)  # stage notebooks read the simulated clock and the negatives from it
+        if cfg.round.simulated_clock:
+            if due:
+                _due(state, cfg)
+            elif state.simulated_now is None:
+                state.simulated_now = SimulatedClock().now().isoformat()
         tracking.setup(runs, cfg.round.experiment)
-        if not prog:
-            run = mlflow.start_run(run_name=f"round-{n:02d}", tags={"hermes.round": str(n)})
-            prog = {
-                "round": n,
-                "parent_run_id": run.info.run_id,
-                "completed": [],
-                "timings": {},
-                "status": "running",
-                "params": params_path,
-            }
-            mlflow.log_params(
-                tracking.safe_params(
-                    {"round.params": params_path, "round.number": n, "round.champion": state.champion_adapter or "base"}
-                )
+        if prog:
+            prog["status"] = "running"
+            prog.pop("stopped_at", None)  # a resumed round reruns the stage that stopped it
+        else:
+            run_id = tracking.start_round_run(
+                f"round-{n:02d}",
+                {"round.params": params_path, "round.number": n, "round.champion": state.champion_adapter or "base"},
             )
-            mlflow.end_run()
-            write_json_atomic(rd / "progress.json", prog)
-        parent = prog["parent_run_id"]
-        status, decision = "running", None
-        for stage, nb in STAGES:
-            if stage in prog["completed"]:
+            prog = {"round": n, "parent_run_id": run_id, "completed": [], "timings": {}, "status": "running"}
+            prog["params"] = params_path
+        state.progress = prog
+        _commit(state, runs, rd, prog)  # stage notebooks read the simulated clock and the negatives from it
+        ctx = RoundContext(cfg, params_path, rd, n, prog["parent_run_id"], state)
+        status = "completed"
+        for stage in stages:
+            if stage.name in prog["completed"]:
                 continue
             t0 = time.time()
             if not quiet:
-                print(f"[round {n:02d}] {stage:8s} ({nb}) ...", flush=True)
+                print(f"[round {n:02d}] {stage.name:8s} ({Path(stage.notebook).name}) ...", flush=True)
             try:
-                run_notebook(nb, rd / nb, _stage_params(stage, cfg, params_path, rd, parent, state, n))
-            except GateStop as g:
-                status = g.status
-                if stage == "review" and _read(rd / "review" / "gate.json").get("status") == "blocked":
-                    status = "blocked: reward model disagrees with reviewers"
-                prog["timings"][stage] = round(time.time() - t0, 1)
-                prog["stopped_at"] = {"stage": stage, "detail": g.detail}
-                break
+                stop = run_stage(stage, ctx)
             except RoundError:
                 prog["status"] = "failed"
-                prog["timings"][stage] = round(time.time() - t0, 1)
-                write_json_atomic(rd / "progress.json", prog)
-                _log_notebook(parent, rd / nb)
+                prog["timings"][stage.name] = round(time.time() - t0, 1)
+                _commit(state, runs, rd, prog)
+                tracking.log_failed_notebook(prog["parent_run_id"], rd / Path(stage.notebook).name)
                 raise
-            prog["completed"].append(stage)
-            prog["timings"][stage] = round(time.time() - t0, 1)
-            write_json_atomic(rd / "progress.json", prog)
-            if stage == "prep":  # the negatives are now in this round's prompt set: don't carry them twice
+            prog["timings"][stage.name] = round(time.time() - t0, 1)
+            if stop:
+                status = stop
+                prog["stopped_at"] = {"stage": stage.name, "status": stop}
+                break
+            prog["completed"].append(stage.name)
+            if stage.consumes_negatives:  # they are in this round's prompt set now: never carry them twice
                 state.negative_files = []
-            if stage == "train":  # the cooldown counts from the training, whatever the A/B says
-                state.last_train_time = (state.clock(cfg.round.simulated_clock).now()).isoformat()
-            state.save(sp)
-        else:
-            status = "completed"
-        summary = _finish(cfg, state, rd, n, prog, status)
-        decision = summary.get("decision")
-        # awaiting review: the same round continues (--resume) once the labels are in
-        prog["status"] = "awaiting review" if status == "awaiting review" else "done"
-        write_json_atomic(rd / "progress.json", prog)
-        if status != "awaiting review":
+            if stage.starts_cooldown:  # the cooldown counts from the training, whatever the A/B says
+                state.last_train_time = state.clock(cfg.round.simulated_clock).now().isoformat()
+            _commit(state, runs, rd, prog)
+        summary = _finish(cfg, stages, state, rd, n, prog, status)
+        _log_round(prog, rd, summary)  # idempotent: a kill before the commit below only repeats it
+        # awaiting review / live A/B: the same round continues (--resume) once the labels / the decision are in
+        prog["status"] = status if status in WAITING else "done"
+        if status not in WAITING:
             state.last_round = n
         state.history.append(
-            {"round": n, "status": summary["status"], "decision": decision, "pass_rate": summary.get("pass_rate")}
+            {
+                "round": n,
+                "status": summary["status"],
+                "decision": summary["decision"],
+                "pass_rate": summary["pass_rate"],
+            }
         )
-        state.save(sp)
-        with mlflow.start_run(run_id=parent):
-            for nb_path in sorted(rd.glob("*.ipynb")):
-                mlflow.log_artifact(str(nb_path), artifact_path="notebooks")
-            mlflow.log_artifact(str(rd / "summary.json"))
-            mlflow.set_tags(
-                {
-                    "round.status": summary["status"],
-                    "round.decision": decision or "",
-                    **{f"gate.{g['gate']}": "pass" if g["passed"] else "stop" for g in summary["gates"]},
-                }
-            )
-            if summary.get("pass_rate") is not None:
-                mlflow.log_metric("champion.pass_rate", summary["pass_rate"])
-            mlflow.log_metrics({f"time.{k}": v for k, v in prog["timings"].items()})
+        state.progress = prog if prog["status"] in WAITING else None
+        _commit(state, runs, rd, prog)
         if not quiet:
             print_summary(summary)
-        return RoundResult(n, rd, summary["status"], decision, summary)
+        return RoundResult(n, rd, summary["status"], summary["decision"], summary)
 
 
 def _report_tiny(cfg: HermesConfig) -> None:
@@ -307,79 +320,73 @@ def _report_tiny(cfg: HermesConfig) -> None:
     )
 
 
-def _log_notebook(parent: str, path: Path) -> None:
-    import mlflow
-
-    if path.exists():
-        with mlflow.start_run(run_id=parent):
-            mlflow.log_artifact(str(path), artifact_path="notebooks")
-            mlflow.set_tag("round.status", "failed")
-
-
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _gates(stages: Sequence[Stage], verdicts: dict[str, Any], prog: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every gate of the registry, in order; one that did not run says why."""
+    stopped = prog.get("stopped_at") or {}
+    ran = set(prog["completed"]) | ({stopped["stage"]} if stopped else set())
+    out = []
+    for s in stages:
+        reported = {g.get("gate"): g for g in (verdicts.get(s.name) or {}).get("gates", [])}
+        for name in s.gates:
+            g = reported.get(name)
+            if s.name in ran and g is not None:
+                out.append({"gate": name, "stage": s.name, "passed": g.get("passed"), "detail": g.get("detail")})
+                continue
+            if s.name in ran:
+                why = f"not reported: {s.name} wrote no '{name}' verdict in {s.verdict}"
+            elif stopped:
+                why = f"not run: the round stopped at {stopped['stage']} ({stopped['status']})"
+            else:
+                why = f"not run: stage {s.name} did not run"
+            out.append({"gate": name, "stage": s.name, "passed": None, "detail": why})
+    return out
+
+
 def _finish(
-    cfg: HermesConfig, state: FlywheelState, rd: Path, n: int, prog: dict[str, Any], status: str
+    cfg: HermesConfig,
+    stages: Sequence[Stage],
+    state: FlywheelState,
+    rd: Path,
+    n: int,
+    prog: dict[str, Any],
+    status: str,
 ) -> dict[str, Any]:
-    """Collect the gates, apply the A/B decision (promote / roll back), write summary.json."""
-    prep = _read(rd / "prep" / "summary.json")
-    review = _read(rd / "review" / "gate.json")
-    health = _read(rd / "train" / "health.json")
-    regression = _read(rd / "validate" / "regression.json")
-    ab = _read(rd / "ab" / "ab_report.json")
-    ev = _read(rd / "train" / "eval.json")
-    gates = [
-        {"gate": g.get("name"), "passed": g.get("passed"), "detail": g.get("detail")} for g in prep.get("gates", [])
-    ]
-    if review:
-        gates.append(
-            {"gate": "review_agreement", "passed": review.get("status") == "pass", "detail": review.get("message")}
-        )
-    if "train" in prog["completed"]:
-        gates.append(
-            {
-                "gate": "training_health",
-                "passed": True,
-                "detail": "; ".join(health.get("warnings", [])) or "no warnings",
-            }
-        )
-    if regression:
-        gates.append(
-            {
-                "gate": "regression",
-                "passed": regression.get("passed"),
-                "detail": "; ".join(regression.get("reasons", [])) or "no family regressed",
-            }
-        )
-    decision = ab.get("decision") if ab else None
-    promoted = bool(ab.get("promoted")) if ab else False  # only a rollout that reached 100% (issue #14)
-    if ab:
-        detail = f"{decision} (final ratio {ab.get('final_ratio')})" if decision == "widen" else decision
-        gates.append({"gate": "ab_decision", "passed": promoted, "detail": detail})
-    if status == "completed":
-        status = (
-            "promoted" if promoted else "rolled back" if decision == "roll back" else f"candidate held ({decision})"
-        )
-    if promoted:
-        state.champion_adapter = str(rd / "train" / "adapter")
+    """Collect the gates, apply the A/B outcome (promote / roll back), write summary.json. Idempotent: a
+    resumed round redoes it from the same files and the state of the last commit."""
+    verdicts = {s.name: read_verdict(rd / s.verdict) if s.verdict else None for s in stages}
+    done = [v for s in stages if s.name in prog["completed"] and (v := verdicts[s.name])]
+    cand = next((v["candidate"] for v in reversed(done) if v.get("candidate")), None)
+    trained = next((v for v in reversed(done) if v.get("adapter")), None)
+    ev = next((v["eval"] for v in reversed(done) if v.get("eval")), None)
+    # only a rollout that reached 100% moves the champion; a widened stage is not a promotion
+    promoted = bool(cand and cand.get("promoted") is True)
+    rolled_back = bool(cand and cand.get("rolled_back"))
+    decision = cand.get("decision") if cand else None
+    if status == "completed" and cand is not None:
+        status = "promoted" if promoted else "rolled back" if rolled_back else f"candidate held ({decision})"
+    trained_any = any(s.starts_cooldown and s.name in prog["completed"] for s in stages)
+    if promoted and trained is not None:
+        state.champion_adapter = str(trained["adapter"])
         state.champion_round = n
-        _register_champion(cfg, rd)
-    elif decision == "roll back" or (status.startswith("stopped") and "train" in prog["completed"]):
+        _register_champion(cfg, rd, trained.get("mlflow_run_id"))
+    elif (rolled_back or (status.startswith("stopped") and trained_any)) and n not in state.negative_rounds:
         # a rejected candidate: its round's data is fuel for the next round, as negatives
         state.negative_rounds.append(n)
-        for f in (rd / "trajectories.jsonl", rd / "ab" / "requests.jsonl"):
-            if f.exists():
-                state.negative_files.append(str(f))
+        for s in stages:
+            state.negative_files += [str(rd / f) for f in s.data_outputs if (rd / f).exists()]
     # the champion's held-out sampled pass rate on the train stage's fixed task set (same tasks and seed
     # every round, so rounds compare): the candidate's if it was promoted, else the policy it started from
-    pass_rate = (ev.get("after") if promoted else ev.get("before") or {}).get("pass_rate") if ev else None
+    pass_rate = ((ev.get("after") if promoted else ev.get("before")) or {}).get("pass_rate") if ev else None
     summary = {
         "round": n,
         "status": status,
         "decision": decision,
-        "gates": gates,
+        "promoted": promoted,
+        "gates": _gates(stages, verdicts, prog),
         "timings_s": prog["timings"],
         "total_s": round(sum(prog["timings"].values()), 1),
         "pass_rate": pass_rate,
@@ -387,20 +394,20 @@ def _finish(
         "champion": state.champion_adapter,
         "stopped_at": prog.get("stopped_at"),
         "parent_run_id": prog["parent_run_id"],
-        "ab": {k: ab.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
-        if ab
+        "ab": {k: cand.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
+        if cand
         else None,
     }
     write_json_atomic(rd / "summary.json", summary)
     return summary
 
 
-def _register_champion(cfg: HermesConfig, rd: Path) -> None:
-    """Register the promoted adapter in the MLflow registry and point the 'champion' alias at it."""
+def _register_champion(cfg: HermesConfig, rd: Path, run_id: str | None) -> None:
+    """Register the promoted adapter in the MLflow registry and point the 'champion' alias at it. The
+    version of a training run is created once: a resumed round finds it instead of adding another."""
     import mlflow
     from mlflow import MlflowClient
 
-    run_id = _read(rd / "train" / "run.json").get("mlflow_run_id")
     if not run_id:
         return
     client, name = MlflowClient(), cfg.round.registered_model
@@ -408,16 +415,40 @@ def _register_champion(cfg: HermesConfig, rd: Path) -> None:
         client.create_registered_model(
             name, description="hermes-lab policies (LoRA adapters); alias 'champion' is live"
         )
-    # a plain artifact version (MLflow 3's register_model wants a logged model; the adapter is a PEFT folder)
-    source = f"{mlflow.get_run(run_id).info.artifact_uri}/adapter"
-    mv = client.create_model_version(name, source=source, run_id=run_id, tags={"round": rd.name})
+    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        mv = existing[0]
+    else:  # a plain artifact version (MLflow 3's register_model wants a logged model; the adapter is a PEFT dir)
+        source = f"{mlflow.get_run(run_id).info.artifact_uri}/adapter"
+        mv = client.create_model_version(name, source=source, run_id=run_id, tags={"round": rd.name})
     client.set_registered_model_alias(name, "champion", mv.version)
+
+
+def _log_round(prog: dict[str, Any], rd: Path, summary: dict[str, Any]) -> None:
+    """The round's notebooks, summary, gate tags and timings on its parent MLflow run."""
+    from hermes_lab import tracking
+
+    mark = {True: "pass", False: "stop", None: "not run"}
+    with tracking.resume_run(prog["parent_run_id"]):
+        for nb_path in sorted(rd.glob("*.ipynb")):
+            tracking.log_artifact(nb_path, "notebooks")
+        tracking.log_artifact(rd / "summary.json")
+        tracking.set_tags(
+            {
+                "round.status": summary["status"],
+                "round.decision": summary["decision"] or "",
+                **{f"gate.{g['gate']}": mark[g["passed"]] for g in summary["gates"]},
+            }
+        )
+        metrics = {f"time_{k}": v for k, v in prog["timings"].items()}
+        metrics["champion_pass_rate"] = summary["pass_rate"]
+        tracking.log_metrics("round", metrics)
 
 
 def print_summary(s: dict[str, Any]) -> None:
     print(f"\nround {s['round']:02d}: {s['status']}  (decision: {s['decision']}, {s['total_s']} s)")
     for g in s["gates"]:
-        mark = "PASS" if g["passed"] else "STOP"
+        mark = {True: "PASS", False: "STOP", None: "----"}[g["passed"]]
         print(f"  {mark}  {g['gate']:18s} {str(g['detail'])[:110]}")
     print("  where the time went: " + ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items()))
     if s.get("eval"):
@@ -427,27 +458,32 @@ def print_summary(s: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------ flywheel
 def advance_clock(params_path: str, hours: float) -> None:
+    """Move the simulated clock on, under the runs/ lock (a running round reads it)."""
     cfg = load_config(params_path)
-    sp = state_path(cfg.round.runs_dir)
-    state = FlywheelState.load(sp)
-    clock = SimulatedClock(parse_time(state.simulated_now) or SimulatedClock().now())
-    state.simulated_now = clock.advance(hours=hours).isoformat()
-    state.save(sp)
+    with RoundLock(cfg.round.runs_dir):
+        sp = state_path(cfg.round.runs_dir)
+        state = FlywheelState.load(sp)
+        clock = SimulatedClock(parse_time(state.simulated_now) or SimulatedClock().now())
+        state.simulated_now = clock.advance(hours=hours).isoformat()
+        state.save(sp)
 
 
-def flywheel(params_path: str, rounds: int) -> list[RoundResult]:
-    """Rounds back to back on the simulated clock: after each, the clock moves past the cooldown."""
+def flywheel(params_path: str, rounds: int, stages: Sequence[Stage] = STAGES, quiet: bool = False) -> list[RoundResult]:
+    """``rounds`` rounds back to back on the simulated clock, whatever ran before: each starts by moving
+    the clock past the cooldown of the last training (under the lock) and continues an unfinished round."""
     cfg = load_config(params_path)
     if not cfg.round.simulated_clock:
         raise RoundError("flywheel needs round.simulated_clock: true (a real clock would wait out the cooldown)")
     results = []
     for _ in range(rounds):
-        results.append(run_round(params_path))
-        advance_clock(params_path, cfg.data.cooldown_hours + 1)
-    print("\nflywheel: held-out sampled pass rate of the champion after each round")
-    for r in results:
-        pr = r.summary.get("pass_rate")
-        print(f"  round {r.round_no:02d}  {r.status:28s} {'' if pr is None else f'{pr:.1%}'}")
+        results.append(run_round(params_path, resume=None, quiet=quiet, stages=stages, due=True))
+        if results[-1].status in WAITING:  # nothing changes until someone labels / the gateway decides
+            break
+    if not quiet:
+        print("\nflywheel: held-out sampled pass rate of the champion after each round")
+        for r in results:
+            pr = r.summary.get("pass_rate")
+            print(f"  round {r.round_no:02d}  {r.status:28s} {'' if pr is None else f'{pr:.1%}'}")
     return results
 
 
@@ -463,23 +499,30 @@ def status(params_path: str) -> dict[str, Any]:
         left = last + timedelta(hours=cfg.data.cooldown_hours) - now
         if left.total_seconds() > 0:
             reasons.append(f"cooldown: {left.total_seconds() / 3600:.1f} h left (last training {last.isoformat()})")
+    n = state.last_round + 1
     pending = cfg.execute.num_tasks  # the embedded execute stage produces these each round
-    prev_ab = runs / f"round-{state.last_round:02d}" / "ab" / "requests.jsonl"
-    if prev_ab.exists():
-        with open(prev_ab, encoding="utf-8") as f:
+    if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
+        from hermes_lab import live_round
+
+        pending = live_round.pending_samples(cfg, _round_dir(runs, n), pending)
+    for p in fresh_data(runs, n)[1:]:  # plus what earlier stages logged (the last A/B traffic)
+        with open(p, encoding="utf-8") as f:
             pending += sum(1 for _ in f)
     if pending < cfg.data.min_samples:
         reasons.append(f"samples: {pending} of {cfg.data.min_samples} new samples")
-    unfinished = _progress(_round_dir(runs, state.last_round + 1))
+    unfinished = state.progress if state.progress and state.progress.get("round") == n else {}
     if unfinished.get("status") == "awaiting review":
         reasons.append(
-            f"review pending: open notebooks/review.ipynb and label the queue of round "
-            f"{state.last_round + 1}, then hermes-lab round --resume"
+            f"review pending: open notebooks/review.ipynb and label the queue of round {n}, "
+            f"then hermes-lab round --resume"
         )
+    elif unfinished.get("status") == STOP_AWAITING_LIVE:
+        from hermes_lab import live_round
+
+        where = live_round.status_line(cfg, live_round.experiment_dir(cfg, _round_dir(runs, n)))
+        reasons.append(f"round {n} is awaiting its live A/B: {where}; once decided: hermes-lab round --resume")
     elif unfinished.get("status") in {"running", "failed"}:
-        reasons.append(
-            f"round {state.last_round + 1} is unfinished ({unfinished['status']}): hermes-lab round --resume"
-        )
+        reasons.append(f"round {n} is unfinished ({unfinished['status']}): hermes-lab round --resume")
     return {
         "due": not reasons,
         "reasons": reasons,
@@ -502,13 +545,7 @@ def run_cli_round(args: argparse.Namespace) -> int:
     except (RoundError, RoundLocked) as e:
         print(f"hermes-lab round: {e}", file=sys.stderr)
         return 1
-    return (
-        0
-        if r.status in {"promoted", "rolled back"}
-        or r.status.startswith(("candidate held", "skipped"))
-        or r.status == "awaiting review"
-        else 4
-    )
+    return 0 if r.status.startswith(OK_STATUSES) else 4
 
 
 def add_arguments_flywheel(p: argparse.ArgumentParser) -> None:

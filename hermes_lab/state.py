@@ -1,7 +1,10 @@
 """Flywheel state and the clock: what the gates need to know about earlier rounds.
 
 Reads and writes ``runs/state.json`` (atomically: ``hermes_lab.jsonl.write_json_atomic``) holding the last
-training time, the champion adapter, the rounds whose data is negative, and the last round number.
+training time, the champion adapter, the rounds whose data is negative, the last round number, and the
+progress of the round in flight (``progress``: its completed stages, for --resume). Progress and the
+flywheel's state live in one file so that one rename changes both: a kill can never leave a round marked
+"trained" without its cooldown, or its negatives consumed but still listed.
 
 The clock is injectable: the real one is UTC wall time; a ``SimulatedClock`` (embedded flywheel, tests)
 lives in the state file and is advanced explicitly, so the 24 h cooldown holds without waiting a day.
@@ -60,6 +63,7 @@ class FlywheelState:
     last_round: int = 0
     simulated_now: str | None = None  # the simulated clock, when the flywheel uses one
     history: list[dict[str, Any]] = field(default_factory=list)
+    progress: dict[str, Any] | None = None  # the unfinished round (round, completed stages, status, ...)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FlywheelState:

@@ -7,6 +7,7 @@ trajectories JSONL, which is run through prep first) and writes under ``--output
 verdicts, the API judge's requests and failures), ``eval.json`` (held-out pass rate before/after),
 ``run.json`` (MLflow run id, base, adapter) and ``trl/`` (checkpoints every ``grpo.save_steps`` steps:
 ``--resume`` continues from the last one, see ``hermes_lab.train_state``). JSON files are written atomically.
+``verdict.json`` (the training_health gate for the round runner; written on a NaN stop too).
 
     python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep \
         --output runs/round-01/train
@@ -55,17 +56,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.config import HermesConfig, dump_config, load_config
 from hermes_lab.jsonl import write_json_atomic
 from hermes_lab.redaction import redact
+from hermes_lab.stages import STOP_HEALTH, gate, write_verdict
 from hermes_lab.train_state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
 
 
-# MLflow metrics are buffered and written at most this often (and at the end): one SQLite write costs ~10 ms,
-# 10% of a tiny-policy step; a real model's step takes longer than this, so its curves stay live step by step
-METRIC_FLUSH_S = 1.0
+# the train stage's metrics that are not TRL's per-step curves (all are logged as train/<name>)
+SUMMARY_METRICS = ("seconds", "eval_pass_rate_before", "eval_pass_rate_after", "judge_requests")
 
 
 class TrainingHealthError(RuntimeError):
@@ -123,15 +125,8 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
     return the kept set, the left-out prompts flagged, and the completion length.
 
     The completion length is never shortened to fit a long prompt: one long prompt would otherwise cut
-    every completion of the run short."""
-    from hermes_lab.config import ConfigError
-
+    every completion of the run short. (config.py refuses a completion length that leaves no room at all.)"""
     budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
-    if completion >= budget:
-        raise ConfigError(
-            f"grpo.max_completion_length={completion} leaves no room for a prompt within "
-            f"data.max_seq_len={budget}: raise data.max_seq_len or lower grpo.max_completion_length"
-        )
     prompts = list(ds["prompt"])
     lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     keep = [i for i, n in enumerate(lens) if n + completion <= budget]
@@ -158,10 +153,20 @@ def grpo_kwargs(
     cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]
 ) -> dict[str, Any]:
     """The GRPOConfig keyword arguments for a HermesConfig (the table in the module docstring)."""
+    import dataclasses
+
     import torch
+    from trl import GRPOConfig
 
     g = cfg.grpo
     on_gpu = torch.cuda.is_available()
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns (FutureWarning) on
+    # the old name: pass the new one where it exists (older 5.x releases only know the old one)
+    ckpt = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in {f.name for f in dataclasses.fields(GRPOConfig)}
+        else "gradient_checkpointing"
+    )
     kw = dict(
         output_dir=str(output_dir / "trl"),
         num_generations=g.group_size,
@@ -180,7 +185,6 @@ def grpo_kwargs(
         logging_steps=g.logging_steps,
         seed=g.seed,
         use_vllm=g.use_vllm,
-        gradient_checkpointing=g.gradient_checkpointing,
         report_to="none",  # our callback logs to MLflow itself: nesting and names stay ours
         # checkpoints (adapter + optimizer state) for --resume; the final adapter is saved where the round expects it
         save_strategy="steps",
@@ -192,6 +196,7 @@ def grpo_kwargs(
         disable_tqdm=False,
         remove_unused_columns=False,  # reward functions read reference / ref_reward columns
     )
+    kw[ckpt] = g.gradient_checkpointing
     if g.use_vllm:
         kw["vllm_mode"] = g.vllm_mode
     return kw
@@ -205,8 +210,14 @@ def save_steps(cfg: HermesConfig) -> int:
 
 # ------------------------------------------------------------------------------------------ callback
 def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool, judge: Any = None) -> Any:
-    """TRL log line -> train_log.jsonl + MLflow metrics + health guards (+ the judge's failure counts)."""
+    """TRL log line -> train_log.jsonl + ``train/<TRL name>`` MLflow metrics + health guards (+ the judge's
+    failure counts).
+
+    The JSONL gets every line at once; MLflow gets them in batches (``tracking.MetricBuffer``: a write to
+    the SQL store costs more than a tiny-policy step can spare) and at the end, also after a guard stop."""
     from transformers import TrainerCallback
+
+    from hermes_lab import tracking
 
     class HermesCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -214,8 +225,8 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             self.kl_hist: list[float] = []
             self.zero_hist: list[float] = []
             self._warned: set[str] = set()
-            self._pending: list[Any] = []  # MLflow metrics not written yet
-            self._flushed_at = time.monotonic()
+            self._file: Any = None  # train_log.jsonl, opened on the first line
+            self.metrics = tracking.MetricBuffer("train")
 
         def _warn(self, key: str, msg: str) -> None:
             if key not in self._warned:  # once per kind, or a long run prints a wall of warnings
@@ -232,79 +243,65 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             logs = dict(logs or {})
             step = state.global_step
             if judge is not None and "loss" in logs:  # cumulative, so a curve shows when the judge faltered
-                logs["train/judge_failures"] = judge.failures
-                logs["train/judge_failure_rate"] = round(judge.rate, 4)
+                logs["judge_failures"] = judge.failures  # -> train/judge_failures in MLflow
+                logs["judge_failure_rate"] = round(judge.rate, 4)
             loss = logs.get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 raise TrainingHealthError(
                     f"NaN/inf loss at step {step}: look for reward outliers (prep's outlier report), normalise or "
                     f"clip rewards, and lower the learning rate ({cfg.grpo.learning_rate}) before rerunning."
                 )
-            kl = logs.get("kl")
-            if kl is not None and math.isfinite(kl):
-                hist = self.kl_hist[-5:]
-                med = sorted(hist)[len(hist) // 2] if hist else None
-                if kl > cfg.grpo.kl_warn:
-                    self._warn(
-                        "kl_high",
-                        f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
-                        f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.",
-                    )
-                elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
-                    self._warn(
-                        "kl_rising",
-                        f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
-                        f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).",
-                    )
-                self.kl_hist.append(kl)
-            zero = logs.get("frac_reward_zero_std")
-            if zero is not None:
-                # averaged over the last 5 logs: with a few prompts per step one batch can be all-solved by chance
-                self.zero_hist.append(zero)
-                avg = sum(self.zero_hist[-5:]) / len(self.zero_hist[-5:])
-                if len(self.zero_hist) >= 5 and avg > cfg.grpo.zero_std_warn:
-                    self._warn(
-                        "zero_std",
-                        f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
-                        f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) "
-                        f"or group_size.",
-                    )
+            self._guard_kl(logs.get("kl"), step)
+            self._guard_zero_std(logs.get("frac_reward_zero_std"), step)
             if not is_main:
                 return
-            row = {"step": step, "epoch": state.epoch, **logs}
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-            import mlflow
+            if self._file is None:
+                self._file = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+            self._file.write(json.dumps({"step": step, "epoch": state.epoch, **logs}) + "\n")
+            self._file.flush()  # inspect may read it live; a crash keeps every finished step
+            self.metrics.log(logs, step)
 
-            if mlflow.active_run() is not None:
-                from mlflow.entities import Metric
-
-                ts = int(time.time() * 1000)
-                self._pending.extend(
-                    Metric(k, float(v), ts, step)
-                    for k, v in logs.items()
-                    if isinstance(v, (int, float)) and math.isfinite(float(v))
+        def _guard_kl(self, kl: Any, step: int) -> None:
+            if kl is None or not math.isfinite(kl):
+                return
+            hist = self.kl_hist[-5:]
+            med = sorted(hist)[len(hist) // 2] if hist else None
+            if kl > cfg.grpo.kl_warn:
+                self._warn(
+                    "kl_high",
+                    f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
+                    f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.",
                 )
-                if time.monotonic() - self._flushed_at >= METRIC_FLUSH_S:
-                    self.flush()
+            elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
+                self._warn(
+                    "kl_rising",
+                    f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
+                    f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).",
+                )
+            self.kl_hist.append(kl)
+
+        def _guard_zero_std(self, zero: Any, step: int) -> None:
+            if zero is None:
+                return
+            # averaged over the last 5 logs: with a few prompts per step one batch can be all-solved by chance
+            self.zero_hist.append(zero)
+            avg = sum(self.zero_hist[-5:]) / len(self.zero_hist[-5:])
+            if len(self.zero_hist) >= 5 and avg > cfg.grpo.zero_std_warn:
+                self._warn(
+                    "zero_std",
+                    f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
+                    f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) or group_size.",
+                )
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.flush()
+            self.close()
 
-        def flush(self) -> None:
-            """Write the buffered MLflow metrics to the active run, in batches of MLflow's limit (1000)."""
-            pending, self._pending = self._pending, []
-            self._flushed_at = time.monotonic()
-            if not pending:
-                return
-            import mlflow
-
-            run = mlflow.active_run()
-            if run is None:
-                return
-            client = mlflow.MlflowClient()
-            for i in range(0, len(pending), 1000):
-                client.log_batch(run.info.run_id, metrics=pending[i : i + 1000])
+        def close(self) -> None:
+            """Close train_log.jsonl and write the buffered MLflow metrics (also when a guard stopped training)."""
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.metrics.flush(wait=True)
 
     return HermesCallback()
 
@@ -336,7 +333,7 @@ def train(
     from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab import policy as P
-    from hermes_lab import rewards, tracking
+    from hermes_lab import quiet, rewards, tracking
 
     t0 = time.time()
     out = Path(output_dir)
@@ -349,7 +346,8 @@ def train(
     samples = rewards.SampleLog()
     funcs, weights = rewards.get_reward_funcs(cfg, samples)
     base = P.resolve_model_name(cfg.model.base_model, runs_dir, cfg.model.seed)
-    start_adapter = start_adapter or cfg.model.adapter
+    # an adapter dir, a train output dir (its adapter/) or 'champion' (hermes_lab.arms)
+    start_adapter = resolve_adapter(start_adapter or cfg.model.adapter, "start_adapter / model.adapter", cfg)
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -363,7 +361,8 @@ def train(
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     peft_config = None
     if start_adapter:  # continue the champion; TRL copies it into a frozen "ref" adapter for KL
-        model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
+        with quiet.third_party_deprecations():
+            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
     else:
         lc = cfg.lora
         peft_config = LoraConfig(
@@ -383,7 +382,8 @@ def train(
     callback = make_callback(cfg, log_path, samples, is_main, judge)
     run_id = None
     ctx = mlflow_run(saved.get("mlflow_run_id"), parent_run_id, runs_dir, cfg) if is_main else contextlib.nullcontext()
-    with ctx as run:  # only rank 0 tracks
+    # TRL and PEFT read a property transformers 5 deprecated (a FutureWarning per run): hidden, see quiet.py
+    with ctx as run, quiet.third_party_deprecations():  # only rank 0 tracks
         if run is not None:
             run_id = run.info.run_id
             if resumed_from is None:
@@ -417,9 +417,11 @@ def train(
             if is_main:  # a stopped run still says why, and how many judgements failed
                 h = health_report("stopped", callback.warnings, flagged, trainer.state.global_step, resumed_from, judge)
                 write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
+                if isinstance(e, TrainingHealthError):  # the round runner reads this verdict: a gate stop, not a crash
+                    write_verdict(out, "train", [gate("training_health", False, str(e))], STOP_HEALTH)
             raise
         finally:  # a run stopped by a guard keeps its curve up to the stop
-            callback.flush()
+            callback.close()
         adapter_dir = out / "adapter"
         result = TrainResult(
             out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings, flagged_prompts=len(flagged)
@@ -446,6 +448,15 @@ def train(
                 "resumed_from_step": resumed_from,
             }
             write_json_atomic(out / "run.json", meta)
+            health_detail = "; ".join(callback.warnings) or "no warnings"
+            write_verdict(
+                out,
+                "train",
+                [gate("training_health", True, health_detail)],
+                adapter=str(adapter_dir),
+                mlflow_run_id=run_id,
+                eval=result.eval or None,
+            )
             if run is not None:
                 _log_artifacts(out, result)
     return result
@@ -472,29 +483,19 @@ def _eval_before_after(
 
 
 def _log_artifacts(out: Path, result: TrainResult) -> None:
-    import mlflow
+    from hermes_lab import tracking
 
     for name in ("train_log.jsonl", "samples.jsonl", "config.yaml", "health.json", "eval.json"):
-        if (out / name).exists():
-            mlflow.log_artifact(str(out / name))
-    mlflow.log_artifacts(str(result.adapter_dir), artifact_path="adapter")
-    mlflow.log_metric("train.seconds", result.seconds)
+        tracking.log_artifact(out / name)
+    tracking.log_artifacts(result.adapter_dir, "adapter")
+    summary = {"seconds": result.seconds}
     if result.judge:
-        mlflow.log_metrics(
-            {
-                "train/judge_requests": result.judge["judge_requests"],
-                "train/judge_failures": result.judge["judge_failures"],
-                "train/judge_failure_rate": result.judge["judge_failure_rate"],
-            }
-        )
+        summary.update({k: result.judge[k] for k in ("judge_requests", "judge_failures", "judge_failure_rate")})
     if result.eval:
-        mlflow.log_metrics(
-            {
-                "eval.pass_rate_before": result.eval["before"]["pass_rate"],
-                "eval.pass_rate_after": result.eval["after"]["pass_rate"],
-            }
-        )
-    mlflow.set_tag("health.warnings", str(len(result.warnings)))
+        summary["eval_pass_rate_before"] = result.eval["before"]["pass_rate"]
+        summary["eval_pass_rate_after"] = result.eval["after"]["pass_rate"]
+    tracking.log_metrics("train", summary)  # SUMMARY_METRICS: inspect keeps them out of the per-step curves
+    tracking.set_tags({"health.warnings": len(result.warnings)})
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -508,7 +509,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "--params", dest="config", required=True, help="the training YAML (user's format)")
     p.add_argument("--data", required=True, help="prep output dir, saved datasets dir, or trajectories JSONL")
     p.add_argument("--output", required=True, help="output dir (adapter/, train_log.jsonl, ...)")
-    p.add_argument("--start-adapter", default=None, help="continue training this adapter (the champion)")
+    p.add_argument(
+        "--start-adapter", default=None, help=f"continue training this adapter (e.g. champion): {ADAPTER_KINDS}"
+    )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
@@ -538,13 +541,15 @@ def run_cli(args: argparse.Namespace) -> int:
             raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
         overrides[k] = v
     cfg = load_config(args.config, overrides or None)
+    start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
+
     try:
         res = train(
             cfg,
             args.data,
             args.output,
             parent_run_id=args.parent_run_id or None,
-            start_adapter=args.start_adapter,
+            start_adapter=start_adapter,
             evaluate_heldout=not args.no_eval,
             resume=args.resume,
         )

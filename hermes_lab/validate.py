@@ -21,14 +21,16 @@ Reads:
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
 and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
-sampling} and, in the active MLflow run, ``validate/...`` metrics plus the tag ``regression_gate``.
+sampling} and, in the active MLflow run, ``validate/regression_*`` metrics plus the tag
+``regression_gate`` = passed | stopped.
 
     hermes-lab validate --base embedded:tiny --candidate-adapter runs/round-01/train/adapter \\
         --output runs/round-01/validate            # exit 0: passed, 4: stopped
     python -m hermes_lab.validate ...               # the same
 
-The notebook raises ``RegressionGateStop`` when the gate stops a candidate, so papermill fails the
-stage; the round runner reads regression.json for the reason.
+Also ``verdict.json`` (the gate in the round runner's format, ``hermes_lab.stages``). The notebook raises
+``RegressionGateStop`` when the gate stops a candidate, so papermill stops; the verdict tells the round
+runner it was the gate.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hermes_lab import tasks as T
-from hermes_lab.jsonl import write_json_atomic
+from hermes_lab.arms import ADAPTER_KINDS, ArmError, resolve_adapter
+from hermes_lab.jsonl import safe_name, write_json_atomic
+from hermes_lab.stages import STOP_REGRESSION, gate, write_verdict
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -163,10 +167,11 @@ def resolve_baseline(cfg: Any, explicit: str | None = None) -> tuple[str, str | 
     """(base model, adapter) of THE baseline: the policy both gates compare the candidate with -- the
     regression gate here and the A/B stage (``ab_run.resolve_arms``, the round's A/B parameters). An
     explicit adapter, else the live champion (runs/state.json), else model.adapter, else None (bare base)."""
+    from hermes_lab.paths import project_root
     from hermes_lab.state import FlywheelState, state_path
 
-    if explicit:
-        return cfg.model.base_model, explicit
+    if explicit:  # an adapter, a train output dir or 'champion' (notebook parameters: project-relative)
+        return cfg.model.base_model, resolve_adapter(explicit, "baseline_adapter", cfg, project_root())
     champ = FlywheelState.load(state_path(cfg.round.runs_dir)).champion_adapter
     return cfg.model.base_model, champ or cfg.model.adapter or None
 
@@ -409,27 +414,32 @@ def regression_gate(
     if output_dir is not None:
         report["path"] = str(Path(output_dir) / "regression.json")
         write_json_atomic(report["path"], report)  # the round runner reads it back
+        detail = "; ".join(report["reasons"]) or "no family regressed"
+        write_verdict(
+            output_dir,
+            "validate",
+            [gate("regression", report["passed"], detail)],
+            None if report["passed"] else STOP_REGRESSION,
+        )
     log_report(report)
     return report
 
 
 def log_report(report: dict[str, Any]) -> None:
-    """Metrics (``validate/...``) + tags of the gate in the active MLflow run (no-op without one)."""
-    import mlflow
+    """validate/regression_* metrics + tags of the gate in the active MLflow run (no-op without one)."""
+    from hermes_lab import tracking
 
-    if mlflow.active_run() is None:
-        return
-    m: dict[str, float] = {"validate/passed": float(report["passed"]), "validate/warnings": len(report["warnings"])}
+    m: dict[str, float] = {"regression_passed": float(report["passed"]), "regression_warnings": len(report["warnings"])}
     for arm in ("baseline", "candidate"):
-        m[f"validate/{arm}_pass_rate"] = float(report[arm]["pass_rate"])
-        m[f"validate/{arm}_mean_reward"] = float(report[arm]["mean_reward"])
+        m[f"regression_{arm}_pass_rate"] = float(report[arm]["pass_rate"])
+        m[f"regression_{arm}_mean_reward"] = float(report[arm]["mean_reward"])
     for f, row in [*report["per_family"].items(), ("overall", report["overall"])]:
-        pre = "validate" if f == "overall" else f"validate/{f}"
+        pre = "regression" if f == "overall" else f"regression_{safe_name(f)}"
         for k in ("delta", "drop_ucb", "stop_if_drop", "pass_if_equal", "candidate_pass_rate", "baseline_pass_rate"):
             if row.get(k) is not None:
-                m[f"{pre}/{k}"] = float(row[k])
-    mlflow.log_metrics(m)
-    mlflow.set_tags(
+                m[f"{pre}_{k}"] = float(row[k])
+    tracking.log_metrics("validate", m)
+    tracking.set_tags(
         {
             "regression_gate": "passed" if report["passed"] else "stopped",
             "regression_reasons": ("; ".join(report["reasons"]) or "none")[:5000],
@@ -437,7 +447,7 @@ def log_report(report: dict[str, Any]) -> None:
         }
     )
     if report.get("path"):
-        mlflow.log_artifact(report["path"])
+        tracking.log_artifact(report["path"])
 
 
 def raise_if_stopped(report: dict[str, Any]) -> None:
@@ -471,11 +481,11 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="Base model: hub id, local path or embedded:tiny.")
-    p.add_argument("--candidate-adapter", required=True, help="LoRA adapter dir of the candidate.")
+    p.add_argument("--candidate-adapter", required=True, help=f"The candidate: {ADAPTER_KINDS}.")
     p.add_argument(
         "--baseline-adapter",
         default=None,
-        help="LoRA adapter dir of the baseline (default: the champion in runs/state.json, else "
+        help=f"The baseline: {ADAPTER_KINDS} (default: the champion in runs/state.json, else "
         "model.adapter, else the bare base).",
     )
     p.add_argument("--params", default=None, help="YAML config (validate section: tolerance, sampling).")
@@ -492,8 +502,13 @@ def run_cli(args: argparse.Namespace) -> int:
     from hermes_lab.config import load_config
 
     cfg = load_config(args.params)
+    # typed in a shell: relative to the cwd; a train output dir means its adapter/
+    candidate = resolve_adapter(args.candidate_adapter, "--candidate-adapter", cfg)
+    if candidate is None:
+        raise ArmError("--candidate-adapter", args.candidate_adapter, "no champion promoted yet", ADAPTER_KINDS)
+    explicit = resolve_adapter(args.baseline_adapter, "--baseline-adapter", cfg)
     tasks, note = regression_tasks(cfg, heldout_dir=args.heldout)
-    baseline = resolve_baseline(cfg, args.baseline_adapter)[1]
+    baseline = explicit or resolve_baseline(cfg)[1]
     ctx = (
         contextlib.nullcontext()
         if args.no_mlflow
@@ -501,7 +516,7 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     with ctx:
         report = regression_gate(
-            cfg, args.base, args.candidate_adapter, baseline, tasks=tasks, task_note=note, output_dir=args.output
+            cfg, args.base, candidate, baseline, tasks=tasks, task_note=note, output_dir=args.output
         )
     print(report_table(report).to_string(float_format=lambda x: f"{x:.3f}"))
     for w in report["warnings"]:

@@ -36,3 +36,22 @@ def mlflow_store(tmp_path, monkeypatch):
     yield mlflow
     while mlflow.active_run() is not None:
         mlflow.end_run()
+
+
+@pytest.fixture
+def project_copy(tmp_path):
+    """A second hermes-lab project in tmp_path/proj: copies of params/ and notebooks/ (what makes a folder the
+    project, hermes_lab.paths), and runs/policies linked to this checkout's built tiny policy (no rebuild)."""
+    import shutil
+    from pathlib import Path
+
+    from hermes_lab.policy import build_tiny_policy
+
+    repo = Path(__file__).resolve().parents[1]
+    proj = tmp_path / "proj"
+    for d in ("params", "notebooks"):
+        shutil.copytree(repo / d, proj / d)
+    tiny = build_tiny_policy(repo / "runs", 0, quiet=True)
+    (proj / "runs").mkdir()
+    (proj / "runs" / "policies").symlink_to(tiny.parent.resolve(), target_is_directory=True)
+    return proj

@@ -17,7 +17,7 @@ IDS = [f"req-{i}" for i in range(4000)]
 
 
 def spec_bucket(request_id: str) -> float:
-    """The SPEC formula, computed independently: the first 4 digest bytes are the first 8 hex digits."""
+    """The formula of docs/SPEC.md, computed independently: the first 4 digest bytes are the first 8 hex digits."""
     return int.from_bytes(hashlib.md5(request_id.encode()).digest()[:4], "big") / 0xFFFFFFFF
 
 

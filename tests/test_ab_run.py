@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hermes_lab import ab, ab_run
+from hermes_lab import ab, ab_report, ab_run
 from hermes_lab import tasks as T
 from hermes_lab.config import ConfigError, load_config
 
@@ -69,6 +69,9 @@ def test_better_candidate_is_promoted_through_all_stages(tmp_path):
     assert rep["delta"] > 0 and rep["significant"] and rep["decisions"]["user"] == "promote"
     on_disk = json.loads((tmp_path / "ab_report.json").read_text())
     assert on_disk["decision"] == "promote" and len(on_disk["plots"]) == 3
+    verdict = json.loads((tmp_path / "verdict.json").read_text())  # what the round runner reads
+    assert verdict["gates"][0]["gate"] == "ab_decision" and verdict["gates"][0]["passed"] is True
+    assert verdict["candidate"]["promoted"] is True and verdict["stop"] is None
     assert all(Path(p).stat().st_size > 5000 for p in on_disk["plots"])
     rows = _log(tmp_path / "requests.jsonl")
     assert len(rows) == rep["n_requests"] and FIELDS <= set(rows[0])
@@ -204,9 +207,20 @@ def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
 
 def test_bad_stages_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="ab.stages"):
-        ab_run.check_ab_config(_cfg(tmp_path, stages=[[0.3, 100], [0.1, 100]]))
+        _cfg(tmp_path, stages=[[0.3, 100], [0.1, 100]])
     with pytest.raises(ConfigError, match="ab.unit"):
-        ab_run.check_ab_config(_cfg(tmp_path, unit="session"))
+        _cfg(tmp_path, unit="session")
+    with pytest.raises(ConfigError, match="--ratio"):  # a --ratio above the next stage breaks the monotone ramp
+        ab_run.run_ab(_cfg(tmp_path), FakePolicy(0.5, "b"), FakePolicy(0.5, "c"), ratio=0.5, output=tmp_path / "r.json")
+
+
+def test_traffic_ratio_is_an_alias_of_the_first_stage(tmp_path):
+    assert _cfg(tmp_path, traffic_ratio=0.2).ab.stages[0] == [0.2, 7200]  # set alone: it moves the first stage
+    cfg = _cfg(tmp_path, stages=[[0.05, 600], [1.0, 0]])
+    assert cfg.ab.traffic_ratio == 0.05  # stages set alone: the alias follows
+    assert _cfg(tmp_path, traffic_ratio=0.05, stages=[[0.05, 600], [1.0, 0]]).ab.stages[0][0] == 0.05
+    with pytest.raises(ConfigError, match="disagree"):
+        _cfg(tmp_path, traffic_ratio=0.2, stages=[[0.05, 600], [1.0, 0]])
 
 
 def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
@@ -240,7 +254,7 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
     # issue #14: the first stage passed, so traffic widens to 30%; that is not a promotion
     assert rep["final_ratio"] == 0.3 and rep["decision"] == "widen" and rep["promoted"] is False
     run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
-    assert run.data.metrics["ab_delta"] == pytest.approx(rep["delta"])
+    assert run.data.metrics["ab/delta"] == pytest.approx(rep["delta"])
     assert run.data.params["ab.baseline"] == "B" and run.data.tags["ab.decision"] == "widen"
     client = mlflow.MlflowClient()
     arts = {a.path for d in ("ab", "plots") for a in client.list_artifacts(run.info.run_id, d)}
@@ -325,7 +339,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     text = (tmp_path / "run.ipynb").read_text()
     assert "decision: " in text and text.count("image/png") >= 3
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
-    assert run.info.run_name == "ab" and "ab_delta" in run.data.metrics
+    assert run.info.run_name == "ab" and "ab/delta" in run.data.metrics
 
 
 def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
@@ -345,26 +359,28 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
     assert res["report"]["delta"] == first["delta"] and len(res["plots"]) == 3
     assert all(p.is_file() for p in res["plots"])
     assert len(res["cols"]["reward"]) == first["n_requests"]
-    assert ab_run.stage_table(res["report"]).loc[0, "delta"] == pytest.approx(first["stages"][0]["delta"])
-    assert set(ab_run.family_table(res["report"]).index) >= {"upper", "add"}
+    assert ab_report.stage_table(res["report"]).loc[0, "delta"] == pytest.approx(first["stages"][0]["delta"])
+    assert set(ab_report.family_table(res["report"]).index) >= {"upper", "add"}
 
 
 def test_round_moves_the_champion_only_on_promotion(tmp_path):
     """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
     from hermes_lab import round as R
+    from hermes_lab.stages import STAGES, gate, write_verdict
     from hermes_lab.state import FlywheelState
 
     cfg = _cfg(tmp_path)
     for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):
         rd = tmp_path / f"round-{decision}"
-        (rd / "ab").mkdir(parents=True)
-        report = {"decision": decision, "promoted": promoted, "final_ratio": ratio, "delta": 0.4}
-        (rd / "ab" / "ab_report.json").write_text(json.dumps(report))
+        adapter = str(rd / "train" / "adapter")
+        write_verdict(rd / "train", "train", [gate("training_health", True, "no warnings")], adapter=adapter)
+        report = {"decision": decision, "promoted": promoted, "rolled_back": False, "final_ratio": ratio, "delta": 0.4}
+        ab_report.write_ab_verdict(report, rd / "ab")
         state = FlywheelState()
         prog = {"completed": ["train", "validate", "ab"], "timings": {}, "parent_run_id": "x"}
-        summary = R._finish(cfg, state, rd, 1, prog, "completed")
-        assert (state.champion_adapter is not None) is promoted
+        summary = R._finish(cfg, STAGES, state, rd, 1, prog, "completed")
+        assert (state.champion_adapter == adapter) is promoted and (state.champion_adapter is None) is not promoted
         assert summary["status"] == ("promoted" if promoted else "candidate held (widen)")
         assert summary["ab"]["promoted"] is promoted and summary["ab"]["final_ratio"] == ratio
-        gate = next(g for g in summary["gates"] if g["gate"] == "ab_decision")
-        assert gate["passed"] is promoted
+        ab_gate = next(g for g in summary["gates"] if g["gate"] == "ab_decision")
+        assert ab_gate["passed"] is promoted

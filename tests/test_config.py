@@ -274,3 +274,78 @@ def test_flat_params_hold_no_secret(user_env, monkeypatch):
         assert flat["model.api_key_env"] == "TAOTOKEN_API_KEY"
         assert flat["reward.api_key_env"] == "TAOTOKEN_API_KEY"
         assert "source" not in flat
+
+
+# ---------------------------------------------------------------------- checks a round used to hit late
+CROSS_FIELD = [  # (YAML, key named in the error): each failed a stage mid-round before it moved here
+    ("grpo:\n  max_completion_length: 64\ndata:\n  max_seq_len: 64\n", "grpo.max_completion_length"),  # train
+    ("reward:\n  types: [system, bleu]\n", "reward.types entry 'bleu'"),  # train: unknown reward function
+    ("reward:\n  system: not a function\n", "reward.system"),  # train / ab / validate scoring
+    ("reward:\n  scale: 5\n  success_threshold: 6\n", "reward.success_threshold"),  # nothing could pass
+    ("reward:\n  model: judge-1\n  types: [comparison]\n", "reward.base_url"),  # train: the API judge
+    ("execute:\n  families: [add, poetry]\n", "execute.families"),  # execute: unknown task family
+    ("ab:\n  stages: [[0.3, 100], [0.1, 100]]\n", "ab.stages"),  # ab: a ramp that goes down
+    ("ab:\n  stages: [[0.1, 0], [1.0, 0]]\n", "ab.stages"),  # ab: a first stage nobody tests
+    ("ab:\n  traffic_ratio: 0.2\n  stages: [[0.1, 7200], [1.0, 0]]\n", "ab.traffic_ratio"),  # guessed before
+    ("ab:\n  unit: session\n", "ab.unit"),  # ab: the choices come from the type
+    ("review:\n  agreement_metric: within1\n  label_mode: passfail\n", "review.agreement_metric within1"),
+    ("review:\n  kappa_weights: cubic\n", "review.kappa_weights"),  # review
+    ("data:\n  max_line_bytes: 100\n", "data.max_line_bytes"),  # prep
+    ("validate:\n  eval_tasks_per_family: 0\n", "validate.eval_tasks_per_family"),  # validate: empty set
+    ("grpo:\n  loss_type: ppo\n", "grpo.loss_type"),  # train: TRL's own list, read from TRL
+    ("round:\n  registered_model: it's\n", "round.registered_model"),  # the champion's registry search
+    ("model:\n  api_key_env: sk-abc123-secret\n", "model.api_key_env"),  # a pasted key, not a variable name
+]
+
+
+@pytest.mark.parametrize("text,key", CROSS_FIELD, ids=[k for _, k in CROSS_FIELD])
+def test_cross_field_and_late_errors_are_caught_at_load(tmp_path, text, key):
+    with pytest.raises(ConfigError) as ei:
+        load_config(write(tmp_path, text))
+    assert key in str(ei.value)
+    assert "sk-abc123-secret" not in str(ei.value)  # a key pasted by mistake is never echoed
+
+
+def test_every_problem_is_listed_not_just_the_first(tmp_path):
+    text = "grpo:\n  group_size: 1\n  group_sise: 4\nab:\n  unit: session\nreview:\n  min_agreement: 2\n"
+    with pytest.raises(ConfigError) as ei:
+        load_config(write(tmp_path, text))
+    problems = ei.value.problems
+    assert len(problems) == 4, problems
+    for key in ("group_sise", "ab.unit", "grpo.group_size", "review.min_agreement"):
+        assert any(key in p for p in problems), key
+    assert "4 problems" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_choices_and_bounds_come_from_the_fields():
+    helps = field_help()
+    assert "Choices: request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
+    from hermes_lab.config import trl_choices
+
+    trl = trl_choices("loss_type")  # read from the installed TRL's GRPOConfig, not a copy of it
+    assert trl is not None and {"grpo", "dr_grpo", "dapo", "bnpo"} <= set(trl)
+    assert f"Choices: {', '.join(trl)}." in helps["grpo.loss_type"]
+    cfg = load_config(None, {"ab.unit": "user", "grpo.loss_type": trl[-1]})
+    assert cfg.ab.unit == "user" and cfg.grpo.loss_type == trl[-1]
+
+
+def test_embedded_warns_when_a_round_cannot_have_enough_samples():
+    from hermes_lab.config import check_config
+
+    warnings = check_config(load_config(EMBEDDED_YAML, {"execute.num_tasks": 100}))
+    assert len(warnings) == 1 and "execute.num_tasks 100 < data.min_samples 500" in warnings[0]
+    assert check_config(load_config(EMBEDDED_YAML)) == []
+
+
+@pytest.mark.slow
+def test_cli_check_lists_every_problem_and_asks_trl_and_peft(tmp_path, user_env):
+    bad = write(tmp_path, "lora:\n  task_type: CAUSAL\ngrpo:\n  use_vllm: true\n  loss_type: dapo\n")
+    r = run_cli("config", "--check", "--params", str(bad))
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert any("lora.task_type" in e and "CAUSAL_LM" in e for e in errors), r.stderr  # PEFT's TaskType
+    assert any("grpo.use_vllm" in e and "vllm is not installed" in e for e in errors), r.stderr
+    assert "Traceback" not in r.stderr
+    for good in (USER_YAML, EMBEDDED_YAML):  # the user's file as is, and the embedded default, pass
+        r = run_cli("config", "--check", "--params", str(good))
+        assert r.returncode == 0 and r.stdout.strip().endswith(": ok"), r.stdout + r.stderr

@@ -10,7 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from hermes_lab import curves as C
 from hermes_lab import inspect as I
+from hermes_lab import inspect_plots as P
 from hermes_lab.config import load_config
 
 N = 60
@@ -175,7 +177,7 @@ def test_load_train_log(tmp_path):
             json.dumps({"step": 11, "reward": None, "note": "text values are ignored"}),
         ],
     )
-    got = I.load_train_log(log.parent)  # a dir works as well as the file
+    got = C.load_train_log(log.parent)  # a dir works as well as the file
     assert list(got.index) == list(range(1, 12)) and got.index.name == "step"
     assert got.loc[10, "train_runtime"] == 12.5
     np.testing.assert_allclose(got.loc[1:10, "reward"], df["reward"])
@@ -189,21 +191,22 @@ def test_load_train_log_errors_name_file_and_line(tmp_path):
     p = tmp_path / "train_log.jsonl"
     p.write_text('{"step": 1, "reward": 1.0}\n{oops\n')
     with pytest.raises(ValueError, match=r"train_log.jsonl:2: not valid JSON"):
-        I.load_train_log(p)
+        C.load_train_log(p)
     p.write_text('{"step": 1, "reward": 1.0}\n{"reward": 2.0}\n')
     with pytest.raises(ValueError, match=r"train_log.jsonl:2: no 'step' key"):
-        I.load_train_log(p)
+        C.load_train_log(p)
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        I.load_train_log(tmp_path / "nowhere")
+        C.load_train_log(tmp_path / "nowhere")
 
 
 def log_run(mlflow, df: pd.DataFrame, tmp_path) -> str:
     from hermes_lab import tracking
 
     tracking.setup(tmp_path, "test-train")
-    with mlflow.start_run(run_name="train") as run:
+    with mlflow.start_run(run_name="train") as run:  # the names train.py gives them: train/<TRL name>
         for step, row in df.iterrows():
-            mlflow.log_metrics({k: float(v) for k, v in row.items()}, step=int(step))
+            mlflow.log_metrics({f"train/{k}": float(v) for k, v in row.items()}, step=int(step))
+        mlflow.log_metrics({"train/seconds": 12.0, "train/eval_pass_rate_after": 0.5})  # summaries, not curves
     return run.info.run_id
 
 
@@ -211,16 +214,17 @@ def test_load_curves_from_mlflow(tmp_path, mlflow_store):
     df = curves(n=8)[["reward", "reward_std", "rewards/system/mean", "kl", "frac_reward_zero_std"]].copy()
     df.loc[5, "kl"] = np.nan
     run_id = log_run(mlflow_store, df, tmp_path)
-    got = I.load_mlflow_curves(run_id)
+    got = C.load_mlflow_curves(run_id)
     assert got.attrs["source"] == f"mlflow:{run_id}"
     assert list(got.index) == list(range(1, 9))
     np.testing.assert_allclose(got["rewards/system/mean"], df["rewards/system/mean"])
+    assert set(got.columns) == set(df.columns)  # prefix dropped, summaries left out
     assert got.attrs["nonfinite"] == {"kl": [5]}
     # via run.json, as train writes it; MLflow wins over the JSONL when it has the run
     train = tmp_path / "round-01" / "train"
     write_log(train / "train_log.jsonl", curves(n=3, grad_norm=np.array([0.5, np.nan, 0.4])))
     (train / "run.json").write_text(json.dumps({"mlflow_run_id": run_id, "base_model": "x", "adapter": "y"}))
-    via = I.load_curves(train, runs_dir=tmp_path)
+    via = C.load_curves(train, runs_dir=tmp_path)
     assert via.attrs["source"].startswith("mlflow:") and len(via) == 8
     # train's callback sends only finite values to MLflow: the JSONL's NaN must still reach the NaN rule
     assert via.attrs["nonfinite"] == {"kl": [5], "grad_norm": [2]}
@@ -232,20 +236,20 @@ def test_load_curves_falls_back_to_the_jsonl(tmp_path, mlflow_store):
     train = tmp_path / "train"
     write_log(train / "train_log.jsonl", curves(n=5))
     (train / "run.json").write_text(json.dumps({"mlflow_run_id": "0" * 32}))  # not in this store
-    got = I.load_curves(train, runs_dir=tmp_path)
+    got = C.load_curves(train, runs_dir=tmp_path)
     assert got.attrs["source"].endswith("train_log.jsonl") and len(got) == 5
     assert "MLflow unavailable" in got.attrs["fallback"]
     (train / "run.json").write_text(json.dumps({"mlflow_run_id": None}))
-    assert I.load_curves(train, runs_dir=tmp_path).attrs["fallback"] == "no MLflow run id"
+    assert C.load_curves(train, runs_dir=tmp_path).attrs["fallback"] == "no MLflow run id"
 
 
 def test_earlier_train_dirs(tmp_path):
     for n in (1, 2, 3, 4):
         write_log(tmp_path / f"round-{n:02d}" / "train" / "train_log.jsonl", curves(n=3))
     (tmp_path / "round-05").mkdir()
-    got = I.earlier_train_dirs(tmp_path / "round-03")
+    got = C.earlier_train_dirs(tmp_path / "round-03")
     assert got == [tmp_path / "round-01" / "train", tmp_path / "round-02" / "train"]
-    assert I.round_label(got[0]) == "round-01"
+    assert C.round_label(got[0]) == "round-01"
 
 
 # ------------------------------------------------------------------------------------------- plots + stage
@@ -254,7 +258,7 @@ def test_plots_written_as_png_and_logged(tmp_path, mlflow_store):
 
     df = curves()
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
-        written = I.plot_curves(df, tmp_path / "plots", compare={"round-00": curves(7)}, diagnostics=I.diagnose(df))
+        written = P.plot_curves(df, tmp_path / "plots", compare={"round-00": curves(7)}, diagnostics=I.diagnose(df))
     expected = {
         "reward",
         "reward_functions",
@@ -272,7 +276,7 @@ def test_plots_written_as_png_and_logged(tmp_path, mlflow_store):
     arts = {a.path for a in mlflow_store.tracking.MlflowClient().list_artifacts(run.info.run_id, "plots")}
     assert arts == {f"plots/{n}.png" for n in expected}
     # a run that logged only the loss: only that panel, no empty figures
-    only = I.plot_curves(df[["loss"]], tmp_path / "few")
+    only = P.plot_curves(df[["loss"]], tmp_path / "few")
     assert set(only) == {"loss_grad_norm"}
 
 
@@ -286,14 +290,14 @@ def test_inspect_run_writes_diagnostics_json(tmp_path, mlflow_store):
     write_log(tmp_path / "round-02" / "train" / "train_log.jsonl", curves(kl=kl))
     train = tmp_path / "round-02" / "train"
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
-        res = I.inspect_run(train, tmp_path / "round-02" / "validate", cfg, compare=I.earlier_train_dirs(train.parent))
+        res = I.inspect_run(train, tmp_path / "round-02" / "validate", cfg, compare=C.earlier_train_dirs(train.parent))
     data = json.loads((tmp_path / "round-02" / "validate" / "diagnostics.json").read_text())
     assert data["worst"] == "fail" and data["compared_with"] == ["round-01"] and data["n_steps"] == N
     spike = rule(data["diagnostics"], "kl_spike")
     assert spike["step"] == 46 and "raise kl_coefficient" in spike["advice"]
     assert all(math.isfinite(d["value"]) for d in data["diagnostics"] if d["value"] is not None)
     r = mlflow_store.tracking.MlflowClient().get_run(run.info.run_id)
-    assert r.data.tags["diagnostics.worst"] == "fail" and r.data.metrics["diagnostics/fail_count"] >= 1
+    assert r.data.tags["diagnostics.worst"] == "fail" and r.data.metrics["validate/diagnostics_fail_count"] >= 1
     assert len(res["plots"]) == 9
 
 

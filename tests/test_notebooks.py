@@ -13,6 +13,8 @@ import nbformat
 import papermill
 import pytest
 
+from hermes_lab.stages import STAGES
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "bearer"}
@@ -121,15 +123,59 @@ def test_papermill_sees_parameters_with_help(path):
         assert required in info
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_parameters_are_typed_for_papermill_help(path):
+    """`papermill --help-notebook` shows type, default and help for every parameter (not "Unknown type"):
+    papermill reads the type from an annotation, `max_steps: int = 0  # help`."""
+    for name, p in papermill.inspect_notebook(str(path)).items():
+        default = ast.literal_eval(p["default"])
+        assert p["inferred_type_name"] == type(default).__name__, f"{path.name}: '{name}' is typed {p}"
+        assert not p["help"].startswith("help:"), f"{path.name}: '{name}': the help repeats 'help:'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_config_cell_resolves_paths_against_the_project_root(path):
+    """The second code cell makes path parameters absolute against the project root before anything reads
+    them (the kernel's cwd is notebooks/ under JupyterLab): hermes_lab.paths.resolve_params."""
+    second = _code_cells(_read(path))[1].source
+    assert "paths.resolve_params(globals())" in second and "quiet.configure()" in second
+    assert second.index("paths.resolve_params") < second.index("load_config(")
+    names = [n for n, _, _ in _assignments(_parameters_cell(_read(path)).source)]
+    from hermes_lab.paths import LIST_PARAMS, PATH_PARAMS, SPEC_PARAMS
+
+    pathlike = [n for n in names if n.endswith(("_path", "_dir")) or n in ("trajectories", "adapter")]
+    missing = [n for n in pathlike if n not in PATH_PARAMS + LIST_PARAMS + SPEC_PARAMS]
+    assert not missing, f"{path.name}: path parameters {missing} are not resolved (add them to hermes_lab.paths)"
+
+
 def test_round_stage_notebooks_exist_and_accept_round_params():
-    from hermes_lab.round import NOTEBOOKS as ROUND_NOTEBOOKS
-    from hermes_lab.round import STAGES
+    from hermes_lab.round import notebook_path
 
     assert STAGES, "no stages"
-    assert len({nb for _, nb in STAGES}) == len(STAGES)
-    for stage, nb in STAGES:
-        path = ROUND_NOTEBOOKS / nb
-        assert path.is_file(), f"stage '{stage}': {nb} is missing"
+    assert len({s.notebook for s in STAGES}) == len(STAGES) and len({s.name for s in STAGES}) == len(STAGES)
+    for stage in STAGES:
+        path = notebook_path(stage)
+        assert path.is_file(), f"stage '{stage.name}': {stage.notebook} is missing"
         info = papermill.inspect_notebook(str(path))
         missing = [p for p in ROUND_PARAMS if p not in info]
-        assert not missing, f"stage '{stage}' ({nb}) lacks parameters {missing}"
+        assert not missing, f"stage '{stage.name}' ({stage.notebook}) lacks parameters {missing}"
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
+def test_parameters_cell_is_pinned_to_its_registry_row(stage, tmp_path):
+    """Each stage notebook's parameters cell is exactly its row's notebook_params, in order, and the
+    parameters the round passes (the row's builder) are all among them."""
+    from hermes_lab.config import load_config
+    from hermes_lab.round import notebook_path
+    from hermes_lab.stages import ROUND_PARAMS as COMMON
+    from hermes_lab.stages import RoundContext
+    from hermes_lab.state import FlywheelState
+
+    cell = list(papermill.inspect_notebook(str(notebook_path(stage))))
+    assert tuple(cell) == stage.notebook_params, f"{stage.notebook}: cell {cell} != row {stage.notebook_params}"
+    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
+    ctx = RoundContext(cfg, "params/embedded.yaml", tmp_path / "round-02", 2, "run-id", FlywheelState(last_round=1))
+    if stage.name == "ab":  # its builder resolves the embedded policy's dir: give it a champion instead
+        ctx.state.champion_adapter = str(tmp_path / "round-01" / "train" / "adapter")
+    passed = [*COMMON, *stage.params(ctx)]
+    assert set(passed) <= set(cell), f"{stage.name}: the round passes {sorted(set(passed) - set(cell))} it lacks"

@@ -376,7 +376,7 @@ def test_cooldown_override_is_recorded_in_summary_and_mlflow(tmp_path, cfg, smal
     r = mlflow.MlflowClient().get_run(run.info.run_id)
     assert r.data.tags["cooldown_override"] == "true" and r.data.tags["prep.gates_passed"] == "true"
     assert r.data.params["prep.override_reason"] == "hotfix for incident 42"
-    assert r.data.metrics["prep.accepted"] == 520
+    assert r.data.metrics["prep/accepted"] == 520
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
     assert arts == {"plots/reward_by_family.png", "plots/rejects_by_reason.png"}
     assert {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "prep")} >= {"prep/summary.json"}
@@ -496,7 +496,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     s = json.loads((runs / "round-01" / "prep" / "summary.json").read_text())
     assert s["gates_passed"] and s["counts"]["accepted"] == 520 and s["counts"]["rejected"] == 1
     (run,) = mlflow.search_runs(experiment_names=["hermes-lab"], output_format="list")
-    assert run.info.run_name == "prep" and run.data.metrics["prep.rejected"] == 1
+    assert run.info.run_name == "prep" and run.data.metrics["prep/rejected"] == 1
     # a refused gate fails the notebook after writing the verdicts
     FlywheelState(last_train_time=T0.isoformat()).save(runs / "state.json")
     with pytest.raises(pm.PapermillExecutionError, match="cooldown"):
@@ -609,7 +609,7 @@ def test_family_text_that_breaks_plots_or_metric_names_is_kept_in_the_data(tmp_p
         gate = review.review_gate(queue, labels.path, c, simulate=False)
     assert set(gate.per_family) <= set(fams)
     metrics = mlflow_store.MlflowClient().get_run(run.info.run_id).data.metrics
-    assert len([m for m in metrics if m.startswith("review_agreement_")]) == len(gate.per_family) >= 3
+    assert len([m for m in metrics if m.startswith("review/agreement/")]) == len(gate.per_family) >= 3
 
 
 def test_gzip_inputs_are_read_transparently(tmp_path):

@@ -446,7 +446,7 @@ def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
     assert got.tags["review.status"] == "pass" and got.tags["review.simulated"] == "true"
     assert got.params["review.simulate"] == "True" and got.params["review.min_agreement"] == "0.9"
     assert got.metrics["review/agreement"] == 1.0 and got.metrics["review/n_simulated"] == 40
-    assert "review/agreement/add" in got.metrics and got.metrics["review/ci_low"] > 0.9
+    assert "review/agreement_add" in got.metrics and got.metrics["review/ci_low"] > 0.9
     arts = {a.path for a in mlflow_store.MlflowClient().list_artifacts(run.info.run_id, "review")}
     assert "review/gate.json" in arts
 

@@ -14,6 +14,7 @@ import yaml
 
 from hermes_lab import round as R
 from hermes_lab.policy import build_tiny_policy
+from hermes_lab.stages import STAGES, all_gates
 from hermes_lab.state import FlywheelState, state_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,18 +170,19 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (rd / "00_execute.ipynb").stat().st_mtime == executed_first  # not run again
     assert "where the time went" in p.stdout
-    for _, nb in R.STAGES:
-        assert (rd / nb).exists(), nb
+    for stage in STAGES:
+        assert (rd / stage.notebook).exists(), stage.notebook
     assert (rd / "train" / "adapter" / "adapter_config.json").exists()
     report = json.loads((rd / "ab" / "ab_report.json").read_text())
     assert {"delta", "p_value", "significant", "decision"} <= set(report)
     summary = json.loads((rd / "summary.json").read_text())
-    gates = {g["gate"] for g in summary["gates"]}
-    assert {"min_samples", "cooldown", "review_agreement", "training_health", "regression", "ab_decision"} <= gates
+    assert [g["gate"] for g in summary["gates"]] == [g for _, g in all_gates()]  # every gate, in order
+    assert all(g["passed"] is not None for g in summary["gates"])  # a completed round ran them all
     state = FlywheelState.load(state_path(tmp_path / "runs"))
     assert state.last_round == 1 and state.last_train_time
-    if summary["decision"] == "promote":
+    if summary["promoted"]:
         assert state.champion_adapter == str(rd / "train" / "adapter")
+    assert state.progress is None  # the round is done: nothing left to resume
     # MLflow on the server: one parent run, a nested run per stage
     import mlflow
 
@@ -190,7 +192,7 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     children = runs[runs["tags.mlflow.parentRunId"] == parent]
     assert {"execute", "prep", "review", "train", "validate", "ab"} <= set(children["tags.mlflow.runName"])
     train = children[children["tags.mlflow.runName"] == "train"].iloc[0]
-    hist = mlflow.MlflowClient().get_metric_history(train["run_id"], "reward")
+    hist = mlflow.MlflowClient().get_metric_history(train["run_id"], "train/reward")
     assert len(hist) >= 10
     parent_run = mlflow.get_run(parent)
     assert parent_run.data.tags["gate.regression"] in {"pass", "stop"}

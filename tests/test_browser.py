@@ -1,0 +1,220 @@
+"""The front door in a real browser (issue 15): JupyterLab started exactly as `make lab` starts it
+(`hermes-lab lab`, here on 127.0.0.1, a free port and a fixed token), driven in headless Chromium by Selenium.
+
+- review.ipynb, opened with its default parameters, runs, renders the labeller on the latest round's queue;
+  three items are labelled (two button clicks, one through the Keys box), one is undone, and the label store
+  holds exactly the other two;
+- 10_data_prep.ipynb runs the same way and its plots render (decoded images, not broken ones).
+
+Screenshots land in tests/artifacts/ (git-ignored). Needs Debian's chromium and chromium-driver (`make test`
+installs them when it runs as root with apt-get); without them the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "tests" / "artifacts"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+TOKEN = "hermes-browser-test"
+
+selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[dev]')")
+if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    pytest.skip(
+        f"browser tests need {CHROMIUM} and {CHROMEDRIVER} (Debian: apt-get install chromium chromium-driver; "
+        "`make test` installs them when run as root)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on show
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A project copy with one round's trajectories and review queue, served by `hermes-lab lab`."""
+    from test_paths import write_trajectories
+
+    from hermes_lab import prep
+    from hermes_lab.config import load_config
+    from hermes_lab.policy import build_tiny_policy
+
+    tmp = tmp_path_factory.mktemp("lab")
+    proj = tmp / "proj"
+    for d in ("params", "notebooks"):
+        shutil.copytree(REPO / d, proj / d)
+    (proj / "runs").mkdir()
+    (proj / "runs" / "policies").symlink_to(build_tiny_policy(REPO / "runs", 0, quiet=True).parent.resolve())
+    round_dir = proj / "runs" / "round-01"
+    write_trajectories(round_dir / "trajectories.jsonl", n=600)
+    cfg = load_config(proj / "params" / "embedded.yaml", {"round.runs_dir": str(proj / "runs")})
+    prep.run_prep([round_dir / "trajectories.jsonl"], round_dir / "prep", cfg, make_plots=False)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("HERMES_LAB_ROOT", "MLFLOW_TRACKING_URI")}
+    # the test's own Jupyter state: no user settings, workspaces or runtime files are read or written
+    for var, sub in (
+        ("JUPYTER_CONFIG_DIR", "cfg"),
+        ("JUPYTER_RUNTIME_DIR", "rt"),
+        ("JUPYTERLAB_WORKSPACES_DIR", "ws"),
+        ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+    ):
+        env[var] = str(tmp / sub)
+    env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
+    cmd = [sys.executable, "-m", "hermes_lab.cli", "lab", "--ip", "127.0.0.1", "--port", str(port), "--no-browser"]
+    cmd += ["--", f"--IdentityProvider.token={TOKEN}"]
+    log = open(tmp / "lab.log", "w+")  # noqa: SIM115 - read back at the end
+    server = subprocess.Popen(cmd, cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                log.seek(0)
+                pytest.fail(f"JupyterLab did not start: {log.read()[-3000:]}")
+            time.sleep(0.5)
+    yield {"url": url, "proj": proj, "log": log, "queue": round_dir / "prep" / "review_queue.jsonl"}
+    os.killpg(server.pid, signal.SIGTERM)  # jupyter shuts its kernels down on SIGTERM
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.fixture
+def browser(lab, request):
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM  # never let Selenium Manager download a browser
+    profile = tempfile.mkdtemp(prefix="hermes-chromium-")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1100",
+        f"--user-data-dir={profile}",
+    ):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / f"{request.node.name}-last.png"))  # what the page showed at the end
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open_and_run_all(driver, lab, notebook: str) -> WebDriverWait:
+    # reset: a fresh workspace (no tab of an earlier test restored), this notebook alone
+    driver.get(f"{lab['url']}/lab/tree/notebooks/{notebook}?reset&token={TOKEN}")
+    wait = WebDriverWait(driver, 120, poll_frequency=0.5)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"{PANEL} .jp-Cell"))
+    # the kernel is up when the toolbar's kernel status says Idle
+    wait.until(lambda d: d.execute_script("return document.body.innerText.includes('Idle')"))
+    driver.find_element(By.XPATH, "//li[contains(@class,'lm-MenuBar-item')][.//div[text()='Run']]").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "li[data-command='runmenu:run-all']"))
+    driver.find_element(By.CSS_SELECTOR, "li[data-command='runmenu:run-all']").click()
+    return wait
+
+
+def _errors(driver) -> list[str]:
+    return [
+        e.text[:500] for e in driver.find_elements(By.CSS_SELECTOR, "[data-mime-type='application/vnd.jupyter.error']")
+    ]
+
+
+def _button(driver, text: str):
+    return driver.find_element(By.XPATH, f"//button[contains(@class,'widget-button')][normalize-space()='{text}']")
+
+
+def _text_input(driver, label: str):
+    return driver.find_element(
+        By.XPATH, f"//div[contains(@class,'widget-text')][.//label[normalize-space()='{label}']]//input"
+    )
+
+
+def _store_lines(lab) -> int:
+    p = lab["proj"] / "runs" / "review" / "labels.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def test_review_notebook_labels_by_click_and_keys_and_undoes(lab, browser):
+    from hermes_lab import review
+
+    driver = browser
+    wait = _open_and_run_all(driver, lab, "review.ipynb")
+    wait.until(lambda d: d.find_elements(By.XPATH, "//*[contains(text(),'Type your reviewer id above')]") or _errors(d))
+    assert not _errors(driver), _errors(driver)
+    assert str(lab["queue"]) in driver.find_element(By.CSS_SELECTOR, PANEL).text  # the latest round's
+    box = _text_input(driver, "Reviewer")
+    box.send_keys("ada", Keys.ENTER)
+    wait.until(lambda d: "Item 1 of" in d.find_element(By.CSS_SELECTOR, PANEL).text)
+    items = review.load_queue(lab["queue"])
+    steps = [(lambda: _button(driver, "4").click(), 1), (lambda: _button(driver, "2").click(), 2)]
+    steps.append((lambda: _text_input(driver, "Keys").send_keys("5", Keys.ENTER), 3))
+    steps.append((lambda: _button(driver, "Undo").click(), 4))  # undo appends a tombstone line
+    for act, lines in steps:
+        act()
+        wait.until(lambda d, n=lines: _store_lines(lab) >= n)
+    wait.until(lambda d: "Item 3 of" in d.find_element(By.CSS_SELECTOR, PANEL).text)  # back to it
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "review_labeller.png"
+    driver.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
+    live = review.current_labels(review.read_labels(lab["proj"] / "runs" / "review" / "labels.jsonl").records)
+    got = {rid: rec["label"] for (rid, who), rec in live.items() if who == "ada"}
+    assert got == {items[0]["review_id"]: 4.0, items[1]["review_id"]: 2.0}
+    assert not _errors(driver), _errors(driver)
+
+
+def test_data_prep_notebook_runs_and_its_plots_render(lab, browser):
+    driver = browser
+    wait = _open_and_run_all(driver, lab, "10_data_prep.ipynb")
+    decoded = (
+        "return Array.from(document.querySelectorAll('.jp-OutputArea-output img'))"
+        ".filter(i => i.complete && i.naturalWidth > 200).length"
+    )
+    wait.until(lambda d: d.execute_script(decoded) >= 2 or _errors(d))
+    wait.until(lambda d: "PASS" in d.find_element(By.CSS_SELECTOR, PANEL).text or _errors(d))
+    assert not _errors(driver), _errors(driver)
+    assert driver.execute_script(decoded) >= 2
+    driver.execute_script("document.querySelectorAll('.jp-OutputArea-output img')[0].scrollIntoView()")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "data_prep_plots.png"
+    driver.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
+    assert (lab["proj"] / "runs" / "round-01" / "prep" / "plots").is_dir()
+    lab["log"].seek(0)
+    server_log = lab["log"].read()
+    assert "running over TCP without encryption" not in server_log, server_log[-2000:]

@@ -1,0 +1,306 @@
+"""The stage registry and the round runner it drives, on throwaway stages (tiny real notebooks run by real
+papermill, a real SQLite MLflow store): a stage is added by its row, notebook and module alone; gate stops
+come from the verdict file; every summary lists every gate; progress and flywheel state change in one
+atomic step; champion registration is idempotent; the flywheel trains N times whatever ran before."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from hermes_lab import cli, stages
+from hermes_lab import round as R
+from hermes_lab.stages import STOP_DATA, Stage, all_gates
+from hermes_lab.state import FlywheelState, state_path
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = "2026-01-01T00:00:00+00:00"
+
+HEAD = (
+    "from pathlib import Path\n"
+    "from hermes_lab.config import load_config\n"
+    "from hermes_lab.stages import gate, write_verdict\n"
+)
+GATE_NB = HEAD + (
+    "from hermes_lab.prep import evaluate_gates\n"
+    "from hermes_lab.stages import STOP_DATA\n"
+    "from hermes_lab.state import FlywheelState, parse_time\n"
+    "cfg = load_config(config_path)\n"
+    "state = FlywheelState.load(state_path)\n"
+    "out = Path(round_dir) / 'gate'\n"
+    "out.mkdir(parents=True, exist_ok=True)\n"
+    "(out / 'negatives_seen.json').write_text(repr(state.negative_files))\n"
+    "gates = evaluate_gates(samples, cfg, state, parse_time(simulated_now))\n"
+    "ok = all(g['passed'] for g in gates)\n"
+    "verdicts = [gate(g['name'], g['passed'], g['detail']) for g in gates]\n"
+    "write_verdict(out, 'gate', verdicts, None if ok else STOP_DATA)\n"
+    "assert ok, 'the data gates refused'\n"
+)
+FIT_NB = HEAD + (
+    "from hermes_lab import tracking\n"
+    "cfg = load_config(config_path)\n"
+    "with tracking.stage_run('fit', parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment) as run:\n"
+    "    tracking.log_metrics('fit', {'loss': 0.5})\n"
+    "out = Path(round_dir) / 'fit'\n"
+    "ev = {'before': {'pass_rate': 0.4}, 'after': {'pass_rate': 0.6}}\n"
+    "write_verdict(out, 'fit', [gate('fit_health', True, 'fine')], adapter=str(out / 'adapter'),\n"
+    "              mlflow_run_id=run.info.run_id, eval=ev)\n"
+)
+DECIDE_NB = HEAD + (
+    "promoted = decision == 'promote'\n"
+    "cand = {'decision': decision, 'promoted': promoted, 'rolled_back': decision == 'roll back'}\n"
+    "write_verdict(Path(round_dir) / 'decide', 'decide', [gate('decision', promoted, decision)], candidate=cand)\n"
+)
+
+
+def notebook(path: Path, params: dict, code: str) -> str:
+    """A stage notebook the way the project writes them: a parameters cell with help comments, then code."""
+    lines = [
+        f"{k} = {v!r}  # help: {k}"
+        for k, v in {"config_path": "", "round_dir": "", "parent_run_id": "", **params}.items()
+    ]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(code),
+    ]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return str(path)
+
+
+def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tuple[Stage, ...]:
+    """gate (data gates, uses the negatives) -> fit (a 'training': starts the cooldown) -> decide (A/B outcome)."""
+    gate_params = {"state_path": "", "simulated_now": "", "samples": 0}
+    return (
+        Stage(
+            "gate",
+            notebook(tmp / "gate.ipynb", gate_params, GATE_NB),
+            "hermes_lab.prep",
+            verdict="gate/verdict.json",
+            gates=("min_samples", "cooldown"),
+            stops=(STOP_DATA,),
+            params=lambda ctx: {
+                "state_path": str(state_path(ctx.runs_dir)),
+                "simulated_now": ctx.state.simulated_now or "",
+                "samples": samples,
+            },
+            notebook_params=(*stages.ROUND_PARAMS, *gate_params),
+            consumes_negatives=True,
+        ),
+        Stage(
+            "fit",
+            notebook(tmp / "fit.ipynb", {}, FIT_NB),
+            "hermes_lab.train",
+            verdict="fit/verdict.json",
+            gates=("fit_health",),
+            starts_cooldown=True,
+        ),
+        Stage(
+            "decide",
+            notebook(tmp / "decide.ipynb", {"decision": ""}, DECIDE_NB),
+            "hermes_lab.ab_run",
+            verdict="decide/verdict.json",
+            gates=("decision",),
+            params=lambda ctx: {"decision": decision},
+            notebook_params=(*stages.ROUND_PARAMS, "decision"),
+        ),
+    )
+
+
+@pytest.fixture
+def params(tmp_path) -> Path:
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump({"round": {"runs_dir": str(tmp_path / "runs"), "simulated_clock": True}}))
+    return p
+
+
+def _state(tmp_path) -> FlywheelState:
+    return FlywheelState.load(state_path(tmp_path / "runs"))
+
+
+# ------------------------------------------------------------------------------------------ fast ones
+def test_registry_rows_are_consistent():
+    names = [s.name for s in stages.STAGES]
+    assert len(set(names)) == len(names) and names[-1] == "compare"
+    gates = [g for _, g in all_gates()]
+    assert gates == ["min_samples", "cooldown", "review_agreement", "training_health", "regression", "ab_decision"]
+    for s in stages.STAGES:
+        assert set(stages.ROUND_PARAMS) <= set(s.notebook_params), s.name
+        assert bool(s.gates) == bool(s.verdict), s.name  # a stage with gates reports them in a verdict file
+    assert [s.name for s in stages.STAGES if s.starts_cooldown] == ["train"]
+    assert {c for s in stages.STAGES if (c := s.command)} <= set(cli.COMMANDS)
+
+
+def test_the_flywheel_clock_advance_takes_the_lock(params, tmp_path):
+    with R.RoundLock(tmp_path / "runs"), pytest.raises(R.RoundLocked):
+        R.advance_clock(str(params), 25)
+
+
+def test_a_stale_verdict_never_turns_a_crash_into_a_gate_stop(params, mlflow_store, tmp_path):
+    crash = Stage(
+        "crash",
+        notebook(tmp_path / "crash.ipynb", {}, "raise ValueError('a real bug')"),
+        "hermes_lab.prep",
+        verdict="crash/verdict.json",
+        gates=("g",),
+        stops=(STOP_DATA,),
+    )
+    rd = tmp_path / "runs" / "round-01"
+    stages.write_verdict(rd / "crash", "crash", [stages.gate("g", False, "old")], STOP_DATA)  # an earlier run's
+    with pytest.raises(R.RoundError, match="a real bug"):
+        R.run_round(str(params), quiet=True, stages=(crash,))
+    assert _state(tmp_path).progress["status"] == "failed"
+
+
+# ------------------------------------------------------------------------------------ rounds of fakes
+@pytest.mark.slow
+def test_a_throwaway_stage_is_a_row_a_notebook_and_a_module(params, mlflow_store, tmp_path, monkeypatch):
+    """The runner, the summary, MLflow and the CLI pick a new stage up from its registry row alone."""
+    mod = tmp_path / "hl_lint_stage.py"
+    mod.write_text(
+        '"""Throwaway stage: lints the round (writes lint/verdict.json)."""\n'
+        "from pathlib import Path\n"
+        "from hermes_lab.stages import gate, write_verdict\n\n"
+        "def lint(round_dir, strict):\n"
+        "    ok = not strict\n"
+        "    write_verdict(Path(round_dir) / 'lint', 'lint', [gate('lint_clean', ok, 'ok' if ok else 'dirty')],\n"
+        "                  None if ok else 'stopped: lint')\n"
+        "    return ok\n\n"
+        "def add_arguments(p):\n"
+        "    p.add_argument('--round-dir', required=True)\n\n"
+        "def run_cli(args):\n"
+        "    return 0 if lint(args.round_dir, False) else 4\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    code = "import hl_lint_stage\nassert hl_lint_stage.lint(round_dir, strict), 'lint stopped the round'\n"
+    lint = Stage(
+        "lint",
+        notebook(tmp_path / "lint.ipynb", {"strict": False}, code),
+        "hl_lint_stage",
+        verdict="lint/verdict.json",
+        gates=("lint_clean",),
+        stops=("stopped: lint",),
+        params=lambda ctx: {"strict": ctx.round_no == 2},
+        notebook_params=(*stages.ROUND_PARAMS, "strict"),
+        command="lint",
+        help="Lint a round.",
+    )
+    registry = (fake_stages(tmp_path)[1], lint)  # a training, then the new stage
+    r1 = R.run_round(str(params), quiet=True, stages=registry)
+    assert r1.status == "completed"
+    assert [g["gate"] for g in r1.summary["gates"]] == [g for _, g in all_gates(registry)]
+    assert r1.summary["gates"][-1] == {"gate": "lint_clean", "stage": "lint", "passed": True, "detail": "ok"}
+    R.advance_clock(str(params), 25)
+    r2 = R.run_round(str(params), quiet=True, stages=registry)  # round 2 is strict: the new gate stops it
+    assert r2.status == "stopped: lint" and r2.summary["stopped_at"] == {"stage": "lint", "status": "stopped: lint"}
+    parser = cli.build_parser(registry)
+    args = parser.parse_args(["lint", "--round-dir", str(tmp_path / "x")])
+    assert args._run(args) == 0 and (tmp_path / "x" / "lint" / "verdict.json").is_file()
+    assert "lint" in cli.commands(registry) and "lint" not in cli.COMMANDS
+
+
+@pytest.mark.slow
+def test_every_summary_lists_every_gate_in_order_and_says_why_one_did_not_run(params, mlflow_store, tmp_path):
+    registry = fake_stages(tmp_path, samples=10)  # too few samples: the data gate stops the round
+    r = R.run_round(str(params), quiet=True, stages=registry)
+    assert r.status == STOP_DATA
+    gates = r.summary["gates"]
+    assert [g["gate"] for g in gates] == ["min_samples", "cooldown", "fit_health", "decision"]
+    assert gates[0]["passed"] is False and gates[1]["passed"] is True
+    assert gates[2]["passed"] is None and gates[2]["detail"] == f"not run: the round stopped at gate ({STOP_DATA})"
+    state = _state(tmp_path)
+    assert state.last_round == 1 and state.last_train_time is None and state.progress is None
+
+
+class Killed(BaseException):
+    """A kill -9 at a write: the exception unwinds past every handler but the lock's release."""
+
+
+def _kill_at_first_write_after(monkeypatch, happened) -> list[str]:
+    """Replace os.replace: once ``happened()`` holds, the next rename of a runner file completes and the
+    process 'dies' right after it. Returns the list of files renamed before the kill."""
+    real, seen = os.replace, []
+
+    def replace_then_die(src, dst, *a, **kw):
+        real(src, dst, *a, **kw)
+        if Path(dst).name in {"state.json", "progress.json", "summary.json"} and not seen and happened():
+            seen.append(Path(dst).name)
+            raise Killed(dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_die)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("event", ["after the training", "after the negatives were used", "after registering"])
+def test_a_kill_at_any_write_leaves_progress_and_state_consistent(params, mlflow_store, tmp_path, monkeypatch, event):
+    import mlflow
+
+    rd = tmp_path / "runs" / "round-01"
+    FlywheelState(negative_files=[str(tmp_path / "old-negatives.jsonl")], negative_rounds=[0]).save(
+        state_path(tmp_path / "runs")
+    )
+    client = mlflow.MlflowClient()
+    happened = {
+        "after the training": lambda: (rd / "fit" / "verdict.json").exists(),
+        "after the negatives were used": lambda: (rd / "gate" / "verdict.json").exists(),
+        "after registering": lambda: (
+            bool(client.search_registered_models()) and bool(client.search_model_versions("name = 'hermes-policy'"))
+        ),
+    }[event]
+    registry = fake_stages(tmp_path)
+    killed = _kill_at_first_write_after(monkeypatch, happened)
+    with pytest.raises(Killed):
+        R.run_round(str(params), quiet=True, stages=registry)
+    assert killed  # the killer has fired once; from here on writes go through
+    state = _state(tmp_path)
+    done = state.progress["completed"]
+    assert ("fit" in done) == (state.last_train_time is not None)  # trained <=> cooldown recorded
+    assert ("gate" in done) == (state.negative_files == [])  # negatives used <=> no longer listed
+    r = R.run_round(str(params), resume=True, quiet=True, stages=registry)
+    assert r.status == "promoted"
+    state = _state(tmp_path)
+    assert state.last_train_time is not None and state.negative_files == [] and state.progress is None
+    assert state.last_round == 1 and state.champion_adapter == str(rd / "fit" / "adapter")
+    versions = client.search_model_versions("name = 'hermes-policy'")
+    assert len(versions) == 1  # registered once, however often _finish ran
+    assert client.get_model_version_by_alias("hermes-policy", "champion").version == versions[0].version
+
+
+@pytest.mark.slow
+def test_the_flywheel_trains_n_times_whatever_ran_before(params, mlflow_store, tmp_path):
+    # a round just trained (make round): the cooldown has 24 h to go on the simulated clock
+    FlywheelState(last_round=1, last_train_time=T0, simulated_now=T0).save(state_path(tmp_path / "runs"))
+    registry = fake_stages(tmp_path)[:2]  # the data gates (cooldown included), then a training
+    results = R.flywheel(str(params), 2, stages=registry, quiet=True)
+    assert [r.status for r in results] == ["completed", "completed"]
+    for r in results:
+        assert [g["gate"] for g in r.summary["gates"]] == ["min_samples", "cooldown", "fit_health"]
+        assert all(g["passed"] is True for g in r.summary["gates"])
+    state = _state(tmp_path)
+    assert state.last_round == 3 and [h["round"] for h in state.history] == [2, 3]
+    assert state.last_train_time == "2026-01-03T02:00:00+00:00"  # trained twice: T0 + 2 x (24 h cooldown + 1 h)
+    # the clock did not move after the last round: a round right now is not due
+    assert not R.status(str(params))["due"]
+
+
+def test_flywheel_continues_an_unfinished_round(params, tmp_path, mlflow_store):
+    with mlflow_store.start_run() as run:
+        pass
+    st = FlywheelState(progress={"round": 1, "parent_run_id": run.info.run_id, "completed": ["gate", "fit", "decide"]})
+    st.progress |= {"timings": {}, "status": "failed"}
+    st.save(state_path(tmp_path / "runs"))
+    registry = tuple(replace(s, gates=()) for s in fake_stages(tmp_path))
+    with pytest.raises(R.RoundError, match="--resume"):
+        R.run_round(str(params), quiet=True, stages=registry)
+    (r,) = R.flywheel(str(params), 1, stages=registry, quiet=True)
+    assert r.round_no == 1 and r.status == "completed"  # no stage left to run, no candidate outcome read
+    assert json.loads((tmp_path / "runs" / "round-01" / "progress.json").read_text())["status"] == "done"
