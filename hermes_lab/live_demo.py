@@ -77,11 +77,11 @@ def awaiting_round(params: Path) -> tuple[int, Path] | None:
 
     cfg = load_config(params)
     runs = Path(cfg.round.runs_dir)
-    n = FlywheelState.load(state_path(runs)).last_round + 1
-    rd = runs / f"round-{n:02d}"
-    prog = json.loads((rd / "progress.json").read_text()) if (rd / "progress.json").is_file() else {}
-    if prog.get("status") == live_round.AWAITING:
-        return n, live_round.experiment_dir(cfg, rd)
+    state = FlywheelState.load(state_path(runs))
+    n = state.last_round + 1
+    prog = state.progress or {}
+    if prog.get("round") == n and prog.get("status") == live_round.AWAITING:
+        return n, live_round.experiment_dir(cfg, runs / f"round-{n:02d}")
     return None
 
 
@@ -150,10 +150,7 @@ def run(base_params: str, time_scale: float, concurrency: int) -> int:
     say(f"3/4 hermes-lab round --resume: round {n} takes the live decision")
     hermes("round", "--params", str(params), "--resume", check=False)
     say(f"4/4 round {n + 1} trains on that traffic (execute.source: live; the simulated clock skips the cooldown)")
-    from hermes_lab.round import advance_clock
-
-    advance_clock(str(params), load_config(params).data.cooldown_hours + 1)
-    hermes("round", "--params", str(params), check=False)
+    hermes("flywheel", "--params", str(params), "--rounds", "1", check=False)  # moves the clock past the cooldown
     hermes("status", "--params", str(params), check=False)
     say(f"done: round {n + 1} trained on {log_dir}; `make live-demo` again serves its own live A/B")
     return 0

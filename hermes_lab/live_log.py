@@ -288,6 +288,13 @@ def _task_id(rec: dict[str, Any], prompt: str) -> str:
     return t.task_id if t else "live-" + hashlib.sha1(prompt.encode("utf-8", "replace")).hexdigest()[:12]
 
 
+def _family(prompt: str) -> str | None:
+    """The embedded task family of a prompt (prep's per-family numbers), None for any other prompt."""
+    from hermes_lab import tasks
+
+    return tasks.family_of(prompt)
+
+
 def _judge(cfg: Any, rows: list[dict[str, Any]], best: dict[str, tuple[float, str]]) -> list[float | None]:
     """Comparison-judge scores of unrewarded rows against the best rewarded response to the same prompt."""
     from hermes_lab.rewards import local_judge
@@ -353,6 +360,7 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                 "response": rec.get("response") if isinstance(rec.get("response"), str) else "",
                 "reward": None,
                 "task_id": _task_id(rec, prompt),
+                "family": _family(prompt),
                 **{k: rec.get(k) for k in ("request_id", "unit", "arm", "model", "stage", "ratio", "t", "timestamp")},
                 "messages": rec.get("messages"),
                 "gateway_log": f"{src / REQUESTS}:{lineno}",
