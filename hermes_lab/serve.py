@@ -111,11 +111,11 @@ class Gateway:
         log_dir: str | os.PathLike[str] | None = None,
         experiment: str | None = None,
     ):
-        from hermes_lab.ab_run import check_ab_config
+        from hermes_lab.config import ab_stages
 
         self.cfg, s = cfg, cfg.serve
         self.specs = specs
-        self.stages = check_ab_config(cfg)  # errors name the ab.* key
+        self.stages = ab_stages(cfg)  # checked by load_config; errors name the ab.* key
         if ratio is not None:  # --ratio R: the first stage at R; later stages below R are dropped (ramps only rise)
             if not 0 <= ratio < 1:
                 raise ConfigError(f"--ratio must lie in [0, 1) (a test needs a baseline), got {ratio}")
