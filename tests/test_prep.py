@@ -609,7 +609,7 @@ def test_family_text_that_breaks_plots_or_metric_names_is_kept_in_the_data(tmp_p
         gate = review.review_gate(queue, labels.path, c, simulate=False)
     assert set(gate.per_family) <= set(fams)
     metrics = mlflow_store.MlflowClient().get_run(run.info.run_id).data.metrics
-    assert len([m for m in metrics if m.startswith("review/agreement/")]) == len(gate.per_family) >= 3
+    assert len([m for m in metrics if m.startswith("review/agreement_")]) == len(gate.per_family) >= 3
 
 
 def test_gzip_inputs_are_read_transparently(tmp_path):

@@ -27,7 +27,9 @@ def _gate_params(tmp_path: Path) -> dict[str, str]:
 
     make_queue(tmp_path / "round-01" / "prep" / "review_queue.jsonl", n=6)
     cfg = tmp_path / "p.yaml"
-    cfg.write_text(f"round:\n  runs_dir: {tmp_path / 'runs'}\nreview:\n  simulate: true\n  min_labels: 3\n")
+    # 6 of 6 labels agree: a Wilson lower bound of 61%, decidable against 50% (not against the default 90%)
+    review = "review:\n  simulate: true\n  min_labels: 3\n  min_agreement: 0.5\n"
+    cfg.write_text(f"round:\n  runs_dir: {tmp_path / 'runs'}\n{review}")
     return {
         "config_path": str(cfg),
         "round_dir": str(tmp_path / "round-01"),

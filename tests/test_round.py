@@ -134,7 +134,9 @@ def mlflow_server(tmp_path):
 
 @pytest.mark.slow
 def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_server):
-    params = small_params(tmp_path)
+    # 16 tasks x 2 samples per family cannot resolve the default 5-point tolerance (the gate warns so); what this
+    # test checks is the kill and the resume, so the regression gate is given a tolerance it can decide here
+    params = small_params(tmp_path, validate={"tolerance": 0.25})
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "PYTHONUNBUFFERED": "1"}
     rd = tmp_path / "runs" / "round-01"
     proc = subprocess.Popen(

@@ -607,7 +607,7 @@ def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_
     assert json.loads((out / "run.json").read_text())["mlflow_run_id"] == run_id  # the same MLflow run continued
     client = mlflow.MlflowClient(uri)
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(run_id, "reward")} >= set(range(k + 1, 7))
+    assert {m.step for m in client.get_metric_history(run_id, "train/reward")} >= set(range(k + 1, 7))
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     # a resume with other settings is refused, naming what changed
     bad = subprocess.run(
