@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_restored():
+    """mlflow.set_tracking_uri() is global and also sets MLFLOW_TRACKING_URI in os.environ: without this, a test
+    that pointed MLflow at its own server (stopped since) would send every later test's runs there."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        import mlflow
+
+        mlflow.set_tracking_uri(before)  # None unsets the variable again
+    elif before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 @pytest.fixture
