@@ -1,7 +1,7 @@
 """The staged rollout's steps, shared by ``ab-run`` (a simulated clock) and ``serve`` (the wall clock).
 
 Stage: validate (A/B). Reads and writes nothing. ``hermes_lab.ab_run`` (``hermes-lab ab-run``) and the live
-gateway (``hermes_lab.live_rollout``, inside ``hermes-lab serve``) both run a rollout as: the tested stages
+gateway (``hermes_lab.live_experiment.LiveRollout`` in ``hermes-lab serve``) both run a rollout as: the tested stages
 of ``ab.plan_stages`` one after the other; at every look of a stage its rows so far go to
 ``ab.stage_action`` (the decision: roll back / hold at once, widen from the planned end on), and
 ``after_look`` below says what the rollout does next: stay in the stage, widen into the next stage (which
