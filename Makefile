@@ -9,7 +9,7 @@ ROUNDS ?= 3
 # DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
 HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
 
-.PHONY: setup round flywheel status serve test test-fast lint browser-deps lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve live-demo test test-fast lint browser-deps lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ status: setup
 ## the live A/B gateway on 127.0.0.1:8700: baseline embedded:tiny, candidate the latest round's adapter (else an A/A)
 serve: setup
 	$(BIN)/hermes-lab serve --params $(PARAMS)
+
+## a live 10% -> 30% -> 100% rollout on a 120x clock (serve + the stand-in agent), then a round trains on that traffic
+live-demo: setup
+	$(BIN)/python -m hermes_lab.live_demo --params $(PARAMS)
 
 test: setup lint browser-deps
 	$(BIN)/python -m pytest -q tests

@@ -318,8 +318,11 @@ def look_sums(
         return np.cumsum(np.bincount(key, weights=w, minlength=size).reshape(shape), axis=1)
 
     r = reward[keep].astype(np.float64)
+    fin = np.isfinite(r)  # NaN: no reward yet (a live request awaiting feedback), in the guardrails only
+    r = np.where(fin, r, 0.0)
     ll = np.log(np.maximum(latency_ms[keep], 1.0))
     out = {"n": cum(None), "s1": cum(r), "s2": cum(r * r), "nerr": cum(error[keep].astype(np.float64))}
+    out["nr"] = out["n"] if fin.all() else cum(fin.astype(np.float64))
     nb = len(LAT_BINS) - 1  # uniform bins: the index is arithmetic, no search
     lb = np.minimum(((ll - LAT_BINS[0]) * (nb / (LAT_BINS[-1] - LAT_BINS[0]))).astype(np.int64), nb - 1)
     out["hist"] = np.cumsum(np.bincount(key * nb + lb, minlength=size * nb).reshape(*shape, nb), axis=1)
@@ -348,10 +351,12 @@ def look_path(
     statistics the decision uses: the CS of delta, the guardrails' one-sided bounds, SRM on unit counts.
 
     ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
-    units). The rows of each group must be in time order. ``planned_n``: the requests the bets are tuned
-    to be sharpest at (``Stage.tune_n``); it never affects validity. Guardrails, both on
-    bounded unit observations: error indicator; latency above ``max_latency_ratio`` x the baseline's p95 of
-    the earlier looks (the p95-ratio guardrail as an exceedance rate, so bounded and finite-sample valid).
+    units). The rows of each group must be in time order. A NaN reward (a live request without feedback
+    yet) is left out of the reward's statistics and counts in the guardrails, SRM and ``min_per_arm``.
+    ``planned_n``: the requests the bets are tuned to be sharpest at (``Stage.tune_n``); it never affects
+    validity. Guardrails, both on bounded unit observations: error indicator; latency above
+    ``max_latency_ratio`` x the baseline's p95 of the earlier looks (the p95-ratio guardrail as an exceedance
+    rate, so bounded and finite-sample valid).
     """
     from scipy import stats
 
@@ -359,7 +364,7 @@ def look_path(
     sums = look_sums(t, arm, cols["reward"], cols["error"], cols["latency_ms"], look_times, group, n_groups)
     L, keep, win = len(look_times), sums["keep"], sums["win"][sums["keep"]]
     g = None if group is None else np.asarray(group, np.int64)[keep]
-    n = sums["n"].astype(np.float64)
+    n, nr = sums["n"].astype(np.float64), sums["nr"].astype(np.float64)
     # latency threshold per look window from the baseline's latencies before it (predictable); none at first
     tau = np.log(st.max_latency_ratio) + _p95_log(sums["hist"][:, :, 0])
     tau = np.concatenate([np.full((n_groups, 1), np.inf), tau[:, :-1]], axis=1)
@@ -389,21 +394,24 @@ def look_path(
         _, first = np.unique(key, return_index=True)
         fk = ((0 if g is None else g[first]) * L + win[first]) * 2 + arm[keep][first]
         cu = np.cumsum(np.bincount(fk, minlength=n_groups * L * 2).reshape(n_groups, L, 2), axis=1).astype(float)
-    lo, hi = ab_cs.fan_cs(un, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
+    un_r = us["nk"][0] if "nk" in us else un  # units with a reward
+    lo, hi = ab_cs.fan_cs(un_r, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
     err_lo, _ = ab_cs.fan_cs(un, us["S"][1], us["Q"][1], ratio, n_star, st.guardrail_alpha, None)
     lat_lo, _ = ab_cs.fan_cs(un, us["S"][2], us["Q"][2], ratio, n_star, st.guardrail_alpha, None)
     with np.errstate(divide="ignore", invalid="ignore"):
-        mean = sums["s1"] / n
-        var = np.maximum(sums["s2"] - n * mean**2, 0) / (n - 1)  # sample variance, ddof=1 like scipy
+        mean = sums["s1"] / nr
+        var = np.maximum(sums["s2"] - nr * mean**2, 0) / (nr - 1)  # sample variance, ddof=1 like scipy
         welch = stats.ttest_ind_from_stats(
-            mean[..., 1], np.sqrt(var[..., 1]), n[..., 1], mean[..., 0], np.sqrt(var[..., 0]), n[..., 0], False
+            mean[..., 1], np.sqrt(var[..., 1]), nr[..., 1], mean[..., 0], np.sqrt(var[..., 0]), nr[..., 0], False
         ).pvalue
         err = sums["nerr"] / n
     p95 = np.exp(_p95_log(sums["hist"]))
     enough = (cu[..., 1] >= st.min_per_arm) & (cu[..., 0] >= st.min_per_arm)
     return {
-        "n_b": n[..., 0],
-        "n_c": n[..., 1],
+        "n_b": nr[..., 0],  # requests behind the reward's numbers
+        "n_c": nr[..., 1],
+        "req_b": n[..., 0],  # every request (error rates)
+        "req_c": n[..., 1],
         "units_b": cu[..., 0],
         "units_c": cu[..., 1],
         "mean_b": mean[..., 0],

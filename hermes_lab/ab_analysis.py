@@ -168,10 +168,16 @@ def analyse_stage(
             out["user_rule_reason"] = f"{why} (look at {looks[i] / 3600:.2f} h)"
     arm, r = cols["arm"].astype(np.int64), cols["reward"]
     cand = arm == 1
-    c, b = r[cand], r[~cand]
+    unit, fam = cols.get("unit"), cols.get("family")
+    rw = np.isfinite(r)  # the reward's numbers: rows with a reward (all of them, but live before feedback)
+    if not rw.all():
+        ra, r = arm[rw], r[rw]
+        unit, fam = (None if unit is None else unit[rw]), (None if fam is None else fam[rw])
+    else:
+        ra = arm
+    c, b = r[ra == 1], r[ra == 0]
     success = (r >= st.threshold).astype(np.float64)
-    unit = cols.get("unit")
-    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, arm, r, success, unit), 0, st))
+    out.update(_breakdown(_slice_moments(np.zeros(len(r), np.int64), 1, ra, r, success, unit), 0, st))
     out["mann_whitney"] = {k: _scalar(v) for k, v in mann_whitney(c, b).items()}
     last = len(looks) - 1
     out["srm"] = {
@@ -212,6 +218,8 @@ def analyse_stage(
                 "t": float(looks[k]),
                 "n_baseline": int(S["n_b"][k]),
                 "n_candidate": int(S["n_c"][k]),
+                "requests_baseline": int(S["req_b"][k]),
+                "requests_candidate": int(S["req_c"][k]),
                 "units_baseline": int(S["units_b"][k]),
                 "units_candidate": int(S["units_c"][k]),
                 "delta": _scalar(S["delta"][k]),
@@ -224,10 +232,9 @@ def analyse_stage(
             for k in range(len(looks))
         ],
     }
-    fam = cols.get("family")
     out["per_family"] = {}
     if fam is not None and len(family_names):
-        fm = _slice_moments(fam, len(family_names), arm, r, success, unit)
+        fm = _slice_moments(fam, len(family_names), ra, r, success, unit)
         for f, name in enumerate(family_names):
             if fm["n"][f].sum():
                 out["per_family"][name] = _breakdown(fm, f, st)
@@ -310,7 +317,9 @@ def analyse_log(
             continue
         part = {k: v[lo:hi] for k, v in cols.items()}
         results.append(analyse_stage(part, stg, st, (stage_until or {}).get(stg.index), family_names))
-    overall = compare(cols["reward"][cols["arm"] == 0], cols["reward"][cols["arm"] == 1], st.threshold)
+    r, arm = cols["reward"], cols["arm"]
+    rw = np.isfinite(r)  # the user's pooled formula on the requests with a reward
+    overall = compare(r[rw & (arm == 0)], r[rw & (arm == 1)], st.threshold)
     fams = {}
     for name in family_names:
         fams[name] = stratify([r["per_family"][name] for r in results if name in r["per_family"]], st.alpha)

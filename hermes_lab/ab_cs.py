@@ -88,8 +88,14 @@ def unit_window_sums(
     ``unit`` None: every row is a unit. Otherwise a unit enters in the window where it first appears, its
     observation the mean of its rows in that window; its later rows are left out (they are not independent
     of its first ones). Entering later, with more of its rows, was tried: no power gained in the benchmark's
-    heavy-user scenario, where the spread between users dominates."""
+    heavy-user scenario, where the spread between users dominates.
+
+    A NaN in ``X`` is a missing observation of that metric (a live request without feedback yet): it is
+    left out of that metric's sums, and ``nk`` (K, G, W, 2) then counts each metric's units (a unit
+    observes a metric when one of its rows in its entry window does); ``n`` counts every unit."""
     X = np.atleast_2d(np.asarray(X, np.float64))
+    F = np.isfinite(X)
+    missing = not F.all()
     g = np.zeros(len(win), np.int64) if group is None else np.asarray(group, np.int64)
     arm = np.asarray(arm, np.int64)
     cnt = np.ones(len(win))
@@ -101,17 +107,25 @@ def unit_window_sums(
         sel = win == ew[inv]
         cnt = np.bincount(inv[sel], minlength=len(first)).astype(np.float64)
         ok = cnt > 0
+        per = np.stack([np.bincount(inv[sel], f[sel], len(first)) for f in F]) if missing else cnt
         with np.errstate(invalid="ignore"):
-            X = (np.stack([np.bincount(inv[sel], x[sel], len(first)) for x in X]) / cnt)[:, ok]
+            X = np.stack([np.bincount(inv[sel], np.where(f, x, 0.0)[sel], len(first)) for x, f in zip(X, F)]) / per
+        X = X[:, ok]
+        F = np.isfinite(X)
         win, arm, g, cnt = ew[ok], arm[first][ok], g[first][ok], cnt[ok]
     key = (g * n_windows + win) * 2 + arm
     size, shape = n_groups * n_windows * 2, (n_groups, n_windows, 2)
-    return {
+    if missing:
+        X = np.where(F, X, 0.0)
+    out = {
         "n": np.bincount(key, minlength=size).reshape(shape).astype(np.float64),
         "S": np.stack([np.bincount(key, x, size).reshape(shape) for x in X]),
         "Q": np.stack([np.bincount(key, x * x, size).reshape(shape) for x in X]),
         "rows": np.bincount(key // 2, cnt, n_groups * n_windows).reshape(n_groups, n_windows),
     }
+    if missing:
+        out["nk"] = np.stack([np.bincount(key, f.astype(np.float64), size).reshape(shape) for f in F])
+    return out
 
 
 def _pseudo_sums(n: np.ndarray, S: np.ndarray, Q: np.ndarray, p: float) -> dict[str, np.ndarray]:

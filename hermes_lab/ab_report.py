@@ -194,7 +194,12 @@ def plot_sequence(report: dict[str, Any]) -> Any:
         ax.fill_between(h, lo, hi, alpha=0.2)
         ax.axvline(s["planned_end"] / 3600, color="grey", ls=":", lw=1)
     ax.axhline(0, color="black", lw=0.8)
-    ax.set_xlabel("simulated hours (dotted: planned stage ends)")
+    clock = (  # a live rollout's axis is its experiment clock (the wall clock x serve.time_scale)
+        f"experiment hours (wall clock x{report['time_scale']:g})"
+        if report.get("mode") == "live"
+        else "simulated hours"
+    )
+    ax.set_xlabel(f"{clock} (dotted: planned stage ends)")
     ax.set_ylabel("delta (candidate - baseline)")
     ax.set_title(
         f"delta and its {1 - report['config']['alpha']:.0%} confidence sequence; decision: {report['decision']}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from hermes_lab import ab
+from hermes_lab import ab, ab_rollout
 from hermes_lab import tasks as T
 from hermes_lab.ab_report import RunFacts, build_report, log_to_mlflow, make_plots, summary, write_ab_verdict
 from hermes_lab.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
@@ -261,36 +261,30 @@ def rollout(
     traffic, a = server.traffic, server.cfg.ab
     stages_run: list[ab.Stage] = []
     stage_until: dict[int, float] = {}
-    pos, start, stopped_by = 0, 0.0, None
+    pos, stopped_by = 0, None
     bar = tqdm(
         total=len(traffic.t),
         desc="A/B requests",
         mininterval=2,
         disable=not (sys.stderr.isatty() or "ipykernel" in sys.modules),
     )
-    for stg0 in plan:
-        if start >= horizon:
-            break
-        stg = ab.Stage(stg0.index, stg0.ratio, start, stg0.seconds, stg0.max_extension, stg0.look_every, stg0.planned_n)
+    # the steps between looks and stages are hermes_lab.ab_rollout's, which the live gateway shares
+    stg: ab.Stage | None = ab_rollout.start_stage(plan[0], 0.0) if plan and horizon > 0 else None
+    while stg is not None:
         stages_run.append(stg)
         router = ab.ABRouter(server.arms.names[0], server.arms.names[1], stg.ratio, a.salt)
-        lo_row, prev, action = sink.rows(), start, None
+        lo_row = sink.rows()
         for look in stg.look_times(min(stg.hard_end, horizon)):
             hi = int(np.searchsorted(traffic.t, look, side="right"))
             idx, pos = list(range(pos, hi)), hi
             if idx:
                 server.serve(idx, stg, router, sink)
                 bar.update(len(idx))
-            prev = look
-            if sink.rows() == lo_row:
-                continue
-            action = ab.stage_action(sink.columns(lo_row), stg, st, look, st.rule)
-            if action:
+            _, step = ab_rollout.look_step(plan, stg, sink.columns(lo_row), st, float(look), horizon)
+            if step.kind != "stay":
                 break
-        stage_until[stg.index] = start = prev
-        if action is None or action[0] != "widen":  # a passed stage widens to the next one
-            stopped_by = action[0] if action else ("duration" if prev < stg.hard_end - 1e-9 else "keep observing")
-            break
+        stage_until[stg.index] = float(look)
+        stg, stopped_by = step.stage, step.stopped_by
     bar.close()
     return stages_run, stage_until, stopped_by
 
@@ -457,7 +451,15 @@ def notebook_run(
     out = Path(round_dir) / "ab"
     report_path = out / REPORT_NAME
     with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
-        if report_path.is_file() and (out / LOG_NAME).is_file():
+        if cfg.ab.mode == "live":  # the gateway's rollout decides (hermes_lab.live_round); pending: the round stops
+            from hermes_lab import live_round
+
+            report, cols = live_round.ab_stage(cfg, round_dir, baseline, candidate)
+            write_ab_verdict(report, out)
+            log_to_mlflow(cfg, report, report_path, Path(report["log"]))
+            paths = [Path(p) for p in report["plots"]]
+            fams = live_round.FAM_NAMES
+        elif report_path.is_file() and (out / LOG_NAME).is_file():
             report = json.loads(report_path.read_text(encoding="utf-8"))
             cols, fams = read_log(out / LOG_NAME)
             paths = make_plots(cols, report, out / "plots", fams)

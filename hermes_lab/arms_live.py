@@ -242,8 +242,10 @@ class UpstreamArm:
             await (self._session.aclose() if self.client_kind == "httpx" else self._session.close())
 
     def _error(self, e: BaseException) -> UpstreamError:
-        kind = "timeout" if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else type(e).__name__
-        return UpstreamError(redact(f"{self.name} upstream {safe_url(self.spec.url)}: {kind}: {e}", self._key))
+        timeout = isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "timeout" in type(e).__name__.lower()
+        kind = "timeout" if timeout else type(e).__name__
+        msg = redact(f"{self.name} upstream {safe_url(self.spec.url)}: {kind}: {e}", self._key)
+        return UpstreamError(msg, 504 if timeout else 502)  # a timeout is the gateway's 504, as proxies answer
 
     def _payload(self, payload: dict[str, Any]) -> bytes:
         return orjson.dumps({**payload, "model": self.spec.model})

@@ -464,7 +464,7 @@ def field_help(cls: type = HermesConfig, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in META:
+        if cls is HermesConfig and f.name in META:  # (a section may have a key named source: execute.source)
             continue
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):

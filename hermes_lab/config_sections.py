@@ -26,6 +26,17 @@ class ExecuteSection:
     max_new_tokens: int = _f(16, "Max new tokens per response.", ge=1)
     batch_size: int = _f(64, "Generation batch size.", ge=1)
     families: list[str] = _f([], "Task families to draw (empty: all).")
+    source: Literal["tasks", "live"] = _f(
+        "tasks",
+        "Where a round's data comes from. tasks: the policy executes the embedded tasks. live: a gateway log "
+        "(execute.live_dir) joined with its feedback; round 1 with an empty live_dir executes the tasks (no "
+        "traffic yet).",
+    )
+    live_dir: str = _f(
+        "",
+        "execute.source live: the gateway log dir (requests.jsonl, feedback.jsonl). Empty: the previous round's "
+        "live experiment, runs/live/round-<NN-1>.",
+    )
 
 
 @dataclass
@@ -144,7 +155,12 @@ class ABSection:
     stages: list[list[float]] = _f(
         [[0.1, 7200], [0.3, 14400], [1.0, 0]], "Rollout stages as [ratio, seconds]; a final ratio 1.0 means promoted."
     )
-    request_rate: float = _f(0.25, "Simulated requests per second.", gt=0)
+    request_rate: float = _f(
+        0.25,
+        "Simulated requests per second; a live rollout (serve) takes it as the expected rate per experiment "
+        "second, which tunes where its confidence sequence is tightest (never its validity).",
+        gt=0,
+    )
     salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")
     alpha: float = _f(0.05, "Significance level.", gt=0, lt=1)
     srm_alpha: float = _f(0.001, "Sample-ratio-mismatch threshold: below it, hold.", gt=0, lt=1)
@@ -156,6 +172,11 @@ class ABSection:
     )
     rule: Literal["sequential", "user"] = _f(
         "sequential", "Decision rule: sequential (always-valid) or user (docs/SPEC.md's p<0.05 rule)."
+    )
+    mode: Literal["simulated", "live"] = _f(
+        "simulated",
+        "A round's A/B stage. simulated: ab-run on a simulated clock. live: the gateway (hermes-lab serve) runs "
+        "the rollout on real traffic; the round waits ('awaiting live A/B', --resume) until it is decided.",
     )
     look_every: float = _f(
         900.0,
@@ -269,6 +290,23 @@ class ServeSection:
         False, "Also write each request as an MLflow trace and each feedback as an assessment (off the request path)."
     )
     access_log: bool = _f(False, "uvicorn's access log (one line per request; never headers or bodies).")
+    rollout: bool = _f(
+        True,
+        "Run the staged rollout live: the stages of ab.stages on the wall clock, a look every ab.look_every, "
+        "decided by hermes_lab.ab; the candidate share changes in place. false: a fixed share, no looks.",
+    )
+    time_scale: float = _f(
+        1.0,
+        "Experiment clock speed: K runs the stages and looks K times faster than the wall clock (demos, "
+        "tests; --time-scale). The report says so. A restart must keep the experiment's time scale.",
+        gt=0,
+        le=1e6,
+    )
+    fallback: Literal["none", "baseline"] = _f(
+        "none",
+        "baseline: a failed candidate call (upstream error, timeout, 5xx) is answered by the baseline and "
+        "still counted as a candidate error. none: the client gets the error.",
+    )
 
 
 def serve_problems(s: ServeSection) -> list[str]:

@@ -7,8 +7,10 @@ in the user's format, one record a line::
      "family": ..., "request_id": ..., "timestamp": ..., "policy": ...}
 
 The reward is system feedback from the task verifiers (0..5). On a real deployment these logs come from
-production; on the embedded default this stage is where every round's data comes from (later rounds
-also feed the A/B traffic logs of the previous round into prep).
+production: with ``execute.source: live`` the round's trajectories are the gateway's log of the previous
+round's live A/B, joined with the agent's feedback (``hermes_lab.live_round``); on the embedded default
+this stage is where every round's data comes from (later rounds also feed the A/B traffic logs of the
+previous round into prep).
 
     hermes-lab execute --params params/embedded.yaml --output runs/round-01/trajectories.jsonl
 """
@@ -38,10 +40,18 @@ def execute(
     policy: Any = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL."""
+    """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL.
+    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.live_round``)."""
     from hermes_lab.policy import load_policy
 
     ex = cfg.execute
+    if ex.source == "live":
+        from hermes_lab import live_round
+
+        src = live_round.source_dir(cfg, Path(output).parent)
+        if src is not None:
+            return live_round.execute_live(cfg, output, src)
+        print("execute.source is live, but this first round has no traffic yet: it executes the embedded tasks")
     adapter = resolve_adapter(adapter, "adapter", cfg)  # a train output dir (its adapter/) or 'champion' too
     pol = policy or load_policy(
         cfg.model.base_model,

@@ -3,11 +3,13 @@
 Stage: validate (live A/B) and prep. ``hermes-lab serve`` writes, in its log dir (``runs/live/<experiment>/``):
 
   requests.jsonl    one record per request, in the trajectories format (prompt, response, task_id) plus
-                    request_id, unit, arm, model, stage, ratio, t (s since the experiment start), timestamp,
-                    status, http_status, error, latency_ms, ttft_ms, usage, stream, messages
+                    request_id, unit, arm, model, stage, ratio, t (arrival, s since the experiment start on
+                    its clock: wall seconds x serve.time_scale), t_done (answer complete), timestamp,
+                    status, http_status, error, fallback, latency_ms, ttft_ms, usage, stream, messages
   feedback.jsonl    one record per POST /v1/feedback: request_id, reward, source, detail, arm, t, timestamp
-  experiment.json   the experiment's mutable state (arms, stages, current stage and ratio, restarts),
-                    written atomically (``hermes_lab.jsonl.write_json_atomic``)
+  experiment.json   the experiment's mutable state (arms, stages, current stage and ratio, stage starts,
+                    every look's decision, restarts), written atomically (``hermes_lab.jsonl.write_json_atomic``)
+  ab_report.json    the live rollout's report (``hermes_lab.live_report``), with plots/*.png
 
 Both JSONL files are append-only: never rewritten in place. A line torn by a crash is skipped by every
 reader here (and counted); the next writer starts on a fresh line. ``hermes-lab prep --input DIR`` reads
@@ -172,15 +174,20 @@ class Tally:
 
     Built from requests.jsonl + feedback.jsonl at start (a restarted gateway continues the same counts),
     then kept current by the gateway. A request's reward is its latest feedback of ``source`` ('any': of
-    any source); a failed request counts as reward 0 (as ab-run scores an empty answer) so that the error
-    guardrail sees it.
+    any source); a failed request counts as reward 0 (as ab-run scores an empty answer). Times are the
+    experiment clock's (seconds since the start, ``serve.time_scale`` included): ``t`` when the request
+    arrived, ``t_done`` when its answer was complete, ``t_fb`` when its first counted feedback arrived (a
+    failed request: its ``t_done``), so that ``columns(known_by=T)`` is what a look at T could know.
     """
 
     def __init__(self, source: str = "system"):
         self.source = source
         self.index: dict[str, int] = {}
-        self.cols: dict[str, list[Any]] = {k: [] for k in ("t", "stage", "arm", "error", "latency_ms", "unit")}
+        self.cols: dict[str, list[Any]] = {
+            k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit")
+        }
         self.reward: list[float] = []
+        self.family: list[int] = []  # filled by from_dir(families=True) only (the report's per-family rows)
         self.units: dict[str, int] = {}
         self.n = [0, 0]
         self.errors = [0, 0]
@@ -192,7 +199,11 @@ class Tally:
         err = rec.get("status") != "ok"
         self.index[str(rec.get("request_id"))] = len(self.reward)
         c = self.cols
-        c["t"].append(float(rec.get("t") or 0.0))
+        t = float(rec.get("t") or 0.0)
+        done = float(rec.get("t_done") or t)  # logs from before t_done: the arrival
+        c["t"].append(t)
+        c["t_done"].append(done)
+        c["t_fb"].append(done if err else math.inf)
         c["stage"].append(int(rec.get("stage") or 0))
         c["arm"].append(arm)
         c["error"].append(err)
@@ -208,16 +219,26 @@ class Tally:
         if i is None:
             return False
         if self.source in ("any", rec.get("source", "system")) and not self.cols["error"][i]:
-            self.feedback[self.cols["arm"][i]] += math.isnan(self.reward[i])
+            if math.isnan(self.reward[i]):  # the first counted feedback: the reward is known from then on
+                self.feedback[self.cols["arm"][i]] += 1
+                self.cols["t_fb"][i] = float(rec.get("t") or 0.0)
             self.reward[i] = float(rec["reward"])  # file order: the latest feedback wins
         return True
 
     @classmethod
-    def from_dir(cls, log_dir: str | os.PathLike[str], source: str = "system") -> Tally:
+    def from_dir(cls, log_dir: str | os.PathLike[str], source: str = "system", families: bool = False) -> Tally:
+        """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower)."""
         t = cls(source)
         bad: list[int] = []
+        if families:
+            from hermes_lab import tasks as T
+
+            fam_index = {f: i for i, f in enumerate(T.FAMILIES)}
         for _, rec in read_jsonl(Path(log_dir) / REQUESTS, bad):
             t.add_request(rec)
+            if families:
+                f = T.family_of(rec.get("prompt") if isinstance(rec.get("prompt"), str) else "")
+                t.family.append(fam_index.get(f or "", len(fam_index)))
         t.torn["requests"], bad = len(bad), []
         for _, rec in read_jsonl(Path(log_dir) / FEEDBACK, bad):
             if isinstance(rec.get("reward"), (int, float)):
@@ -225,17 +246,23 @@ class Tally:
         t.torn["feedback"] = len(bad)
         return t
 
-    def columns(self, stage: int | None = None) -> dict[str, Any]:
-        """Columns of the rows with a reward (feedback, or a failed request), for ``hermes_lab.ab``."""
+    def columns(self, stage: int | None = None, known_by: float | None = None) -> dict[str, Any]:
+        """Columns for ``hermes_lab.ab``, in arrival order: every request of ``stage`` (None: all) complete by
+        ``known_by`` (None: now); its reward NaN until its feedback (a failed request: 0). NaN rewards are
+        left out of the reward's statistics and count in the guardrails and SRM (``ab.look_path``)."""
         import numpy as np
 
         n = len(self.reward)  # a snapshot: the event loop may append while a thread analyses
         r = np.asarray(self.reward[:n], np.float64)
-        keep = np.isfinite(r)
         cols = {k: np.asarray(v[:n]) for k, v in self.cols.items()}
-        if stage is not None:
-            keep &= cols["stage"] == stage
-        out = {k: v[keep] for k, v in cols.items()}
+        keep = np.ones(n, bool) if stage is None else cols["stage"] == stage
+        if known_by is not None:
+            keep &= cols["t_done"] <= known_by
+            r = np.where(cols["t_fb"] <= known_by, r, np.nan)
+        order = np.flatnonzero(keep)
+        order = order[np.argsort(cols["t"][order], kind="stable")]  # time order (answers finish out of order)
+        out = {k: v[order] for k, v in cols.items()}
+        fam = np.asarray(self.family[:n], np.int64)[order] if len(self.family) >= n else np.zeros(len(order), np.int64)
         out.update(
             t=out["t"].astype(np.float64),
             stage=out["stage"].astype(np.int64),
@@ -243,8 +270,8 @@ class Tally:
             error=out["error"].astype(bool),
             latency_ms=out["latency_ms"].astype(np.float64),
             unit=out["unit"].astype(np.int64),
-            reward=r[keep],
-            family=np.zeros(int(keep.sum()), np.int64),
+            reward=r[order],
+            family=fam,
         )
         return out
 
@@ -259,6 +286,13 @@ def _task_id(rec: dict[str, Any], prompt: str) -> str:
 
     t = tasks.parse_prompt(prompt)
     return t.task_id if t else "live-" + hashlib.sha1(prompt.encode("utf-8", "replace")).hexdigest()[:12]
+
+
+def _family(prompt: str) -> str | None:
+    """The embedded task family of a prompt (prep's per-family numbers), None for any other prompt."""
+    from hermes_lab import tasks
+
+    return tasks.family_of(prompt)
 
 
 def _judge(cfg: Any, rows: list[dict[str, Any]], best: dict[str, tuple[float, str]]) -> list[float | None]:
@@ -326,6 +360,7 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                 "response": rec.get("response") if isinstance(rec.get("response"), str) else "",
                 "reward": None,
                 "task_id": _task_id(rec, prompt),
+                "family": _family(prompt),
                 **{k: rec.get(k) for k in ("request_id", "unit", "arm", "model", "stage", "ratio", "t", "timestamp")},
                 "messages": rec.get("messages"),
                 "gateway_log": f"{src / REQUESTS}:{lineno}",

@@ -40,12 +40,12 @@ from typing import Any
 
 from hermes_lab.config import HermesConfig, load_config
 from hermes_lab.jsonl import write_json_atomic
-from hermes_lab.stages import STAGES, RoundContext, Stage, fresh_data, read_verdict
+from hermes_lab.stages import STAGES, STOP_AWAITING_LIVE, WAITING, RoundContext, Stage, fresh_data, read_verdict
 from hermes_lab.state import FlywheelState, SimulatedClock, parse_time, state_path
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
-OK_STATUSES = ("promoted", "rolled back", "completed", "awaiting review", "candidate held", "skipped")
+OK_STATUSES = ("promoted", "rolled back", "completed", *WAITING, "candidate held", "skipped")
 
 
 class RoundError(RuntimeError):
@@ -287,9 +287,9 @@ def run_round(
             _commit(state, runs, rd, prog)
         summary = _finish(cfg, stages, state, rd, n, prog, status)
         _log_round(prog, rd, summary)  # idempotent: a kill before the commit below only repeats it
-        # awaiting review: the same round continues (--resume) once the labels are in
-        prog["status"] = "awaiting review" if status == "awaiting review" else "done"
-        if status != "awaiting review":
+        # awaiting review / live A/B: the same round continues (--resume) once the labels / the decision are in
+        prog["status"] = status if status in WAITING else "done"
+        if status not in WAITING:
             state.last_round = n
         state.history.append(
             {
@@ -299,7 +299,7 @@ def run_round(
                 "pass_rate": summary["pass_rate"],
             }
         )
-        state.progress = prog if prog["status"] == "awaiting review" else None
+        state.progress = prog if prog["status"] in WAITING else None
         _commit(state, runs, rd, prog)
         if not quiet:
             print_summary(summary)
@@ -477,7 +477,7 @@ def flywheel(params_path: str, rounds: int, stages: Sequence[Stage] = STAGES, qu
     results = []
     for _ in range(rounds):
         results.append(run_round(params_path, resume=None, quiet=quiet, stages=stages, due=True))
-        if results[-1].status == "awaiting review":  # nothing changes until someone labels
+        if results[-1].status in WAITING:  # nothing changes until someone labels / the gateway decides
             break
     if not quiet:
         print("\nflywheel: held-out sampled pass rate of the champion after each round")
@@ -501,6 +501,10 @@ def status(params_path: str) -> dict[str, Any]:
             reasons.append(f"cooldown: {left.total_seconds() / 3600:.1f} h left (last training {last.isoformat()})")
     n = state.last_round + 1
     pending = cfg.execute.num_tasks  # the embedded execute stage produces these each round
+    if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
+        from hermes_lab import live_round
+
+        pending = live_round.pending_samples(cfg, _round_dir(runs, n), pending)
     for p in fresh_data(runs, n)[1:]:  # plus what earlier stages logged (the last A/B traffic)
         with open(p, encoding="utf-8") as f:
             pending += sum(1 for _ in f)
@@ -512,6 +516,11 @@ def status(params_path: str) -> dict[str, Any]:
             f"review pending: open notebooks/review.ipynb and label the queue of round {n}, "
             f"then hermes-lab round --resume"
         )
+    elif unfinished.get("status") == STOP_AWAITING_LIVE:
+        from hermes_lab import live_round
+
+        where = live_round.status_line(cfg, live_round.experiment_dir(cfg, _round_dir(runs, n)))
+        reasons.append(f"round {n} is awaiting its live A/B: {where}; once decided: hermes-lab round --resume")
     elif unfinished.get("status") in {"running", "failed"}:
         reasons.append(f"round {n} is unfinished ({unfinished['status']}): hermes-lab round --resume")
     return {

@@ -51,8 +51,8 @@ from starlette.routing import Route
 from hermes_lab import ab
 from hermes_lab import live_experiment as X
 from hermes_lab import live_log as L
-from hermes_lab.arms_live import ARMS, Answer, ArmSpec, UpstreamError, build_arms, resolve_arm
-from hermes_lab.config import ConfigError, HermesConfig, load_config
+from hermes_lab.arms_live import ARMS, Answer, ArmSpec, UpstreamError, build_arms
+from hermes_lab.config import ConfigError, HermesConfig
 
 log = logging.getLogger("hermes_lab.serve")
 ARM_HEADER = {0: b"baseline", 1: b"candidate"}
@@ -110,29 +110,23 @@ class Gateway:
         ratio: float | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         experiment: str | None = None,
+        say: Any = print,
     ):
-        from hermes_lab.config import ab_stages
-
         self.cfg, s = cfg, cfg.serve
-        self.specs = specs
-        self.stages = ab_stages(cfg)  # checked by load_config; errors name the ab.* key
-        if ratio is not None:  # --ratio R: the first stage at R; later stages below R are dropped (ramps only rise)
-            if not 0 <= ratio < 1:
-                raise ConfigError(f"--ratio must lie in [0, 1) (a test needs a baseline), got {ratio}")
-            self.stages = [[float(ratio), self.stages[0][1]]] + [x for x in self.stages[1:] if x[0] > ratio]
+        self.specs, self.say = specs, say
         self.name = experiment or s.experiment or default_experiment(specs)
         self.log_dir = Path(log_dir or s.log_dir or Path(cfg.round.runs_dir) / "live" / self.name)
+        self.stages, ratio = X.live_stages(cfg, self.log_dir, ratio)  # errors name the ab.* key
         self.public = s.public_model
         self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
         self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
-        ident = {"arms": {n: specs[n].describe() for n in ARMS}, "public_model": self.public, "unit": cfg.ab.unit}
-        self.state = X.open_experiment(
-            self.log_dir, {"experiment": self.name, **ident, "salt": self.salt}, self.stages, ratio
-        )
+        ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, self.name)
+        self.state = X.open_experiment(self.log_dir, ident, self.stages, ratio, arm_specs=X.arm_specs(specs))
         self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
         self.t0 = float(self.state["start_unix"])
+        self.fallback = s.fallback == "baseline"
         self._auth: bytes | None = None
         if s.api_key_env:
             key = os.environ.get(s.api_key_env, "")
@@ -140,6 +134,10 @@ class Gateway:
                 raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
             self._auth = f"Bearer {key}".encode()
         self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
+        # the staged rollout on the (scaled) wall clock: it owns stage and ratio, the gateway routes with them
+        self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
+        self.clock = self.rollout.clock
+        self._looks: asyncio.Task | None = None
         self.rejected = 0
         self.req_log = self.fb_log = None
         self.traces: Any = None
@@ -161,8 +159,20 @@ class Gateway:
             from hermes_lab.live_mlflow import TraceSink
 
             self.traces = TraceSink(self.cfg, self.name)
+        self.rollout.start_clock()
+        self.t0 = self.rollout.t0
+        if self.rollout.next_look() is not None:
+            self._looks = asyncio.create_task(self.rollout.run(self._moved))
+
+    def _moved(self) -> None:
+        """The rollout took a step: route with its stage and ratio from the next request on."""
+        self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
 
     async def shutdown(self) -> None:
+        if self._looks is not None:
+            if not self.rollout.reporting:  # the final report is being written: let it finish
+                self._looks.cancel()
+            await asyncio.gather(self._looks, return_exceptions=True)
         for a in self.arms.values():
             await a.close()
         for w in (self.req_log, self.fb_log):
@@ -214,11 +224,13 @@ class Gateway:
             "model": self.arms[ARMS[arm]].served_model,
             "stage": self.stage,
             "ratio": self.ratio,
-            "t": round(now - self.t0, 3),
+            "t": round(self.clock(now), 3),
+            "t_done": None,
             "timestamp": datetime.fromtimestamp(now, timezone.utc).isoformat(),
             "status": "ok",
             "http_status": 200,
             "error": None,
+            "fallback": None,
             "latency_ms": round((time.perf_counter() - t_start) * 1000, 3),
             "ttft_ms": None,
             "usage": None,
@@ -300,14 +312,28 @@ class Gateway:
             return await self._stream(payload, prompt, rid, arm, rec, headers, t_start)
         ans = await self._call(self.arms[ARMS[arm]].complete, payload, prompt, rid)
         self._finish(rec, ans, t_start)
+        if arm == 1 and self.fallback and rec["status"] != "ok":
+            ans = await self._call(self.arms["baseline"].complete, payload, prompt, rid)
+            self._fell_back(rec, ans.status, ans.error, t_start, headers)
         await self._commit(rec)
         return _Raw(ans.body, ans.status, headers)
+
+    def _fell_back(
+        self, rec: dict[str, Any], status: int, error: str | None, t_start: float, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """serve.fallback: the baseline answered a failed candidate call. The record stays the candidate's
+        error (its arm's error rate sees it; feedback on it is ignored); the client waited for both."""
+        rec["fallback"] = {"arm": "baseline", "http_status": status, "error": error}
+        rec["latency_ms"] = round((time.perf_counter() - t_start) * 1000, 3)
+        rec["t_done"] = round(self.clock(), 3)
+        headers.append((b"x-hermes-fallback", b"baseline"))
 
     async def _call(self, fn: Any, payload: dict[str, Any], prompt: str, rid: str) -> Any:
         try:
             return await fn(payload, prompt, rid)
         except UpstreamError as e:
-            return Answer(e.status, error_body(str(e), "upstream_error", "bad_gateway"), error=str(e))
+            code = "gateway_timeout" if e.status == 504 else "bad_gateway"
+            return Answer(e.status, error_body(str(e), "upstream_error", code), error=str(e))
         except Exception as e:  # an in-process generation failure: a 500 naming it
             log.exception("arm failed")
             msg = f"{type(e).__name__}: {e}"
@@ -323,6 +349,7 @@ class Gateway:
             finish_reason=ans.finish_reason,
             response=ans.text,
             latency_ms=round((time.perf_counter() - t_start) * 1000, 3),
+            t_done=round(self.clock(), 3),
         )
 
     async def _stream(
@@ -338,10 +365,17 @@ class Gateway:
         rec["stream"] = True
         opened = await self._call(self.arms[ARMS[arm]].stream, payload, prompt, rid)
         err, events = opened if isinstance(opened, tuple) else (opened, None)
+        fell = False
         if err is not None:  # refused before the first byte: a plain JSON error, as OpenAI answers
             self._finish(rec, err, t_start)
-            await self._commit(rec)
-            return _Raw(err.body, err.status, headers)
+            if arm == 1 and self.fallback:  # (a break mid-stream cannot fall back: bytes went out)
+                opened = await self._call(self.arms["baseline"].stream, payload, prompt, rid)
+                err, events = opened if isinstance(opened, tuple) else (opened, None)
+                self._fell_back(rec, 200 if err is None else err.status, err and err.error, t_start, headers)
+                fell = err is None
+            if not fell:
+                await self._commit(rec)
+                return _Raw(err.body, err.status, headers)
 
         async def body() -> Any:
             text, usage, finish, ttft, error, done = [], None, None, None, None, False
@@ -363,7 +397,10 @@ class Gateway:
                 done = True
                 raise
             finally:
-                if not done:
+                if not done and fell:  # the record stays the candidate's error; the fallback's outcome beside it
+                    rec["fallback"].update(http_status=200 if error is None else 502, error=error)
+                    rec.update(latency_ms=round((time.perf_counter() - t_start) * 1000, 3), t_done=self.clock())
+                elif not done:
                     ans = Answer(200 if error is None else 502, b"", "".join(text), usage, error, finish)
                     self._finish(rec, ans, t_start)
                     rec["ttft_ms"] = ttft
@@ -373,7 +410,7 @@ class Gateway:
             else:
                 yield b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n"
 
-        hdrs = {"x-request-id": rid, "x-hermes-arm": ARM_HEADER[arm].decode(), "cache-control": "no-cache"}
+        hdrs = {k.decode(): v.decode() for k, v in headers} | {"cache-control": "no-cache"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=hdrs)
 
     async def feedback(self, request: Request) -> Response:
@@ -403,7 +440,7 @@ class Gateway:
             "source": src,
             "detail": fb.get("detail"),
             "arm": ARMS[self.tally.cols["arm"][i]],
-            "t": round(now - self.t0, 3),
+            "t": round(self.clock(now), 3),
             "timestamp": L.now_iso(now),
         }
         await self.fb_log.append(orjson.dumps(rec) + b"\n")
@@ -420,9 +457,10 @@ class Gateway:
         key, dec = self._decision
         now_key = (sum(self.tally.feedback), sum(self.tally.errors), self.stage, int(time.monotonic() // 5))
         if key != now_key:  # new rewards (or 5 s on): analyse again, in a thread, off the event loop
-            dec = await asyncio.to_thread(X.decide, self.cfg, self.tally, self.state, self.stages)
+            dec = await asyncio.to_thread(self.rollout.current)
             self._decision = (now_key, dec)
-        t = self.tally
+        t, st, ro = self.tally, self.state, self.rollout
+        nxt = ro.next_look()
         out = {
             "experiment": self.name,
             "log_dir": str(self.log_dir),
@@ -433,9 +471,18 @@ class Gateway:
             "unit": self.cfg.ab.unit,
             "public_model": self.public,
             "arms": {n: self.specs[n].describe() for n in ARMS},
-            "started": self.state["created"],
-            "t": round(time.time() - self.t0, 3),
-            "restarts": self.state["restarts"],
+            "started": st["created"],
+            "t": round(self.clock(), 3),
+            "time_scale": ro.K,
+            "rollout": ro.enabled,
+            "stage_starts": st["stage_starts"],
+            "looks": len(st["looks"]),
+            "last_look": st["looks"][-1] if st["looks"] else None,
+            "next_look": None if nxt is None else {"t": nxt, "in_s": round(max(ro.wall_at(nxt) - time.time(), 0), 3)},
+            "waiting_for": ro.waiting_for(),
+            "rollout_decision": st.get("decision"),
+            "report": st.get("report"),
+            "restarts": st["restarts"],
             "n_baseline": t.n[0],
             "n_candidate": t.n[1],
             "errors": {"baseline": t.errors[0], "candidate": t.errors[1]},
@@ -478,94 +525,17 @@ def build_app(gw: Gateway) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+# the command line is hermes_lab.serve_cli's; `hermes-lab serve` and `python -m hermes_lab.serve` come here
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default=None, help="config YAML (serve and ab sections; default: built-in defaults)")
-    for arm in ARMS:
-        p.add_argument(
-            f"--{arm}",
-            default=None,
-            metavar="SPEC",
-            help=f"{arm} arm: embedded:tiny, a model/adapter/train dir, 'latest', or an http(s) API root "
-            f"(default: serve.{arm})",
-        )
-        p.add_argument(f"--{arm}-model", default=None, metavar="ID", help=f"model id of a URL {arm} arm")
-        p.add_argument(f"--{arm}-key-env", default=None, metavar="VAR", help=f"env var with the {arm} upstream's key")
-    p.add_argument("--ratio", type=float, default=None, help="candidate share (default: the first ab.stages ratio)")
-    p.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8700; 0: any free port)")
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="log dir (default: runs/live/<experiment>)")
-    p.add_argument("--experiment", default=None, help="experiment name (default: <baseline>-vs-<candidate>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--debug", action="store_true", help="DEBUG logging: one line per request (id, arm, status)")
+    from hermes_lab import serve_cli
 
-
-def make_gateway(args: argparse.Namespace) -> Gateway:
-    overrides = {}
-    for kv in args.set:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
-        overrides[k] = v
-    if args.host is not None:
-        overrides["serve.host"] = args.host
-    if args.port is not None:
-        overrides["serve.port"] = args.port
-    cfg = load_config(args.params, overrides=overrides)
-    specs = {
-        a: resolve_arm(cfg, a, getattr(args, a), getattr(args, f"{a}_model"), getattr(args, f"{a}_key_env"))
-        for a in ARMS
-    }
-    return Gateway(cfg, specs, ratio=args.ratio, log_dir=args.log_dir, experiment=args.experiment)
+    serve_cli.add_arguments(p)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    import socket
+    from hermes_lab import serve_cli
 
-    import uvicorn
-
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
-    if args.debug:
-        log.setLevel(logging.DEBUG)
-    else:  # quiet by default: no weight-loading bars from transformers
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    gw = make_gateway(args)
-    s = gw.cfg.serve
-    sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((s.host, s.port))
-    except OSError as e:
-        print(f"hermes-lab serve: cannot bind {s.host}:{s.port}: {e.strerror}", file=sys.stderr)
-        return 2
-    port = sock.getsockname()[1]
-    if s.host not in ("127.0.0.1", "localhost", "::1") and not s.api_key_env:
-        print(
-            f"hermes-lab serve: warning: {s.host} is reachable from other machines and no gateway key is set "
-            "(serve.api_key_env)",
-            file=sys.stderr,
-        )
-    b, c = gw.specs["baseline"], gw.specs["candidate"]
-    print(
-        f"hermes-lab serve: http://{s.host}:{port}/v1  model {gw.public!r}\n"
-        f"  baseline  {b.served_model} ({b.kind}) {1 - gw.ratio:.0%}\n"
-        f"  candidate {c.served_model} ({c.kind}) {gw.ratio:.0%}\n"
-        f"  log {gw.log_dir}  ({gw.tally.n[0] + gw.tally.n[1]} requests logged before)",
-        flush=True,
-    )
-    config = uvicorn.Config(
-        build_app(gw),
-        log_level="debug" if args.debug else "warning",
-        access_log=s.access_log,
-        server_header=False,
-        date_header=False,
-        proxy_headers=False,
-        ws="none",  # X-Forwarded-* rewriting: not needed on 127.0.0.1, and it costs per request
-        timeout_keep_alive=75,
-    )
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    return serve_cli.run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,8 @@ STOP_AWAITING_REVIEW = "awaiting review"
 STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
 STOP_HEALTH = "stopped: training health"
 STOP_REGRESSION = "stopped: regression gate"
+STOP_AWAITING_LIVE = "awaiting live A/B"  # ab.mode live: the gateway has not decided the rollout yet
+WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues (--resume) after these
 
 
 @dataclass(frozen=True)
@@ -210,11 +212,12 @@ STAGES: tuple[Stage, ...] = (
         "hermes_lab.ab_run",
         verdict=f"ab/{VERDICT_NAME}",
         gates=("ab_decision",),
+        stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live_round)
         params=_ab_params,
         notebook_params=(*ROUND_PARAMS, "baseline", "candidate", "duration", "seed"),
         command="ab-run",
         help="Run the staged A/B rollout and write ab_report.json.",
-        data_outputs=("ab/requests.jsonl",),
+        data_outputs=("ab/requests.jsonl", "ab/live_trajectories.jsonl"),  # simulated / live traffic
     ),
     # last, so that its table includes this round
     Stage("compare", "50_round_compare.ipynb", "hermes_lab.compare"),

@@ -185,7 +185,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def build(cls: type, raw: Any, where: str, problems: list[str], skip: Collection[str] = ()) -> Any:
-    """The dataclass from a mapping; each bad key is a problem (and keeps its default), all are collected."""
+    """The dataclass from a mapping; each bad key is a problem (and keeps its default), all are collected.
+    ``skip``: fields of ``cls`` itself that are no keys (a section's own fields may reuse their names)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -202,9 +203,7 @@ def build(cls: type, raw: Any, where: str, problems: list[str], skip: Collection
             continue
         tp, key_where = hints[k], f"{where}.{k}" if where else k
         try:
-            kwargs[k] = (
-                build(tp, v, key_where, problems, skip) if dataclasses.is_dataclass(tp) else coerce(v, tp, key_where)
-            )
+            kwargs[k] = build(tp, v, key_where, problems) if dataclasses.is_dataclass(tp) else coerce(v, tp, key_where)
         except ConfigError as e:
             problems.append(str(e))
     return cls(**kwargs)

@@ -407,3 +407,40 @@ def test_stage_action_look_by_look_equals_the_whole_path():
                 break
         expect = None if int(code) == ab.KEEP else (ab.DECISIONS[int(code)], float(looks[int(i)]))
         assert live == expect
+
+
+@pytest.mark.parametrize("users", [0, 300])
+def test_rows_without_a_reward_count_in_the_guardrails_only(users):
+    """A live look sees requests whose feedback has not arrived (reward NaN): the reward's statistics and
+    its confidence sequence are those of the rewarded rows alone; error rates and SRM count every request."""
+    stage = ab.Stage(0, 0.3, 0.0, 3600, 0.0, 900, 900)
+    st = ab.Settings(min_per_arm=5)
+    d = _sim(1, 1500, 0.3, 0.6, 0.45, seed=12, T=3600, err_c=0.05)
+    rng = np.random.default_rng(12)
+    cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
+    if users:  # units: users, all of a user's requests in one arm
+        cols["unit"] = rng.integers(0, users, len(cols["t"]))
+        cols["arm"] = (np.array([ab.bucket(f"u{u}") for u in range(users)]) < 0.3).astype(np.int8)[cols["unit"]]
+    missing = (rng.random(len(cols["t"])) < 0.3) & ~cols["error"]
+    part = {**cols, "reward": np.where(missing, np.nan, cols["reward"])}
+    rewarded = {k: v[~missing] for k, v in cols.items()}
+    full, ref = ab.analyse_stage(part, stage, st), ab.analyse_stage(rewarded, stage, st)
+    for k in ("n_baseline", "n_candidate", "baseline_mean", "candidate_mean", "delta", "p_value", "var_delta"):
+        assert full[k] == pytest.approx(ref[k], rel=1e-12), k
+    assert full["mann_whitney"] == ref["mann_whitney"]
+    if not users:  # request units: a row without a reward is simply absent from the reward's CS
+        for a, b in zip(full["sequential"]["looks"], ref["sequential"]["looks"]):
+            assert (a["cs_lower"], a["cs_upper"], a["delta"]) == pytest.approx(
+                (b["cs_lower"], b["cs_upper"], b["delta"])
+            )
+    cand = cols["arm"] == 1
+    g = full["guardrails"]
+    assert g["error_rate_candidate"] == pytest.approx(cols["error"][cand].mean())  # every request, not just rewarded
+    assert g["errors_candidate"] == int(cols["error"][cand].sum())
+    last = full["sequential"]["looks"][-1]
+    assert last["requests_candidate"] == int(cand.sum()) > last["n_candidate"] == full["n_candidate"]
+    units = len(np.unique(cols["unit"][cand])) if users else int(cand.sum())
+    assert full["srm"]["units_candidate"] == units
+    # the pooled user's fields ignore rows without a reward too
+    overall = ab.analyse_log({**part, "stage": np.zeros(len(part["t"]), np.int64)}, [stage], st)["overall"]
+    assert overall["n_candidate"] == ref["n_candidate"] and np.isfinite(overall["delta"])

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hermes_lab import live_log as L
@@ -94,9 +95,27 @@ def test_tally_rebuilds_counts_and_rewards(log_dir):
     assert t.n == [4, 1] and t.errors == [1, 0] and t.feedback == [1, 1]
     assert t.torn["requests"] == 1
     cols = t.columns()
-    assert len(cols["reward"]) == 3  # a, b rewarded; e failed (counts as 0); c, d wait for feedback
-    assert sorted(cols["reward"].tolist()) == [0.0, 4.0, 5.0] and cols["error"].sum() == 1
-    assert math.isnan(t.reward[t.index["c"]])
+    assert len(cols["reward"]) == 5  # every request; c and d wait for feedback (NaN: guardrails only)
+    r = cols["reward"]
+    assert sorted(r[~np.isnan(r)].tolist()) == [0.0, 4.0, 5.0] and np.isnan(r).sum() == 2  # e failed: 0
+    assert cols["error"].sum() == 1 and math.isnan(t.reward[t.index["c"]])
+
+
+def test_tally_columns_know_what_a_look_could_know():
+    """columns(known_by=T): requests complete by T, rewards whose first feedback came by T; time order."""
+    t = L.Tally()
+    t.add_request(req("late", "up a=", "A", t=5.0, t_done=9.0))  # answered after the look at 8
+    t.add_request(req("x", "up b=", "B", t=2.0, t_done=3.0))
+    t.add_request(req("y", "up c=", "C", arm="candidate", t=1.0, t_done=2.5))
+    t.add_request(req("z", "up d=", "", arm="candidate", status="error", t=4.0, t_done=4.5))
+    t.add_feedback({"request_id": "x", "reward": 5.0, "t": 7.0})
+    t.add_feedback({"request_id": "y", "reward": 2.0, "t": 8.5})  # after the look
+    t.add_feedback({"request_id": "x", "reward": 3.0, "t": 12.0})  # a re-score: the latest value, the first time
+    cols = t.columns(stage=0, known_by=8.0)
+    assert cols["t"].tolist() == [1.0, 2.0, 4.0]  # y, x, z in arrival order; 'late' was not complete yet
+    assert cols["reward"][0] != cols["reward"][0] and cols["reward"][1:].tolist() == [3.0, 0.0]
+    assert t.columns(known_by=9.0)["t"].tolist() == [1.0, 2.0, 4.0, 5.0]
+    assert t.columns(known_by=8.5)["reward"][0] == 2.0 and t.feedback == [1, 1]
 
 
 @pytest.mark.parametrize("durability", ["fsync", "write"])
