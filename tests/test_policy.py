@@ -38,6 +38,29 @@ def test_build_is_deterministic_by_seed(tmp_path):
     assert wa != wc
 
 
+def test_packed_teacher_batch_has_the_padded_batch_loss():
+    """Packing only saves compute: same examples, same loss, and no example attends to its row neighbours
+    (a wrong mask would let answers leak across examples and lower the packed loss)."""
+    import random
+
+    import torch
+
+    tok = P.build_tokenizer()
+    model = P._tiny_model(len(tok), seed=0).eval()
+    batch = P._teacher_batch(random.Random("pack"), tok, 128)
+    rows, width = batch["input_ids"].shape
+    assert width == P.PACK_WIDTH and rows < 128 / 2.5  # several examples per row
+    ids, labels = P.unpack_teacher_batch(batch, tok.pad_token_id)
+    assert len(ids) == 128  # every example is in exactly one block
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).loss
+        padded = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
+        # the same rows without position ids: one long causal sequence per row, examples see each other
+        leaky = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+    assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
+    assert not torch.allclose(packed, leaky, atol=1e-3)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return P.build_tiny_policy("runs", seed=0)
