@@ -265,6 +265,8 @@ def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp
     out = tmp_path / "prep"
     cmd = [sys.executable, "-m", "hermes_lab.prep", "--input", str(mixed.log_dir), "--output", str(out)]
     cmd += ["--params", str(REPO / "params/embedded.yaml"), "--set", "data.min_samples=10"]
+    # a runs dir of its own: the checkout's runs/state.json (after a `make round`) would put prep in cooldown
+    cmd += ["--set", f"round.runs_dir={tmp_path / 'runs'}"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())
