@@ -366,12 +366,11 @@ def plot_pass_rate(table: Any, out_dir: str | Path) -> Path:
     ax.set_ylabel("held-out sampled pass rate")
     ax.set_title("champion and candidates by round (95% Wilson intervals over tasks)")
     kinds = [k for k in STYLE if (table["kind"] == k).any()]
-    handles = [
-        Line2D([], [], color="black", marker="o", label="champion (after the round)"),
-        Line2D([], [], color="black", marker="o", mfc="white", ls="", label="champion carried forward"),
-        plt.Rectangle((0, 0), 1, 1, color="black", alpha=0.12, label="champion 95% interval"),
-        *[Line2D([], [], color=STYLE[k][0], marker=STYLE[k][1], ls="", label=k) for k in kinds],
-    ]
+    handles = [Line2D([], [], color="black", marker="o", label="champion (after the round)")]
+    if carried.any():
+        handles.append(Line2D([], [], color="black", marker="o", mfc="white", ls="", label="champion carried forward"))
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="black", alpha=0.12, label="champion 95% interval"))
+    handles += [Line2D([], [], color=STYLE[k][0], marker=STYLE[k][1], ls="", label=k) for k in kinds]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="candidate / round")
     path = log_figure(fig, Path(out_dir) / "pass_rate_by_round.png")
     plt.close(fig)
