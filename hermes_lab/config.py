@@ -349,6 +349,10 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if not cfg.round.registered_model.strip() or "'" in cfg.round.registered_model:
         errs.append("round.registered_model must be a non-empty name without quotes")
     errs += serve_problems(cfg.serve)
+    if a.plan_power > 0 and a.mode == "live":
+        warns.append(
+            "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
+        )
     if m.base_model == EMBEDDED_MODEL and cfg.execute.num_tasks < d.min_samples:
         warns.append(
             f"execute.num_tasks {cfg.execute.num_tasks} < data.min_samples {d.min_samples}: a first round on the "
