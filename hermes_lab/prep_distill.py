@@ -360,6 +360,7 @@ def selection_report(sel: Selection, cfg: Any, heldout_prompts: int) -> dict[str
         "by_source": {src: tally([(k, c) for k, c in items if k[1] == src]) for src in ("input", "negative")},
         "by_family": by_family,
         "heldout_prompts": heldout_prompts,
+        "gain_report": "gain_by_family(selection.json, train/eval.json): weight share beside held-out gain",
     }
 
 
@@ -369,6 +370,26 @@ def selection_metrics(rep: dict[str, Any]) -> dict[str, Any]:
     out = {f"select_{k}": t[k] for k in (*OUTCOMES, "zero_std", "left_out", "selected", "weight")}
     out["select_frac_reward_zero_std"] = t["frac_reward_zero_std"]
     out |= {f"select_share_{k}": v for k, v in t["weight_share"].items()}
+    return out
+
+
+def gain_by_family(rep: dict[str, Any], ev: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Which data drove a round's gain: per family, its share of the training weight (selection.json) beside
+    its held-out pass rates before / after (train's eval.json, ``policy.evaluate``'s per_family). A joint
+    view, not a causal split: families train together and transfer. Families only one side knows get None."""
+    before, after = (ev.get(k, {}).get("per_family", {}) for k in ("before", "after"))
+    out = {}
+    fams = rep["by_family"]
+    for f in sorted(set(fams) | set(after), key=lambda f: (f not in fams, -fams.get(f, {}).get("weight", 0), f)):
+        t, b, a = fams.get(f, {}), before.get(f, {}), after.get(f, {})
+        gain = round(100 * (a["pass_rate"] - b["pass_rate"]), 1) if "pass_rate" in a and "pass_rate" in b else None
+        keys = ("weight_share", "mixed", "left_out")
+        out[f] = {
+            **{k: t.get(k) for k in keys},
+            "before": b.get("pass_rate"),
+            "after": a.get("pass_rate"),
+            "gain": gain,
+        }
     return out
 
 

@@ -834,3 +834,22 @@ def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
     assert rows["Capital of France?"]["n_logged"] == 1  # one record (two duplicate lines), three samples
     rep = json.loads((tmp_path / "prep" / "selection.json").read_text())
     assert rep["by_family"]["unknown"]["available"] == 4 and rep["totals"]["frac_reward_zero_std"] == round(2 / 3, 4)
+
+
+def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
+    from hermes_lab.prep_distill import gain_by_family
+
+    rep = {
+        "by_family": {
+            "add": {"weight_share": 0.6, "mixed": 30, "left_out": 2, "weight": 60},
+            "upper": {"weight_share": 0.4, "mixed": 5, "left_out": 9, "weight": 40},
+            "unknown": {"weight_share": 0.0, "mixed": 0, "left_out": 0, "weight": 0},
+        }
+    }
+    pf = lambda **kv: {"per_family": {f: {"pass_rate": v} for f, v in kv.items()}}  # noqa: E731
+    ev = {"before": pf(add=0.30, upper=0.50, reverse=0.2), "after": pf(add=0.45, upper=0.49, reverse=0.3)}
+    g = gain_by_family(rep, ev)
+    assert list(g) == ["add", "upper", "unknown", "reverse"]  # by training weight, families only eval knows last
+    assert g["add"] == {"weight_share": 0.6, "mixed": 30, "left_out": 2, "before": 0.3, "after": 0.45, "gain": 15.0}
+    assert g["upper"]["gain"] == -1.0 and g["unknown"]["gain"] is None  # a user's own family: no held-out eval
+    assert g["reverse"]["weight_share"] is None and g["reverse"]["gain"] == 10.0
