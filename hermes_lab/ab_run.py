@@ -16,7 +16,8 @@ The report, plots, MLflow record and verdict are built by ``hermes_lab.ab_report
     python -m hermes_lab.ab_run --baseline DIR --candidate DIR --ratio 0.1 --duration 7200 --output ab_report.json
     hermes-lab ab-run --params params/embedded.yaml --baseline embedded:tiny --candidate runs/round-01/adapter
 
-Traffic runs on a simulated clock: arrival times are drawn (Poisson at ``ab.request_rate``), nothing
+Traffic runs on a simulated clock: arrival times are drawn (Poisson at ``ab.request_rate``, or with
+``ab.plan_power`` at the rate ``hermes_lab.ab_plan`` plans for the gain to detect; report key "plan"), nothing
 sleeps, so docs/SPEC.md's 10%/2 h -> 30%/4 h -> 100% rollout takes as long as generating its responses. The
 requests of one look window are generated per arm in one batched call. Statistics: ``hermes_lab.ab``.
 """
@@ -24,6 +25,8 @@ requests of one look window are generated per arm in one batched call. Statistic
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -303,13 +306,15 @@ def run_ab(
     seed: int = 0,
     score_fn: Callable[[list[str], list[str]], list[float]] | None = None,
     plots: bool = True,
+    plan_eval: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the staged rollout and write the report, its verdict, the request log and the plots; returns the
     report.
 
     ``baseline``/``candidate``: a path or id, or a policy object with ``generate``. ``duration``: cap on
     simulated seconds (0: every stage, with extensions). ``score_fn(prompts, responses)``: the reward
-    (default: the round's system reward, ``rewards.score_responses``: the task verifiers).
+    (default: the round's system reward, ``rewards.score_responses``: the task verifiers). ``plan_eval``:
+    train's eval.json, the held-out gain ``ab.plan_power`` sizes the simulated traffic for (``ab_plan``).
     """
     wall0 = time.time()
     cache: dict[str, Any] = {}
@@ -321,6 +326,14 @@ def run_ab(
             raise e.with_flag(flag) from None
     stage_list = ab_stages(cfg, ratio)
     st = ab.Settings.from_config(cfg)
+    sized = None
+    if cfg.ab.plan_power > 0 and not replay:  # a replayed log keeps its own arrival times
+        from hermes_lab import ab_plan
+
+        sized = ab_plan.plan_rate(cfg, stage_list, st, plan_eval, seed=seed)
+        print(sized.line())
+        cfg = copy.copy(cfg)  # the caller's config stays as it was; this run's records show the planned rate
+        cfg.ab = dataclasses.replace(cfg.ab, request_rate=sized.rate)
     a = cfg.ab
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
     full = sum(s.seconds * (1 + s.max_extension) for s in plan)
@@ -363,13 +376,23 @@ def run_ab(
         time.time() - wall0,
     )
     report = build_report(cfg, analysis, stage_list, st, facts)
+    report["plan"] = sized.as_dict() if sized else None
     pngs = make_plots(arr, report, log_dir / "plots", FAM_NAMES) if plots else []
     report["plots"] = [str(p) for p in pngs]
     write_json_atomic(output, report)
     write_ab_verdict(report, output.parent)
     log_to_mlflow(cfg, report, output, log_path)
+    _log_plan(report)
     log.info("A/B decision: %s (%s)", report["decision"], "; ".join(report["reasons"]))
     return report
+
+
+def _log_plan(report: dict[str, Any]) -> None:
+    """The plan's ``ab/plan_*`` metrics on the active MLflow run (ab_report's record has the rest)."""
+    if report.get("plan"):
+        from hermes_lab import ab_plan, tracking
+
+        tracking.log_metrics("ab", ab_plan.plan_metrics(report["plan"]))
 
 
 def _takes_batch_size(policy: Any) -> bool:
@@ -465,9 +488,11 @@ def notebook_run(
             paths = make_plots(cols, report, out / "plots", fams)
             write_ab_verdict(report, out)
             log_to_mlflow(cfg, report, report_path, out / LOG_NAME)
+            _log_plan(report)
         else:
             b, c = resolve_arms(cfg, round_dir, baseline, candidate)
-            report = run_ab(cfg, b, c, duration=duration, output=report_path, seed=seed)
+            ev = Path(round_dir) / "train" / "eval.json"  # this round's held-out gain: what ab.plan_power sizes for
+            report = run_ab(cfg, b, c, duration=duration, output=report_path, seed=seed, plan_eval=ev)
             cols, fams = read_log(out / LOG_NAME)
             paths = [Path(p) for p in report["plots"]]
     return {"report": report, "cols": cols, "families": fams, "plots": paths, "report_path": report_path}
@@ -495,6 +520,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of traffic, sampling and latency")
     p.add_argument("--log-dir", default=None, help="where requests.jsonl and plots/ go (default: beside --output)")
+    p.add_argument(
+        "--plan-eval", default=None, help="train's eval.json: the held-out gain ab.plan_power sizes the traffic for"
+    )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument(
@@ -519,6 +547,7 @@ def run_cli(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         replay=args.replay,
         seed=args.seed,
+        plan_eval=args.plan_eval,
     )
     if args.no_mlflow:
         report = run_ab(cfg, args.baseline, args.candidate, **kw)

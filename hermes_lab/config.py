@@ -171,6 +171,25 @@ class DataSection:
     review_fraction: float = _f(0.1, "Share of new records sampled for human spot-check.", ge=0, le=1)
     outlier_z: float = _f(4.0, "Robust z-score (median/MAD) past which a reward counts as an outlier.", gt=0)
     negative_weight: int = _f(2, "Times a negative (rolled-back round) prompt is repeated as a hard prompt.", ge=1)
+    select: Literal["all", "mixed"] = _f(
+        "mixed",
+        "GRPO prompt selection from each prompt's logged outcomes (its samples grouped by prompt text). all: "
+        "every prompt once. mixed: prompts whose samples both pass and fail (the groups GRPO learns from) are "
+        "repeated mixed_weight times; prompts whose samples all pass or all fail (zero-signal groups) keep at "
+        "most uniform_share of the set, the rest is left out and listed in left_out.jsonl; one-sample "
+        "prompts (outcome unknown) weigh 1, negatives negative_weight (a mixed negative: the larger weight). "
+        "Report: selection.json.",
+    )
+    mixed_weight: int = _f(
+        2, "select: mixed: times a prompt with mixed outcomes (some samples pass, some fail) is repeated.", ge=1
+    )
+    uniform_share: float = _f(
+        0.2,
+        "select: mixed: most share of the GRPO prompt set's weight that prompts whose samples all pass or all "
+        "fail may take (1: keep them all); which ones stay is a seeded hash of the prompt (data.seed).",
+        ge=0,
+        le=1,
+    )
     max_line_bytes: int = _f(
         16 * 2**20,
         "Trajectory lines longer than this many bytes are rejected as 'line too "
@@ -330,6 +349,10 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if not cfg.round.registered_model.strip() or "'" in cfg.round.registered_model:
         errs.append("round.registered_model must be a non-empty name without quotes")
     errs += serve_problems(cfg.serve)
+    if a.plan_power > 0 and a.mode == "live":
+        warns.append(
+            "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
+        )
     if m.base_model == EMBEDDED_MODEL and cfg.execute.num_tasks < d.min_samples:
         warns.append(
             f"execute.num_tasks {cfg.execute.num_tasks} < data.min_samples {d.min_samples}: a first round on the "

@@ -157,8 +157,36 @@ class ABSection:
     )
     request_rate: float = _f(
         0.25,
-        "Simulated requests per second; a live rollout (serve) takes it as the expected rate per experiment "
-        "second, which tunes where its confidence sequence is tightest (never its validity).",
+        "Simulated requests per second (ab.plan_power > 0: the planned rate instead); a live rollout (serve) "
+        "takes it as the expected rate per experiment second, which tunes where its confidence sequence is "
+        "tightest (never its validity).",
+        gt=0,
+    )
+    plan_power: float = _f(
+        0.0,
+        "Simulated traffic (ab-run, ab.mode simulated): plan the request rate for this power, the chance that the "
+        "staged rollout promotes a candidate ab.plan_effect points better (hermes_lab.ab_plan simulates the "
+        "rollout's own test); the planned rate replaces ab.request_rate. 0: no plan, ab.request_rate as set.",
+        ge=0,
+        lt=1,
+    )
+    plan_effect: float = _f(
+        0.0,
+        "ab.plan_power: the gain to detect, in points of success share (reward >= reward.success_threshold). "
+        "0: this round's held-out gain (train/eval.json gain_points), else ab.plan_fallback_effect.",
+        ge=0,
+        le=100,
+    )
+    plan_fallback_effect: float = _f(
+        5.0,
+        "ab.plan_power: the gain planned for when ab.plan_effect is 0 and no positive held-out gain is known.",
+        gt=0,
+        le=100,
+    )
+    plan_max_rate: float = _f(
+        2.0,
+        "ab.plan_power: cap on the planned rate (requests per simulated second; a rollout generates rate x "
+        "stage lengths responses). When it binds the plan reports the power it reaches.",
         gt=0,
     )
     salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")

@@ -11,10 +11,12 @@ the state's last training time. Inputs are only ever read. Writes into the outpu
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
   rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
-  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, with a weight
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
+  selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   review_queue.jsonl  the stratified human spot-check sample
-  plots/*.png         reward distribution per family, rejects by reason
+  plots/*.png         reward distribution per family, rejects by reason, selection by family
   summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
   verdict.json        the gates in the round runner's format (hermes_lab.stages), stop: "skipped: data gate"
 
@@ -31,11 +33,13 @@ rejected line with its number and reason). A line over ``data.max_line_bytes`` (
 z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond ``data.outlier_z`` flags a
 reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
 seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
-(1 otherwise); ``expand_by_weight(ds)`` repeats the rows. Free text that becomes an identifier (a family in a
-plot label or a metric name) is made safe where it is used (``hermes_lab.jsonl.safe_name``); the data keeps it.
+(1 otherwise); ``data.select: mixed`` weighs prompts by their group outcome, every logged sample of a prompt
+text being one group (``hermes_lab.prep_distill.Selection``); ``expand_by_weight(ds)`` repeats the rows.
+Free text that becomes an identifier (a family in a plot label or a metric name) is made safe where it is
+used (``hermes_lab.jsonl.safe_name``); the data keeps it.
 
 Memory: prep streams (``hermes_lab.prep_ingest``, ``hermes_lab.prep_distill``); record text is held within
-``data.memory_budget_mb``, plus ~60 bytes of fixed-size fields per accepted record. An input that is one of
+``data.memory_budget_mb``, plus ~64 bytes of fixed-size fields per accepted record. An input that is one of
 prep's own outputs (``--input D/accepted.jsonl --output D``) is refused before anything is opened.
 Exit codes: 0 ok, 2 bad input (PrepError), 3 a gate refused (GateRefused); summary.json is written in all three.
 
@@ -69,7 +73,10 @@ from hermes_lab.stages import STOP_DATA, gate, write_verdict
 from hermes_lab.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
-OUTPUT_FILES = (*(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")), "summary.json", "verdict.json")
+OUTPUT_FILES = (
+    *(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue", "left_out")),
+    *("summary.json", "verdict.json", "selection.json"),
+)
 OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "plots")
 
 
@@ -156,8 +163,9 @@ def _round_of(path: str, state: FlywheelState | None, index: int) -> int | None:
 
 
 def expand_by_weight(dataset: Any) -> Any:
-    """The GRPO prompt set with every row repeated ``weight`` times (hard negative prompts count more)."""
-    idx = [i for i, w in enumerate(dataset["weight"]) for _ in range(max(1, int(w)))]
+    """The GRPO prompt set with every row repeated ``weight`` times: hard negatives and mixed-outcome prompts
+    count more; weight 0 (left out by data.select, listed in left_out.jsonl) leaves the row out."""
+    idx = [i for i, w in enumerate(dataset["weight"]) for _ in range(max(0, int(w)))]
     return dataset.select(idx)
 
 
@@ -259,6 +267,7 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
         }
     )
     tracking.log_metrics("prep", summary["counts"])
+    tracking.log_metrics("prep", summary.get("selection") or {})
     tracking.set_tags(
         {
             "prep.status": summary["status"],
@@ -266,7 +275,7 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
             "cooldown_override": str(bool(ov["cooldown"])).lower(),
         }
     )
-    for name in ("summary", "review_queue"):
+    for name in ("summary", "review_queue", "selection"):
         if name in paths:
             tracking.log_artifact(paths[name], "prep")
 
@@ -407,6 +416,7 @@ def _distill(
     """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
     import numpy as np
 
+    from hermes_lab import prep_distill as pd
     from hermes_lab.prep_distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
 
     cols, fam_names = ing.columns(), ing.family_names()
@@ -428,6 +438,12 @@ def _distill(
     )
     paths.update(distill.save(out))
     summary["split"] = distill.split_summary()
+    rep = pd.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
+    rep["left_out_file"] = str(paths["left_out"])
+    paths["selection"] = write_json_atomic(out / "selection.json", rep)
+    summary["selection"] = pd.selection_metrics(rep)
+    if plots:
+        paths["plot_selection"] = pd.plot_selection(rep, out / "plots" / "selection_by_family.png")
     fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
     summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
     if plots:
@@ -515,6 +531,12 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     for info in (res.summary.get("gateway") or {}).values():
         print(describe_gateway(info))
+    sel = res.summary["selection"]
+    print(
+        f"prep: selection ({cfg.data.select}): {sel['select_mixed']} mixed, {sel['select_all_fail']} all-fail, "
+        f"{sel['select_all_pass']} all-pass, {sel['select_single']} one-sample prompts; {sel['select_left_out']} "
+        f"left out; training weight {sel['select_share_mixed']:.0%} mixed -> {res.paths['selection']}"
+    )
     if k["rejected"]:
         print(f"prep: rejected lines are in {res.paths['rejects']}: {res.summary['by_reason']}", file=sys.stderr)
     return 0

@@ -4,7 +4,8 @@ outlier report and the human review sample, in bounded memory.
 Reads what ``hermes_lab.prep_ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
 negative, review rank; indexed by the record's seq number, its order of acceptance) and the text spill,
 partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldout_dataset/``,
-``outliers.jsonl`` and ``review_queue.jsonl`` (contents in ``hermes_lab.prep``'s docstring).
+``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl``, and the selection report behind
+``selection.json`` and its plot (contents in ``hermes_lab.prep``'s docstring).
 
 How the memory stays bounded: a prompt's records all sit in one partition, so the per-prompt rows are built
 one partition at a time; rows keep the seq of their prompt's first record, and the datasets are written in
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from array import array
 from pathlib import Path
@@ -140,10 +142,16 @@ class _Prompt:
         "first",
         "n",
         "n_out",
+        "n_pass",
         "neg_round",
         "neg_source",
+        "ns",
         "ref_reward",
         "reference",
+        "rmax",
+        "rmin",
+        "s1",
+        "sq",
         "task_id",
         "total",
     )
@@ -157,12 +165,30 @@ class _Prompt:
             reward,
         )
         self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
+        # the group: every sample of the prompt, duplicate lines included (the policy gave that answer again)
+        self.ns, self.n_pass, self.s1, self.sq, self.rmin, self.rmax = 0, 0, 0.0, 0.0, reward, reward
+
+    def outcome(self) -> str:
+        """The prompt's group outcome over its logged samples (pass: reward >= reward.success_threshold)."""
+        if self.ns < 2:
+            return "single"  # one sample cannot show a mixed group
+        return "all_pass" if self.n_pass == self.ns else "all_fail" if self.n_pass == 0 else "mixed"
 
 
-def _table(groups: dict[str, _Prompt], neg_weight: int) -> Any:
+def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> Any:
+    """A partition's rows with their outcome columns; ``held``: the held-out set (negatives weighted, no
+    other selection: it is the regression set)."""
     import pyarrow as pa
 
     gs = list(groups.values())
+    outcome = [g.outcome() for g in gs]
+    std = [math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
+    if held:
+        weight = [sel.neg_w if g.neg_source is not None else 1 for g in gs]
+        reason = ["heldout"] * len(gs)
+    else:
+        weight = [sel.base_weight(g, o) for g, o in zip(gs, outcome)]
+        reason = [sel.reason(g, o) for g, o in zip(gs, outcome)]
     return pa.table(
         {
             "prompt": pa.array(list(groups), pa.string()),
@@ -172,14 +198,230 @@ def _table(groups: dict[str, _Prompt], neg_weight: int) -> Any:
             "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
             "n_logged": pa.array([g.n for g in gs], pa.int64()),
             "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
+            "n_samples": pa.array([g.ns for g in gs], pa.int64()),
+            "n_pass": pa.array([g.n_pass for g in gs], pa.int64()),
+            "pass_share": pa.array([g.n_pass / g.ns for g in gs], pa.float64()),
+            "reward_std": pa.array(std, pa.float64()),
+            "zero_std": pa.array([g.ns >= 2 and g.rmax == g.rmin for g in gs], pa.bool_()),
+            "outcome": pa.array(outcome, pa.string()),
             "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
-            "weight": pa.array([neg_weight if g.neg_source is not None else 1 for g in gs], pa.int64()),
+            "weight": pa.array(weight, pa.int64()),
+            "selected": pa.array([True] * len(gs), pa.bool_()),
+            "selection": pa.array(reason, pa.string()),
             "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
             "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
             "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
             "first_seq": pa.array([g.first for g in gs], pa.int64()),
+            "select_rank": pa.array([0 if held else sel.rank(p) for p in groups], pa.uint64()),
         }
     )
+
+
+# ------------------------------------------------------------------------------------------ selection
+UNIFORM = ("all_pass", "all_fail")  # zero-signal groups: every sample passed, or every one failed
+OUTCOMES = ("mixed", "single", "all_fail", "all_pass")
+
+
+class Selection:
+    """``data.select`` over the GRPO prompts. While the partitions are built: each prompt's base weight
+    (negatives ``negative_weight``; under ``mixed``, mixed prompts ``mixed_weight``) and the tallies; once
+    every prompt is counted (``plan``): how many uniform-outcome prompts the ``uniform_share`` cap keeps,
+    as a threshold on a seeded hash rank of the prompt, so that the rows kept do not depend on the
+    partitioning; ``finish`` applies it to a table (left-out rows stay in the dataset with weight 0)."""
+
+    def __init__(self, cfg: Any):
+        d = cfg.data
+        self.mode, self.mixed_w, self.neg_w, self.share = d.select, d.mixed_weight, d.negative_weight, d.uniform_share
+        self.seed_key = f"{d.seed}:".encode()
+        # (family, source, outcome) -> [prompts, base weight, zero-std prompts, left out]
+        self.cells: dict[tuple[str, str, str], list[int]] = {}
+        self.ranks = array("Q")  # of the prompts the cap applies to (uniform outcome, not negative)
+        self.threshold = (1 << 64) - 1
+        self.cap: dict[str, Any] = {}
+
+    def capped(self, g: _Prompt, outcome: str) -> bool:
+        return self.mode == "mixed" and outcome in UNIFORM and g.neg_source is None
+
+    def base_weight(self, g: _Prompt, outcome: str) -> int:
+        w = self.neg_w if g.neg_source is not None else 1
+        return max(w, self.mixed_w) if self.mode == "mixed" and outcome == "mixed" else w
+
+    def reason(self, g: _Prompt, outcome: str) -> str:
+        if g.neg_source is not None:
+            return "negative"
+        return outcome if self.mode == "mixed" else "all"
+
+    def rank(self, prompt: str) -> int:
+        return int.from_bytes(hashlib.blake2b(self.seed_key + prompt.encode(), digest_size=8).digest(), "little")
+
+    def count(self, groups: dict[str, _Prompt]) -> None:
+        for p, g in groups.items():
+            o = g.outcome()
+            cell = self.cells.setdefault((g.family, "negative" if g.neg_source else "input", o), [0, 0, 0, 0])
+            cell[0] += 1
+            cell[1] += self.base_weight(g, o)
+            cell[2] += g.ns >= 2 and g.rmax == g.rmin
+            if self.capped(g, o):
+                self.ranks.append(self.rank(p))
+
+    def plan(self) -> None:
+        """The cap: kept uniform prompts <= share / (1 - share) x the weight of everything else."""
+        import numpy as np
+
+        n_cap = len(self.ranks)
+        other = sum(c[1] for (_, src, o), c in self.cells.items() if not (src == "input" and o in UNIFORM))
+        if self.mode != "mixed" or n_cap == 0:
+            keep, note = n_cap, "no cap" if self.mode != "mixed" else "no uniform-outcome prompts"
+        elif other == 0:  # nothing else to train on: leaving them out would leave an empty prompt set
+            keep, note = n_cap, "every prompt has a uniform outcome: all kept (an empty prompt set trains nothing)"
+        elif self.share >= 1:
+            keep, note = n_cap, "data.uniform_share is 1: all kept"
+        else:
+            keep = min(n_cap, int(self.share / (1 - self.share) * other))
+            note = f"kept <= {self.share:g} / (1 - {self.share:g}) x {other} (the weight of the other prompts)"
+        if keep < n_cap:
+            ranks = np.sort(np.frombuffer(self.ranks, dtype=np.uint64))
+            self.threshold = int(ranks[keep - 1]) if keep else -1
+        self.cap = {"uniform_prompts": n_cap, "kept": keep, "left_out": n_cap - keep, "rule": note}
+
+    def finish(self, table: Any, spill: SortedSpill | None) -> Any:
+        """The table with the cap applied (weight 0, selected false, selection 'left_out'); the left-out
+        rows are listed in ``spill`` (keyed by first_seq) and tallied in the cells."""
+        import numpy as np
+        import pyarrow as pa
+
+        if spill is None or self.threshold >= (1 << 64) - 1:
+            return table.drop_columns(["select_rank"])
+        outcome = np.asarray(table.column("outcome").to_pylist(), dtype=object)
+        capped = np.isin(outcome, UNIFORM) & ~table.column("is_negative").to_numpy(zero_copy_only=False)
+        rank = table.column("select_rank").to_numpy()
+        out = capped & ((rank > self.threshold) if self.threshold >= 0 else True)
+        keep = pa.array(~out)
+        for row in table.filter(pa.array(out)).to_pylist():
+            self.cells[(row["family"], "input", row["outcome"])][3] += 1
+            what = "passed" if row["outcome"] == "all_pass" else "failed"
+            rec = {k: row[k] for k in ("prompt", "task_id", "family", "outcome", "n_samples", "n_pass")}
+            rec["reason"] = (
+                f"all {row['n_samples']} logged samples {what} (a zero-signal GRPO group); uniform-outcome prompts "
+                f"beyond data.uniform_share={self.share:g} of the set are left out (kept: lowest seeded hash)"
+            )
+            spill.add(row["first_seq"], json.dumps(rec))
+        table = table.set_column(table.schema.get_field_index("selected"), "selected", keep)
+        w = np.where(out, 0, table.column("weight").to_numpy())
+        table = table.set_column(table.schema.get_field_index("weight"), "weight", pa.array(w, pa.int64()))
+        sel = np.where(out, "left_out", np.asarray(table.column("selection").to_pylist(), dtype=object))
+        table = table.set_column(table.schema.get_field_index("selection"), "selection", pa.array(sel, pa.string()))
+        return table.drop_columns(["select_rank"])
+
+
+def selection_report(sel: Selection, cfg: Any, heldout_prompts: int) -> dict[str, Any]:
+    """selection.json: what the GRPO prompt set holds per family and per source (new data, negatives), by
+    group outcome, and the weight share each class carries into training (after the cap)."""
+
+    def tally(cells: list[tuple[tuple[str, str, str], list[int]]]) -> dict[str, Any]:
+        t: dict[str, Any] = {"available": sum(c[0] for _, c in cells)}
+        for o in OUTCOMES:
+            t[o] = sum(c[0] for k, c in cells if k[2] == o)
+        t["zero_std"] = sum(c[2] for _, c in cells)
+        t["negative"] = sum(c[0] for k, c in cells if k[1] == "negative")
+        t["left_out"] = sum(c[3] for _, c in cells)
+        t["selected"] = t["available"] - t["left_out"]
+        t["weight"] = sum(c[1] - c[3] for _, c in cells)
+        return t
+
+    items = list(sel.cells.items())
+    total = tally(items)
+    grouped = sum(c[0] for k, c in items if k[2] != "single")
+    w_all = max(1, total["weight"])
+    share = {o: 0 for o in ("mixed", "single", "uniform", "negative")}
+    for (_, src, o), c in items:
+        share["negative" if src == "negative" else "uniform" if o in UNIFORM else o] += c[1] - c[3]
+    total["frac_reward_zero_std"] = round(total["zero_std"] / grouped, 4) if grouped else None
+    total["weight_share"] = {k: round(v / w_all, 4) for k, v in share.items()}
+    fams = sorted({k[0] for k in sel.cells}, key=lambda f: -sum(c[0] for k, c in items if k[0] == f))
+    by_family = {f: tally([(k, c) for k, c in items if k[0] == f]) for f in fams}
+    for t in by_family.values():
+        t["weight_share"] = round(t["weight"] / w_all, 4)
+    return {
+        "select": sel.mode,
+        "grouping": "prompt text: every logged sample of a prompt (any task_id, any input file) is one group",
+        "pass": f"reward >= reward.success_threshold ({cfg.reward.success_threshold:g})",
+        "outcomes": {
+            "mixed": "some samples pass, some fail: the groups GRPO learns from",
+            "all_pass": "every sample passed (a zero-signal group for the verifier)",
+            "all_fail": "every sample failed",
+            "single": "one sample: the outcome of a group is unknown, kept at weight 1",
+        },
+        "zero_std": "prompts with >= 2 samples whose rewards are all equal (TRL's frac_reward_zero_std, per prompt)",
+        "weights": {"mixed": sel.mixed_w if sel.mode == "mixed" else 1, "negative": sel.neg_w, "other": 1},
+        "uniform_share": sel.share,
+        "cap": sel.cap,
+        "totals": total,
+        "by_source": {src: tally([(k, c) for k, c in items if k[1] == src]) for src in ("input", "negative")},
+        "by_family": by_family,
+        "heldout_prompts": heldout_prompts,
+        "gain_report": "gain_by_family(selection.json, train/eval.json): weight share beside held-out gain",
+    }
+
+
+def selection_metrics(rep: dict[str, Any]) -> dict[str, Any]:
+    """The report's key numbers as prep/select_* metrics."""
+    t = rep["totals"]
+    out = {f"select_{k}": t[k] for k in (*OUTCOMES, "zero_std", "left_out", "selected", "weight")}
+    out["select_frac_reward_zero_std"] = t["frac_reward_zero_std"]
+    out |= {f"select_share_{k}": v for k, v in t["weight_share"].items()}
+    return out
+
+
+def gain_by_family(rep: dict[str, Any], ev: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Which data drove a round's gain: per family, its share of the training weight (selection.json) beside
+    its held-out pass rates before / after (train's eval.json, ``policy.evaluate``'s per_family). A joint
+    view, not a causal split: families train together and transfer. Families only one side knows get None."""
+    before, after = (ev.get(k, {}).get("per_family", {}) for k in ("before", "after"))
+    out = {}
+    fams = rep["by_family"]
+    for f in sorted(set(fams) | set(after), key=lambda f: (f not in fams, -fams.get(f, {}).get("weight", 0), f)):
+        t, b, a = fams.get(f, {}), before.get(f, {}), after.get(f, {})
+        gain = round(100 * (a["pass_rate"] - b["pass_rate"]), 1) if "pass_rate" in a and "pass_rate" in b else None
+        keys = ("weight_share", "mixed", "left_out")
+        out[f] = {
+            **{k: t.get(k) for k in keys},
+            "before": b.get("pass_rate"),
+            "after": a.get("pass_rate"),
+            "gain": gain,
+        }
+    return out
+
+
+def plot_selection(rep: dict[str, Any], path: Path) -> Path:
+    """Per family (12 largest): prompts by group outcome (left out hatched), and the weight share each
+    family carries into training."""
+    from matplotlib.figure import Figure
+
+    from hermes_lab import tracking
+    from hermes_lab.jsonl import plot_label
+
+    fams = list(rep["by_family"])[:12][::-1]
+    fig = Figure(figsize=(9, 0.5 * max(4, len(fams)) + 1.2))
+    ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [2, 1]})
+    colors = {"mixed": "tab:green", "single": "tab:gray", "all_fail": "tab:red", "all_pass": "tab:blue"}
+    y = list(range(len(fams)))
+    left = [0.0] * len(fams)
+    for o in OUTCOMES:
+        n = [rep["by_family"][f][o] for f in fams]
+        ax.barh(y, n, left=left, color=colors[o], label=o.replace("_", "-"))
+        left = [a + b for a, b in zip(left, n)]
+    out = [rep["by_family"][f]["left_out"] for f in fams]
+    ax.barh(y, out, left=[a - b for a, b in zip(left, out)], fill=False, hatch="//", label="left out")
+    ax.set(yticks=y, yticklabels=[plot_label(f) for f in fams], xlabel="GRPO prompts")
+    ax.set_title(f"Prompts by group outcome (data.select: {rep['select']})", fontsize=10)
+    if fams:
+        ax.legend(fontsize=8, loc="lower right")
+    ax2.barh(y, [100 * rep["by_family"][f]["weight_share"] for f in fams], color="tab:purple")
+    ax2.set(xlabel="% of training weight")
+    sh = rep["totals"]["weight_share"]
+    ax2.set_title(" ".join(f"{k} {100 * v:.0f}%" for k, v in sh.items() if v) or "no GRPO prompts", fontsize=8)
+    return tracking.log_figure(fig, path)
 
 
 def _tid_hash(task_id: str | None) -> int:
@@ -198,6 +440,7 @@ class Distill:
         self.rows = {"grpo_dataset": 0, "heldout_dataset": 0}
         self.tids: dict[str, Any] = {"grpo_dataset": array("Q"), "heldout_dataset": array("Q")}
         self.n_negative_grpo = 0
+        self.sel = Selection(cfg)
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
         import pyarrow as pa
@@ -209,6 +452,7 @@ class Distill:
                 self._partition(table, review, outliers)
             del table
             path.unlink()
+        self.sel.plan()
 
     def _partition(self, table: Any, review: SortedSpill, outliers: SortedSpill) -> None:
         import pyarrow as pa
@@ -234,8 +478,9 @@ class Distill:
                 c["origin"][sq].tolist(),
                 self.is_out[sq].tolist(),
                 self.picked[sq].tolist(),
+                c["copies"][sq].tolist(),
             )
-            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick in cols:
+            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick, dup in cols:
                 fam = self.fam_names[fid]
                 h = held or p in held_prompts
                 self.moved += h and not held
@@ -248,6 +493,15 @@ class Distill:
                     g.task_id = tid
                 g.n += 1
                 g.total += r
+                k = 1 + dup
+                g.ns += k
+                g.s1 += k * r
+                g.sq += k * r * r
+                g.n_pass += k * (r >= thr)
+                if r < g.rmin:
+                    g.rmin = r
+                elif r > g.rmax:
+                    g.rmax = r
                 g.n_out += out
                 fidx = origin >> LINE_BITS
                 if neg and g.neg_source is None:
@@ -260,11 +514,11 @@ class Distill:
                 if pick:
                     key = int(c["rank"][seq]) << LINE_BITS | seq
                     review.add(key, _review_line(p, resp, tid, fam, r, scale, thr))
-        w = self.cfg.data.negative_weight
+        self.sel.count(groups[0])
         for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
             if not grp:
                 continue
-            t = _table(grp, w)
+            t = _table(grp, self.sel, held=name == "heldout_dataset")
             self.rows[name] += t.num_rows
             self.tids[name].extend(_tid_hash(g.task_id) for g in grp.values())
             if len(self.ing.part_paths) == 1:
@@ -286,7 +540,7 @@ class Distill:
             "holdout_fraction": self.cfg.data.holdout_fraction,
             "grpo_prompts": n["grpo_dataset"],
             "heldout_prompts": n["heldout_dataset"],
-            "grpo_rows_weighted": n["grpo_dataset"] + self.n_negative_grpo * (w - 1),
+            "grpo_rows_weighted": sum(c[1] - c[3] for c in self.sel.cells.values()),  # capped rows weigh 1
             "grpo_task_ids": int(len(tids["grpo_dataset"])),
             "heldout_task_ids": int(len(tids["heldout_dataset"])),
             "task_id_overlap": int(len(np.intersect1d(tids["grpo_dataset"], tids["heldout_dataset"]))),
@@ -302,17 +556,32 @@ class Distill:
 
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # two "Saving the dataset" bars per round say nothing
-        paths = {}
+        import pyarrow as pa
+
+        paths = {"left_out": out / "left_out.jsonl"}
+        tmp = self.ing.tmp
+        budget = (self.cfg.data.memory_budget_mb << 20) // 8
+        left = SortedSpill(tmp, "left_out", max(1, self.ing.n), self.sel.cap.get("left_out", 0) * 400, budget)
         try:
             for name, parts in self.tables.items():
                 paths[name] = out / name
                 shutil.rmtree(paths[name], ignore_errors=True)  # a rerun into the same dir leaves no stale shards
+                spill = left if name == "grpo_dataset" else None
                 if not parts or not isinstance(parts[0], Path):  # one partition: rows already in first-record order
-                    table = parts[0] if parts else _table({}, 1)
+                    table = self.sel.finish(parts[0] if parts else _table({}, self.sel), spill)
                     datasets.Dataset(table.drop_columns(["first_seq"])).save_to_disk(str(paths[name]))
                     continue
-                # several partitions: their Arrow files memory-mapped, one ordered pass (save_to_disk batches it)
-                pieces = [datasets.Dataset.from_file(str(f)) for f in parts]
+                # several partitions: each finished (the cap) into a new Arrow file, memory-mapped, one ordered
+                # pass (save_to_disk batches it)
+                pieces = []
+                for f in parts:
+                    with pa.memory_map(str(f)) as src:
+                        t = self.sel.finish(pa.ipc.open_stream(src).read_all(), spill)
+                    g = f.with_suffix(".sel.arrow")
+                    with pa.OSFile(str(g), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
+                        writer.write_table(t)
+                    del t
+                    pieces.append(datasets.Dataset.from_file(str(g)))
                 ds = datasets.concatenate_datasets(pieces)
                 order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
                 ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
@@ -320,4 +589,6 @@ class Distill:
         finally:
             if bars:
                 datasets.enable_progress_bars()
+        left.write_sorted(tmp / "left_out.jsonl")
+        os.replace(tmp / "left_out.jsonl", paths["left_out"])
         return paths

@@ -9,7 +9,7 @@ and, in a temp dir prep removes, the accepted records' text partitioned by promp
 Memory is bounded: lines are validated in batches (at most ``BATCH_LINES`` lines or a sixteenth of
 ``data.memory_budget_mb``), duplicates are found through a 16-byte blake2b digest of (prompt, response,
 task_id) held in sorted numpy runs (``DigestIndex``), and what is kept for the whole input is a handful of
-fixed-size fields per accepted record (reward, origin, family id, split, review hash: ~60 bytes).
+fixed-size fields per accepted record (reward, origin, family id, split, review hash, duplicate count: ~64 bytes).
 
 Validation, every field of every line (a bad line is a reject with its number and reason, never a
 traceback): valid UTF-8; JSON with no NaN/Infinity, no number that overflows a double or that Python
@@ -203,7 +203,7 @@ def review_rank(seed: int | Any, rid: str) -> int:
 
 # ------------------------------------------------------------------------------------ duplicate index
 class DigestIndex:
-    """Set of 16-byte digests with the origin of their first line, in sorted numpy runs (24 bytes each).
+    """Set of 16-byte digests with the seq of their first record, in sorted numpy runs (24 bytes each).
 
     Runs merge like a binary counter (a run merges into the previous one once it is at least half its
     size), so every digest is merged O(log n) times and lookups search O(log n) runs."""
@@ -270,6 +270,7 @@ class Ingest:
             "held": array("b"),
             "negative": array("b"),
             "rank": array("Q"),
+            "copies": array("I"),  # duplicate lines of the record: samples of its prompt's group all the same
         }
         self.families: dict[str, int] = {}
         self._fam_cache: dict[str, str] = {}
@@ -300,6 +301,7 @@ class Ingest:
         import numpy as np
 
         dt = {"reward": np.float64, "origin": np.int64, "family": np.int32, "held": np.bool_, "negative": np.bool_}
+        dt["copies"] = np.uint32
         out = {}
         for k, v in self.cols.items():
             t = dt.get(k, np.uint64)
@@ -448,19 +450,20 @@ class Ingest:
         found = self.index.lookup(keys[:, 0], keys[:, 1]).tolist()
         first_in_batch: dict[bytes, int] = {}
         new_rows: list[int] = []
-        new_origins: list[int] = []
+        new_seqs: list[int] = []
         enc = json.encoder.encode_basestring_ascii  # C encoder: a duplicate costs no dict dumps
         file_js = enc(st["file"])
         sink = self.sinks["negatives" if role == "negative" else "accepted"]
         dup_out = self.sinks["duplicates"]
         c = self.cols
-        c_rew, c_orig, c_fam, c_held, c_neg, c_rank = (
+        c_rew, c_orig, c_fam, c_held, c_neg, c_rank, c_copies = (
             c["reward"],
             c["origin"],
             c["family"],
             c["held"],
             c["negative"],
             c["rank"],
+            c["copies"],
         )
         negative = role == "negative"
         families, fam_cache, split_cache, holdout = self.families, self._fam_cache, self._split_cache, self.holdout
@@ -476,13 +479,14 @@ class Ingest:
                 o = first_in_batch.get(digest, -1)
             if o >= 0:
                 dups += 1
-                first = enc(self.origin_str(o))
+                c_copies[o] += 1
+                first = enc(self.origin_str(c_orig[o]))
                 dup_out.write(f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {first}, "raw": {enc(text)}}}\n')
                 continue
             origin = fidx << LINE_BITS | lineno
-            first_in_batch[digest] = origin
+            first_in_batch[digest] = seq
             new_rows.append(j)
-            new_origins.append(origin)
+            new_seqs.append(seq)
             sink.write(out_text + "\n")
             if fam is None:
                 fam = fam_cache.get(prompt)
@@ -498,6 +502,7 @@ class Ingest:
                 held = split_of(task_id, holdout, split_cache)
             c_rew.append(reward)
             c_orig.append(origin)
+            c_copies.append(0)
             c_fam.append(fid)
             c_held.append(held)
             c_neg.append(negative)
@@ -517,7 +522,7 @@ class Ingest:
         self.n, self.text_bytes = seq, self.text_bytes + text_bytes
         if new_rows:
             idx = np.asarray(new_rows, dtype=np.int64)
-            self.index.add(keys[idx, 0].copy(), keys[idx, 1].copy(), np.asarray(new_origins, dtype=np.int64))
+            self.index.add(keys[idx, 0].copy(), keys[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
         pa = self.pa
         for w, (seqs, ps, rs, ts) in zip(self._writers, parts):
             if seqs:

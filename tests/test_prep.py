@@ -301,7 +301,10 @@ def test_negatives_carried_with_provenance_and_weight(tmp_path):
     assert not any(r["is_negative"] for r in rows if not r["prompt"].startswith("hard"))
     grpo = datasets.load_from_disk(str(tmp_path / "out" / "grpo_dataset"))
     n_hard = sum(grpo["is_negative"])
-    assert len(expand_by_weight(grpo)) == len(grpo) + 2 * n_hard == res.summary["split"]["grpo_rows_weighted"]
+    assert sum(w for w, neg in zip(grpo["weight"], grpo["is_negative"]) if neg) == 3 * n_hard
+    assert len(expand_by_weight(grpo)) == sum(grpo["weight"]) == res.summary["split"]["grpo_rows_weighted"]
+    sel = json.loads((tmp_path / "out" / "selection.json").read_text())
+    assert sel["by_source"]["negative"]["available"] == n_hard == sel["by_source"]["negative"]["selected"]
     review = read_jsonl(tmp_path / "out" / "review_queue.jsonl")
     assert not any(r["prompt"].startswith("hard") for r in review)  # the review sample is of new records only
 
@@ -378,8 +381,12 @@ def test_cooldown_override_is_recorded_in_summary_and_mlflow(tmp_path, cfg, smal
     assert r.data.params["prep.override_reason"] == "hotfix for incident 42"
     assert r.data.metrics["prep/accepted"] == 520
     arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "plots")}
-    assert arts == {"plots/reward_by_family.png", "plots/rejects_by_reason.png"}
-    assert {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "prep")} >= {"prep/summary.json"}
+    assert arts == {"plots/reward_by_family.png", "plots/rejects_by_reason.png", "plots/selection_by_family.png"}
+    prep_arts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "prep")}
+    assert prep_arts >= {"prep/summary.json", "prep/selection.json"}
+    sel = res.summary["selection"]  # the selection's key numbers, as prep/select_* metrics
+    assert r.data.metrics["prep/select_left_out"] == sel["select_left_out"]
+    assert r.data.metrics["prep/select_share_mixed"] == sel["select_share_mixed"]
 
 
 def test_review_queue_stratified_deterministic(mixed, tmp_path):
@@ -658,14 +665,15 @@ def test_prep_in_partitions_gives_the_same_outputs(tmp_path):
         )
         outs[budget] = res.summary
     assert outs[512]["memory"]["partitions"] == 1 and outs[64]["memory"]["partitions"] > 1
-    for name in ("accepted", "negatives", "duplicates", "rejects", "outliers", "review_queue"):
+    for name in ("accepted", "negatives", "duplicates", "rejects", "outliers", "review_queue", "left_out"):
         a, b = (tmp_path / f"out{x}" / f"{name}.jsonl" for x in (512, 64))
         assert a.read_bytes() == b.read_bytes(), name
     for name in ("grpo_dataset", "heldout_dataset"):
         a, b = (datasets.load_from_disk(str(tmp_path / f"out{x}" / name)) for x in (512, 64))
         assert a.to_list() == b.to_list() and a.features == b.features, name
-    for key in ("counts", "split", "review", "outliers", "families", "by_reason"):
+    for key in ("counts", "split", "review", "outliers", "families", "by_reason", "selection"):
         assert outs[512][key] == outs[64][key], key
+    assert outs[64]["selection"]["select_left_out"] > 0  # the cap's threshold holds across partitions
     assert outs[64]["counts"]["negative_records"] > 0 and outs[64]["outliers"]["count"] > 0
 
 
@@ -690,3 +698,158 @@ def test_memory_budget_and_line_cap_are_checked_in_the_config():
         load_config(None, overrides={"data.memory_budget_mb": 8})
     with pytest.raises(ConfigError, match="data.max_line_bytes"):
         load_config(None, overrides={"data.max_line_bytes": 100})
+
+
+# ------------------------------------------------------------------------------------------ selection
+def _grouped_records(seed: int = 0) -> list[dict]:
+    """Embedded prompts logged several times each: mixed, all-pass (equal rewards: zero std), all-fail
+    (partial credit: rewards differ) and one-sample prompts, in shuffled order."""
+    rng = random.Random(seed)
+    pool = tasks.generate_tasks(400, split="any", seed=seed + 11)
+    uniq = list({t.prompt: t for t in pool}.values())
+    kinds = ["mixed"] * 40 + ["all_pass"] * 60 + ["all_fail"] * 60 + ["single"] * 50
+    out = []
+    for t, kind in zip(uniq, kinds):
+        n = 1 if kind == "single" else rng.choice([2, 3, 4])
+        passes = {"mixed": rng.randrange(1, n) if n > 1 else 0, "all_pass": n, "all_fail": 0}.get(
+            kind, rng.randrange(2)
+        )
+        for k in range(n):
+            resp = t.answer if k < passes else f"{tasks.corrupt(t.answer, rng)}{k}"
+            out.append(
+                {"prompt": t.prompt, "response": resp, "reward": tasks.verify(t.prompt, resp), "task_id": t.task_id}
+            )
+    rng.shuffle(out)
+    return out
+
+
+def _outcome_of(rewards: list[float]) -> str:
+    p = sum(r >= 3 for r in rewards)
+    return "single" if len(rewards) == 1 else "all_pass" if p == len(rewards) else "all_fail" if p == 0 else "mixed"
+
+
+def test_selection_weights_mixed_groups_caps_uniform_ones_and_lists_what_it_left_out(tmp_path):
+    import datasets
+
+    recs = _grouped_records()
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = load_config(None, {"data.min_samples": 1, "data.uniform_share": 0.2, "data.mixed_weight": 3})
+    res = run_prep([tmp_path / "t.jsonl"], tmp_path / "out", c)
+    grpo = datasets.load_from_disk(str(tmp_path / "out" / "grpo_dataset")).to_list()
+    by_prompt: dict[str, list[float]] = {}
+    for r in recs:
+        by_prompt.setdefault(r["prompt"], []).append(r["reward"])
+    for row in grpo:  # the outcome columns, recomputed from the raw file (duplicate lines are samples too)
+        rw = by_prompt[row["prompt"]]
+        assert row["n_samples"] == len(rw) >= row["n_logged"]
+        assert row["outcome"] == _outcome_of(rw) and row["n_pass"] == sum(r >= 3 for r in rw)
+        assert row["zero_std"] == (len(rw) > 1 and len(set(rw)) == 1)
+        assert abs(row["reward_std"] - float(np_std(rw))) < 1e-9
+    w = {o: sum(r["weight"] for r in grpo if r["outcome"] == o) for o in ("mixed", "single", "all_pass", "all_fail")}
+    n_mixed = sum(r["outcome"] == "mixed" for r in grpo)
+    assert w["mixed"] == 3 * n_mixed and w["single"] == sum(r["outcome"] == "single" for r in grpo)
+    uniform = [r for r in grpo if r["outcome"] in ("all_pass", "all_fail")]
+    kept = [r for r in uniform if r["selected"]]
+    other = w["mixed"] + w["single"]
+    assert len(kept) == int(0.2 / 0.8 * other) < len(uniform)  # the cap binds here
+    assert (w["all_pass"] + w["all_fail"]) / sum(r["weight"] for r in grpo) <= 0.2
+    left = read_jsonl(tmp_path / "out" / "left_out.jsonl")  # nothing lost: every left-out prompt, with why
+    assert sorted(x["prompt"] for x in left) == sorted(r["prompt"] for r in uniform if not r["selected"])
+    assert all(r["weight"] == 0 and r["selection"] == "left_out" for r in uniform if not r["selected"])
+    assert all("zero-signal" in x["reason"] and x["outcome"] in ("all_pass", "all_fail") for x in left)
+    ds = datasets.load_from_disk(str(tmp_path / "out" / "grpo_dataset"))
+    assert len(expand_by_weight(ds)) == sum(ds["weight"]) == res.summary["split"]["grpo_rows_weighted"]
+    rep = json.loads((tmp_path / "out" / "selection.json").read_text())
+    t = rep["totals"]
+    assert (t["mixed"], t["left_out"], t["available"]) == (n_mixed, len(left), len(grpo))
+    grouped = [r for r in grpo if r["n_samples"] > 1]
+    assert t["frac_reward_zero_std"] == round(sum(r["zero_std"] for r in grouped) / len(grouped), 4)
+    assert sum(f["available"] for f in rep["by_family"].values()) == len(grpo)
+    for fam, f in rep["by_family"].items():
+        rows = [r for r in grpo if r["family"] == fam]
+        assert f["mixed"] == sum(r["outcome"] == "mixed" for r in rows) and f["weight"] == sum(
+            r["weight"] for r in rows
+        )
+    assert abs(sum(t["weight_share"].values()) - 1) < 1e-3 and t["weight_share"]["mixed"] > 0.4
+    assert (tmp_path / "out" / "plots" / "selection_by_family.png").stat().st_size > 5000
+    # the same records in another order select the same prompts (a seeded hash, not the input order)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reversed(recs)))
+    run_prep([tmp_path / "r.jsonl"], tmp_path / "out2", c, make_plots=False)
+    again = datasets.load_from_disk(str(tmp_path / "out2" / "grpo_dataset")).to_list()
+    assert {r["prompt"] for r in again if r["selected"]} == {r["prompt"] for r in grpo if r["selected"]}
+    # select: all is every prompt once
+    c_all = load_config(None, {"data.min_samples": 1, "data.select": "all"})
+    res = run_prep([tmp_path / "t.jsonl"], tmp_path / "out3", c_all, make_plots=False)
+    every = datasets.load_from_disk(str(tmp_path / "out3" / "grpo_dataset"))
+    assert set(every["weight"]) == {1} and all(every["selected"]) and res.summary["selection"]["select_left_out"] == 0
+    assert not (tmp_path / "out3" / "left_out.jsonl").read_text()
+    # the held-out set is the regression set: no selection there, the same rows under either mode
+    held = datasets.load_from_disk(str(tmp_path / "out" / "heldout_dataset")).to_list()
+    assert held == datasets.load_from_disk(str(tmp_path / "out3" / "heldout_dataset")).to_list()
+    assert any(r["outcome"] in ("all_pass", "all_fail") for r in held)  # uniform groups kept there
+    assert all(r["weight"] == 1 and r["selected"] and r["selection"] == "heldout" for r in held)
+    assert not {r["prompt"] for r in held} & {x["prompt"] for x in left}
+    assert rep["heldout_prompts"] == len(held) > 0
+
+
+def np_std(x: list[float]) -> float:
+    import numpy as np
+
+    return float(np.std(np.asarray(x)))
+
+
+def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
+    """A real user's traffic: a gateway log dir, rewards from the feedback log, no task_id from the client."""
+    from hermes_lab import live_log as L
+
+    d = tmp_path / "live" / "exp"
+    d.mkdir(parents=True)
+    base = {"unit": "u", "arm": "baseline", "model": "m", "stage": 0, "ratio": 0.5, "t": 1.0, "status": "ok"}
+    # a repeated answer is a duplicate line (one accepted record), and a sample of its prompt's group
+    asks = [("Translate 'chat' to English.", ["cat", "Cat", "dog"]), ("Capital of France?", ["Paris"] * 3)]
+    asks += [("Spell 'necessary'.", ["neccessary", "necesary"]), ("2+2?", ["4"])]
+    reqs, fb, i = [], [], 0
+    for prompt, answers in asks:
+        for a in answers:
+            i += 1
+            ok = a.lower() in ("cat", "paris", "4", "necessary")
+            reqs.append(
+                base | {"request_id": f"r{i}", "prompt": prompt, "response": a, "latency_ms": 3.0, "messages": []}
+            )
+            fb.append({"request_id": f"r{i}", "reward": 5.0 if ok else 1.0, "source": "system"})
+    (d / L.REQUESTS).write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    (d / L.FEEDBACK).write_text("".join(json.dumps(r) + "\n" for r in fb))
+    c = load_config(None, {"data.min_samples": 1, "data.holdout_fraction": 0.0, "data.uniform_share": 1.0})
+    run_prep([d], tmp_path / "prep", c, make_plots=False)
+    import datasets
+
+    rows = {r["prompt"]: r for r in datasets.load_from_disk(str(tmp_path / "prep" / "grpo_dataset")).to_list()}
+    assert {p: (r["outcome"], r["n_samples"], r["weight"]) for p, r in rows.items()} == {
+        "Translate 'chat' to English.": ("mixed", 3, 2),
+        "Capital of France?": ("all_pass", 3, 1),
+        "Spell 'necessary'.": ("all_fail", 2, 1),
+        "2+2?": ("single", 1, 1),
+    }
+    assert rows["Capital of France?"]["zero_std"] and not rows["Translate 'chat' to English."]["zero_std"]
+    assert rows["Capital of France?"]["n_logged"] == 1  # one record (two duplicate lines), three samples
+    rep = json.loads((tmp_path / "prep" / "selection.json").read_text())
+    assert rep["by_family"]["unknown"]["available"] == 4 and rep["totals"]["frac_reward_zero_std"] == round(2 / 3, 4)
+
+
+def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
+    from hermes_lab.prep_distill import gain_by_family
+
+    rep = {
+        "by_family": {
+            "add": {"weight_share": 0.6, "mixed": 30, "left_out": 2, "weight": 60},
+            "upper": {"weight_share": 0.4, "mixed": 5, "left_out": 9, "weight": 40},
+            "unknown": {"weight_share": 0.0, "mixed": 0, "left_out": 0, "weight": 0},
+        }
+    }
+    pf = lambda **kv: {"per_family": {f: {"pass_rate": v} for f, v in kv.items()}}  # noqa: E731
+    ev = {"before": pf(add=0.30, upper=0.50, reverse=0.2), "after": pf(add=0.45, upper=0.49, reverse=0.3)}
+    g = gain_by_family(rep, ev)
+    assert list(g) == ["add", "upper", "unknown", "reverse"]  # by training weight, families only eval knows last
+    assert g["add"] == {"weight_share": 0.6, "mixed": 30, "left_out": 2, "before": 0.3, "after": 0.45, "gain": 15.0}
+    assert g["upper"]["gain"] == -1.0 and g["unknown"]["gain"] is None  # a user's own family: no held-out eval
+    assert g["reverse"]["weight_share"] is None and g["reverse"]["gain"] == 10.0
