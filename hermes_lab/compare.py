@@ -192,8 +192,8 @@ def pass_rate_by_round(cfg: HermesConfig, stages: Sequence[Stage] = STAGES) -> A
     promoted, else the policy the round started from), carried forward (``champion_carried``) from the
     last round that measured it when this one did not (skipped, stopped before the eval). ``candidate``:
     the trained candidate's, when the round trained; ``start``: the policy's it started from.
-    ``*_lo``/``*_hi``: 95 % Wilson intervals over the eval's tasks; ``gain``: candidate - start, with
-    Newcombe's interval.
+    ``*_lo``/``*_hi``: 95 % Wilson intervals over the eval's tasks; ``gain``: candidate - start, with the
+    eval's interval paired by task (``policy.paired_gain``), or Newcombe's where the eval has no outcomes.
     The eval is the train stage's fixed held-out task set (same tasks and seed every round), so rounds compare."""
     import pandas as pd
 
@@ -224,11 +224,35 @@ def pass_rate_by_round(cfg: HermesConfig, stages: Sequence[Stage] = STAGES) -> A
         if before.get("pass_rate") is not None and not math.isnan(cp):
             bp, bn = float(before["pass_rate"]), _n_eff(before)
             row["gain"] = cp - bp
-            row["gain_lo"], row["gain_hi"] = newcombe(bp, bn, cp, cn)
+            paired = ev.get("gain") if isinstance(ev.get("gain"), dict) else {}
+            if paired.get("gain_lo") is not None:  # paired by task (policy.paired_gain): the tighter, right one
+                row["gain_lo"], row["gain_hi"] = paired["gain_lo"], paired["gain_hi"]
+            else:  # an eval.json from before per-sample outcomes were kept
+                row["gain_lo"], row["gain_hi"] = newcombe(bp, bn, cp, cn)
         else:
             row["gain"] = row["gain_lo"] = row["gain_hi"] = math.nan
         rows.append(row)
     return pd.DataFrame(rows).set_index("round") if rows else pd.DataFrame()
+
+
+def print_flywheel(summaries: list[dict[str, Any]]) -> None:
+    """The champion's held-out pass rate after each round, each trained candidate's paired gain, and the
+    total over the policy the first of these rounds started from (the same fixed held-out set throughout)."""
+    from hermes_lab.policy import describe_gain
+
+    print("\nflywheel: held-out sampled pass rate of the champion after each round")
+    start, rises = None, 0
+    for s in summaries:
+        ev, pr = s.get("eval") or {}, s.get("pass_rate")
+        if start is None and ev.get("before"):
+            start = ev["before"]["pass_rate"]
+        gain = f"  candidate {ev['after']['pass_rate']:.1%}: {describe_gain(ev)}" if ev.get("after") else ""
+        rises += bool(s.get("promoted") and ev.get("after") and ev["after"]["pass_rate"] > ev["before"]["pass_rate"])
+        print(f"  round {s['round']:02d}  {s['status']:28s} {'' if pr is None else f'{pr:.1%}'}{gain}")
+    last = next((s["pass_rate"] for s in reversed(summaries) if s.get("pass_rate") is not None), None)
+    if start is not None and last is not None:
+        total = f"{start:.1%} -> {last:.1%} ({100 * (last - start):+.1f} points)"
+        print(f"  champion {total}, rose in {rises} of {len(summaries)} rounds")
 
 
 # ------------------------------------------------------------------------------------------ MLflow

@@ -353,10 +353,11 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
         warns.append(
             "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
         )
-    if m.base_model == EMBEDDED_MODEL and cfg.execute.num_tasks < d.min_samples:
+    ex = cfg.execute
+    if m.base_model == EMBEDDED_MODEL and ex.num_tasks * ex.samples_per_task < d.min_samples:
         warns.append(
-            f"execute.num_tasks {cfg.execute.num_tasks} < data.min_samples {d.min_samples}: a first round on the "
-            f"embedded default has too few new samples and stops at the data gate"
+            f"execute.num_tasks {ex.num_tasks} x execute.samples_per_task {ex.samples_per_task} < data.min_samples "
+            f"{d.min_samples}: a first round on the embedded default has too few new samples and stops at the data gate"
         )
     return errs, warns
 

@@ -21,7 +21,15 @@ from hermes_lab.yaml_typed import field_with as _f
 
 @dataclass
 class ExecuteSection:
-    num_tasks: int = _f(640, "Tasks the policy executes per round on the embedded default (>= min_samples).", ge=1)
+    num_tasks: int = _f(
+        640, "Tasks the policy executes per round on the embedded default (x samples_per_task >= min_samples).", ge=1
+    )
+    samples_per_task: int = _f(
+        1,
+        "Responses per task (the same prompt sampled k times, as a GRPO group would be): with k >= 2 prep's "
+        "data.select sees each prompt's group outcome (mixed, all pass, all fail) and targets the mixed ones.",
+        ge=1,
+    )
     temperature: float = _f(0.9, "Sampling temperature when executing.", gt=0, le=2)
     max_new_tokens: int = _f(16, "Max new tokens per response.", ge=1)
     batch_size: int = _f(64, "Generation batch size.", ge=1)

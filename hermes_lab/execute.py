@@ -62,6 +62,7 @@ def execute(
         trust_remote_code=cfg.model.trust_remote_code,
     )
     tasks_ = T.generate_tasks(ex.num_tasks, split="train", seed=seed, families=ex.families or None)
+    tasks_ = [t for t in tasks_ for _ in range(ex.samples_per_task)]  # neighbours: one batch samples a group
     responses = pol.generate(
         [t.prompt for t in tasks_],
         temperature=ex.temperature,

@@ -452,8 +452,11 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  {mark}  {g['gate']:18s} {str(g['detail'])[:110]}")
     print("  where the time went: " + ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items()))
     if s.get("eval"):
+        from hermes_lab.policy import describe_gain
+
         e = s["eval"]
-        print(f"  held-out sampled pass rate: {e['before']['pass_rate']:.1%} -> {e['after']['pass_rate']:.1%}")
+        b, a = e["before"]["pass_rate"], e["after"]["pass_rate"]
+        print(f"  held-out sampled pass rate: {b:.1%} -> {a:.1%}, {describe_gain(e)}")
 
 
 # ------------------------------------------------------------------------------------------ flywheel
@@ -480,10 +483,9 @@ def flywheel(params_path: str, rounds: int, stages: Sequence[Stage] = STAGES, qu
         if results[-1].status in WAITING:  # nothing changes until someone labels / the gateway decides
             break
     if not quiet:
-        print("\nflywheel: held-out sampled pass rate of the champion after each round")
-        for r in results:
-            pr = r.summary.get("pass_rate")
-            print(f"  round {r.round_no:02d}  {r.status:28s} {'' if pr is None else f'{pr:.1%}'}")
+        from hermes_lab.compare import print_flywheel
+
+        print_flywheel([r.summary for r in results])
     return results
 
 
@@ -500,7 +502,7 @@ def status(params_path: str) -> dict[str, Any]:
         if left.total_seconds() > 0:
             reasons.append(f"cooldown: {left.total_seconds() / 3600:.1f} h left (last training {last.isoformat()})")
     n = state.last_round + 1
-    pending = cfg.execute.num_tasks  # the embedded execute stage produces these each round
+    pending = cfg.execute.num_tasks * cfg.execute.samples_per_task  # what the embedded execute stage logs
     if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
         from hermes_lab import live_round
 

@@ -2,13 +2,19 @@
 
 Reads and writes nothing; ``execute`` and the rewards call it. Families, easiest first:
 
-| family    | prompt             | answer          | what it exercises            |
-|-----------|--------------------|-----------------|------------------------------|
-| upper     | ``up cat=``        | ``CAT``         | string transformation        |
-| reverse   | ``rev abcd=``      | ``dcba``        | string transformation        |
-| sort      | ``sort 3142=``     | ``1234``        | list transformation          |
-| tool      | ``tool time rome=``| ``time(rome)``  | tool-call-like formatting    |
-| add       | ``add 12+7=``      | ``19``          | small arithmetic             |
+| family    | prompt             | answer          | what it exercises            | levels (graded by)           |
+|-----------|--------------------|-----------------|------------------------------|------------------------------|
+| upper     | ``up cat=``        | ``CAT``         | string transformation        | 1-3: 2-3, 4-5, 6-7 letters   |
+| reverse   | ``rev abcd=``      | ``dcba``        | string transformation        | 1-3: 2-3, 4-5, 6-7 letters   |
+| sort      | ``sort 3142=``     | ``1234``        | list transformation          | 1-3: 2-3, 4-5, 6-7 digits    |
+| tool      | ``tool time rome=``| ``time(rome)``  | tool-call-like formatting    | 1: one city, 2: two cities   |
+| add       | ``add 12+7=``      | ``19``          | small arithmetic             | 1-3: 0, 1 or 2 two-digit operands |
+
+Levels (``Task.level``) grade each family by length or operand size, so that mastering one level makes the
+next reachable: a policy that sorts 4 digits gets 6 right now and then, which is a mixed GRPO group to
+learn from, where a policy that fails every 6-digit sort gives no signal at all. The level is a function
+of the prompt's input (``level_of``), so a logged prompt knows its level. ``generate_tasks`` cycles the
+levels within each family, so every fixed held-out set spans all levels in equal shares.
 
 Reward (0..5, the user's scale), computed from the prompt alone so any response can be scored:
 - 5.0 when the response, stripped of surrounding whitespace, equals the answer: "the tests pass";
@@ -34,9 +40,14 @@ FAMILIES = ("upper", "reverse", "sort", "tool", "add")
 DIFFICULTY = {"upper": 1, "reverse": 2, "sort": 2, "tool": 3, "add": 3}
 HELDOUT_SHARE = 15  # percent of the prompt space held out for evaluation
 
+LEVELS = {"upper": 3, "reverse": 3, "sort": 3, "tool": 2, "add": 3}  # levels per family, 1 = easiest
+
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _TOOLS = ("time", "weather", "news", "map")
 _CITIES = ("rome", "oslo", "lima", "paris", "tokyo", "cairo", "delhi", "quito", "bern", "seoul", "dakar", "hanoi")
+# level 2 of tool (two cities): short names only, so the answer fits the 16-token completion
+_SHORT_TOOLS, _SHORT_CITIES = ("time", "news", "map"), ("rome", "oslo", "lima", "bern")
+_LENGTHS = {1: (2, 3), 2: (4, 5), 3: (6, 7)}  # letters / digits per level of upper, reverse, sort
 _PREFIX = {"upper": "up", "reverse": "rev", "sort": "sort", "tool": "tool", "add": "add"}
 _PARSE = re.compile(r"^(up|rev|sort|tool|add) (.+)=$")
 
@@ -47,28 +58,47 @@ class Task:
     family: str
     prompt: str
     answer: str
-    difficulty: int
+    difficulty: int  # the family's (DIFFICULTY)
+    level: int = 1  # within the family (LEVELS): by length or operand size
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _word(rng: random.Random, lo: int, hi: int) -> str:
-    return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(lo, hi)))
+def _word(rng: random.Random, lo: int, hi: int, alphabet: str = _LETTERS) -> str:
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
 
 
-def _make_input(family: str, rng: random.Random) -> str:
-    if family == "upper":
-        return _word(rng, 3, 5)
-    if family == "reverse":
-        return _word(rng, 3, 5)
+def _make_input(family: str, rng: random.Random, level: int | None = None) -> str:
+    """An input of ``family`` at ``level`` (None: a level drawn uniformly)."""
+    level = rng.randint(1, LEVELS[family]) if level is None else level
+    if not 1 <= level <= LEVELS[family]:
+        raise ValueError(f"family {family!r} has levels 1-{LEVELS[family]}, got {level}")
+    if family in ("upper", "reverse"):
+        return _word(rng, *_LENGTHS[level])
     if family == "sort":
-        return "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 5)))
+        return _word(rng, *_LENGTHS[level], alphabet="0123456789")
     if family == "tool":
-        return f"{rng.choice(_TOOLS)} {rng.choice(_CITIES)}"
+        if level == 1:
+            return f"{rng.choice(_TOOLS)} {rng.choice(_CITIES)}"
+        return f"{rng.choice(_SHORT_TOOLS)} {' '.join(rng.sample(_SHORT_CITIES, 2))}"
     if family == "add":
-        return f"{rng.randint(0, 49)}+{rng.randint(0, 49)}"
+        # level = how many operands have two digits (10-49); the others are 0-9
+        big = set(rng.sample((0, 1), level - 1))
+        a, b = (rng.randint(10, 49) if i in big else rng.randint(0, 9) for i in (0, 1))
+        return f"{a}+{b}"
     raise KeyError(family)
+
+
+def level_of(family: str, x: str) -> int:
+    """The level of an input, from its length or operands (clamped to the family's levels)."""
+    if family in ("upper", "reverse", "sort"):
+        lvl = next((k for k, (lo, hi) in _LENGTHS.items() if len(x) <= hi), 3)
+    elif family == "tool":
+        lvl = 1 if len(x.split()) <= 2 else 2
+    else:
+        lvl = 1 + sum(len(op.strip().lstrip("-")) >= 2 for op in x.split("+"))
+    return max(1, min(lvl, LEVELS[family]))
 
 
 def _solve(family: str, x: str) -> str:
@@ -79,8 +109,10 @@ def _solve(family: str, x: str) -> str:
     if family == "sort":
         return "".join(sorted(x))
     if family == "tool":
-        tool, city = x.split(" ", 1)
-        return f"{tool}({city})"
+        tool, *args = x.split(" ")
+        if not args:
+            raise ValueError(f"tool call without an argument: {x!r}")
+        return f"{tool}({','.join(args)})"
     if family == "add":
         a, b = x.split("+")
         return str(int(a) + int(b))
@@ -97,7 +129,8 @@ def split_of(prompt: str) -> str:
 
 def make_task(family: str, x: str) -> Task:
     prompt = f"{_PREFIX[family]} {x}="
-    return Task(f"{family}-{prompt_hash(prompt)[:8]}", family, prompt, _solve(family, x), DIFFICULTY[family])
+    answer = _solve(family, x)
+    return Task(f"{family}-{prompt_hash(prompt)[:8]}", family, prompt, answer, DIFFICULTY[family], level_of(family, x))
 
 
 def parse_prompt(prompt: str) -> Task | None:
@@ -123,7 +156,8 @@ def check_families(families: list[str] | tuple[str, ...] | None) -> tuple[str, .
 def generate_tasks(
     n: int, split: str = "train", seed: int = 0, families: list[str] | tuple[str, ...] | None = None
 ) -> list[Task]:
-    """``n`` tasks, round-robin over families, deterministic in (n, split, seed, families)."""
+    """``n`` tasks, round-robin over families and, within a family, over its levels (so any set spans them
+    in equal shares); deterministic in (n, split, seed, families)."""
     if split not in {"train", "heldout", "any"}:
         raise ValueError(f"split must be train, heldout or any, got {split!r}")
     fams = check_families(families)
@@ -131,8 +165,9 @@ def generate_tasks(
     out: list[Task] = []
     for i in range(n):
         fam = fams[i % len(fams)]
+        level = 1 + (i // len(fams)) % LEVELS[fam]
         while True:
-            t = make_task(fam, _make_input(fam, rng))
+            t = make_task(fam, _make_input(fam, rng, level))
             if split == "any" or split_of(t.prompt) == split:
                 break
         out.append(t)

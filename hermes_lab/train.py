@@ -479,7 +479,8 @@ def _eval_before_after(
     )
     before = P.evaluate(P.load_policy(base, adapter=start_adapter), tasks_, **kw)
     after = P.evaluate(P.load_policy(base, adapter=str(adapter_dir)), tasks_, **kw)
-    return {"before": before, "after": after, "gain_points": round(100 * (after["pass_rate"] - before["pass_rate"]), 1)}
+    gain = P.paired_gain(before, after)  # paired by task: the interval the promoted gains are judged by
+    return {"before": before, "after": after, "gain_points": round(100 * gain["gain"], 1), "gain": gain}
 
 
 def _log_artifacts(out: Path, result: TrainResult) -> None:
@@ -575,8 +576,10 @@ def run_cli(args: argparse.Namespace) -> int:
     for w in res.warnings:
         print(f"warning: {w}")
     if res.eval:
+        from hermes_lab import policy as P
+
         b, a = res.eval["before"]["pass_rate"], res.eval["after"]["pass_rate"]
-        print(f"held-out sampled pass rate: {b:.1%} -> {a:.1%} ({res.eval['gain_points']:+.1f} points)")
+        print(f"held-out sampled pass rate: {b:.1%} -> {a:.1%} ({P.describe_gain(res.eval)})")
     return 0
 
 

@@ -227,3 +227,31 @@ def test_the_compare_notebook_plots_the_round_in_flight(tmp_path, mlflow_store):
     compare_run = next(r for r in nested if r.info.run_name == "compare")
     logged = [a.path for a in mlflow_store.MlflowClient().list_artifacts(compare_run.info.run_id, "plots")]
     assert "plots/pass_rate_by_round.png" in logged and "plots/rounds.png" in logged
+
+
+def test_print_flywheel_reports_each_gain_and_the_total(capsys):
+    def ev(b, a, lo=None, hi=None):
+        return {
+            "before": {"pass_rate": b},
+            "after": {"pass_rate": a},
+            "gain": {"gain": a - b, "gain_lo": lo, "gain_hi": hi, "gain_tasks": 300},
+        }
+
+    compare.print_flywheel(
+        [
+            {"round": 1, "status": "promoted", "promoted": True, "pass_rate": 0.5, "eval": ev(0.3, 0.5, 0.15, 0.25)},
+            {
+                "round": 2,
+                "status": "candidate held (keep observing)",
+                "promoted": False,
+                "pass_rate": 0.5,
+                "eval": ev(0.5, 0.48),
+            },
+            {"round": 3, "status": "skipped (data gate)", "promoted": False, "pass_rate": None, "eval": None},
+            {"round": 4, "status": "promoted", "promoted": True, "pass_rate": 0.56, "eval": ev(0.5, 0.56, 0.02, 0.1)},
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "+20.0 points (95% CI +15.0 to +25.0, paired over 300 tasks)" in out
+    assert "candidate 48.0%: -2.0 points" in out
+    assert "champion 30.0% -> 56.0% (+26.0 points), rose in 2 of 4 rounds" in out

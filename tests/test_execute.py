@@ -50,3 +50,16 @@ def test_execute_cli(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "wrote 10 trajectories" in p.stdout
     assert len(out.read_text().splitlines()) == 10
+
+
+def test_samples_per_task_logs_each_prompt_as_a_group(tmp_path):
+    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 40, "execute.samples_per_task": 4})
+    out = tmp_path / "trajectories.jsonl"
+    res = execute(cfg, out, seed=3, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert res["records"] == len(rows) == 160
+    groups = [rows[i : i + 4] for i in range(0, 160, 4)]
+    assert all(len({r["prompt"] for r in g}) == 1 for g in groups)  # neighbours: one prompt, four samples
+    assert len({g[0]["prompt"] for g in groups}) == 40 and len({r["request_id"] for r in rows}) == 160
+    # sampled, not copied: some prompt's group holds different responses
+    assert any(len({r["response"] for r in g}) > 1 for g in groups)

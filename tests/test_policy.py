@@ -110,3 +110,40 @@ def test_evaluate_reports_per_family(tiny):
     assert set(rep["per_family"]) == set(T.FAMILIES)
     assert sum(f["n"] for f in rep["per_family"].values()) == 50
     assert 0 <= rep["pass_rate"] <= 1
+
+
+def test_evaluate_keeps_every_outcome_and_paired_gain_uses_them(tiny):
+    pol = P.load_policy(str(tiny))
+    tasks_ = T.generate_tasks(100, split="heldout", seed=1)
+    rep = P.evaluate(pol, tasks_, temperature=0.9, samples_per_task=2, seed=1)
+    assert len(rep["passes"]) == 200 and set(rep["passes"]) <= {"0", "1"}
+    assert rep["passes"].count("1") / 200 == rep["pass_rate"]
+    assert rep["task_ids"] == [t.task_id for t in tasks_]
+    assert sum(v["n"] for v in rep["per_level"].values()) == 200 and "add:3" in rep["per_level"]
+    same = P.paired_gain(rep, rep)
+    assert (same["gain"], same["gain_lo"], same["gain_hi"], same["changed_tasks"]) == (0, 0, 0, 0)
+    # a candidate that fixes 20 of the failed tasks (both samples) and breaks 5 passed ones
+    passes = list(rep["passes"])
+    failed = [i for i in range(100) if passes[2 * i : 2 * i + 2] == ["0", "0"]][:20]
+    passed = [i for i in range(100) if passes[2 * i : 2 * i + 2] == ["1", "1"]][:5]
+    assert len(failed) == 20 and len(passed) == 5
+    for i in failed:
+        passes[2 * i : 2 * i + 2] = ["1", "1"]
+    for i in passed:
+        passes[2 * i : 2 * i + 2] = ["0", "0"]
+    after = {**rep, "passes": "".join(passes), "pass_rate": "".join(passes).count("1") / 200}
+    g = P.paired_gain(rep, after)
+    assert g["gain"] == pytest.approx(0.15) and g["changed_tasks"] == 25
+    # per-task differences: 20 x (+1), 5 x (-1), 75 x 0: mean 0.15, sd sqrt((25 - 100 * 0.15**2) / 99)
+    se = ((25 - 100 * 0.15**2) / 99 / 100) ** 0.5
+    assert g["gain_lo"] == pytest.approx(0.15 - 1.959964 * se, abs=1e-4) and g["gain_lo"] > 0
+    assert g["gain_hi"] == pytest.approx(0.15 + 1.959964 * se, abs=1e-4)
+    # pairing is what makes it decidable: an unpaired interval on the same counts includes 0
+    from hermes_lab.compare import newcombe
+
+    lo, _ = newcombe(rep["pass_rate"], 100, after["pass_rate"], 100)
+    assert lo < g["gain_lo"]
+    # other tasks (or no outcomes): no interval rather than a wrong one
+    other = {**after, "task_ids": list(reversed(after["task_ids"]))}
+    assert P.paired_gain(rep, other)["gain_lo"] is None
+    assert "95% CI" in P.describe_gain({"gain": g}) and "CI" not in P.describe_gain({"gain": P.paired_gain(rep, other)})

@@ -8,6 +8,7 @@ import re
 import string
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,13 @@ from hermes_lab.tasks import (
     DIFFICULTY,
     FAMILIES,
     HELDOUT_SHARE,
+    LEVELS,
     SCALE,
     check_families,
     corrupt,
     family_of,
     generate_tasks,
+    level_of,
     make_task,
     parse_prompt,
     score,
@@ -143,6 +146,33 @@ def test_answers_are_right():
     assert make_task("tool", "time rome").answer == "time(rome)"
     assert make_task("add", "12+7").answer == "19"
     assert make_task("tool", "time rome").prompt == "tool time rome="
+
+
+def test_levels_grade_each_family_and_every_set_spans_them_equally():
+    assert set(LEVELS) == set(FAMILIES) and all(n >= 2 for n in LEVELS.values())
+    ts = generate_tasks(60 * len(FAMILIES), split="heldout", seed=1)  # the train stage's eval set
+    for fam in FAMILIES:
+        counts = Counter(t.level for t in ts if t.family == fam)
+        assert sorted(counts) == list(range(1, LEVELS[fam] + 1)), (fam, counts)
+        assert max(counts.values()) - min(counts.values()) <= 1, (fam, counts)  # equal shares
+    # the level is the input's: a parsed prompt has the same one, and it grows with length / operand size
+    assert all(parse_prompt(t.prompt).level == t.level for t in ts)
+    assert [level_of("sort", x) for x in ("12", "1234", "1234567")] == [1, 2, 3]
+    assert [level_of("add", x) for x in ("3+4", "12+4", "4+12", "12+34")] == [1, 2, 2, 3]
+    assert [level_of("tool", x) for x in ("time rome", "map rome oslo")] == [1, 2]
+    # harder levels have longer answers, and every answer fits the 16-token completion
+    for fam in ("upper", "reverse", "sort"):
+        lengths = {lv: {len(t.answer) for t in ts if t.family == fam and t.level == lv} for lv in (1, 2, 3)}
+        assert max(lengths[1]) < min(lengths[2]) and max(lengths[2]) < min(lengths[3]), lengths
+    assert max(len(t.answer) for t in generate_tasks(3000, split="any", seed=3)) <= 16
+
+
+def test_two_argument_tool_calls():
+    t = make_task("tool", "map rome oslo")
+    assert (t.answer, t.level) == ("map(rome,oslo)", 2)
+    assert parse_prompt("tool map rome oslo=") == t
+    with pytest.raises(ValueError, match="levels 1-2"):
+        tasks._make_input("tool", random.Random(0), level=3)
 
 
 # ----------------------------------------------------------------------------------------------- parsing
