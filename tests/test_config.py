@@ -333,7 +333,10 @@ def test_embedded_warns_when_a_round_cannot_have_enough_samples():
     from hermes_lab.config import check_config
 
     warnings = check_config(load_config(EMBEDDED_YAML, {"execute.num_tasks": 100}))
-    assert len(warnings) == 1 and "execute.num_tasks 100 < data.min_samples 500" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "execute.num_tasks 100 x execute.samples_per_task 4 < data.min_samples 500" in warnings[0]
+    )
     assert check_config(load_config(EMBEDDED_YAML)) == []
 
 

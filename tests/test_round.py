@@ -30,12 +30,13 @@ def small_params(tmp_path: Path, **sections) -> Path:
     os.symlink(tiny, runs / "policies" / tiny.name)  # built once per machine, reused
     cfg["round"]["runs_dir"] = str(runs)
     cfg["execute"]["num_tasks"] = 600  # ~8% exact duplicates: still >= min_samples new samples
+    cfg["execute"]["samples_per_task"] = 1  # 600 logged samples, as many tasks
     cfg["grpo"]["max_steps"] = 12
     cfg["validate"]["eval_tasks_per_family"] = 16
     # 16 tasks x 2 samples per family cannot resolve the default 5-point non-inferiority margin (the gate warns
     # so): these rounds test the runner, not the gate, so the gate gets a margin it can decide on this sample
     cfg["validate"]["tolerance"] = 0.25
-    cfg.setdefault("ab", {})["request_rate"] = 0.04
+    cfg.setdefault("ab", {}).update(request_rate=0.04, plan_power=0)  # a fixed, cheap rate: no planning
     for sec, kv in sections.items():
         cfg.setdefault(sec, {}).update(kv)
     p = tmp_path / "params.yaml"
