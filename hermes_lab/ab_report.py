@@ -310,7 +310,8 @@ def write_ab_verdict(report: dict[str, Any], out_dir: str | Path) -> Path:
     detail = f"{report['decision']} (candidate share reached {report['final_ratio']:.0%})"
     keys = ("decision", "promoted", "rolled_back", "final_ratio", "delta", "p_value", "significant")
     outcome = {k: report.get(k) for k in keys}
-    return write_verdict(out_dir, "ab", [gate("ab_decision", promoted, detail)], candidate=outcome)
+    gates = [gate("ab_decision", promoted, detail)]
+    return write_verdict(out_dir, "ab", gates, candidate=outcome, plan=report.get("plan"))  # plan: ab_plan's
 
 
 def stage_table(report: dict[str, Any]) -> Any:

@@ -255,6 +255,25 @@ def print_flywheel(summaries: list[dict[str, Any]]) -> None:
         print(f"  champion {total}, rose in {rises} of {len(summaries)} rounds")
 
 
+def data_gain(round_dir: str | Path) -> Any:
+    """Which data drove a round's gain: per family, the share of the training weight and of mixed-outcome
+    prompts prep selected (``prep/selection.json``) beside the held-out pass rate before / after training
+    (``train/eval.json``); written to ``train/data_gain.json``. A joint view, not a causal split (families
+    train together and transfer). An empty frame when the round has no selection report or no eval."""
+    import pandas as pd
+
+    from hermes_lab.jsonl import write_json_atomic
+    from hermes_lab.prep_distill import gain_by_family
+
+    rd = Path(round_dir)
+    sel, ev = rd / "prep" / "selection.json", rd / "train" / "eval.json"
+    if not sel.is_file() or not ev.is_file():
+        return pd.DataFrame()
+    rows = gain_by_family(json.loads(sel.read_text()), json.loads(ev.read_text()))
+    write_json_atomic(rd / "train" / "data_gain.json", rows)
+    return pd.DataFrame(rows).T
+
+
 # ------------------------------------------------------------------------------------------ MLflow
 def _runs(cfg: HermesConfig) -> Any:
     import mlflow
