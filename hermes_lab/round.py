@@ -239,7 +239,7 @@ def run_round(
             raise RoundError(f"nothing to resume: round {n} in {state_path(runs)} has not started")
         rd.mkdir(parents=True, exist_ok=True)
         if cfg.model.base_model == "embedded:tiny" and not quiet:
-            _report_tiny(cfg)
+            _report_tiny(cfg, say=n == 1)  # the starting point once, not again every flywheel round
         if cfg.round.simulated_clock:
             if due:
                 _due(state, cfg)
@@ -306,11 +306,13 @@ def run_round(
         return RoundResult(n, rd, summary["status"], summary["decision"], summary)
 
 
-def _report_tiny(cfg: HermesConfig) -> None:
-    """Build (or reuse) the embedded policy and say how good the base is: GRPO's starting point."""
+def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
+    """Build (or reuse) the embedded policy and (``say``) how good the base is: GRPO's starting point."""
     from hermes_lab.policy import build_tiny_policy
 
     d = build_tiny_policy(cfg.round.runs_dir, cfg.model.seed)
+    if not say:
+        return
     rep = _read(d / "build.json")
     fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
     print(
