@@ -4,15 +4,15 @@ Reads and writes nothing; ``execute`` and the rewards call it. Families, easiest
 
 | family    | prompt             | answer          | what it exercises            | levels (graded by)           |
 |-----------|--------------------|-----------------|------------------------------|------------------------------|
-| upper     | ``up cat=``        | ``CAT``         | string transformation        | 1-3: 2-3, 4-5, 6-7 letters   |
-| reverse   | ``rev abcd=``      | ``dcba``        | string transformation        | 1-3: 2-3, 4-5, 6-7 letters   |
-| sort      | ``sort 3142=``     | ``1234``        | list transformation          | 1-3: 2-3, 4-5, 6-7 digits    |
+| upper     | ``up cat=``        | ``CAT``         | string transformation        | 1-3: 3, 4, 5 letters         |
+| reverse   | ``rev abcd=``      | ``dcba``        | string transformation        | 1-3: 3, 4, 5 letters         |
+| sort      | ``sort 3142=``     | ``1234``        | list transformation          | 1-3: 3, 4, 5 digits          |
 | tool      | ``tool time rome=``| ``time(rome)``  | tool-call-like formatting    | 1: one city, 2: two cities   |
 | add       | ``add 12+7=``      | ``19``          | small arithmetic             | 1-3: 0, 1 or 2 two-digit operands |
 
 Levels (``Task.level``) grade each family by length or operand size, so that mastering one level makes the
-next reachable: a policy that sorts 4 digits gets 6 right now and then, which is a mixed GRPO group to
-learn from, where a policy that fails every 6-digit sort gives no signal at all. The level is a function
+next reachable: a policy that sorts 4 digits gets 5 right now and then, which is a mixed GRPO group to
+learn from, where a policy that fails every 5-digit sort gives no signal at all. The level is a function
 of the prompt's input (``level_of``), so a logged prompt knows its level. ``generate_tasks`` cycles the
 levels within each family, so every fixed held-out set spans all levels in equal shares.
 
@@ -47,7 +47,7 @@ _TOOLS = ("time", "weather", "news", "map")
 _CITIES = ("rome", "oslo", "lima", "paris", "tokyo", "cairo", "delhi", "quito", "bern", "seoul", "dakar", "hanoi")
 # level 2 of tool (two cities): short names only, so the answer fits the 16-token completion
 _SHORT_TOOLS, _SHORT_CITIES = ("time", "news", "map"), ("rome", "oslo", "lima", "bern")
-_LENGTHS = {1: (2, 3), 2: (4, 5), 3: (6, 7)}  # letters / digits per level of upper, reverse, sort
+_LENGTHS = {1: (3, 3), 2: (4, 4), 3: (5, 5)}  # letters / digits per level of upper, reverse, sort
 _PREFIX = {"upper": "up", "reverse": "rev", "sort": "sort", "tool": "tool", "add": "add"}
 _PARSE = re.compile(r"^(up|rev|sort|tool|add) (.+)=$")
 
