@@ -10,7 +10,7 @@ from hermes_lab.execute import execute
 
 
 def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
-    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 520})
+    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 520, "execute.samples_per_task": 1})
     out = tmp_path / "trajectories.jsonl"
     res = execute(cfg, out, seed=2, progress=False)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -48,8 +48,8 @@ def test_execute_cli(tmp_path):
         text=True,
     )
     assert p.returncode == 0, p.stderr
-    assert "wrote 10 trajectories" in p.stdout
-    assert len(out.read_text().splitlines()) == 10
+    assert "wrote 40 trajectories" in p.stdout  # 10 tasks x embedded.yaml's 4 samples each
+    assert len(out.read_text().splitlines()) == 40
 
 
 def test_samples_per_task_logs_each_prompt_as_a_group(tmp_path):
