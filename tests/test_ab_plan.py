@@ -80,6 +80,11 @@ def test_the_effect_comes_from_trains_held_out_gain(tmp_path):
     assert (eff, share) == (7, 0.4) and "held-out gain -2.0 not positive" in src
     eff, share, src = ab_plan.resolve_effect(_cfg(), tmp_path / "missing.json")
     assert (eff, share) == (5.0, ab_plan.FALLBACK_SHARE) and "no held-out gain known" in src
+    # with mean rewards (what the rollout tests): their gain on the scale, not the pass rate's
+    before, after = {"pass_rate": 0.325, "mean_reward": 2.89}, {"pass_rate": 0.497, "mean_reward": 3.31}
+    ev.write_text(json.dumps({"before": before, "after": after, "gain_points": 17.2}))
+    eff, share, _ = ab_plan.resolve_effect(_cfg(), ev)
+    assert eff == pytest.approx(100 * 0.42 / 5) and share == pytest.approx(2.89 / 5)
 
 
 def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, monkeypatch, capsys):
