@@ -25,6 +25,7 @@ import argparse
 import fcntl
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -382,8 +383,6 @@ def paired_gain(before: dict[str, Any], after: dict[str, Any], z: float = 1.9599
     come out the same for both policies, and an unpaired interval (Newcombe's) would count that agreement
     as noise. Samples of one task are not independent, so the task (not the sample) is the unit. Reports
     without per-sample outcomes, or on different tasks, give no interval."""
-    import math
-
     k = int(before.get("samples_per_task") or 1)
     b, a = before.get("passes"), after.get("passes")
     if not b or not a or len(a) != len(b) or before.get("task_ids") != after.get("task_ids") or len(b) % k:
