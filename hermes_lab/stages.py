@@ -99,13 +99,21 @@ def _execute_params(ctx: RoundContext) -> dict[str, Any]:
 
 
 def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
-    """A round's new samples: its own execution log, plus the previous round's A/B traffic (the execution
-    logs of both policies), when there is one."""
+    """A round's new samples: everything logged since the last round that reached training. That is its own
+    execution log and the previous round's A/B traffic (the execution logs of both policies), and, while
+    the rounds before stopped at the data gate (too few samples, or the cooldown), their logs as well:
+    samples pile up until they trigger a training, none is dropped by a skipped round."""
     runs = Path(runs_dir)
     out = [runs / f"round-{round_no:02d}" / "trajectories.jsonl"]
-    prev_ab = runs / f"round-{round_no - 1:02d}" / "ab" / "requests.jsonl"
-    if round_no > 1 and prev_ab.exists():
-        out.append(prev_ab)
+    for k in range(round_no - 1, 0, -1):
+        prev = runs / f"round-{k:02d}"
+        if (prev / "ab" / "requests.jsonl").exists():
+            out.append(prev / "ab" / "requests.jsonl")
+        verdict = read_verdict(prev / "prep" / VERDICT_NAME)
+        if not verdict or verdict.get("stop") != STOP_DATA:  # round k trained on what came before it
+            break
+        if (prev / "trajectories.jsonl").exists():
+            out.append(prev / "trajectories.jsonl")
     return out
 
 

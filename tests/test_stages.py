@@ -304,3 +304,20 @@ def test_flywheel_continues_an_unfinished_round(params, tmp_path, mlflow_store):
     (r,) = R.flywheel(str(params), 1, stages=registry, quiet=True)
     assert r.round_no == 1 and r.status == "completed"  # no stage left to run, no candidate outcome read
     assert json.loads((tmp_path / "runs" / "round-01" / "progress.json").read_text())["status"] == "done"
+
+
+def test_a_round_skipped_at_the_data_gate_hands_its_samples_to_the_next(tmp_path):
+    """Samples pile up until they trigger a training: round 3 reads round 2's log (skipped at the data gate)
+    and the A/B traffic of round 1 (which trained), not round 1's own log (trained on already)."""
+    runs = tmp_path / "runs"
+    for k, stop in ((1, None), (2, STOP_DATA)):
+        rd = runs / f"round-{k:02d}"
+        stages.write_verdict(rd / "prep", "prep", [], stop=stop)
+        (rd / "trajectories.jsonl").write_text("{}\n")
+    (runs / "round-01" / "ab").mkdir()
+    (runs / "round-01" / "ab" / "requests.jsonl").write_text("{}\n")
+    got = [p.relative_to(runs).as_posix() for p in stages.fresh_data(runs, 3)]
+    assert got == ["round-03/trajectories.jsonl", "round-02/trajectories.jsonl", "round-01/ab/requests.jsonl"]
+    # once round 3 trained, round 4 starts afresh from round 3's log
+    stages.write_verdict(runs / "round-03" / "prep", "prep", [], stop=None)
+    assert [p.name for p in stages.fresh_data(runs, 4)] == ["trajectories.jsonl"]
