@@ -7,11 +7,13 @@ the base policy's sampled pass rate) once per seed, then reuses it.
 
 The embedded default needs no hub download. It is a Qwen2-style causal LM (so LoRA's q_proj/k_proj/
 v_proj/o_proj exist) of about 0.3M parameters with a character-level tokenizer built with the
-``tokenizers`` library, trained for about a minute on a deliberately *noisy teacher*: on a share of the
+``tokenizers`` library, trained for about two minutes on a deliberately *noisy teacher*: on a share of the
 training examples the teacher's answer is corrupted (a swapped, dropped, doubled or replaced
 character, or a format slip: a trailing period, quotes, chatter). The policy therefore learns the right
-answer as its main mode with plausible wrong answers beside it, and its *sampled* pass rate at temperature
-0.9 lands mid-range: the headroom GRPO is for.
+answer as its main mode with plausible wrong answers beside it: its *greedy* pass rate on held-out tasks is
+~90% (it knows the answers) while its *sampled* one at temperature 0.9 lands mid-range (~36%, it slips).
+That gap is the headroom GRPO is for, and it is reachable: sharpening what a policy knows is what GRPO on
+its own samples does, learning what it does not know is not (build.json records both rates).
 
 Everything is loaded through ``AutoModelForCausalLM`` / ``AutoTokenizer``, so ``load_policy`` takes a
 Qwen2.5-0.5B id or path just as well. The tokenizer is saved with ``tokenizer_class:
@@ -234,6 +236,8 @@ def build_tiny_policy(
         policy = load_policy(str(tmp))
         held = T.generate_tasks(200, split="heldout", seed=seed)
         report = evaluate(policy, held, temperature=0.9, samples_per_task=2, seed=seed)
+        # greedy: what the policy knows, the ceiling GRPO can sharpen the sampled pass rate towards
+        report["greedy_pass_rate"] = evaluate(policy, held, temperature=0, seed=seed)["pass_rate"]
         report.update(
             seed=seed,
             version=TINY_VERSION,

@@ -317,7 +317,8 @@ def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
     fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
     print(
         f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
-        f"tasks {rep.get('pass_rate', 0):.1%} ({fams}); report in {d / 'build.json'}",
+        f"tasks {rep.get('pass_rate', 0):.1%} ({fams}), greedy {rep.get('greedy_pass_rate', 0):.0%}; "
+        f"report in {d / 'build.json'}",
         flush=True,
     )
 

@@ -106,10 +106,13 @@ def prepare_output(
         return ckpt, saved
     if ckpt is None:
         log_path.unlink(missing_ok=True)
-        for old in trl_dir.glob("checkpoint-*"):  # an earlier run's checkpoints: not ours to continue
+        stale = sorted(trl_dir.glob("checkpoint-*"))
+        for old in stale:  # an earlier run's checkpoints: not ours to continue
             shutil.rmtree(old, ignore_errors=True)
         if resume:
-            log.warning("--resume: no complete checkpoint in %s; training starts at step 0", trl_dir)
+            # a round always asks to resume: a first try with nothing saved is no problem worth a warning
+            say = log.warning if stale else log.info
+            say("--resume: no complete checkpoint in %s; training starts at step 0", trl_dir)
     else:
         step = int(ckpt.name.rsplit("-", 1)[1])
         keep_log_until(log_path, step)
