@@ -33,6 +33,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     cfg["execute"]["samples_per_task"] = 1  # 600 logged samples, as many tasks
     cfg["grpo"]["max_steps"] = 12
     cfg["validate"]["eval_tasks_per_family"] = 16
+    cfg["validate"]["samples_per_task"] = 2
     # 16 tasks x 2 samples per family cannot resolve the default 5-point non-inferiority margin (the gate warns
     # so): these rounds test the runner, not the gate, so the gate gets a margin it can decide on this sample
     cfg["validate"]["tolerance"] = 0.25
