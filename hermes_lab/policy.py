@@ -46,7 +46,7 @@ TINY_STEPS = 900
 TINY_BATCH = 128
 # v9: peak lr 3e-3, not 1e-2. At 1e-2 the policy under-learnt its content (greedy 67% on held-out tasks, copy
 # slips such as 'up ham=' -> 'HAA'), and GRPO only sharpens what the greedy policy knows: the flywheel
-# stalled near that ceiling by round 3. At 3e-3 greedy is ~95%, so the headroom above the sampled pass rate
+# stalled near that ceiling by round 3. At 3e-3 greedy is ~92%, so the headroom above the sampled pass rate
 # is the noisy teacher's slips, which GRPO can unlearn round after round.
 TINY_LR = 3e-3
 # teacher examples per family per draw: the families of longer answers (reverse, add, tool) twice

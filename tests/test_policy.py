@@ -75,7 +75,8 @@ def test_tiny_policy_is_cached_and_mid_range(tiny):
     report = json.loads((tiny / "build.json").read_text())
     assert 0.30 <= report["pass_rate"] <= 0.60, report  # real headroom for GRPO
     # ... that GRPO can reach: the greedy policy knows the answers, the sampled one slips (the noisy teacher)
-    assert report["greedy_pass_rate"] >= 0.85 > report["pass_rate"] + 0.3, report
+    assert report["greedy_pass_rate"] >= 0.85, report
+    assert report["greedy_pass_rate"] - report["pass_rate"] >= 0.30, report
     assert set(report["per_family"]) == set(T.FAMILIES)
     assert report["parameters"] < 1_000_000
 
