@@ -510,7 +510,7 @@ def status(params_path: str) -> dict[str, Any]:
         from hermes_lab import live_round
 
         pending = live_round.pending_samples(cfg, _round_dir(runs, n), pending)
-    for p in fresh_data(runs, n)[1:]:  # plus what earlier stages logged (the last A/B traffic)
+    for p in fresh_data(runs, n)[1:]:  # plus earlier logs since the last training (A/B, skipped rounds)
         with open(p, encoding="utf-8") as f:
             pending += sum(1 for _ in f)
     if pending < cfg.data.min_samples:
