@@ -40,7 +40,7 @@ serve: setup
 
 ## a live 10% -> 30% -> 100% rollout on a 120x clock (serve + the stand-in agent), then a round trains on that traffic
 live-demo: setup
-	$(BIN)/python -m hermes_lab.live_demo --params $(PARAMS)
+	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 
 test: setup lint browser-deps
 	$(BIN)/python -m pytest -q tests
@@ -57,7 +57,7 @@ lint: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/lab.py)
+## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
 lab: setup
 	$(HL) lab
 

@@ -1,8 +1,8 @@
 """Benchmark: analysing a 10,000,000-request A/B log (goal: <= 10 s on 2 cores).
 
 Stage: validate (A/B). Reads and writes nothing under runs/: the log is synthesised in memory as columns
-(what ``hermes_lab.ab_run.read_log`` returns), two stages (10% for 2 h, 30% for 4 h), five families,
-3% errors, lognormal latencies. Times ``hermes_lab.ab.analyse_log`` (per-stage user fields, Wilson CIs,
+(what ``hermes_lab.ab.run.read_log`` returns), two stages (10% for 2 h, 30% for 4 h), five families,
+3% errors, lognormal latencies. Times ``hermes_lab.ab.stats.analyse_log`` (per-stage user fields, Wilson CIs,
 Mann-Whitney, SRM, guardrails, the confidence-sequence path over every look, both rules, per-family
 breakdown) against a plain pandas groupby doing only the aggregates (per stage x arm, per stage x family x
 arm, per look cumulative, p95 latency), measured in the same run.
@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from hermes_lab import ab
-from hermes_lab import tasks as T
+from hermes_lab.ab import stats as ab
+from hermes_lab.tasks import suite as T
 
 GOAL_S = 10.0
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     base = pandas_baseline(cols, stages)
     looks = sum(len(s["sequential"]["looks"]) for s in res["stages"])
     print(f"rows: {args.rows:,}  stages: {len(res['stages'])}  looks: {looks}")
-    print(f"hermes_lab.ab.analyse_log (full analysis): {ours:6.2f} s")
+    print(f"hermes_lab.ab.stats.analyse_log (full analysis): {ours:6.2f} s")
     print(f"pandas groupby (aggregates only):          {base:6.2f} s")
     print(f"ratio ours / pandas: {ours / base:.2f}")
     for s in res["stages"]:

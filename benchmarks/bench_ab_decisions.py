@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hermes_lab import ab
+from hermes_lab.ab import stats as ab
 
 LOOK, EXT, MISS_ERR, USERS = 900.0, 1.0, 0.03, 2000
 PLAN = [[0.1, 7200], [0.3, 14400], [1.0, 0]]

@@ -34,7 +34,7 @@ V5_QUIET_S = (130.0, 135.0)  # the v5 (padded) build, measured on a quiet machin
 def step_times(steps: int) -> tuple[list[float], list[float], float]:
     import torch
 
-    from hermes_lab import policy as P
+    from hermes_lab.policy import model as P
 
     torch.manual_seed(0)
     tok = P.build_tokenizer()
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-full", action="store_true", help="skip the full build")
     args = ap.parse_args(argv)
 
-    from hermes_lab import policy as P
+    from hermes_lab.policy import model as P
 
     packed, padded, tok_share = step_times(args.steps)
     mp, md = statistics.median(packed), statistics.median(padded)

@@ -28,7 +28,7 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
     """n valid records: half on embedded tasks (family from the prompt; their few distinct wrong answers make
     ~40% of all lines exact duplicates), half on n/20 synthetic tasks with a "family" field; every 100th line
     is repeated. All lines are valid so that load_dataset can read the same file."""
-    from hermes_lab import tasks
+    from hermes_lab.tasks import suite as tasks
 
     rng = random.Random(seed)
     pool = tasks.generate_tasks(2000, split="any", seed=seed)
@@ -71,8 +71,8 @@ GOAL_S = 60.0  # at 1M records
 GOAL_RSS_GIB = 1.5  # at 5M records
 CHILD = """
 import json, sys, time
-from hermes_lab.config import load_config
-from hermes_lab.prep import run_prep
+from hermes_lab.config.schema import load_config
+from hermes_lab.data.prep import run_prep
 cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
 t = time.perf_counter()
 res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)

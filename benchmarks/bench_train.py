@@ -1,4 +1,4 @@
-"""Benchmark: the workbench's training overhead, ``hermes_lab.train.train`` against a bare TRL GRPOTrainer script.
+"""Benchmark: the workbench's training overhead, ``hermes_lab.train.grpo.train`` against a bare TRL GRPOTrainer script.
 
 Goal: the workbench's training loop is at most 5% slower than bare TRL (steps/s ratio >= 0.95). Both arms
 train the embedded tiny policy (built once under runs/policies/) in the same process with IDENTICAL
@@ -48,7 +48,7 @@ def make_dataset(path: Path, n: int) -> None:
 
     from datasets import Dataset
 
-    from hermes_lab import tasks as T
+    from hermes_lab.tasks import suite as T
 
     rng = random.Random(0)
     ts = T.generate_tasks(n, split="train", seed=0)
@@ -103,15 +103,15 @@ def _timed(fn: Any, acc: list[float], inner: list[float] | None = None) -> Any:
 
 
 def run_hermes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[dict[str, Any]]]:
-    """The workbench arm: hermes_lab.train.train, with trl.GRPOTrainer swapped for the timed subclass, and
+    """The workbench arm: hermes_lab.train.grpo.train, with trl.GRPOTrainer swapped for the timed subclass, and
     the callback's hooks and the reward guards timed (the reward functions inside the guards are not ours:
     the bare arm runs them too)."""
     import json
 
     import trl
 
-    from hermes_lab import rewards
-    from hermes_lab import train as TR
+    from hermes_lab.rewards import registry as rewards
+    from hermes_lab.train import grpo as TR
 
     own, inner, end = [0.0], [0.0], [0.0]
     original, make_callback, guard = trl.GRPOTrainer, TR.make_callback, rewards._guard
@@ -146,9 +146,9 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOConfig
 
-    from hermes_lab import policy as P
-    from hermes_lab import rewards as R
-    from hermes_lab.train import filter_long_prompts, grpo_kwargs
+    from hermes_lab.policy import model as P
+    from hermes_lab.rewards import registry as R
+    from hermes_lab.train.grpo import filter_long_prompts, grpo_kwargs
 
     t0 = time.perf_counter()
     set_seed(cfg.grpo.seed)
@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from hermes_lab.config import load_config
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.policy.model import build_tiny_policy
 
     torch.set_num_threads(args.threads)
 

@@ -60,11 +60,11 @@ def mlflow_store(tmp_path, monkeypatch):
 @pytest.fixture
 def project_copy(tmp_path):
     """A second hermes-lab project in tmp_path/proj: copies of params/ and notebooks/ (what makes a folder the
-    project, hermes_lab.paths), and runs/policies linked to this checkout's built tiny policy (no rebuild)."""
+    project, hermes_lab.core.paths), and runs/policies linked to this checkout's built tiny policy (no rebuild)."""
     import shutil
     from pathlib import Path
 
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     repo = Path(__file__).resolve().parents[1]
     proj = tmp_path / "proj"

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hermes_lab import tasks as T
+from hermes_lab.tasks import suite as T
 
 
 class OpenAIStub:

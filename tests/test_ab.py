@@ -1,4 +1,4 @@
-"""hermes_lab.ab: the user's router and compare() bit for bit, and the statistics that gate a rollout."""
+"""hermes_lab.ab.stats: the user's router and compare() bit for bit, and the statistics that gate a rollout."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from hermes_lab import ab
+from hermes_lab.ab import stats as ab
 
 IDS = [f"req-{i}" for i in range(4000)]
 
@@ -30,7 +30,7 @@ def test_route_is_stable_over_ten_calls():
 
 def test_route_is_stable_across_processes():
     code = (
-        "import json; from hermes_lab.ab import ABRouter; r = ABRouter('b', 'c', 0.3, salt='exp-7');"
+        "import json; from hermes_lab.ab.stats import ABRouter; r = ABRouter('b', 'c', 0.3, salt='exp-7');"
         f"print(json.dumps([r.route(i)[0] for i in {IDS[:300]!r}]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -305,7 +305,7 @@ def test_heavy_users_hold_request_level_srm_but_not_unit_level():
 
 def _coverage(reps, n, W, p, p_c, p_b, binary, seed, unit_users=0):
     """Share of simulated experiments whose CS misses the true delta at SOME look (time-uniform miss)."""
-    from hermes_lab import ab_cs
+    from hermes_lab.ab import cs as ab_cs
 
     rng = np.random.default_rng(seed)
     win = np.tile(np.sort(rng.integers(0, W, n)), reps)
@@ -336,7 +336,7 @@ def test_confidence_sequence_covers_at_every_look(n, p, p_c, p_b, binary):
 
 def test_closed_form_bounds_match_the_betting_process_row_by_row():
     """The endpoints solve log M(d) = log(2/alpha) for the capital process computed observation by observation."""
-    from hermes_lab import ab_cs
+    from hermes_lab.ab import cs as ab_cs
 
     rng = np.random.default_rng(4)
     n, W, p = 400, 4, 0.2

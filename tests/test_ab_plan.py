@@ -1,4 +1,4 @@
-"""The A/B plan (hermes_lab.ab_plan): the planned rate reaches the power it was planned for, checked by an
+"""The A/B plan (hermes_lab.ab.plan): the planned rate reaches the power it was planned for, checked by an
 independent simulation through the runner's own per-experiment decision (md5 router, ab.stage_action)."""
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from hermes_lab import ab, ab_plan, ab_rollout, ab_run
-from hermes_lab.config import ab_stages, load_config
+from hermes_lab.ab import plan as ab_plan
+from hermes_lab.ab import rollout as ab_rollout
+from hermes_lab.ab import run as ab_run
+from hermes_lab.ab import stats as ab
+from hermes_lab.config.schema import ab_stages, load_config
 
 # one short tested stage (10% for 30 min, looks every 5 min) keeps each simulation to a fraction of a second
 SHORT = {"ab.stages": [[0.1, 1800], [1.0, 0]], "ab.look_every": 300, "ab.plan_power": 0.8}
@@ -90,7 +93,7 @@ def test_the_effect_comes_from_trains_held_out_gain(tmp_path):
 def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, monkeypatch, capsys):
     import mlflow
 
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
     from tests.test_ab_run import FakePolicy
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

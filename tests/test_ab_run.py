@@ -1,4 +1,4 @@
-"""hermes_lab.ab_run: the staged rollout end to end (fake policies: fast; the real tiny policy: slow)."""
+"""hermes_lab.ab.run: the staged rollout end to end (fake policies: fast; the real tiny policy: slow)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hermes_lab import ab, ab_report, ab_run
-from hermes_lab import tasks as T
-from hermes_lab.config import ConfigError, load_config
+from hermes_lab.ab import report as ab_report
+from hermes_lab.ab import run as ab_run
+from hermes_lab.ab import stats as ab
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = {
@@ -191,7 +193,7 @@ def test_replay_a_request_log_with_salt_and_user_units(tmp_path):
 
 
 def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
-    caplog.set_level(logging.DEBUG, logger="hermes_lab.ab")
+    caplog.set_level(logging.DEBUG, logger="hermes_lab.ab.stats")
     ab_run.run_ab(
         _cfg(tmp_path),
         FakePolicy(0.5, "b"),
@@ -200,7 +202,7 @@ def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
         output=tmp_path / "r.json",
         plots=False,
     )
-    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "hermes_lab.ab"]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "hermes_lab.ab.stats"]
     assert len(lines) > 100 and all(x.startswith("request_id=req-0-") for x in lines)
     assert any("arm=candidate status=ok" in x for x in lines) and any("arm=baseline" in x for x in lines)
 
@@ -264,7 +266,7 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_real_tiny_policy_through_the_command_line(tmp_path):
     """python -m hermes_lab.ab_run on the real tiny policy (A/A: baseline == candidate dir)."""
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
     params = tmp_path / "p.yaml"
@@ -274,7 +276,7 @@ def test_real_tiny_policy_through_the_command_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "hermes_lab.ab_run",
+            "hermes_lab.ab.run",
             "--params",
             str(params),
             "--baseline",
@@ -310,7 +312,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     import mlflow
     import papermill as pm
 
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -365,9 +367,9 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
 
 def test_round_moves_the_champion_only_on_promotion(tmp_path):
     """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
-    from hermes_lab import round as R
-    from hermes_lab.stages import STAGES, gate, write_verdict
-    from hermes_lab.state import FlywheelState
+    from hermes_lab.core.state import FlywheelState
+    from hermes_lab.round import runner as R
+    from hermes_lab.round.stages import STAGES, gate, write_verdict
 
     cfg = _cfg(tmp_path)
     for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):

@@ -1,5 +1,5 @@
-"""hermes_lab.api through real HTTP (tests/fake_openai.py): base URLs, errors, retries, concurrency, the judge
-(hermes_lab.judge), and that the key never shows up in exceptions, reprs, logs or printed output."""
+"""hermes_lab.llm.client through real HTTP (tests/fake_openai.py): base URLs, errors, retries, concurrency, the judge
+(hermes_lab.llm.judge), and that the key never shows up in exceptions, reprs, logs or printed output."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 from fake_openai import free_port, judge_score
 
-from hermes_lab import api
-from hermes_lab.config import ConfigError, load_config
-from hermes_lab.judge import ApiJudge, JudgeParseError, parse_score
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.llm import client as api
+from hermes_lab.llm.judge import ApiJudge, JudgeParseError, parse_score
 
 KEY = "sk-test-SECRET-8f3a9c2e71"
 WRONG = "sk-wrong-KEY-0000111122"
@@ -378,7 +378,7 @@ CTRL_C_CHILD = """
 import signal, sys, time
 # a shell's background job starts with SIGINT ignored, and Python then keeps it so: Ctrl-C is what we test
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from hermes_lab import api
+from hermes_lab.llm import client as api
 c = api.ApiClient(sys.argv[1], "TAOTOKEN_API_KEY", "judge-1", timeout=5, retries=0)
 t0 = time.monotonic()
 try:

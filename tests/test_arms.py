@@ -1,4 +1,4 @@
-"""hermes_lab.arms: every flag that takes a policy or an adapter accepts the same kinds, and anything else is
+"""hermes_lab.policy.arms: every flag that takes a policy or an adapter accepts the same kinds, and anything else is
 one line naming the flag and the kinds (issue 15). The user's two commands run as written after a real
 `python -m hermes_lab.train` (slow test at the end)."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import arms
-from hermes_lab.config import load_config
-from hermes_lab.state import FlywheelState, state_path
+from hermes_lab.config.schema import load_config
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.policy import arms
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,9 @@ def test_champion_registry_then_state_then_base(tmp_path, cfg, mlflow_store):
 
 
 def test_cli_flags_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
-    from hermes_lab import execute, train, validate
+    from hermes_lab.data import execute
+    from hermes_lab.evaluate import validate
+    from hermes_lab.train import grpo as train
 
     monkeypatch.chdir(tmp_path)
     emb = str(REPO / "params" / "embedded.yaml")
@@ -137,12 +139,12 @@ def test_users_two_commands_after_train(project_copy):
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HERMES_LAB_ROOT")}
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     py = [sys.executable, "-m"]
-    train = [*py, "hermes_lab.train", "--config", "params/embedded.yaml", "--data", "./trajectories.jsonl"]
+    train = [*py, "hermes_lab.train.grpo", "--config", "params/embedded.yaml", "--data", "./trajectories.jsonl"]
     train += ["--output", "./checkpoints/round-01", "--max-steps", "2", "--no-eval"]
     r = subprocess.run(train, cwd=project_copy, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FutureWarning" not in r.stderr and "gradient_checkpointing" not in r.stderr
-    ab = [*py, "hermes_lab.ab_run", "--baseline", "./checkpoints/baseline", "--candidate", "./checkpoints/round-01"]
+    ab = [*py, "hermes_lab.ab.run", "--baseline", "./checkpoints/baseline", "--candidate", "./checkpoints/round-01"]
     ab += ["--ratio", "0.1", "--duration", "7200", "--output", "./ab_report.json"]
     r = subprocess.run(ab, cwd=project_copy, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]

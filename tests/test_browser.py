@@ -59,9 +59,9 @@ def lab(tmp_path_factory):
     """A project copy with one round's trajectories and review queue, served by `hermes-lab lab`."""
     from test_paths import write_trajectories
 
-    from hermes_lab import prep
-    from hermes_lab.config import load_config
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.data import prep
+    from hermes_lab.policy.model import build_tiny_policy
 
     tmp = tmp_path_factory.mktemp("lab")
     proj = tmp / "proj"
@@ -84,7 +84,7 @@ def lab(tmp_path_factory):
     ):
         env[var] = str(tmp / sub)
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
-    cmd = [sys.executable, "-m", "hermes_lab.cli", "lab", "--ip", "127.0.0.1", "--port", str(port), "--no-browser"]
+    cmd = [sys.executable, "-m", "hermes_lab.cli.main", "lab", "--ip", "127.0.0.1", "--port", str(port), "--no-browser"]
     cmd += ["--", f"--IdentityProvider.token={TOKEN}"]
     log = open(tmp / "lab.log", "w+")  # noqa: SIM115 - read back at the end
     server = subprocess.Popen(cmd, cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -170,7 +170,7 @@ def _store_lines(lab) -> int:
 
 
 def test_review_notebook_labels_by_click_and_keys_and_undoes(lab, browser):
-    from hermes_lab import review
+    from hermes_lab.review import gate as review
 
     driver = browser
     wait = _open_and_run_all(driver, lab, "review.ipynb")

@@ -1,4 +1,4 @@
-"""hermes_lab.cli: every command is wired, imports and answers --help; `python -m hermes_lab.<module>`
+"""hermes_lab.cli.main: every command is wired, imports and answers --help; `python -m hermes_lab.<module>`
 works; building the parser stays light (no torch / transformers / trl / mlflow)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import cli
+from hermes_lab.cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "trl", "mlflow", "transformers")
@@ -88,7 +88,8 @@ def test_python_dash_m_help(module):
 
 def test_parser_does_not_import_heavy_packages():
     code = (
-        f"import hermes_lab.cli, sys; hermes_lab.cli.build_parser(); print([m for m in {HEAVY!r} if m in sys.modules])"
+        "import hermes_lab.cli.main, sys; hermes_lab.cli.main.build_parser(); "
+        f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr

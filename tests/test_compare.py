@@ -1,4 +1,4 @@
-"""hermes_lab.compare: the rounds table, the pass rate by round and the curves, from a real SQLite MLflow store
+"""hermes_lab.round.compare: the rounds table, the pass rate by round and the curves, from a real SQLite MLflow store
 and real round folders (summary.json, or only the stage files of the round in flight), in the stage/metric
 namespace."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import compare, tracking
-from hermes_lab.config import load_config
-from hermes_lab.stages import all_gates, gate, write_verdict
+from hermes_lab.config.schema import load_config
+from hermes_lab.core import tracking
+from hermes_lab.round import compare
+from hermes_lab.round.stages import all_gates, gate, write_verdict
 
 
 def _round(cfg, n: int, reward: list[float], delta: float, promoted: bool, gates: dict[str, bool | None]) -> None:
@@ -63,7 +64,7 @@ def test_rounds_table_and_curves_use_the_registry_and_the_namespace(tmp_path, ml
 
 # ------------------------------------------------------------------------------- pass rate by round
 def _eval(before: float, after: float, tasks: int = 300, per_task: int = 2) -> dict:
-    """The train stage's eval.json shape (hermes_lab.train._eval_before_after, policy.evaluate)."""
+    """The train stage's eval.json shape (hermes_lab.train.grpo._eval_before_after, policy.evaluate)."""
     side = lambda p: {"pass_rate": p, "mean_reward": 3.0, "n": tasks * per_task, "samples_per_task": per_task}  # noqa: E731
     return {"before": side(before), "after": side(after), "gain_points": round(100 * (after - before), 1)}
 
@@ -207,7 +208,7 @@ def test_wilson_matches_scipy_and_stays_in_the_unit_interval():
 def test_the_compare_notebook_plots_the_round_in_flight(tmp_path, mlflow_store):
     """notebooks/50_round_compare.ipynb under papermill, as the round runs it (stage 50, before summary.json):
     the kernel sees the same store (MLFLOW_TRACKING_URI), files the plots under the round and in MLflow."""
-    from hermes_lab.round import run_notebook
+    from hermes_lab.round.runner import run_notebook
 
     runs = tmp_path / "runs"
     cfg_path = tmp_path / "params.yaml"

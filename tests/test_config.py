@@ -1,4 +1,4 @@
-"""hermes_lab.config: the user's YAML as is, ${VAR} interpolation, unknown keys, bad values, help texts."""
+"""hermes_lab.config.schema: the user's YAML as is, ${VAR} interpolation, unknown keys, bad values, help texts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab.config import ConfigError, HermesConfig, field_help, load_config
+from hermes_lab.config.schema import ConfigError, HermesConfig, field_help, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 USER_YAML = REPO / "params" / "hermes_grpo_lora.yaml"
@@ -320,7 +320,7 @@ def test_every_problem_is_listed_not_just_the_first(tmp_path):
 def test_choices_and_bounds_come_from_the_fields():
     helps = field_help()
     assert "Choices: request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
-    from hermes_lab.config import trl_choices
+    from hermes_lab.config.schema import trl_choices
 
     trl = trl_choices("loss_type")  # read from the installed TRL's GRPOConfig, not a copy of it
     assert trl is not None and {"grpo", "dr_grpo", "dapo", "bnpo"} <= set(trl)
@@ -330,7 +330,7 @@ def test_choices_and_bounds_come_from_the_fields():
 
 
 def test_embedded_warns_when_a_round_cannot_have_enough_samples():
-    from hermes_lab.config import check_config
+    from hermes_lab.config.schema import check_config
 
     warnings = check_config(load_config(EMBEDDED_YAML, {"execute.num_tasks": 100}))
     assert (

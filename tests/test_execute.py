@@ -4,9 +4,9 @@ import json
 import subprocess
 import sys
 
-from hermes_lab import tasks as T
-from hermes_lab.config import load_config
-from hermes_lab.execute import execute
+from hermes_lab.config.schema import load_config
+from hermes_lab.data.execute import execute
+from hermes_lab.tasks import suite as T
 
 
 def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
@@ -36,7 +36,7 @@ def test_execute_cli(tmp_path):
         [
             sys.executable,
             "-m",
-            "hermes_lab.execute",
+            "hermes_lab.data.execute",
             "--params",
             "params/embedded.yaml",
             "--output",

@@ -1,4 +1,4 @@
-"""hermes_lab.inspect: curve loading (train_log.jsonl and a real SQLite MLflow store), plots, and every
+"""hermes_lab.evaluate.inspect: curve loading (train_log.jsonl and a real SQLite MLflow store), plots, and every
 diagnostic rule on synthetic curves that do and do not have the problem."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hermes_lab import curves as C
-from hermes_lab import inspect as I
-from hermes_lab import inspect_plots as P
-from hermes_lab.config import load_config
+from hermes_lab.config.schema import load_config
+from hermes_lab.evaluate import curves as C
+from hermes_lab.evaluate import inspect as I
+from hermes_lab.evaluate import plots as P
 
 N = 60
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -200,7 +200,7 @@ def test_load_train_log_errors_name_file_and_line(tmp_path):
 
 
 def log_run(mlflow, df: pd.DataFrame, tmp_path) -> str:
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     tracking.setup(tmp_path, "test-train")
     with mlflow.start_run(run_name="train") as run:  # the names train.py gives them: train/<TRL name>
@@ -254,7 +254,7 @@ def test_earlier_train_dirs(tmp_path):
 
 # ------------------------------------------------------------------------------------------- plots + stage
 def test_plots_written_as_png_and_logged(tmp_path, mlflow_store):
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     df = curves()
     with tracking.stage_run("validate", runs_dir=tmp_path) as run:
@@ -281,7 +281,7 @@ def test_plots_written_as_png_and_logged(tmp_path, mlflow_store):
 
 
 def test_inspect_run_writes_diagnostics_json(tmp_path, mlflow_store):
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     cfg = load_config(overrides={"round.runs_dir": str(tmp_path)})
     kl = curves()["kl"].to_numpy().copy()

@@ -1,4 +1,4 @@
-"""hermes_lab.jsonl: THE atomic JSON writer (concurrent writers and readers, failures, file mode) and the names
+"""hermes_lab.core.jsonl: THE atomic JSON writer (concurrent writers and readers, failures, file mode) and the names
 made safe for MLflow metric names, file names and matplotlib labels."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from hermes_lab.jsonl import plot_label, safe_name, write_json_atomic
+from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
 
 
 def test_concurrent_writers_never_leave_half_a_file_or_a_temp_file(tmp_path):

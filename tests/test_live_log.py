@@ -1,4 +1,4 @@
-"""hermes_lab.live_log (the gateway's log dir), its prep join, the MLflow trace sink and the serve config checks."""
+"""hermes_lab.live.log (the gateway's log dir), its prep join, the MLflow trace sink and the serve config checks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hermes_lab import live_log as L
-from hermes_lab.config import ConfigError, load_config
-from hermes_lab.prep import run_prep
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.data.prep import run_prep
+from hermes_lab.live import log as L
 
 
 def write_lines(path: Path, rows: list, tail: str = "") -> None:
@@ -138,7 +138,7 @@ def test_log_writer_group_commit_and_torn_tail(tmp_path, durability):
 
 
 def test_trace_sink_writes_traces_and_assessments(mlflow_store, tmp_path):
-    from hermes_lab.live_mlflow import TraceSink
+    from hermes_lab.live.traces import TraceSink
 
     cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
     sink = TraceSink(cfg, "tiny-vs-tiny")
@@ -184,8 +184,8 @@ def test_serve_config_checks_name_the_key(override, key):
 
 
 def test_arm_specs_latest_round_urls_and_errors(tmp_path):
-    from hermes_lab.arms_live import resolve_arm
-    from hermes_lab.serve import default_experiment
+    from hermes_lab.live.arms import resolve_arm
+    from hermes_lab.live.gateway import default_experiment
 
     cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
     assert resolve_arm(cfg, "candidate").spec == "embedded:tiny"  # no round trained yet: an A/A

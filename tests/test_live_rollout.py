@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 from openai_stub import OpenAIStub  # noqa: E402
 from test_serve import Gateway, formula_arm  # noqa: E402
 
-from hermes_lab import tasks as T  # noqa: E402
+from hermes_lab.tasks import suite as T  # noqa: E402
 
 SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
 
@@ -238,7 +238,7 @@ def test_a_restart_in_stage_2_resumes_at_stage_2(tmp_path, perfect, bad):
         [
             sys.executable,
             "-m",
-            "hermes_lab.serve",
+            "hermes_lab.live.gateway",
             "--report",
             str(gw.log_dir),
             "--params",

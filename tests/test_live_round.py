@@ -22,9 +22,9 @@ from test_live_rollout import Traffic, wait_for  # noqa: E402
 from test_round import HERMES, REPO, small_params  # noqa: E402
 from test_serve import Gateway  # noqa: E402
 
-from hermes_lab import live_round  # noqa: E402
-from hermes_lab.config import load_config  # noqa: E402
-from hermes_lab.state import FlywheelState, state_path  # noqa: E402
+from hermes_lab.config.schema import load_config  # noqa: E402
+from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
+from hermes_lab.live import round as live_round  # noqa: E402
 
 
 def traffic_log(tmp: Path, n: int = 700) -> Path:

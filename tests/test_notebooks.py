@@ -13,7 +13,7 @@ import nbformat
 import papermill
 import pytest
 
-from hermes_lab.stages import STAGES
+from hermes_lab.round.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -136,20 +136,20 @@ def test_parameters_are_typed_for_papermill_help(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_config_cell_resolves_paths_against_the_project_root(path):
     """The second code cell makes path parameters absolute against the project root before anything reads
-    them (the kernel's cwd is notebooks/ under JupyterLab): hermes_lab.paths.resolve_params."""
+    them (the kernel's cwd is notebooks/ under JupyterLab): hermes_lab.core.paths.resolve_params."""
     second = _code_cells(_read(path))[1].source
     assert "paths.resolve_params(globals())" in second and "quiet.configure()" in second
     assert second.index("paths.resolve_params") < second.index("load_config(")
     names = [n for n, _, _ in _assignments(_parameters_cell(_read(path)).source)]
-    from hermes_lab.paths import LIST_PARAMS, PATH_PARAMS, SPEC_PARAMS
+    from hermes_lab.core.paths import LIST_PARAMS, PATH_PARAMS, SPEC_PARAMS
 
     pathlike = [n for n in names if n.endswith(("_path", "_dir")) or n in ("trajectories", "adapter")]
     missing = [n for n in pathlike if n not in PATH_PARAMS + LIST_PARAMS + SPEC_PARAMS]
-    assert not missing, f"{path.name}: path parameters {missing} are not resolved (add them to hermes_lab.paths)"
+    assert not missing, f"{path.name}: path parameters {missing} are not resolved (add them to hermes_lab.core.paths)"
 
 
 def test_round_stage_notebooks_exist_and_accept_round_params():
-    from hermes_lab.round import notebook_path
+    from hermes_lab.round.runner import notebook_path
 
     assert STAGES, "no stages"
     assert len({s.notebook for s in STAGES}) == len(STAGES) and len({s.name for s in STAGES}) == len(STAGES)
@@ -165,11 +165,11 @@ def test_round_stage_notebooks_exist_and_accept_round_params():
 def test_parameters_cell_is_pinned_to_its_registry_row(stage, tmp_path):
     """Each stage notebook's parameters cell is exactly its row's notebook_params, in order, and the
     parameters the round passes (the row's builder) are all among them."""
-    from hermes_lab.config import load_config
-    from hermes_lab.round import notebook_path
-    from hermes_lab.stages import ROUND_PARAMS as COMMON
-    from hermes_lab.stages import RoundContext
-    from hermes_lab.state import FlywheelState
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.core.state import FlywheelState
+    from hermes_lab.round.runner import notebook_path
+    from hermes_lab.round.stages import ROUND_PARAMS as COMMON
+    from hermes_lab.round.stages import RoundContext
 
     cell = list(papermill.inspect_notebook(str(notebook_path(stage))))
     assert tuple(cell) == stage.notebook_params, f"{stage.notebook}: cell {cell} != row {stage.notebook_params}"

@@ -1,4 +1,4 @@
-"""hermes_lab.paths: one project root whatever the cwd, so one runs/ (issue 16), and notebooks whose path
+"""hermes_lab.core.paths: one project root whatever the cwd, so one runs/ (issue 16), and notebooks whose path
 parameters resolve against it (issue 15: JupyterLab starts kernels in notebooks/)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from hermes_lab import paths
-from hermes_lab.config import ConfigError, load_config
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.core import paths
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -114,7 +114,7 @@ def test_config_cell_runs_with_notebooks_as_cwd(path, project_copy, monkeypatch)
     (as JupyterLab starts it), no HERMES_LAB_ROOT: paths resolve inside the project, not in notebooks/."""
     from nbclient import NotebookClient
 
-    from hermes_lab import quiet
+    from hermes_lab.core import quiet
 
     monkeypatch.delenv(paths.ENV_ROOT, raising=False)
     nb = nbformat.read(project_copy / "notebooks" / path.name, as_version=4)
@@ -143,7 +143,7 @@ def write_trajectories(path: Path, n: int = 520, seed: int = 0) -> Path:
     """n trajectories in the user's format over real embedded tasks; every third response is corrupted."""
     import random
 
-    from hermes_lab.tasks import corrupt, generate_tasks, verify
+    from hermes_lab.tasks.suite import corrupt, generate_tasks, verify
 
     rng = random.Random(seed)
     lines = []
@@ -168,17 +168,17 @@ def test_commands_from_another_cwd_use_one_runs_dir(project_copy, tmp_path):
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     py = [sys.executable, "-m"]
     steps = [
-        [*py, "hermes_lab.prep", "--input", "traj.jsonl", "--output", "prep", "--params", "params/embedded.yaml"],
+        [*py, "hermes_lab.data.prep", "--input", "traj.jsonl", "--output", "prep", "--params", "params/embedded.yaml"],
         [
             *py,
-            "hermes_lab.review",
+            "hermes_lab.review.gate",
             "--queue",
             "prep/review_queue.jsonl",
             "--simulate",
             "--params",
             "params/embedded.yaml",
         ],
-        [*py, "hermes_lab.ab_run", "--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
+        [*py, "hermes_lab.ab.run", "--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
         + ["--duration", "600", "--output", "ab/ab_report.json"],
     ]
     for args in steps:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hermes_lab import policy as P
-from hermes_lab import tasks as T
+from hermes_lab.policy import model as P
+from hermes_lab.tasks import suite as T
 
 
 def test_tokenizer_round_trip_through_autotokenizer(tmp_path):
@@ -93,7 +93,7 @@ def test_load_policy_accepts_embedded_name_path_and_adapter(tiny, tmp_path):
     greedy = pol.generate(prompts, temperature=0)
     assert greedy == pol.generate(prompts, temperature=0, batch_size=5)  # left padding does not change answers
     # an adapter dir alone is enough: its base comes from adapter_config.json
-    from hermes_lab.quiet import third_party_deprecations
+    from hermes_lab.core.quiet import third_party_deprecations
 
     with third_party_deprecations():  # PEFT reads a property transformers 5 deprecated: not ours to fix
         peft_model = get_peft_model(
@@ -142,7 +142,7 @@ def test_evaluate_keeps_every_outcome_and_paired_gain_uses_them(tiny):
     assert g["gain_lo"] == pytest.approx(0.15 - 1.959964 * se, abs=1e-4) and g["gain_lo"] > 0
     assert g["gain_hi"] == pytest.approx(0.15 + 1.959964 * se, abs=1e-4)
     # pairing is what makes it decidable: an unpaired interval on the same counts includes 0
-    from hermes_lab.compare import newcombe
+    from hermes_lab.round.compare import newcombe
 
     lo, _ = newcombe(rep["pass_rate"], 100, after["pass_rate"], 100)
     assert lo < g["gain_lo"]

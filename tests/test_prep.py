@@ -1,4 +1,4 @@
-"""hermes_lab.prep: ingest/validate (every bad kind), counts, dedup, outliers, split, negatives, gates, review
+"""hermes_lab.data.prep: ingest/validate (every bad kind), counts, dedup, outliers, split, negatives, gates, review
 sample, CLI exit codes, MLflow logging (real SQLite store), and the notebook through papermill."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import tasks
-from hermes_lab.config import load_config
-from hermes_lab.prep import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
-from hermes_lab.state import FlywheelState, SimulatedClock
+from hermes_lab.config.schema import load_config
+from hermes_lab.core.state import FlywheelState, SimulatedClock
+from hermes_lab.data.prep import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
+from hermes_lab.tasks import suite as tasks
 
 REPO = Path(__file__).resolve().parents[1]
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
@@ -354,7 +354,7 @@ def test_cooldown_gate_with_simulated_clock(tmp_path, cfg, small_file):
 def test_cooldown_override_is_recorded_in_summary_and_mlflow(tmp_path, cfg, small_file, monkeypatch):
     import mlflow
 
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -593,7 +593,8 @@ def test_family_text_that_breaks_plots_or_metric_names_is_kept_in_the_data(tmp_p
     """'$\\foo$' broke the mathtext of the plots and 'c++' the MLflow metric names later in the round."""
     import datasets
 
-    from hermes_lab import review, tracking
+    from hermes_lab.core import tracking
+    from hermes_lab.review import gate as review
 
     fams = ["c++", r"$\notacommand$", "$x^2$", "a/b", "..", "_hidden", "x" * 300]
     recs = [
@@ -678,7 +679,7 @@ def test_prep_in_partitions_gives_the_same_outputs(tmp_path):
 
 
 def test_sorted_spill_writes_every_line_in_key_order_across_buckets(tmp_path):
-    from hermes_lab.prep_distill import SortedSpill
+    from hermes_lab.data.distill import SortedSpill
 
     rng = random.Random(0)
     keys = rng.sample(range(1 << 50), 5000)
@@ -692,7 +693,7 @@ def test_sorted_spill_writes_every_line_in_key_order_across_buckets(tmp_path):
 
 
 def test_memory_budget_and_line_cap_are_checked_in_the_config():
-    from hermes_lab.config import ConfigError
+    from hermes_lab.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="data.memory_budget_mb"):
         load_config(None, overrides={"data.memory_budget_mb": 8})
@@ -800,7 +801,7 @@ def np_std(x: list[float]) -> float:
 
 def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
     """A real user's traffic: a gateway log dir, rewards from the feedback log, no task_id from the client."""
-    from hermes_lab import live_log as L
+    from hermes_lab.live import log as L
 
     d = tmp_path / "live" / "exp"
     d.mkdir(parents=True)
@@ -837,7 +838,7 @@ def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
 
 
 def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
-    from hermes_lab.prep_distill import gain_by_family
+    from hermes_lab.data.distill import gain_by_family
 
     rep = {
         "by_family": {

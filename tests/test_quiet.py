@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hermes_lab import quiet
-from hermes_lab.config import load_config
+from hermes_lab.config.schema import load_config
+from hermes_lab.core import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-quiet-test-4f1e2d3c"
@@ -42,7 +42,7 @@ def test_round_runner_kernels_start_without_the_transport_warning(tmp_path, capf
     """The round runner's papermill kernels get CurveZMQ keys: no warning. Plain papermill: the warning."""
     import papermill as pm
 
-    from hermes_lab.round import NOTEBOOKS, run_notebook
+    from hermes_lab.round.runner import NOTEBOOKS, run_notebook
 
     params = _gate_params(tmp_path)
     run_notebook("15_review_gate.ipynb", tmp_path / "ours.ipynb", params)
@@ -59,7 +59,7 @@ def test_round_runner_kernels_start_without_the_transport_warning(tmp_path, capf
 def test_grpo_config_from_our_mapping_raises_no_deprecation(tmp_path):
     from trl import GRPOConfig
 
-    from hermes_lab.train import grpo_kwargs
+    from hermes_lab.train.grpo import grpo_kwargs
 
     cfg = load_config(REPO / "params" / "embedded.yaml")
     kw = grpo_kwargs(cfg, tmp_path, 16, [1.0, 0.25])
@@ -81,7 +81,7 @@ def test_adapter_load_hides_peft_deprecation_unless_debug(tmp_path, monkeypatch)
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hermes_lab.policy import build_tiny_policy, load_policy
+    from hermes_lab.policy.model import build_tiny_policy, load_policy
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
     lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -127,7 +127,7 @@ def test_debug_flag_lets_http_lines_through(fake_openai, monkeypatch):
     env = {**os.environ, "TAOTOKEN_BASE_URL": fake_openai.url, "TAOTOKEN_API_KEY": KEY}
     env.update(HERMES_REWARD_MODEL="judge-1", HERMES_POLICY_MODEL="policy-1")
     env.pop(quiet.ENV_DEBUG, None)
-    base = [sys.executable, "-m", "hermes_lab.cli"]
+    base = [sys.executable, "-m", "hermes_lab.cli.main"]
     quiet_run = subprocess.run([*base, "doctor"], env=env, capture_output=True, text=True, timeout=120)
     loud = subprocess.run([*base, "--debug", "doctor"], env=env, capture_output=True, text=True, timeout=120)
     assert quiet_run.returncode == loud.returncode == 0, loud.stdout + loud.stderr

@@ -1,4 +1,4 @@
-"""Secrets kept out of MLflow and printed output BY VALUE (hermes_lab.redaction, hermes_lab.tracking), through a
+"""Secrets kept out of MLflow and printed output BY VALUE (core.redaction, core.tracking), through a
 real prep stage in a real SQLite MLflow store: a key in a variable with an innocent name never reaches a param,
 a tag or the terminal, and the params the old name filter dropped are logged again."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import redaction as R
-from hermes_lab import tracking
-from hermes_lab.config import load_config
-from hermes_lab.prep import run_prep
+from hermes_lab.config.schema import load_config
+from hermes_lab.core import redaction as R
+from hermes_lab.core import tracking
+from hermes_lab.data.prep import run_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_KEY = "Zq8wK3mP9xL2vB7nT4rY6uJ1hG5fD0sA"  # no known prefix: caught as key-shaped, and as api_key_env's value

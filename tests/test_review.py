@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hermes_lab import review
-from hermes_lab.config import load_config
-from hermes_lab.review_app import ReviewApp
-from hermes_lab.tasks import corrupt, generate_tasks, verify
+from hermes_lab.config.schema import load_config
+from hermes_lab.review import gate as review
+from hermes_lab.review.app import ReviewApp
+from hermes_lab.tasks.suite import corrupt, generate_tasks, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -435,7 +435,7 @@ def test_bad_queue_names_file_and_line(tmp_path):
 
 
 def test_gate_logs_to_mlflow(tmp_path, mlflow_store):
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     q = tmp_path / "round-01" / "prep" / "review_queue.jsonl"
     make_queue(q, n=40)  # 40 of 40: the Wilson interval's lower end (91%) clears 90%
@@ -458,7 +458,7 @@ def test_python_m_entry_point(tmp_path):
         [
             sys.executable,
             "-m",
-            "hermes_lab.review",
+            "hermes_lab.review.gate",
             "--queue",
             str(q),
             "--labels",

@@ -1,4 +1,4 @@
-"""hermes_lab.rewards: the registry, the module:function escape hatch, the NaN/inf guard, the system reward
+"""hermes_lab.rewards.registry: the registry, the module:function escape hatch, the NaN/inf guard, the system reward
 (= tasks.verify), the local comparison judge, and the API judge through a real HTTP server
 (tests/fake_openai.py). Fast: no model, no training."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fake_openai import judge_score
 
-from hermes_lab import rewards as R
-from hermes_lab import tasks as T
-from hermes_lab.config import ConfigError, load_config
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.rewards import registry as R
+from hermes_lab.tasks import suite as T
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
@@ -260,7 +260,7 @@ def test_api_comparison_judge_needs_a_reference(judge_env, tmp_path):
 
 
 def test_api_comparison_judge_wrong_key_is_an_auth_error_without_the_key(judge_env, tmp_path, monkeypatch, capsys):
-    from hermes_lab import api
+    from hermes_lab.llm import client as api
 
     wrong = "sk-wrong-REWARDS-0000111122"
     monkeypatch.setenv("TAOTOKEN_API_KEY", wrong)

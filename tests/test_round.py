@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hermes_lab import round as R
-from hermes_lab.policy import build_tiny_policy
-from hermes_lab.stages import STAGES, all_gates
-from hermes_lab.state import FlywheelState, state_path
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.policy.model import build_tiny_policy
+from hermes_lab.round import runner as R
+from hermes_lab.round.stages import STAGES, all_gates
 
 REPO = Path(__file__).resolve().parent.parent
-HERMES = [sys.executable, "-m", "hermes_lab.cli"]
+HERMES = [sys.executable, "-m", "hermes_lab.cli.main"]
 
 
 def small_params(tmp_path: Path, **sections) -> Path:
@@ -52,7 +52,7 @@ def test_lock_refuses_a_second_round(tmp_path):
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from hermes_lab.round import RoundLock\n"
+                "import sys, time; from pathlib import Path; from hermes_lab.round.runner import RoundLock\n"
                 f"with RoundLock(Path({str(tmp_path / 'runs')!r})):\n"
                 "    print('locked', flush=True); time.sleep(60)"
             ),

@@ -36,7 +36,7 @@ def formula_arm(unit: str, ratio: float) -> str:
 
 
 class Gateway:
-    """`python -m hermes_lab.serve` in a subprocess; stdout/stderr kept in files for the secrets check."""
+    """`python -m hermes_lab.live.gateway` in a subprocess; stdout/stderr kept in files for the secrets check."""
 
     def __init__(self, tmp: Path, args: list[str], env: dict[str, str] | None = None, port: int | None = None):
         self.tmp, self.args, self.port = tmp, args, port or free_port()
@@ -53,7 +53,15 @@ class Gateway:
     def start(self, timeout: float = 120) -> Gateway:
         self.starts += 1
         out = open(self.tmp / f"gateway-{self.starts}.out", "w")  # noqa: SIM115 (the child holds it)
-        cmd = [sys.executable, "-m", "hermes_lab.serve", "--port", str(self.port), "--log-dir", str(self.log_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hermes_lab.live.gateway",
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(self.log_dir),
+        ]
         cmd += ["--set", f"round.runs_dir={REPO / 'runs'}", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.tmp)
         t0 = time.time()
@@ -254,7 +262,7 @@ def test_feedback_experiment_and_refusals(mixed):
 @pytest.mark.slow
 def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp_path):
     env = {**mixed.env, "GATEWAY_TEST_KEY": GATEWAY_KEY}
-    cmd = [sys.executable, "-m", "hermes_lab.agent", "--url", mixed.url, "--requests", "40", "--concurrency", "4"]
+    cmd = [sys.executable, "-m", "hermes_lab.live.agent", "--url", mixed.url, "--requests", "40", "--concurrency", "4"]
     cmd += ["--stream-every", "4", "--key-env", "GATEWAY_TEST_KEY", "--seed", "3"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -401,7 +409,7 @@ def test_kill9_loses_no_answered_request(stub, tmp_path, durability):
 
 
 def test_experiment_decision_is_hermes_lab_ab_on_feedback(stub, tmp_path):
-    """A bad baseline vs a perfect candidate: /v1/experiment's interval lies above 0, computed by hermes_lab.ab."""
+    """A bad baseline vs a perfect candidate: /v1/experiment's interval lies above 0, computed by ab.stats."""
     bad = OpenAIStub(models=("bad-model",))
     bad.reply = "no idea"
     bad.start()
@@ -409,7 +417,7 @@ def test_experiment_decision_is_hermes_lab_ab_on_feedback(stub, tmp_path):
     args += ["--candidate-model", "cand-model", "--candidate-key-env", "K", "--set", "ab.min_per_arm=10"]
     gw = Gateway(tmp_path, args, env={"K": UPSTREAM_KEY}).start()
     try:
-        from hermes_lab import tasks as T
+        from hermes_lab.tasks import suite as T
 
         h = gw.http()
         assert gw.experiment()["look"] is None  # no feedback yet: no look

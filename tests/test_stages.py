@@ -14,23 +14,24 @@ import nbformat
 import pytest
 import yaml
 
-from hermes_lab import cli, stages
-from hermes_lab import round as R
-from hermes_lab.stages import STOP_DATA, Stage, all_gates
-from hermes_lab.state import FlywheelState, state_path
+from hermes_lab.cli import main as cli
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.round import runner as R
+from hermes_lab.round import stages
+from hermes_lab.round.stages import STOP_DATA, Stage, all_gates
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = "2026-01-01T00:00:00+00:00"
 
 HEAD = (
     "from pathlib import Path\n"
-    "from hermes_lab.config import load_config\n"
-    "from hermes_lab.stages import gate, write_verdict\n"
+    "from hermes_lab.config.schema import load_config\n"
+    "from hermes_lab.round.stages import gate, write_verdict\n"
 )
 GATE_NB = HEAD + (
-    "from hermes_lab.prep import evaluate_gates\n"
-    "from hermes_lab.stages import STOP_DATA\n"
-    "from hermes_lab.state import FlywheelState, parse_time\n"
+    "from hermes_lab.data.prep import evaluate_gates\n"
+    "from hermes_lab.round.stages import STOP_DATA\n"
+    "from hermes_lab.core.state import FlywheelState, parse_time\n"
     "cfg = load_config(config_path)\n"
     "state = FlywheelState.load(state_path)\n"
     "out = Path(round_dir) / 'gate'\n"
@@ -82,7 +83,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
         Stage(
             "gate",
             notebook(tmp / "gate.ipynb", gate_params, GATE_NB),
-            "hermes_lab.prep",
+            "hermes_lab.data.prep",
             verdict="gate/verdict.json",
             gates=("min_samples", "cooldown"),
             stops=(STOP_DATA,),
@@ -97,7 +98,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
         Stage(
             "fit",
             notebook(tmp / "fit.ipynb", {}, FIT_NB),
-            "hermes_lab.train",
+            "hermes_lab.train.grpo",
             verdict="fit/verdict.json",
             gates=("fit_health",),
             starts_cooldown=True,
@@ -105,7 +106,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
         Stage(
             "decide",
             notebook(tmp / "decide.ipynb", {"decision": ""}, DECIDE_NB),
-            "hermes_lab.ab_run",
+            "hermes_lab.ab.run",
             verdict="decide/verdict.json",
             gates=("decision",),
             params=lambda ctx: {"decision": decision},
@@ -147,7 +148,7 @@ def test_a_stale_verdict_never_turns_a_crash_into_a_gate_stop(params, mlflow_sto
     crash = Stage(
         "crash",
         notebook(tmp_path / "crash.ipynb", {}, "raise ValueError('a real bug')"),
-        "hermes_lab.prep",
+        "hermes_lab.data.prep",
         verdict="crash/verdict.json",
         gates=("g",),
         stops=(STOP_DATA,),
@@ -167,7 +168,7 @@ def test_a_throwaway_stage_is_a_row_a_notebook_and_a_module(params, mlflow_store
     mod.write_text(
         '"""Throwaway stage: lints the round (writes lint/verdict.json)."""\n'
         "from pathlib import Path\n"
-        "from hermes_lab.stages import gate, write_verdict\n\n"
+        "from hermes_lab.round.stages import gate, write_verdict\n\n"
         "def lint(round_dir, strict):\n"
         "    ok = not strict\n"
         "    write_verdict(Path(round_dir) / 'lint', 'lint', [gate('lint_clean', ok, 'ok' if ok else 'dirty')],\n"

@@ -1,4 +1,4 @@
-"""hermes_lab.tasks: seeded task generation, stable ids, the train/heldout split, verifiers, corrupt()."""
+"""hermes_lab.tasks.suite: seeded task generation, stable ids, the train/heldout split, verifiers, corrupt()."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab import tasks
-from hermes_lab.tasks import (
+from hermes_lab.tasks import suite as tasks
+from hermes_lab.tasks.suite import (
     DIFFICULTY,
     FAMILIES,
     HELDOUT_SHARE,
@@ -51,7 +51,7 @@ def test_same_args_same_tasks():
 
 def test_deterministic_across_processes():
     code = (
-        "import json; from hermes_lab.tasks import generate_tasks; "
+        "import json; from hermes_lab.tasks.suite import generate_tasks; "
         "print(json.dumps([t.to_dict() for t in generate_tasks(60, split='any', seed=7)]))"
     )
     out = subprocess.run(

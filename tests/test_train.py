@@ -1,4 +1,4 @@
-"""hermes_lab.train: the YAML -> TRL GRPOConfig / PEFT mapping, the long-prompt filter, the health guards, CLI
+"""hermes_lab.train.grpo: the YAML -> TRL GRPOConfig / PEFT mapping, the long-prompt filter, the health guards, CLI
 errors (fast); real GRPO + LoRA training of the tiny policy with TRL, MLflow in a real SQLite store, the
 user's YAML against a real fake-OpenAI judge, continuing from an adapter, a NaN reward, and torchrun (slow).
 
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from hermes_lab import tasks as T
-from hermes_lab.config import ConfigError, load_config
+from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.tasks import suite as T
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
@@ -41,7 +41,7 @@ PER_STEP_KEYS = {"reward", "kl", "entropy", "frac_reward_zero_std", "rewards/sys
 def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
     from trl import GRPOConfig
 
-    from hermes_lab.train import grpo_kwargs
+    from hermes_lab.train.grpo import grpo_kwargs
 
     cfg = load_config(USER_YAML, env=USER_ENV)
     kw = grpo_kwargs(cfg, tmp_path, 256, [1.0, 0.5])
@@ -69,7 +69,7 @@ def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
 
 
 def test_checkpoint_interval(tmp_path):
-    from hermes_lab.train import grpo_kwargs
+    from hermes_lab.train.grpo import grpo_kwargs
 
     kw = grpo_kwargs(load_config(EMBEDDED_YAML), tmp_path, 16, [1.0, 0.25])
     assert kw["save_steps"] == 10  # the embedded 40-step run saves four times
@@ -80,7 +80,7 @@ def test_checkpoint_interval(tmp_path):
 
 
 def test_judge_failures_in_the_inspect_diagnostics(tmp_path):
-    from hermes_lab.train_state import judge_diagnostic
+    from hermes_lab.train.state import judge_diagnostic
 
     assert judge_diagnostic(tmp_path, 0.2) is None  # no health.json
     (tmp_path / "health.json").write_text(json.dumps({"status": "completed", "judge": None}))
@@ -94,7 +94,7 @@ def test_judge_failures_in_the_inspect_diagnostics(tmp_path):
 
 
 def test_grpo_kwargs_always_pass_beta_even_zero(tmp_path):
-    from hermes_lab.train import grpo_kwargs
+    from hermes_lab.train.grpo import grpo_kwargs
 
     cfg = load_config(USER_YAML, {"grpo.kl_coefficient": 0.0, "grpo.group_size": 4}, env=USER_ENV)
     kw = grpo_kwargs(cfg, tmp_path, 16, [1.0, 1.0])
@@ -109,8 +109,8 @@ def _ds(prompts):
 
 
 def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
-    from hermes_lab.policy import build_tokenizer  # one token per character: lengths are easy to reason about
-    from hermes_lab.train import filter_long_prompts
+    from hermes_lab.policy.model import build_tokenizer  # one token per character: lengths are easy to reason about
+    from hermes_lab.train.grpo import filter_long_prompts
 
     tok = build_tokenizer()
     cfg = load_config(None, {"data.max_seq_len": 64, "grpo.max_completion_length": 16})  # room for 48 tokens
@@ -137,8 +137,8 @@ def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
 
 
 def _callback(tmp_path, is_main=True, **overrides):
-    from hermes_lab.rewards import SampleLog
-    from hermes_lab.train import make_callback
+    from hermes_lab.rewards.registry import SampleLog
+    from hermes_lab.train.grpo import make_callback
 
     # the guard thresholds set here, not taken from a YAML that may be retuned
     cfg = load_config(
@@ -159,7 +159,7 @@ def _log(cb, step, **logs):
 
 
 def test_kl_guards_and_nan_loss(tmp_path):
-    from hermes_lab.train import TrainingHealthError
+    from hermes_lab.train.grpo import TrainingHealthError
 
     cb = _callback(tmp_path)
     for step, kl in enumerate([0.01, 0.012, 0.011, 0.02], start=1):
@@ -285,7 +285,7 @@ def test_cli_unknown_reward_is_a_config_error_before_loading_the_model(tmp_path)
 @pytest.fixture(scope="session")
 def tiny_policy() -> Path:
     """The embedded tiny policy, cached under the repo's runs/policies/ (built once per machine)."""
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     return build_tiny_policy(ROOT / "runs", 0, quiet=True)
 
@@ -334,7 +334,7 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
     that read the results run (a session fixture must not leave the rest of the session in its tmp dir)."""
     import mlflow
 
-    from hermes_lab.train import train
+    from hermes_lab.train.grpo import train
 
     tmp = tmp_path_factory.mktemp("train_a")
     uri = f"sqlite:///{tmp}/mlflow.db"
@@ -398,7 +398,7 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
             assert KEY not in f.read_text(errors="ignore"), f
 
     # the adapter loads the way every later stage loads it, and generates
-    from hermes_lab.policy import load_policy
+    from hermes_lab.policy.model import load_policy
 
     pol = load_policy(str(res.adapter_dir))
     assert len(pol.generate(["up cat=", "rev abc="], temperature=0, max_new_tokens=8)) == 2
@@ -432,7 +432,7 @@ def test_train_embedded_mlflow(trained):
 @pytest.mark.slow
 def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
     """(b) round N+1 continues the champion: TRL keeps a frozen copy as the KL reference."""
-    from hermes_lab.train import train
+    from hermes_lab.train.grpo import train
 
     start = trained.res.adapter_dir
     before = _adapter_tensors(start)
@@ -460,7 +460,7 @@ def test_users_yaml_as_is_with_fake_judge(
     tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store, fake_openai, capfd
 ):
     """(c) params/hermes_grpo_lora.yaml untouched; the four env vars; only grpo.max_steps=1 overridden."""
-    from hermes_lab.train import train
+    from hermes_lab.train.grpo import train
 
     fake_openai.api_key = KEY
     monkeypatch.setenv("HERMES_POLICY_MODEL", str(tiny_policy))
@@ -498,8 +498,8 @@ def test_users_yaml_as_is_with_fake_judge(
 @pytest.mark.slow
 def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_path, monkeypatch, mlflow_store):
     """(d) a user reward returning NaN stops training at the first step, with the diagnosis."""
-    from hermes_lab.rewards import RewardError
-    from hermes_lab.train import train
+    from hermes_lab.rewards.registry import RewardError
+    from hermes_lab.train.grpo import train
 
     mod = f"nan_reward_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{mod}.py").write_text(
@@ -525,8 +525,8 @@ def test_judge_faults_are_per_sample_in_a_real_training(tiny_policy, prompt_set,
     """A 429 after the retries, or an unparsable reply, used to raise out of the reward function and end training:
     now each fails its own sample, is counted in health.json and the train log, and only a failure share past
     reward.max_judge_failure_rate stops training, with health.json saying why."""
-    from hermes_lab.rewards import RewardError
-    from hermes_lab.train import train
+    from hermes_lab.rewards.registry import RewardError
+    from hermes_lab.train.grpo import train
 
     monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
     judge = {
@@ -569,7 +569,7 @@ def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_
 
     import mlflow
 
-    from hermes_lab.train_state import RESUME_FILE, last_checkpoint
+    from hermes_lab.train.state import RESUME_FILE, last_checkpoint
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.set_tracking_uri(uri)
@@ -655,7 +655,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
             "--master_port",
             str(_free_port()),
             "-m",
-            "hermes_lab.train",
+            "hermes_lab.train.grpo",
             "--config",
             str(tmp_path / "dist.yaml"),
             "--data",

@@ -1,4 +1,4 @@
-"""hermes_lab.validate: the regression gate's decision, its inputs, MLflow records, and -- on the real tiny
+"""hermes_lab.evaluate.validate: the regression gate's decision, its inputs, MLflow records, and -- on the real tiny
 policy -- an untouched LoRA adapter passing and a deliberately broken one being stopped (function, CLI,
 ``python -m`` and the papermill notebook)."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hermes_lab import tasks as T
-from hermes_lab import validate as V
-from hermes_lab.config import load_config
+from hermes_lab.config.schema import load_config
+from hermes_lab.evaluate import validate as V
+from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,7 +173,7 @@ def test_regression_set_from_prep_heldout_dataset(tmp_path):
 
 
 def test_candidate_and_baseline_resolution(tmp_path):
-    from hermes_lab.state import FlywheelState, state_path
+    from hermes_lab.core.state import FlywheelState, state_path
 
     cfg = load_config(overrides={"round.runs_dir": str(tmp_path)})
     with pytest.raises(FileNotFoundError, match="candidate adapter not found"):
@@ -188,7 +188,7 @@ def test_candidate_and_baseline_resolution(tmp_path):
     # issue #14: with model.adapter and no champion, both gates compare against model.adapter
     cfg_a = load_config(overrides={"round.runs_dir": str(tmp_path), "model.adapter": "/start"})
     assert V.resolve_baseline(cfg_a) == ("embedded:tiny", "/start")
-    from hermes_lab import ab_run
+    from hermes_lab.ab import run as ab_run
 
     assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == V.resolve_baseline(cfg_a)
     FlywheelState(champion_adapter="/champ").save(state_path(tmp_path))
@@ -202,7 +202,7 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     from mlflow.tracking import MlflowClient
 
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     base, cand = arms({"add": (20, 40, 0, 40), "sort": (50, 0, 0, 50)})
     rep = {"baseline": base, "candidate": cand, **V.compare(base, cand, CFG)}
@@ -224,7 +224,7 @@ def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
 def tiny_base(tmp_path_factory) -> Path:
     import shutil
 
-    from hermes_lab.policy import build_tiny_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     # Built once (~1-2 min) in the shared cache under the repo's runs/ (git-ignored), then copied: a
     # rebuild of the shared cache by another process must not pull the model away mid-test.
@@ -245,7 +245,7 @@ def make_adapter(base: Path, out: Path, broken: bool) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hermes_lab.quiet import third_party_deprecations
+    from hermes_lab.core.quiet import third_party_deprecations
 
     with third_party_deprecations():  # PEFT reads a property transformers 5 deprecated: not ours to fix
         model = get_peft_model(
@@ -337,7 +337,7 @@ def test_python_m_exits_4_when_stopped(tiny_base, adapters, store, tmp_path):
         [
             sys.executable,
             "-m",
-            "hermes_lab.validate",
+            "hermes_lab.evaluate.validate",
             "--base",
             str(tiny_base),
             "--candidate-adapter",
@@ -382,7 +382,7 @@ def test_notebook_runs_with_papermill(which, tiny_base, adapters, tmp_path, monk
     import papermill as pm
     from mlflow.tracking import MlflowClient
 
-    from hermes_lab import tracking
+    from hermes_lab.core import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     round_dir, params = synthetic_round(tmp_path, tiny_base, adapters[which])

@@ -1,0 +1,7 @@
+"""`python -m hermes_lab ...`: the same as `hermes-lab ...` (hermes_lab.cli.main)."""
+
+import sys
+
+from hermes_lab.cli.main import main
+
+sys.exit(main())

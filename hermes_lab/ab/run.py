@@ -1,0 +1,575 @@
+"""The staged A/B rollout: drive traffic through the router, score it, decide at every look.
+
+Stage: validate (A/B). Reads the baseline and candidate policies (a model dir, a LoRA adapter dir, a train
+output dir, a hub id, ``embedded:tiny`` or ``champion``: ``hermes_lab.policy.arms``) and optionally a request log
+to replay. Writes, by default beside ``--output``
+(the round's ``runs/round-NN/ab/`` when the notebook runs it):
+- ``ab_report.json``: the user's fields (delta, p_value, significant; overall and per stage), the decision
+  and its reasons, per-stage and per-family statistics, SRM, guardrails, the confidence-sequence path,
+  and the user's rule side by side;
+- ``requests.jsonl``: every request (request_id, unit, arm, stage, status, latency_ms, reward, response,
+  prompt, task_id, family, timestamp, policy): the same fields as trajectories, i.e. the next round's data;
+- ``plots/*.png`` (also logged to MLflow when a run is active);
+- ``verdict.json``: the ab_decision gate and the candidate's outcome, for the round runner.
+The report, plots, MLflow record and verdict are built by ``hermes_lab.ab.report``.
+
+    python -m hermes_lab.ab_run --baseline DIR --candidate DIR --ratio 0.1 --duration 7200 --output ab_report.json
+    hermes-lab ab-run --params params/embedded.yaml --baseline embedded:tiny --candidate runs/round-01/adapter
+
+Traffic runs on a simulated clock: arrival times are drawn (Poisson at ``ab.request_rate``, or with
+``ab.plan_power`` at the rate ``hermes_lab.ab.plan`` plans for the gain to detect; report key "plan"), nothing
+sleeps, so docs/SPEC.md's 10%/2 h -> 30%/4 h -> 100% rollout takes as long as generating its responses. The
+requests of one look window are generated per arm in one batched call. Statistics: ``hermes_lab.ab.stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hermes_lab.ab import rollout as ab_rollout
+from hermes_lab.ab import stats as ab
+from hermes_lab.ab.report import RunFacts, build_report, log_to_mlflow, make_plots, summary, write_ab_verdict
+from hermes_lab.config.schema import HermesConfig, ab_stages, load_config
+from hermes_lab.core.jsonl import iter_objects, write_json_atomic
+from hermes_lab.policy.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
+from hermes_lab.tasks import suite as T
+
+log = logging.getLogger("hermes_lab.ab")
+EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the simulated clock's start (SimulatedClock's default)
+LOG_NAME, REPORT_NAME = "requests.jsonl", "ab_report.json"
+COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
+FAM_INDEX = {f: i for i, f in enumerate(T.FAMILIES)}
+FAM_NAMES = [*T.FAMILIES, "other"]
+
+
+# -------------------------------------------------------------------------------------------- inputs
+class Traffic:
+    """Requests in time order: (t, request_id, unit, prompt, task_id). Simulated or replayed."""
+
+    def __init__(self, t: np.ndarray, ids: list[str], units: list[str], prompts: list[str], task_ids: list[str]):
+        t = np.round(t, 3)  # ms resolution, as logged: windows and the log's re-analysis see the same times
+        self.t, self.ids, self.units, self.prompts, self.task_ids = t, ids, units, prompts, task_ids
+
+    @classmethod
+    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int) -> Traffic:
+        a = cfg.ab
+        rng = np.random.default_rng([seed, 7])
+        n_guess = int(a.request_rate * horizon * 1.2 + 50)
+        t = np.cumsum(rng.exponential(1 / a.request_rate, n_guess))
+        while t[-1] < horizon:  # rare: Poisson ran long
+            t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1 / a.request_rate, n_guess))])
+        t = t[t <= horizon]
+        tasks = T.generate_tasks(len(t), split=a.task_split, seed=seed, families=cfg.execute.families or None)
+        # shuffle so the families' round-robin order does not line up with look windows
+        tasks = [tasks[i] for i in rng.permutation(len(tasks))]
+        ids = [f"req-{seed}-{i:08d}" for i in range(len(t))]
+        if a.unit == "user":  # a few heavy users, many light ones (Zipf-like), as real traffic has
+            w = 1 / np.arange(1, a.num_users + 1) ** 0.8
+            units = [f"user-{seed}-{k:06d}" for k in rng.choice(a.num_users, len(t), p=w / w.sum())]
+        else:
+            units = ids
+        return cls(t, ids, units, [x.prompt for x in tasks], [x.task_id for x in tasks])
+
+    @classmethod
+    def replay(cls, path: str | Path, rate: float, seed: int) -> Traffic:
+        """A request log (JSONL with prompt; optional request_id, unit, t seconds, timestamp ISO, task_id)."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"replay log not found: {p}")
+        rows = []
+        for i, r in iter_objects(p):
+            if not isinstance(r.get("prompt"), str):
+                raise ValueError(f"{p}:{i}: each line needs a string 'prompt'")
+            rows.append((i, r))
+        if not rows:
+            raise ValueError(f"{p}: no requests to replay")
+        if all("t" in r for _, r in rows):
+            t = np.array([float(r["t"]) for _, r in rows])
+        elif all("timestamp" in r for _, r in rows):
+            ts = [datetime.fromisoformat(str(r["timestamp"]).replace("Z", "+00:00")) for _, r in rows]
+            t = np.array([(x - ts[0]).total_seconds() for x in ts])
+        else:  # no times in the log: arrivals at the configured rate
+            t = np.cumsum(np.random.default_rng([seed, 7]).exponential(1 / rate, len(rows)))
+        order = np.argsort(t, kind="stable")
+        t, rows = t[order] - t.min(), [rows[k] for k in order]  # the replay starts with the log's first request
+        ids = [str(r.get("request_id", f"replay-{i}")) for i, r in rows]
+        units = [str(r.get("unit", rid)) for (_, r), rid in zip(rows, ids)]
+        tasks = [T.parse_prompt(r["prompt"]) for _, r in rows]
+        task_ids = [str(r.get("task_id") or (x.task_id if x else "")) for (_, r), x in zip(rows, tasks)]
+        return cls(t, ids, units, [r["prompt"] for _, r in rows], task_ids)
+
+
+def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
+    """A policy object (anything with .generate) as is; a spec string (hermes_lab.policy.arms: model, adapter or
+    train output dir, hub id, embedded:tiny, champion), an ArmSpec or a (base, adapter) pair through
+    hermes_lab.policy.model.load_policy. The same spec is loaded once (an A/A test shares one policy)."""
+    if hasattr(spec, "generate"):
+        return spec
+    key = _name(spec)
+    if key not in cache:
+        from hermes_lab.policy.model import load_policy
+
+        arm = resolve_arm(spec, "policy", cfg) if isinstance(spec, str) else spec  # ArmError: names nothing
+        base, adapter = load_args(arm)
+        cache[key] = load_policy(
+            str(base),
+            adapter=adapter,
+            runs_dir=cfg.round.runs_dir,
+            seed=cfg.model.seed,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    return cache[key]
+
+
+def _name(spec: Any) -> str:
+    if hasattr(spec, "generate"):
+        return getattr(spec, "name", type(spec).__name__)
+    if isinstance(spec, ArmSpec):
+        return spec.label
+    if isinstance(spec, tuple):
+        return f"{spec[0]}+{spec[1]}" if spec[1] else str(spec[0])
+    return str(spec)
+
+
+# -------------------------------------------------------------------------------------------- serving
+@dataclass
+class Arms:
+    """The two policies by arm (0: baseline, 1: candidate), and the names the report and log give them."""
+
+    policies: dict[int, Any]
+    names: dict[int, str]
+
+
+@dataclass
+class RequestLog:
+    """Where served requests go: the JSONL request log, and the analysis columns built alongside it."""
+
+    file: Any
+    unit: str = "request"
+    cols: dict[str, list] = field(default_factory=lambda: {k: [] for k in COLUMNS})
+    unit_codes: dict[str, int] = field(default_factory=dict)
+
+    def rows(self) -> int:
+        return len(self.cols["t"])
+
+    def columns(self, since: int = 0) -> dict[str, np.ndarray]:
+        """Typed columns of the rows from ``since`` on (unit codes only for user-level randomisation)."""
+        part = {k: np.asarray(v[since:]) for k, v in self.cols.items()}
+        if self.unit != "user":
+            part["unit"] = None
+        return _cols(part)
+
+
+@dataclass
+class Server:
+    """What stays fixed while a rollout serves traffic: config, traffic, arms, reward, seeds."""
+
+    cfg: HermesConfig
+    traffic: Traffic
+    arms: Arms
+    score: Callable[[list[str], list[str]], list[float]]
+    seed: int
+    lat_rng: np.random.Generator
+
+    def serve(self, idx: list[int], stage: ab.Stage, router: ab.ABRouter, sink: RequestLog) -> None:
+        """Route one look window's requests, generate each arm's responses in one batched call, score, log."""
+        traffic, cfg, seed, stg = self.traffic, self.cfg, self.seed, stage
+        units = [traffic.units[i] for i in idx]
+        arms = router.assign(units)
+        a = cfg.ab
+        responses: dict[int, str] = {}
+        for arm in (0, 1):
+            sel = [i for i, x in zip(idx, arms) if x == arm]
+            if not sel:
+                continue
+            prompts = [traffic.prompts[i] for i in sel]
+            # one seed per (window, arm): reruns are identical, arms never share a sampling stream
+            gen_seed = seed * 1_000_003 + sel[0] * 2 + arm
+            kw = {"batch_size": cfg.execute.batch_size} if _takes_batch_size(self.arms.policies[arm]) else {}
+            out = self.arms.policies[arm].generate(
+                prompts,
+                temperature=cfg.execute.temperature,
+                max_new_tokens=cfg.execute.max_new_tokens,
+                seed=gen_seed,
+                **kw,
+            )
+            responses.update(zip(sel, out))
+        prompts = [traffic.prompts[i] for i in idx]
+        resp = [responses[i] for i in idx]
+        rewards = [float(x) for x in self.score(prompts, resp)]
+        base = np.exp(self.lat_rng.normal(math.log(a.latency_median_ms), a.latency_sigma, len(idx)))
+        debug = log.isEnabledFor(logging.DEBUG)
+        lines = []
+        for k, i in enumerate(idx):
+            arm, r = int(arms[k]), resp[k]
+            status = "ok" if r.strip() else "error"  # an empty answer is a failed request
+            # rounded as logged, so that re-analysing the log reproduces every number of the report
+            lat = round(float(base[k] + a.latency_ms_per_char * len(r)), 2)
+            fam = T.family_of(traffic.prompts[i]) or "other"
+            t = round(float(traffic.t[i]), 3)
+            rec = {
+                "request_id": traffic.ids[i],
+                "unit": units[k],
+                "arm": "candidate" if arm else "baseline",
+                "stage": stg.index,
+                "ratio": stg.ratio,
+                "status": status,
+                "latency_ms": lat,
+                "reward": rewards[k],
+                "response": r,
+                "prompt": traffic.prompts[i],
+                "task_id": traffic.task_ids[i],
+                "family": fam,
+                "t": t,
+                "timestamp": (EPOCH + timedelta(seconds=t)).isoformat(),
+                "policy": self.arms.names[arm],
+            }
+            lines.append(json.dumps(rec))
+            if debug:
+                log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], status)
+            for key, val in (
+                ("t", t),
+                ("stage", stg.index),
+                ("arm", arm),
+                ("reward", rewards[k]),
+                ("error", status == "error"),
+                ("latency_ms", lat),
+                ("family", FAM_INDEX.get(fam, len(FAM_INDEX))),
+                ("unit", sink.unit_codes.setdefault(units[k], len(sink.unit_codes))),
+            ):
+                sink.cols[key].append(val)
+        sink.file.write("\n".join(lines) + "\n")
+
+
+def rollout(
+    server: Server, plan: list[ab.Stage], horizon: float, st: ab.Settings, sink: RequestLog
+) -> tuple[list[ab.Stage], dict[int, float], str | None]:
+    """Serve the traffic stage by stage, deciding at every look: (stages run, each one's end, what stopped it)."""
+    from tqdm.auto import tqdm
+
+    traffic, a = server.traffic, server.cfg.ab
+    stages_run: list[ab.Stage] = []
+    stage_until: dict[int, float] = {}
+    pos, stopped_by = 0, None
+    bar = tqdm(
+        total=len(traffic.t),
+        desc="A/B requests",
+        mininterval=2,
+        disable=not (sys.stderr.isatty() or "ipykernel" in sys.modules),
+    )
+    # the steps between looks and stages are hermes_lab.ab.rollout's, which the live gateway shares
+    stg: ab.Stage | None = ab_rollout.start_stage(plan[0], 0.0) if plan and horizon > 0 else None
+    while stg is not None:
+        stages_run.append(stg)
+        router = ab.ABRouter(server.arms.names[0], server.arms.names[1], stg.ratio, a.salt)
+        lo_row = sink.rows()
+        for look in stg.look_times(min(stg.hard_end, horizon)):
+            hi = int(np.searchsorted(traffic.t, look, side="right"))
+            idx, pos = list(range(pos, hi)), hi
+            if idx:
+                server.serve(idx, stg, router, sink)
+                bar.update(len(idx))
+            _, step = ab_rollout.look_step(plan, stg, sink.columns(lo_row), st, float(look), horizon)
+            if step.kind != "stay":
+                break
+        stage_until[stg.index] = float(look)
+        stg, stopped_by = step.stage, step.stopped_by
+    bar.close()
+    return stages_run, stage_until, stopped_by
+
+
+# -------------------------------------------------------------------------------------------- runner
+def run_ab(
+    cfg: HermesConfig,
+    baseline: Any,
+    candidate: Any,
+    *,
+    ratio: float | None = None,
+    duration: float = 0,
+    output: str | Path = REPORT_NAME,
+    log_dir: str | Path | None = None,
+    replay: str | Path | None = None,
+    seed: int = 0,
+    score_fn: Callable[[list[str], list[str]], list[float]] | None = None,
+    plots: bool = True,
+    plan_eval: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run the staged rollout and write the report, its verdict, the request log and the plots; returns the
+    report.
+
+    ``baseline``/``candidate``: a path or id, or a policy object with ``generate``. ``duration``: cap on
+    simulated seconds (0: every stage, with extensions). ``score_fn(prompts, responses)``: the reward
+    (default: the round's system reward, ``rewards.score_responses``: the task verifiers). ``plan_eval``:
+    train's eval.json, the held-out gain ``ab.plan_power`` sizes the simulated traffic for (``ab_plan``).
+    """
+    wall0 = time.time()
+    cache: dict[str, Any] = {}
+    pols = {}
+    for arm, spec, flag in ((0, baseline, "--baseline"), (1, candidate, "--candidate")):
+        try:  # a spec that names nothing fails here, before any file is written
+            pols[arm] = load_arm(spec, cfg, cache)
+        except ArmError as e:
+            raise e.with_flag(flag) from None
+    stage_list = ab_stages(cfg, ratio)
+    st = ab.Settings.from_config(cfg)
+    sized = None
+    if cfg.ab.plan_power > 0 and not replay:  # a replayed log keeps its own arrival times
+        from hermes_lab.ab import plan as ab_plan
+
+        sized = ab_plan.plan_rate(cfg, stage_list, st, plan_eval, seed=seed)
+        print(sized.line())
+        cfg = copy.copy(cfg)  # the caller's config stays as it was; this run's records show the planned rate
+        cfg.ab = dataclasses.replace(cfg.ab, request_rate=sized.rate)
+    a = cfg.ab
+    plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
+    full = sum(s.seconds * (1 + s.max_extension) for s in plan)
+    horizon = min(duration, full) if duration and duration > 0 else full
+    output = Path(output)
+    log_dir = Path(log_dir) if log_dir else output.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if score_fn is None:  # the round's system reward (reward.system: the task verifiers by default)
+        from hermes_lab.rewards.registry import score_responses
+
+        score_fn = lambda ps, rs: score_responses(cfg, ps, rs)  # noqa: E731
+    arms = Arms(pols, {0: _name(baseline), 1: _name(candidate)})
+    log_path = log_dir / LOG_NAME
+    if replay and Path(replay).resolve() == log_path.resolve():
+        raise ValueError(f"--replay {replay} is where this run writes its request log: pass another --log-dir")
+    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed)
+    if replay:
+        horizon = min(horizon, float(traffic.t[-1]))
+    log.info(
+        "A/B rollout: %d stages planned, %.0f simulated seconds at most, %d requests",
+        len(plan),
+        horizon,
+        len(traffic.t),
+    )
+    server = Server(cfg, traffic, arms, score_fn, seed, np.random.default_rng([seed, 11]))
+    with log_path.open("w", encoding="utf-8") as logf:
+        sink = RequestLog(logf, a.unit)
+        stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink)
+    arr = sink.columns()
+    analysis = ab.analyse_log(arr, stages_run, st, FAM_NAMES, stage_until)
+    facts = RunFacts(
+        arms.names[0],
+        arms.names[1],
+        seed,
+        duration,
+        horizon,
+        stopped_by,
+        log_path,
+        str(replay) if replay else None,
+        time.time() - wall0,
+    )
+    report = build_report(cfg, analysis, stage_list, st, facts)
+    report["plan"] = sized.as_dict() if sized else None
+    pngs = make_plots(arr, report, log_dir / "plots", FAM_NAMES) if plots else []
+    report["plots"] = [str(p) for p in pngs]
+    write_json_atomic(output, report)
+    write_ab_verdict(report, output.parent)
+    log_to_mlflow(cfg, report, output, log_path)
+    _log_plan(report)
+    log.info("A/B decision: %s (%s)", report["decision"], "; ".join(report["reasons"]))
+    return report
+
+
+def _log_plan(report: dict[str, Any]) -> None:
+    """The plan's ``ab/plan_*`` metrics on the active MLflow run (ab_report's record has the rest)."""
+    if report.get("plan"):
+        from hermes_lab.ab import plan as ab_plan
+        from hermes_lab.core import tracking
+
+        tracking.log_metrics("ab", ab_plan.plan_metrics(report["plan"]))
+
+
+def _takes_batch_size(policy: Any) -> bool:
+    """hermes_lab.policy.model.Policy takes execute.batch_size; a duck-typed policy may not."""
+    import inspect
+
+    try:
+        return "batch_size" in inspect.signature(policy.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _cols(c: dict[str, Any]) -> dict[str, Any]:
+    """Typed columns for hermes_lab.ab.stats (a list-built dict or one read back from a log)."""
+    out = {
+        "t": np.asarray(c["t"], np.float64),
+        "stage": np.asarray(c["stage"], np.int64),
+        "arm": np.asarray(c["arm"], np.int8),
+        "reward": np.asarray(c["reward"], np.float64),
+        "error": np.asarray(c["error"], bool),
+        "latency_ms": np.asarray(c["latency_ms"], np.float64),
+        "family": np.asarray(c["family"], np.int64),
+    }
+    if c.get("unit") is not None:
+        out["unit"] = np.asarray(c["unit"], np.int64)
+    return out
+
+
+def read_log(path: str | Path) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A request log written by run_ab, as analysis columns (and the family names)."""
+    import pandas as pd
+
+    df = pd.read_json(path, lines=True)
+    fams = list(T.FAMILIES) + ["other"]
+    cols = _cols(
+        {
+            "t": df["t"],
+            "stage": df["stage"],
+            "arm": (df["arm"] == "candidate").astype(int),
+            "reward": df["reward"],
+            "error": df["status"] != "ok",
+            "latency_ms": df["latency_ms"],
+            "family": df["family"].map({f: i for i, f in enumerate(fams)}).fillna(len(fams) - 1),
+            "unit": pd.factorize(df["unit"])[0],
+        }
+    )
+    return cols, fams
+
+
+# ------------------------------------------------------------------------------------ notebook helpers
+def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", candidate: str = "") -> tuple[Any, Any]:
+    """The notebook's arms. Empty baseline: validate.resolve_baseline, the policy the regression gate
+    compared against (champion, else model.adapter, else the bare base). Empty candidate: this round's
+    training output (<round_dir>/train/adapter on the base named in train/run.json), as validate finds it."""
+    from hermes_lab.core.paths import project_root
+    from hermes_lab.evaluate.validate import candidate_from_train_dir, resolve_baseline
+
+    root = project_root()  # notebook parameters are relative to the project, not to the kernel's cwd
+    b: Any = resolve_arm(baseline, "baseline", cfg, root) if baseline else None
+    c: Any = resolve_arm(candidate, "candidate", cfg, root) if candidate else None
+    b = b or resolve_baseline(cfg)
+    c = c or candidate_from_train_dir(Path(round_dir) / "train", cfg)
+    return b, c
+
+
+def notebook_run(
+    cfg: HermesConfig,
+    round_dir: str | Path,
+    parent_run_id: str = "",
+    baseline: str = "",
+    candidate: str = "",
+    duration: float = 0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """What 40_ab_analysis.ipynb does: reuse round_dir/ab/ab_report.json if it exists (its verdict is
+    rewritten), else run the rollout; plots (PNG + MLflow) in an 'ab' run nested under the round's run."""
+    from hermes_lab.core import tracking
+
+    out = Path(round_dir) / "ab"
+    report_path = out / REPORT_NAME
+    with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
+        if cfg.ab.mode == "live":  # the gateway's rollout decides (hermes_lab.live.round); pending: the round stops
+            from hermes_lab.live import round as live_round
+
+            report, cols = live_round.ab_stage(cfg, round_dir, baseline, candidate)
+            write_ab_verdict(report, out)
+            log_to_mlflow(cfg, report, report_path, Path(report["log"]))
+            paths = [Path(p) for p in report["plots"]]
+            fams = live_round.FAM_NAMES
+        elif report_path.is_file() and (out / LOG_NAME).is_file():
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            cols, fams = read_log(out / LOG_NAME)
+            paths = make_plots(cols, report, out / "plots", fams)
+            write_ab_verdict(report, out)
+            log_to_mlflow(cfg, report, report_path, out / LOG_NAME)
+            _log_plan(report)
+        else:
+            b, c = resolve_arms(cfg, round_dir, baseline, candidate)
+            ev = Path(round_dir) / "train" / "eval.json"  # this round's held-out gain: what ab.plan_power sizes for
+            report = run_ab(cfg, b, c, duration=duration, output=report_path, seed=seed, plan_eval=ev)
+            cols, fams = read_log(out / LOG_NAME)
+            paths = [Path(p) for p in report["plots"]]
+    return {"report": report, "cols": cols, "families": fams, "plots": paths, "report_path": report_path}
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--params",
+        default=None,
+        help="HermesConfig YAML (ab section: stages, request_rate, salt, alpha, "
+        "srm_alpha, guardrails, rule). Default: built-in defaults",
+    )
+    p.add_argument("--baseline", required=True, help=f"baseline policy: {POLICY_KINDS}")
+    p.add_argument("--candidate", required=True, help=f"candidate policy: {POLICY_KINDS}")
+    p.add_argument(
+        "--ratio", type=float, default=None, help="candidate share of the first stage (default: ab.traffic_ratio)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=0, help="cap on simulated seconds (0: all stages; 7200: the first stage only)"
+    )
+    p.add_argument("--output", default=REPORT_NAME, help="report path (default: ab_report.json)")
+    p.add_argument(
+        "--replay", default=None, help="replay this request log (JSONL with 'prompt') instead of simulated traffic"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of traffic, sampling and latency")
+    p.add_argument("--log-dir", default=None, help="where requests.jsonl and plots/ go (default: beside --output)")
+    p.add_argument(
+        "--plan-eval", default=None, help="train's eval.json: the held-out gain ab.plan_power sizes the traffic for"
+    )
+    p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="DEBUG logging: one line per request (request_id, arm, status)"
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    from hermes_lab.core import quiet
+
+    if not quiet.debug_enabled():  # hermes-lab --debug: everything
+        for noisy in ("urllib3", "alembic", "matplotlib", "filelock", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    cfg = load_config(args.params)
+    kw = dict(
+        ratio=args.ratio,
+        duration=args.duration,
+        output=args.output,
+        log_dir=args.log_dir,
+        replay=args.replay,
+        seed=args.seed,
+        plan_eval=args.plan_eval,
+    )
+    if args.no_mlflow:
+        report = run_ab(cfg, args.baseline, args.candidate, **kw)
+    else:
+        from hermes_lab.core import tracking
+
+        with tracking.stage_run("ab", args.parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
+            report = run_ab(cfg, args.baseline, args.candidate, **kw)
+    print(summary(report))
+    print(f"report: {args.output}   requests: {report['log']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.cli.main import run_module
+
+    return run_module(
+        "hermes_lab.ab_run", add_arguments, run_cli, argv, description="Staged A/B rollout -> ab_report.json"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`hermes-lab`: the command line on top of every stage, and `hermes-lab lab`."""

@@ -1,0 +1,124 @@
+"""Stage 00, execute: the policy works on tasks and its execution logs become trajectories.
+
+Reads a policy (base model, optionally the champion adapter); writes ``runs/round-NN/trajectories.jsonl``
+in the user's format, one record a line::
+
+    {"prompt": ..., "response": ..., "reward": 4.2, "task_id": "t-001",
+     "family": ..., "request_id": ..., "timestamp": ..., "policy": ...}
+
+The reward is system feedback from the task verifiers (0..5). On a real deployment these logs come from
+production: with ``execute.source: live`` the round's trajectories are the gateway's log of the previous
+round's live A/B, joined with the agent's feedback (``hermes_lab.live.round``); on the embedded default
+this stage is where every round's data comes from (later rounds also feed the A/B traffic logs of the
+previous round into prep).
+
+    hermes-lab execute --params params/embedded.yaml --output runs/round-01/trajectories.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.config.schema import HermesConfig, load_config
+from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
+from hermes_lab.tasks import suite as T
+
+
+def execute(
+    cfg: HermesConfig,
+    output: str | os.PathLike[str],
+    adapter: str | None = None,
+    seed: int = 0,
+    now: datetime | None = None,
+    policy: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL.
+    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.live.round``)."""
+    from hermes_lab.policy.model import load_policy
+
+    ex = cfg.execute
+    if ex.source == "live":
+        from hermes_lab.live import round as live_round
+
+        src = live_round.source_dir(cfg, Path(output).parent)
+        if src is not None:
+            return live_round.execute_live(cfg, output, src)
+        print("execute.source is live, but this first round has no traffic yet: it executes the embedded tasks")
+    adapter = resolve_adapter(adapter, "adapter", cfg)  # a train output dir (its adapter/) or 'champion' too
+    pol = policy or load_policy(
+        cfg.model.base_model,
+        adapter=adapter,
+        runs_dir=cfg.round.runs_dir,
+        seed=cfg.model.seed,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    tasks_ = T.generate_tasks(ex.num_tasks, split="train", seed=seed, families=ex.families or None)
+    tasks_ = [t for t in tasks_ for _ in range(ex.samples_per_task)]  # neighbours: one batch samples a group
+    responses = pol.generate(
+        [t.prompt for t in tasks_],
+        temperature=ex.temperature,
+        max_new_tokens=ex.max_new_tokens,
+        seed=seed,
+        batch_size=ex.batch_size,
+        progress=progress,
+    )
+    start = now or datetime.now(timezone.utc)
+    rng = uuid.UUID(int=(seed * 2654435761) % (1 << 128))  # deterministic request ids per seed
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    passed = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, (t, r) in enumerate(zip(tasks_, responses)):
+            reward = T.score(t.answer, r, cfg.reward.scale)
+            passed += reward >= cfg.reward.success_threshold
+            rec = {
+                "prompt": t.prompt,
+                "response": r,
+                "reward": reward,
+                "task_id": t.task_id,
+                "family": t.family,
+                "request_id": str(uuid.uuid5(rng, str(i))),
+                "timestamp": (start + timedelta(seconds=i)).isoformat(),
+                "policy": adapter or cfg.model.base_model,
+            }
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, out)  # a half-written file never looks like a finished execution log
+    n = len(tasks_)
+    return {"records": n, "pass_rate": round(passed / max(n, 1), 4), "output": str(out)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default="params/embedded.yaml", help="config YAML")
+    p.add_argument("--output", required=True, help="trajectories JSONL to write")
+    p.add_argument("--adapter", default=None, help=f"LoRA adapter on the base (e.g. champion): {ADAPTER_KINDS}")
+    p.add_argument("--num-tasks", type=int, default=None, help="override execute.num_tasks")
+    p.add_argument("--seed", type=int, default=0, help="task and sampling seed")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    overrides = {"execute.num_tasks": args.num_tasks} if args.num_tasks else None
+    cfg = load_config(args.params, overrides)
+    adapter = resolve_adapter(args.adapter, "--adapter", cfg)  # a train output dir means its adapter/
+    res = execute(cfg, args.output, adapter=adapter, seed=args.seed)
+    print(f"wrote {res['records']} trajectories to {res['output']} (pass rate {res['pass_rate']:.1%})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.cli.main import run_module
+
+    return run_module("hermes_lab.data.execute", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

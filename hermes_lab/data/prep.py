@@ -1,0 +1,552 @@
+"""Distill stage: ingest execution logs, validate every line, distill them into GRPO data, apply the gates.
+
+Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
+``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), the
+trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``) and
+the state's last training time. Inputs are only ever read. Writes into the output dir
+(``runs/round-NN/prep/`` by convention), each file through a temp file renamed into place:
+
+  accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped)
+  negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
+  duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
+  rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}
+  outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
+  selection.json      what went into training: prompts and weight per family / source / group outcome
+  heldout_dataset/    the same columns for the held-out task_ids (the regression set)
+  review_queue.jsonl  the stratified human spot-check sample
+  plots/*.png         reward distribution per family, rejects by reason, selection by family
+  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
+  verdict.json        the gates in the round runner's format (hermes_lab.round.stages), stop: "skipped: data gate"
+
+Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``
+(blank: empty or whitespace-only lines, skipped, not errors; duplicates: valid lines whose
+(prompt, response, task_id) was already accepted from any file, inputs first, then negatives).
+``new_samples`` = accepted lines of the --input files: the min_samples gate counts those.
+
+Decisions: every field of every line is validated (``hermes_lab.data.ingest``: bad UTF-8, NaN/Infinity,
+numbers that overflow or cannot be converted, duplicate keys, lone surrogates anywhere, wrong types; each a
+rejected line with its number and reason). A line over ``data.max_line_bytes`` (16 MiB) is rejected as
+"line too long" without being held in memory (rejects.jsonl keeps its first 4 KiB). Rewards outside
+0..scale are rejected at ingest: that is the clip which keeps the loss finite. Within range, a robust
+z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond ``data.outlier_z`` flags a
+reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
+seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
+(1 otherwise); ``data.select: mixed`` weighs prompts by their group outcome, every logged sample of a prompt
+text being one group (``hermes_lab.data.distill.Selection``); ``expand_by_weight(ds)`` repeats the rows.
+Free text that becomes an identifier (a family in a plot label or a metric name) is made safe where it is
+used (``hermes_lab.core.jsonl.safe_name``); the data keeps it.
+
+Memory: prep streams (``hermes_lab.data.ingest``, ``hermes_lab.data.distill``); record text is held within
+``data.memory_budget_mb``, plus ~64 bytes of fixed-size fields per accepted record. An input that is one of
+prep's own outputs (``--input D/accepted.jsonl --output D``) is refused before anything is opened.
+Exit codes: 0 ok, 2 bad input (PrepError), 3 a gate refused (GateRefused); summary.json is written in all three.
+
+    hermes-lab prep --input runs/round-01/trajectories.jsonl --output runs/round-01/prep --params params/embedded.yaml
+    python -m hermes_lab.prep --input a.jsonl b.jsonl.gz --output DIR [--override-cooldown --reason TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
+from hermes_lab.core import tracking
+from hermes_lab.core.jsonl import plot_label, write_json_atomic
+from hermes_lab.core.redaction import redact
+from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
+from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
+from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.live.log import describe_gateway, expand_inputs
+from hermes_lab.round.stages import STOP_DATA, gate, write_verdict
+
+EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
+OUTPUT_FILES = (
+    *(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue", "left_out")),
+    *("summary.json", "verdict.json", "selection.json"),
+)
+OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "plots")
+
+
+class PrepError(Exception):
+    """Bad input (file, line and reason in the message). rejects.jsonl and summary.json are written first."""
+
+
+class GateRefused(Exception):
+    """A data gate (min_samples, cooldown) said no. ``result`` holds the full, written PrepResult."""
+
+    def __init__(self, message: str, result: PrepResult):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class PrepResult:
+    summary: dict[str, Any]
+    output_dir: Path
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def gates(self) -> list[dict[str, Any]]:
+        return self.summary.get("gates", [])
+
+    @property
+    def gates_passed(self) -> bool:
+        return bool(self.summary.get("gates_passed"))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def resolve_inputs(
+    inputs: list[str | Path], negatives: list[str | Path] | None, state: FlywheelState | None, out: Path
+) -> tuple[list[Path], list[tuple[Path, int | None, str]]]:
+    """Every file prep will read: the --input files and the negatives (state's, then --negatives), with the
+    round each negative came from. The one place inputs are interpreted, and checked before anything is
+    opened or created: each must be a regular file, and none may be one of prep's own outputs in ``out``
+    (prep would replace it: ``--input D/accepted.jsonl --output D``)."""
+    ins = [Path(p) for p in inputs]
+    for p in ins:
+        if not p.is_file():
+            raise PrepError(f"input file not found (or not a regular file): {p}")
+    negs = [
+        (Path(p), _round_of(str(p), state, i), "state.negative_files")
+        for i, p in enumerate(state.negative_files if state else [])
+    ]
+    negs += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
+    for p, _, origin in negs:
+        if not p.is_file():
+            raise PrepError(f"negative file not found: {p} (listed in {origin})")
+    _refuse_own_outputs([*ins, *(p for p, _, _ in negs)], out)
+    return ins, negs
+
+
+def _refuse_own_outputs(files: list[Path], out: Path) -> None:
+    root = out.resolve()
+    owned = [root / n for n in OUTPUT_FILES]
+    for f in files:
+        r = f.resolve()
+        try:
+            top = r.relative_to(root).parts[0]
+        except ValueError:  # not under the output dir
+            top = ""
+        hit = top in OUTPUT_FILES or top in OUTPUT_DIRS or top.startswith(".prep-")  # .prep-*: prep's temp dirs
+        same = next((o for o in owned if o.exists() and os.path.samefile(o, f)), None)  # a hard link
+        if hit or same is not None:
+            name = top if hit else same.name  # type: ignore[union-attr]
+            raise PrepError(
+                f"input {f} is {name}, one of prep's own outputs in --output {out}: prep would replace it. "
+                "Copy it elsewhere first, or write to another --output directory."
+            )
+
+
+def _round_of(path: str, state: FlywheelState | None, index: int) -> int | None:
+    """The rolled-back round a negative file came from: 'round-NN' in its path, else state's parallel list."""
+    import re
+
+    m = re.search(r"round-0*(\d+)", str(path))
+    if m:
+        return int(m.group(1))
+    if state is not None and len(state.negative_rounds) == len(state.negative_files) and index >= 0:
+        return state.negative_rounds[index]
+    return None
+
+
+def expand_by_weight(dataset: Any) -> Any:
+    """The GRPO prompt set with every row repeated ``weight`` times: hard negatives and mixed-outcome prompts
+    count more; weight 0 (left out by data.select, listed in left_out.jsonl) leaves the row out."""
+    idx = [i for i, w in enumerate(dataset["weight"]) for _ in range(max(0, int(w)))]
+    return dataset.select(idx)
+
+
+def _fmt_span(td: timedelta) -> str:
+    minutes = max(0, math.ceil(td.total_seconds() / 60))
+    return f"{minutes // 60}h {minutes % 60}m"
+
+
+def evaluate_gates(
+    new_samples: int,
+    cfg: HermesConfig,
+    state: FlywheelState | None,
+    now: datetime,
+    override_cooldown: bool = False,
+    override_reason: str = "",
+) -> list[dict[str, Any]]:
+    """The data gates, as {name, passed, detail}: volume (min_samples) and the hard cooldown."""
+    need = cfg.data.min_samples
+    gates = [
+        {"name": "min_samples", "passed": new_samples >= need, "detail": f"{new_samples} new samples (need >= {need})"}
+    ]
+    last = parse_time(state.last_train_time) if state is not None else None
+    hours = cfg.data.cooldown_hours
+    if last is None:
+        gates.append({"name": "cooldown", "passed": True, "detail": "no earlier training"})
+        return gates
+    stamp = last.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    left = timedelta(hours=hours) - (now - last)
+    if left <= timedelta(0):
+        gates.append(
+            {
+                "name": "cooldown",
+                "passed": True,
+                "detail": f"{_fmt_span(now - last)} since last training {stamp} (cooldown {hours:g}h)",
+            }
+        )
+    elif override_cooldown:
+        gates.append(
+            {
+                "name": "cooldown",
+                "passed": True,
+                "overridden": True,
+                "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp}); OVERRIDDEN: {override_reason}",
+            }
+        )
+    else:
+        gates.append(
+            {"name": "cooldown", "passed": False, "detail": f"cooldown: {_fmt_span(left)} left (last training {stamp})"}
+        )
+    return gates
+
+
+def _plots(
+    out: Path, fam_names: list[str], fam_ids: Any, rewards: Any, by_reason: Counter, scale: float
+) -> dict[str, Path]:
+    import numpy as np
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    counts = np.bincount(fam_ids, minlength=len(fam_names)) if len(fam_ids) else np.zeros(0, np.int64)
+    top = sorted(range(len(counts)), key=lambda i: -counts[i])[:8]  # ties: first seen first, like most_common
+    for fid in top:
+        ax.hist(
+            rewards[fam_ids == fid],
+            bins=np.linspace(0, scale, 21),
+            histtype="step",
+            linewidth=1.5,
+            label=f"{plot_label(fam_names[fid])} (n={counts[fid]})",  # "$x^2$", "_x": no mathtext, no hidden entry
+        )
+    ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
+    if top:
+        ax.legend(fontsize=8)
+    paths = {"plot_rewards": tracking.log_figure(fig, out / "plots" / "reward_by_family.png")}
+    fig = Figure(figsize=(7, 3))
+    ax = fig.subplots()
+    if by_reason:
+        reasons, n = zip(*by_reason.most_common())
+        ax.barh([plot_label(r) for r in reasons][::-1], list(n)[::-1], color="tab:red")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="lines", title="Rejected lines by reason")
+    else:
+        ax.text(0.5, 0.5, "no rejected lines", ha="center", va="center")
+        ax.set_axis_off()
+    paths["plot_rejects"] = tracking.log_figure(fig, out / "plots" / "rejects_by_reason.png")
+    return paths
+
+
+def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
+    """Params, prep/* metrics, tags and the summary to the active MLflow run (no-op without one)."""
+    ov = summary["override"]
+    tracking.log_params(
+        {
+            "prep.inputs": ",".join(summary["inputs"]),
+            "prep.negatives": ",".join(summary["negatives"]),
+            "prep.override_cooldown": ov["cooldown"],
+            "prep.override_reason": ov["reason"],
+        }
+    )
+    tracking.log_metrics("prep", summary["counts"])
+    tracking.log_metrics("prep", summary.get("selection") or {})
+    tracking.set_tags(
+        {
+            "prep.status": summary["status"],
+            "prep.gates_passed": str(summary["gates_passed"]).lower(),
+            "cooldown_override": str(bool(ov["cooldown"])).lower(),
+        }
+    )
+    for name in ("summary", "review_queue", "selection"):
+        if name in paths:
+            tracking.log_artifact(paths[name], "prep")
+
+
+def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
+    summary["paths"] = {k: str(v) for k, v in paths.items()}
+    write_json_atomic(paths["summary"], summary)  # the round runner reads it back
+
+
+def _partitions(files: list[Path], budget: int) -> int:
+    """How many prompt partitions keep one partition's text (and its Python objects, ~3x) within half the budget."""
+    est = sum(estimated_size(p) for p in files)
+    return max(1, math.ceil(3 * est / (budget / 2)))
+
+
+def run_prep(
+    inputs: list[str | Path],
+    output_dir: str | Path,
+    cfg: HermesConfig,
+    state: FlywheelState | None = None,
+    clock: Clock | None = None,
+    override_cooldown: bool = False,
+    override_reason: str = "",
+    negatives: list[str | Path] | None = None,
+    *,
+    make_plots: bool = True,
+) -> PrepResult:
+    """Ingest, validate, distill and gate. Raises PrepError (bad input) or GateRefused, after writing summary.json."""
+    t0 = time.perf_counter()
+    if override_cooldown and not override_reason.strip():
+        raise PrepError("--override-cooldown needs a --reason (it is recorded in MLflow and summary.json)")
+    if not inputs:
+        raise PrepError("no input file given")
+    if clock is None:
+        clock = state.clock(True) if state is not None and cfg.round.simulated_clock else WallClock()
+    out = Path(output_dir)
+    # a gateway log dir -> its requests joined with their feedback (hermes_lab.live.log), then the plain files
+    inputs, gateway = expand_inputs(list(inputs), out, cfg)
+    in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
+    tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # sinks in progress and spills; removed whatever happens
+    try:
+        ing = Ingest(
+            tmp,
+            float(cfg.reward.scale),
+            cfg.data.max_line_bytes,
+            cfg.data.memory_budget_mb << 20,
+            _partitions([*in_files, *(p for p, _, _ in neg_files)], cfg.data.memory_budget_mb << 20),
+            cfg,
+        )
+        try:
+            files = [ing.scan(p, "input", None) for p in in_files]
+            files += [ing.scan(p, "negative", r) for p, r, _ in neg_files]
+        finally:
+            ing.close()
+        ing.commit(paths)
+        t_ingest = time.perf_counter()
+        summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
+        summary["gateway"] = gateway
+        too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
+        if too_bad:
+            summary["status"] = "bad_input"
+            _write_summary(summary, paths)
+            _log_mlflow(summary, paths)
+            msgs = [
+                f"{f['file']}: {f['rejected']} of {f['read']} non-blank lines rejected "
+                f"({f['rejected'] / f['read']:.1%} > data.max_bad_fraction {cfg.data.max_bad_fraction:.0%}); "
+                f"first: {'; '.join(f['first_errors'])}"
+                for f in too_bad
+            ]
+            raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
+        _distill(ing, cfg, summary, paths, out, tmp, make_plots)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    t_distill = time.perf_counter()
+    counts = summary["counts"]
+    summary["gates"] = evaluate_gates(
+        counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
+    )
+    summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
+    summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
+    summary["memory"] = {"budget_mb": cfg.data.memory_budget_mb, "partitions": len(ing.part_paths)}
+    summary["timing_s"] = {
+        "ingest": round(t_ingest - t0, 3),
+        "distill": round(t_distill - t_ingest, 3),
+        "total": round(time.perf_counter() - t0, 3),
+    }
+    _write_summary(summary, paths)
+    _log_mlflow(summary, paths)
+    write_verdict(
+        out,
+        "prep",
+        [gate(g["name"], g["passed"], g["detail"]) for g in summary["gates"]],
+        stop=None if summary["gates_passed"] else STOP_DATA,
+    )
+    result = PrepResult(summary, out, paths)
+    if not result.gates_passed:
+        why = "; ".join(g["detail"] for g in summary["gates"] if not g["passed"])
+        raise GateRefused(f"data gates refused training: {why}. Verdicts in {paths['summary']}", result)
+    return result
+
+
+def _base_summary(
+    files: list[dict[str, Any]],
+    clock: Clock,
+    out: Path,
+    in_files: list[Path],
+    neg_files: list[tuple[Path, int | None, str]],
+    override_cooldown: bool,
+    override_reason: str,
+) -> dict[str, Any]:
+    """summary.json as far as the ingest can fill it: counts per file and in total, rejects by reason."""
+    counts = {k: sum(f[k] for f in files) for k in ("lines", "blank", "read", "accepted", "rejected", "duplicates")}
+    counts["new_samples"] = sum(f["accepted"] for f in files if f["role"] == "input")
+    counts["negative_records"] = sum(f["accepted"] for f in files if f["role"] == "negative")
+    by_reason: Counter = sum((f["by_reason"] for f in files), Counter())
+    return {
+        "stage": "prep",
+        "status": "ok",
+        "now": clock.now().isoformat(),
+        "output_dir": str(out),
+        "inputs": [str(p) for p in in_files],
+        "negatives": [str(p) for p, _, _ in neg_files],
+        "identity": "lines = blank + read; read = accepted + rejected + duplicates (per file and in total)",
+        "counts": counts,
+        "by_reason": dict(by_reason.most_common()),
+        "per_file": [dict(f, by_reason=dict(f["by_reason"])) for f in files],
+        "override": {"cooldown": bool(override_cooldown), "reason": override_reason if override_cooldown else ""},
+        "gates": [],
+        "gates_passed": False,
+    }
+
+
+def _distill(
+    ing: Ingest, cfg: HermesConfig, summary: dict[str, Any], paths: dict[str, Path], out: Path, tmp: Path, plots: bool
+) -> None:
+    """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
+    import numpy as np
+
+    from hermes_lab.data import distill as pd
+    from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
+
+    cols, fam_names = ing.columns(), ing.family_names()
+    rewards = cols["reward"]
+    summary["outliers"] = outlier_stats(rewards, cfg.data.outlier_z)
+    is_out = outlier_flags(rewards, summary["outliers"])
+    picked, summary["review"] = review_selection(cols, fam_names, cfg)
+    spill_budget = (cfg.data.memory_budget_mb << 20) // 8  # one bucket's lines, sorted in memory: ~3x its bytes
+    line_bytes = ing.text_bytes / max(1, ing.n) + 200
+    review = SortedSpill(tmp, "review", 1 << (64 + LINE_BITS), int(picked.sum() * line_bytes), spill_budget)
+    outliers = SortedSpill(tmp, "outliers", ing.n, int(is_out.sum()) * 200, spill_budget)
+    distill = Distill(ing, cols, cfg, is_out, picked, summary["outliers"])
+    distill.run(review, outliers)
+    for spill, name in ((outliers, "outliers"), (review, "review_queue")):
+        spill.write_sorted(tmp / f"{name}.jsonl")
+        os.replace(tmp / f"{name}.jsonl", paths[name])
+    summary["outliers"].update(
+        count=int(is_out.sum()), action="flagged and kept; rewards outside 0..scale were rejected at ingest"
+    )
+    paths.update(distill.save(out))
+    summary["split"] = distill.split_summary()
+    rep = pd.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
+    rep["left_out_file"] = str(paths["left_out"])
+    paths["selection"] = write_json_atomic(out / "selection.json", rep)
+    summary["selection"] = pd.selection_metrics(rep)
+    if plots:
+        paths["plot_selection"] = pd.plot_selection(rep, out / "plots" / "selection_by_family.png")
+    fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
+    summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
+    if plots:
+        by_reason = Counter(summary["by_reason"])
+        paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s) or gateway log dir(s)"
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
+    parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set data.min_samples=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--negatives",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="trajectories of rolled-back rounds, carried as negative samples (added to state.negative_files)",
+    )
+    parser.add_argument(
+        "--state",
+        default=None,
+        metavar="JSON",
+        help="flywheel state (default: <round.runs_dir>/state.json when it exists)",
+    )
+    parser.add_argument("--simulated-now", default=None, metavar="ISO", help="use a simulated clock at this time")
+    parser.add_argument(
+        "--override-cooldown",
+        action="store_true",
+        help="train despite the cooldown (needs --reason; recorded in MLflow and summary.json)",
+    )
+    parser.add_argument("--reason", default="", metavar="TEXT", help="why the cooldown is overridden")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        overrides = {}
+        for kv in args.set:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
+            overrides[k] = v
+        cfg = load_config(args.params, overrides=overrides)
+        sp = Path(args.state) if args.state else state_path(cfg.round.runs_dir)
+        try:
+            state = FlywheelState.load(sp) if sp.exists() else None
+        except (ValueError, TypeError) as e:
+            raise PrepError(f"{sp}: not a valid state file: {e}") from None
+        try:
+            clock = SimulatedClock(parse_time(args.simulated_now)) if args.simulated_now else None
+        except ValueError:
+            raise PrepError(f"--simulated-now: not an ISO time: {args.simulated_now!r}") from None
+        res = run_prep(
+            args.input,
+            args.output,
+            cfg,
+            state=state,
+            clock=clock,
+            override_cooldown=args.override_cooldown,
+            override_reason=args.reason,
+            negatives=args.negatives,
+        )
+    except GateRefused as e:
+        for info in (e.result.summary.get("gateway") or {}).values():
+            print(describe_gateway(info))
+        print(f"hermes-lab prep: refused: {redact(str(e))}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (PrepError, ConfigError) as e:  # details quote the data: a key that sits in it is masked
+        print(f"hermes-lab prep: error: {redact(str(e))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    k = res.summary["counts"]
+    print(
+        f"prep: {k['accepted']} accepted, {k['rejected']} rejected, {k['duplicates']} duplicates, "
+        f"{k['blank']} blank; {res.summary['split']['grpo_prompts']} GRPO prompts, "
+        f"{res.summary['split']['heldout_prompts']} held out; gates passed -> {res.output_dir}"
+    )
+    for info in (res.summary.get("gateway") or {}).values():
+        print(describe_gateway(info))
+    sel = res.summary["selection"]
+    print(
+        f"prep: selection ({cfg.data.select}): {sel['select_mixed']} mixed, {sel['select_all_fail']} all-fail, "
+        f"{sel['select_all_pass']} all-pass, {sel['select_single']} one-sample prompts; {sel['select_left_out']} "
+        f"left out; training weight {sel['select_share_mixed']:.0%} mixed -> {res.paths['selection']}"
+    )
+    if k["rejected"]:
+        print(f"prep: rejected lines are in {res.paths['rejects']}: {res.summary['by_reason']}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.cli.main import run_module
+
+    return run_module("hermes_lab.prep", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

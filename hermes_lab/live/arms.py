@@ -1,0 +1,512 @@
+"""The two arms of the live gateway: an OpenAI-compatible upstream, or a policy served in-process.
+
+Stage: validate (live A/B, ``hermes-lab serve``). Reads the arms' models (a model dir, a LoRA adapter dir,
+a train output dir, ``embedded:tiny``) or talks to their upstream servers; writes nothing.
+
+An arm spec, on the command line (``--baseline`` / ``--candidate``) or in ``serve.baseline`` /
+``serve.candidate``:
+
+- ``http(s)://host[:port][/v1]``: an upstream (TaoToken, vLLM, SGLang, LiteLLM, another gateway). Its model
+  id is ``--baseline-model`` / ``serve.baseline_model`` (required); its key is read at start from the env
+  var named by ``--baseline-key-env`` / ``serve.baseline_key_env`` and sent only to that upstream.
+- ``embedded:tiny``, a model dir or hub id, a LoRA adapter dir (its base from adapter_config.json), or a
+  train output dir (``runs/round-NN/train``): served in-process. Generation runs in one worker thread,
+  micro-batched (requests that arrive within ``serve.batch_wait_ms`` share one ``generate``), never on the
+  event loop. One thread for both arms: torch's RNG is global and the machine has few cores.
+- ``latest`` (candidate default): the newest round's trained adapter, else ``embedded:tiny`` (an A/A).
+
+Both arms of one vLLM server (the gateway only picks the model name per arm)::
+
+    vllm serve Qwen/Qwen2.5-0.5B-Instruct --enable-lora --lora-modules round-01=runs/round-01/train/adapter
+    hermes-lab serve --baseline http://127.0.0.1:8000 --baseline-model Qwen/Qwen2.5-0.5B-Instruct \\
+        --candidate http://127.0.0.1:8000 --candidate-model round-01
+
+Upstream HTTP client: aiohttp by default (``serve.upstream_client``); httpx is kept switchable because the
+choice is a measurement (benchmarks/bench_gateway.py prints both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hermes_lab.config.schema import EMBEDDED_MODEL, ConfigError, HermesConfig
+from hermes_lab.llm.client import normalize_base_url, proxy_for, redact, safe_url
+
+ARMS = ("baseline", "candidate")
+
+
+class UpstreamError(RuntimeError):
+    """No usable answer from an arm (connection failed, non-JSON body, mid-stream break). Redacted."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------------ arm specs
+@dataclass
+class ArmSpec:
+    """What an arm is: ``kind`` 'upstream' (url, model, key_env) or 'local' (base, adapter)."""
+
+    name: str
+    kind: str
+    spec: str
+    url: str = ""
+    model: str = ""
+    key_env: str = ""
+    base: str = ""
+    adapter: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """For experiment.json and the log: never a key, never a URL's credentials or query."""
+        if self.kind == "upstream":
+            return {"kind": "upstream", "url": safe_url(self.url), "model": self.model, "key_env": self.key_env}
+        return {"kind": "local", "base": self.base, "adapter": self.adapter}
+
+    @property
+    def served_model(self) -> str:
+        return self.model if self.kind == "upstream" else (self.adapter or self.base)
+
+    @property
+    def slug(self) -> str:
+        """A short name for the default experiment name: round-NN, the model id, or the dir name."""
+        text = self.model if self.kind == "upstream" else (self.adapter or self.base)
+        m = re.search(r"round-\d+", text)
+        if m:
+            return m.group(0)
+        if text == EMBEDDED_MODEL:
+            return "tiny"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text).name or text).strip("-") or "arm"
+
+
+def latest_round_adapter(runs_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest runs/round-NN/train that holds a trained adapter, or None."""
+    found = []
+    for d in Path(runs_dir).glob("round-*/train"):
+        m = re.fullmatch(r"round-(\d+)", d.parent.name)
+        if m and (d / "adapter" / "adapter_config.json").is_file():
+            found.append((int(m.group(1)), d))
+    return max(found)[1] if found else None
+
+
+def resolve_arm(
+    cfg: HermesConfig, name: str, spec: str | None = None, model: str | None = None, key_env: str | None = None
+) -> ArmSpec:
+    """An ArmSpec from a CLI value (or ``serve.<name>``); errors name the key or flag to fix."""
+    s = cfg.serve
+    spec = (spec if spec is not None else getattr(s, name)).strip()
+    model = (model if model is not None else getattr(s, f"{name}_model")).strip()
+    key_env = (key_env if key_env is not None else getattr(s, f"{name}_key_env")).strip()
+    if spec.startswith(("http://", "https://")):
+        if not model:
+            raise ConfigError(
+                f"--{name} {safe_url(spec)} is an upstream URL: pass --{name}-model (the model id it serves)"
+            )
+        url = normalize_base_url(spec, f"--{name}") + "/v1/chat/completions"
+        return ArmSpec(name, "upstream", spec, url=url, model=model, key_env=key_env)
+    if spec == "latest":
+        td = latest_round_adapter(cfg.round.runs_dir)
+        spec = str(td) if td else EMBEDDED_MODEL
+    if Path(spec, "run.json").is_file() or Path(spec, "adapter", "adapter_config.json").is_file():
+        from hermes_lab.evaluate.validate import candidate_from_train_dir
+
+        base, adapter = candidate_from_train_dir(spec, cfg)
+        return ArmSpec(name, "local", spec, base=base, adapter=adapter)
+    if spec != EMBEDDED_MODEL and spec.startswith((".", "/", "runs")) and not Path(spec).exists():
+        raise ConfigError(f"--{name} {spec}: no such model, adapter or train dir")
+    return ArmSpec(name, "local", spec, base=spec)
+
+
+# ----------------------------------------------------------------------------------------- answers
+@dataclass
+class Answer:
+    """One finished answer: the bytes for the client and what the log keeps of them."""
+
+    status: int
+    body: bytes
+    text: str = ""
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Chunk:
+    """One SSE event of a stream: ``raw`` is forwarded as is (b'' = dropped), the rest is logged."""
+
+    raw: bytes
+    text: str = ""
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+def read_completion(status: int, body: bytes, content_type: str) -> Answer:
+    """The text and usage of an upstream chat.completion; a body that is not one is an error answer."""
+    if status != 200:
+        return Answer(status, body, error=f"upstream status {status}: {body[:300].decode('utf-8', 'replace')}")
+    try:
+        obj = orjson.loads(body)
+        choice = obj["choices"][0]
+        text = (choice.get("message") or {}).get("content") or ""
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+        head = body[:300].decode("utf-8", "replace")
+        raise UpstreamError(
+            f"Error reading choices: upstream body is not a chat completion ({content_type}): {head!r}"
+        ) from None
+    return Answer(200, body, text=text, usage=obj.get("usage"), finish_reason=choice.get("finish_reason"))
+
+
+def parse_event(raw: bytes) -> tuple[str | None, Any]:
+    """('data', obj) / ('done', None) / (None, None) for one SSE event's bytes."""
+    for line in raw.splitlines():
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return "done", None
+            try:
+                return "data", orjson.loads(data)
+            except orjson.JSONDecodeError:
+                return None, None
+    return None, None
+
+
+def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
+    """What the log keeps of one chunk; the usage-only chunk we asked for ourselves is not forwarded."""
+    if not isinstance(obj, dict):
+        return Chunk(raw)
+    choices = obj.get("choices") or []
+    usage = obj.get("usage")
+    if not choices:
+        return Chunk(raw if client_wants_usage or not usage else b"", usage=usage)
+    c0 = choices[0] if isinstance(choices[0], dict) else {}
+    text = (c0.get("delta") or {}).get("content") or ""
+    return Chunk(raw, text=text, usage=usage, finish_reason=c0.get("finish_reason"))
+
+
+# ---------------------------------------------------------------------------------------- upstreams
+class UpstreamArm:
+    """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""
+
+    def __init__(self, spec: ArmSpec, cfg: HermesConfig):
+        self.spec, self.name, self.served_model = spec, spec.name, spec.model
+        s = cfg.serve
+        self.timeout, self.connections, self.client_kind = (
+            s.upstream_timeout_s,
+            s.upstream_connections,
+            s.upstream_client,
+        )
+        self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        self._key = ""
+        if spec.key_env:
+            self._key = os.environ.get(spec.key_env, "")
+            if not self._key:
+                raise ConfigError(
+                    f"{spec.key_env} is not set: the {spec.name} upstream's key must be in the environment"
+                )
+            self.headers["Authorization"] = f"Bearer {self._key}"
+        self._session: Any = None
+        self._proxy: str | None = None
+
+    async def start(self) -> None:
+        if self.client_kind == "httpx":
+            import httpx
+
+            lim = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
+            self._session = httpx.AsyncClient(limits=lim, timeout=self.timeout)
+        else:
+            import aiohttp
+
+            # trust_env would cost two thread hops per request (netrc, proxy lookup): the proxy is resolved
+            # once here instead, with httpx's rules (HTTPS_PROXY / NO_PROXY), as every other client does
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.connections, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            found = proxy_for(self.spec.url)
+            self._proxy = found[1] if found else None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await (self._session.aclose() if self.client_kind == "httpx" else self._session.close())
+
+    def _error(self, e: BaseException) -> UpstreamError:
+        timeout = isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "timeout" in type(e).__name__.lower()
+        kind = "timeout" if timeout else type(e).__name__
+        msg = redact(f"{self.name} upstream {safe_url(self.spec.url)}: {kind}: {e}", self._key)
+        return UpstreamError(msg, 504 if timeout else 502)  # a timeout is the gateway's 504, as proxies answer
+
+    def _payload(self, payload: dict[str, Any]) -> bytes:
+        return orjson.dumps({**payload, "model": self.spec.model})
+
+    async def complete(self, payload: dict[str, Any], prompt: str = "", rid: str = "") -> Answer:
+        data = self._payload(payload)
+        try:
+            if self.client_kind == "httpx":
+                r = await self._session.post(self.spec.url, content=data, headers=self.headers)
+                status, body, ctype = r.status_code, r.content, r.headers.get("content-type", "")
+            else:
+                async with self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy) as r:
+                    status, body, ctype = r.status, await r.read(), r.headers.get("Content-Type", "")
+        except Exception as e:  # any transport failure is a 502 with its kind
+            raise self._error(e) from None
+        ans = read_completion(status, body, ctype)
+        if ans.error:
+            ans.error = redact(ans.error, self._key)
+        return ans
+
+    async def stream(
+        self, payload: dict[str, Any], prompt: str = "", rid: str = ""
+    ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
+        """(error answer, None) when the upstream refuses, else (None, the chunks as they arrive)."""
+        so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
+        wants_usage = bool(so.get("include_usage"))
+        data = self._payload({**payload, "stream": True, "stream_options": {**so, "include_usage": True}})
+        try:
+            if self.client_kind == "httpx":
+                req = self._session.build_request("POST", self.spec.url, content=data, headers=self.headers)
+                r = await self._session.send(req, stream=True)
+                status, chunks, closer = r.status_code, r.aiter_raw(), r.aclose
+            else:
+                r = await self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy)
+                status, chunks, closer = r.status, r.content.iter_any(), r.release
+        except Exception as e:
+            raise self._error(e) from None
+        if status != 200:
+            body = b"".join([c async for c in chunks])
+            await _maybe_await(closer())
+            return Answer(status, body, error=redact(f"upstream status {status}: {body[:300]!r}", self._key)), None
+
+        async def events() -> AsyncIterator[Chunk]:
+            buf = b""
+            try:
+                async for piece in chunks:
+                    buf += piece
+                    while True:  # an event ends at a blank line; upstream chunks split events anywhere
+                        i, n = buf.find(b"\n\n"), 2
+                        j = buf.find(b"\r\n\r\n")
+                        if j != -1 and (i == -1 or j < i):
+                            i, n = j, 4
+                        if i == -1:
+                            break
+                        raw, buf = buf[: i + n], buf[i + n :]
+                        kind, obj = parse_event(raw)
+                        if kind == "done":
+                            return
+                        if kind == "data":
+                            yield chunk_of(raw, obj, wants_usage)
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as e:
+                raise self._error(e) from None
+            finally:
+                await _maybe_await(closer())
+
+        return None, events()
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x):
+        await x
+
+
+# ------------------------------------------------------------------------------------ in-process arms
+@dataclass
+class _Job:
+    policy: Any
+    prompt: str
+    temperature: float
+    max_new_tokens: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    out: dict[str, Any] = field(default_factory=dict)
+
+
+class GenerationWorker:
+    """One thread generating for every in-process arm: jobs that arrive within ``wait_s`` of the first
+    one form a batch (split by policy and sampling settings), one ``generate`` each."""
+
+    def __init__(self, wait_s: float, max_batch: int):
+        self.wait_s, self.max_batch = wait_s, max_batch
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._seed = 0
+        self._thread = threading.Thread(target=self._run, name="hermes-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import torch
+
+        # one core stays with the event loop: torch's default (every core) made a 16-token generate of the
+        # tiny policy ~10x slower on a busy 2-core machine (1.1 s vs 0.12 s), its threads spin-waiting
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            batch, deadline = [job], time.monotonic() + self.wait_s
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._q.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            groups: dict[tuple[int, float, int], list[_Job]] = {}
+            for j in batch:
+                groups.setdefault((id(j.policy), j.temperature, j.max_new_tokens), []).append(j)
+            for jobs in groups.values():
+                self._generate(jobs)
+
+    def _generate(self, jobs: list[_Job]) -> None:
+        p = jobs[0].policy
+        self._seed += 1
+        try:
+            texts = p.generate(
+                [j.prompt for j in jobs],
+                temperature=jobs[0].temperature,
+                max_new_tokens=jobs[0].max_new_tokens,
+                seed=self._seed,
+                batch_size=len(jobs),
+            )
+            tok = p.tokenizer
+            for j, text in zip(jobs, texts):
+                n_p = len(tok(j.prompt, add_special_tokens=False)["input_ids"])
+                n_c = len(tok(text, add_special_tokens=False)["input_ids"]) if text else 0
+                j.out = {"text": text, "prompt_tokens": n_p, "completion_tokens": n_c}
+                j.loop.call_soon_threadsafe(_settle, j.future, j.out, None)
+        except Exception as e:  # the request gets a 500 naming it; the worker lives on
+            for j in jobs:
+                j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return  # the client went away
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class LocalArm:
+    """A policy in this process, answered in OpenAI's chat.completion / chunk format."""
+
+    def __init__(self, spec: ArmSpec, policy: Any, worker: GenerationWorker, cfg: HermesConfig):
+        self.spec, self.name, self.policy, self.worker = spec, spec.name, policy, worker
+        self.served_model, self.public = spec.served_model, cfg.serve.public_model
+        self.temperature, self.default_tokens = cfg.execute.temperature, cfg.execute.max_new_tokens
+        self.cap = cfg.serve.max_new_tokens
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def _generate(self, payload: dict[str, Any], prompt: str) -> dict[str, Any]:
+        t = payload.get("temperature")
+        temperature = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else self.temperature
+        mt = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        tokens = int(mt) if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else self.default_tokens
+        tokens = min(tokens, self.cap)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.worker.submit(_Job(self.policy, prompt, temperature, tokens, fut, loop))
+        out = await fut
+        out["finish_reason"] = "length" if out["completion_tokens"] >= tokens else "stop"
+        return out
+
+    def _usage(self, out: dict[str, Any]) -> dict[str, int]:
+        p, c = out["prompt_tokens"], out["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def complete(self, payload: dict[str, Any], prompt: str, rid: str) -> Answer:
+        out = await self._generate(payload, prompt)
+        usage = self._usage(out)
+        body = {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.public,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out["text"]},
+                    "finish_reason": out["finish_reason"],
+                }
+            ],
+            "usage": usage,
+        }
+        return Answer(200, orjson.dumps(body), out["text"], usage, None, out["finish_reason"])
+
+    async def stream(
+        self, payload: dict[str, Any], prompt: str, rid: str
+    ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
+        """The finished completion as OpenAI chunks (a role chunk, content pieces, the finish, usage)."""
+        so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
+        out = await self._generate(payload, prompt)
+        usage, created = self._usage(out), int(time.time())
+
+        def ev(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": self.public}
+            obj.update(choices=[choice] if delta is not None else [], **extra)
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        async def events() -> AsyncIterator[Chunk]:
+            text = out["text"]
+            yield Chunk(ev({"role": "assistant", "content": ""}))
+            for i in range(0, len(text), 8):  # a few characters a chunk, as a token stream would come
+                yield Chunk(ev({"content": text[i : i + 8]}), text=text[i : i + 8])
+            yield Chunk(ev({}, out["finish_reason"]), finish_reason=out["finish_reason"])
+            yield Chunk(ev(None, usage=usage) if so.get("include_usage") else b"", usage=usage)
+
+        return None, events()
+
+
+def build_arms(cfg: HermesConfig, specs: dict[str, ArmSpec]) -> tuple[dict[str, Any], GenerationWorker | None]:
+    """The arm objects; in-process policies are loaded once per (base, adapter), so an A/A shares one."""
+    arms: dict[str, Any] = {}
+    worker: GenerationWorker | None = None
+    loaded: dict[tuple[str, str | None], Any] = {}
+    for name in ARMS:
+        spec = specs[name]
+        if spec.kind == "upstream":
+            arms[name] = UpstreamArm(spec, cfg)
+            continue
+        key = (spec.base, spec.adapter)
+        if key not in loaded:
+            from hermes_lab.policy.model import load_policy
+
+            loaded[key] = load_policy(
+                spec.base,
+                adapter=spec.adapter,
+                runs_dir=cfg.round.runs_dir,
+                seed=cfg.model.seed,
+                dtype=cfg.model.dtype,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
+        if worker is None:
+            worker = GenerationWorker(cfg.serve.batch_wait_ms / 1000, cfg.serve.max_batch)
+        arms[name] = LocalArm(spec, loaded[key], worker, cfg)
+    return arms, worker

@@ -1,0 +1,548 @@
+"""The live A/B gateway: an OpenAI-compatible server that routes each request to baseline or candidate.
+
+Stage: validate (live A/B on real traffic). Reads the two arms (``hermes_lab.live.arms``: an upstream
+OpenAI-compatible server or a policy served in-process). Writes its log dir (default
+``runs/live/<experiment>/``; ``hermes_lab.live.log``): requests.jsonl, feedback.jsonl, experiment.json.
+
+    hermes-lab serve --params params/embedded.yaml --baseline embedded:tiny --candidate latest
+    make serve                                  # the same on the embedded default
+    hermes-lab agent --url http://127.0.0.1:8700 --requests 500     # drive it like a real agent
+
+Endpoints: ``GET /healthz``, ``GET /v1/models`` (the one public model, ``serve.public_model``),
+``POST /v1/chat/completions`` (non-streaming and ``stream: true``: SSE chunks passed through as they
+arrive), ``POST /v1/feedback`` (``{"request_id", "reward", "source"?, "detail"?}``: 202; 404 unknown id;
+422 bad body or reward outside 0..reward.scale), ``GET /v1/experiment`` (stage, ratio, counts, the
+decision of ``hermes_lab.ab.stats`` on the requests with feedback, the latest look's delta and interval).
+
+Routing is the user's ABRouter bucket (``hermes_lab.ab.stats.bucket``, md5 of the unit id, ``ab.salt``) on the
+unit: the ``X-Request-ID`` header with ``ab.unit: request`` (generated when absent), the OpenAI ``user``
+field or an ``X-Hermes-User`` header with ``ab.unit: user`` (a request with neither is its own unit).
+Every answer carries ``X-Request-ID`` and ``X-Hermes-Arm``. A request's record is durable
+(``serve.durability``) before the last byte of its answer goes out, so a kill -9 loses no answered
+request; a restart on the same dir continues the experiment.
+
+Security: binds 127.0.0.1 unless told otherwise; ``serve.api_key_env`` names the env var holding an
+optional gateway key (Bearer); bodies over ``serve.max_body_bytes`` get 413; the client's Authorization
+header is never logged nor forwarded, and an upstream's key goes only to that upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import re
+import sys
+import time
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from hermes_lab.ab import stats as ab
+from hermes_lab.config.schema import ConfigError, HermesConfig
+from hermes_lab.live import experiment as X
+from hermes_lab.live import log as L
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, UpstreamError, build_arms
+
+log = logging.getLogger("hermes_lab.serve")
+ARM_HEADER = {0: b"baseline", 1: b"candidate"}
+_RID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_JSON = (b"content-type", b"application/json")
+
+
+class _Raw(Response):
+    """A response from ready bytes and raw headers (no header parsing on the hot path)."""
+
+    def __init__(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]):
+        self.body, self.status_code, self.background = body, status, None
+        self.raw_headers = [_JSON, (b"content-length", str(len(body)).encode()), *headers]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.kind = status, code, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+
+
+def flatten_messages(messages: list[Any]) -> str:
+    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
+    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
+    so training on the logged prompt trains on what the policy saw."""
+    parts = []
+    for m in messages:
+        m = m if isinstance(m, dict) else {}
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: keep the text ones
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+        parts.append((str(m.get("role", "user")), c if isinstance(c, str) else ""))
+    if len(parts) == 1 and parts[0][0] == "user":
+        return parts[0][1]
+    return "\n".join(f"{r}: {c}" for r, c in parts) + "\nassistant:"
+
+
+def default_experiment(specs: dict[str, ArmSpec]) -> str:
+    return f"{specs['baseline'].slug}-vs-{specs['candidate'].slug}"
+
+
+# --------------------------------------------------------------------------------------------- gateway
+class Gateway:
+    """The experiment behind the server: arms, router, durable logs, in-memory tally."""
+
+    def __init__(
+        self,
+        cfg: HermesConfig,
+        specs: dict[str, ArmSpec],
+        *,
+        ratio: float | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        experiment: str | None = None,
+        say: Any = print,
+    ):
+        self.cfg, s = cfg, cfg.serve
+        self.specs, self.say = specs, say
+        self.name = experiment or s.experiment or default_experiment(specs)
+        self.log_dir = Path(log_dir or s.log_dir or Path(cfg.round.runs_dir) / "live" / self.name)
+        self.stages, ratio = X.live_stages(cfg, self.log_dir, ratio)  # errors name the ab.* key
+        self.public = s.public_model
+        self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
+        self.max_body = s.max_body_bytes
+        self.scale = float(cfg.reward.scale)
+        self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
+        ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, self.name)
+        self.state = X.open_experiment(self.log_dir, ident, self.stages, ratio, arm_specs=X.arm_specs(specs))
+        self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
+        self.t0 = float(self.state["start_unix"])
+        self.fallback = s.fallback == "baseline"
+        self._auth: bytes | None = None
+        if s.api_key_env:
+            key = os.environ.get(s.api_key_env, "")
+            if not key:
+                raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
+            self._auth = f"Bearer {key}".encode()
+        self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
+        # the staged rollout on the (scaled) wall clock: it owns stage and ratio, the gateway routes with them
+        self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
+        self.clock = self.rollout.clock
+        self._looks: asyncio.Task | None = None
+        self.rejected = 0
+        self.req_log = self.fb_log = None
+        self.traces: Any = None
+        self._decision: tuple[Any, dict[str, Any]] = (None, {})
+        self._debug = log.isEnabledFor(logging.DEBUG)
+        # generated request ids: a random per-process prefix and a counter (unique across restarts, and
+        # cheaper than uuid4, whose urandom call showed up in the profile)
+        self._rid_prefix, self._rid_seq = f"hl-{os.urandom(6).hex()}-", itertools.count(1)
+
+    async def startup(self) -> None:
+        s = self.cfg.serve
+        self.req_log = L.LogWriter(self.log_dir / L.REQUESTS, s.durability, s.fsync_ms)
+        self.fb_log = L.LogWriter(self.log_dir / L.FEEDBACK, s.durability, s.fsync_ms)
+        for a in self.arms.values():
+            await a.start()
+        # the decision's scipy/statsmodels imports take seconds: done now, off the loop, not at the first look
+        self._warm = asyncio.get_running_loop().run_in_executor(None, X.warm_up)
+        if s.mlflow_traces:
+            from hermes_lab.live.traces import TraceSink
+
+            self.traces = TraceSink(self.cfg, self.name)
+        self.rollout.start_clock()
+        self.t0 = self.rollout.t0
+        if self.rollout.next_look() is not None:
+            self._looks = asyncio.create_task(self.rollout.run(self._moved))
+
+    def _moved(self) -> None:
+        """The rollout took a step: route with its stage and ratio from the next request on."""
+        self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
+
+    async def shutdown(self) -> None:
+        if self._looks is not None:
+            if not self.rollout.reporting:  # the final report is being written: let it finish
+                self._looks.cancel()
+            await asyncio.gather(self._looks, return_exceptions=True)
+        for a in self.arms.values():
+            await a.close()
+        for w in (self.req_log, self.fb_log):
+            if w is not None:
+                w.close()
+        if self.worker is not None:
+            self.worker.close()
+        if self.traces is not None:
+            self.traces.close()
+
+    # --------------------------------------------------------------------------------- helpers
+    async def _body(self, request: Request) -> bytes:
+        return await self._read(dict(request.scope["headers"]), request.receive)
+
+    async def _read(self, hdr: dict[bytes, bytes], receive: Any) -> bytes:
+        """The body, once the gateway key (if any) checks out and within serve.max_body_bytes."""
+        if self._auth is not None and not hmac.compare_digest(hdr.get(b"authorization", b""), self._auth):
+            raise _Refused(401, "missing or wrong gateway key (Authorization: Bearer ...)", "invalid_api_key")
+        cl = hdr.get(b"content-length", b"")
+        too_big = f"request body over {self.max_body} bytes (serve.max_body_bytes)"
+        if cl.isdigit() and int(cl) > self.max_body:
+            raise _Refused(413, too_big, "body_too_large")
+        chunks, n = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _Refused(400, "the client disconnected before its body was read", "client_disconnected")
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > self.max_body:
+                raise _Refused(413, too_big, "body_too_large")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _refuse(self, e: _Refused, rid: str | None = None) -> Response:
+        self.rejected += 1
+        extra = [(b"x-request-id", rid.encode())] if rid else []
+        return _Raw(error_body(str(e), e.kind, e.code), e.status, extra)
+
+    def _record(
+        self, rid: str, unit: str, arm: int, prompt: str, payload: dict[str, Any], task_id: Any, t_start: float
+    ) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "request_id": rid,
+            "unit": unit,
+            "arm": ARMS[arm],
+            "model": self.arms[ARMS[arm]].served_model,
+            "stage": self.stage,
+            "ratio": self.ratio,
+            "t": round(self.clock(now), 3),
+            "t_done": None,
+            "timestamp": datetime.fromtimestamp(now, timezone.utc).isoformat(),
+            "status": "ok",
+            "http_status": 200,
+            "error": None,
+            "fallback": None,
+            "latency_ms": round((time.perf_counter() - t_start) * 1000, 3),
+            "ttft_ms": None,
+            "usage": None,
+            "stream": False,
+            "finish_reason": None,
+            "prompt": prompt,
+            "messages": payload.get("messages"),
+            "response": "",
+            "task_id": task_id if isinstance(task_id, str) and task_id else None,
+        }
+
+    async def _commit(self, rec: dict[str, Any], wait: bool = True) -> None:
+        line = orjson.dumps(rec) + b"\n"
+        if wait:
+            await self.req_log.append(line)
+        else:
+            self.req_log.append_nowait(line)
+        self.tally.add_request(rec)
+        if self.traces is not None:
+            self.traces.request(rec)
+        if self._debug:
+            log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], rec["http_status"])
+
+    # --------------------------------------------------------------------------------- endpoints
+    async def healthz(self, request: Request) -> Response:
+        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name}), 200, [])
+
+    async def models(self, request: Request) -> Response:
+        try:
+            await self._body(request)
+        except _Refused as e:
+            return self._refuse(e)
+        data = [{"id": self.public, "object": "model", "created": int(self.t0), "owned_by": "hermes-lab"}]
+        return _Raw(orjson.dumps({"object": "list", "data": data}), 200, [])
+
+    async def chat_asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """POST /v1/chat/completions as a plain ASGI app: the hot path skips Starlette's Request and
+        middleware layers (measured: benchmarks/bench_gateway.py); its responses are Starlette's."""
+        response = await self.chat(dict(scope["headers"]), receive)
+        await response(scope, receive, send)
+
+    async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Response:
+        t_start = time.perf_counter()
+        raw_rid = hdr.get(b"x-request-id")
+        rid = raw_rid.decode("latin-1") if raw_rid else f"{self._rid_prefix}{next(self._rid_seq):x}"
+        if not _RID.match(rid):
+            return self._refuse(
+                _Refused(400, "X-Request-ID: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_request_id")
+            )
+        try:
+            payload = orjson.loads(await self._read(hdr, receive))
+            if not isinstance(payload, dict):
+                raise _Refused(400, "the body must be a JSON object", "invalid_body")
+            messages = payload.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _Refused(400, "'messages' must be a non-empty list", "invalid_messages")
+            if payload.get("model") != self.public:
+                raise _Refused(
+                    404,
+                    f"The model {payload.get('model')!r} does not exist; ask for {self.public!r}",
+                    "model_not_found",
+                )
+        except orjson.JSONDecodeError as e:
+            return self._refuse(_Refused(400, f"the body is not valid JSON: {e}", "invalid_json"), rid)
+        except _Refused as e:
+            return self._refuse(e, rid)
+        if self.unit_request:
+            unit = rid
+        else:
+            user = payload.get("user") or payload.get("safety_identifier") or hdr.get(b"x-hermes-user", b"").decode()
+            unit = str(user or rid)
+        arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
+        md = payload.get("metadata")
+        task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
+        prompt = flatten_messages(messages)
+        headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]
+        rec = self._record(rid, unit, arm, prompt, payload, task_id, t_start)
+        if payload.get("stream") is True:
+            return await self._stream(payload, prompt, rid, arm, rec, headers, t_start)
+        ans = await self._call(self.arms[ARMS[arm]].complete, payload, prompt, rid)
+        self._finish(rec, ans, t_start)
+        if arm == 1 and self.fallback and rec["status"] != "ok":
+            ans = await self._call(self.arms["baseline"].complete, payload, prompt, rid)
+            self._fell_back(rec, ans.status, ans.error, t_start, headers)
+        await self._commit(rec)
+        return _Raw(ans.body, ans.status, headers)
+
+    def _fell_back(
+        self, rec: dict[str, Any], status: int, error: str | None, t_start: float, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """serve.fallback: the baseline answered a failed candidate call. The record stays the candidate's
+        error (its arm's error rate sees it; feedback on it is ignored); the client waited for both."""
+        rec["fallback"] = {"arm": "baseline", "http_status": status, "error": error}
+        rec["latency_ms"] = round((time.perf_counter() - t_start) * 1000, 3)
+        rec["t_done"] = round(self.clock(), 3)
+        headers.append((b"x-hermes-fallback", b"baseline"))
+
+    async def _call(self, fn: Any, payload: dict[str, Any], prompt: str, rid: str) -> Any:
+        try:
+            return await fn(payload, prompt, rid)
+        except UpstreamError as e:
+            code = "gateway_timeout" if e.status == 504 else "bad_gateway"
+            return Answer(e.status, error_body(str(e), "upstream_error", code), error=str(e))
+        except Exception as e:  # an in-process generation failure: a 500 naming it
+            log.exception("arm failed")
+            msg = f"{type(e).__name__}: {e}"
+            return Answer(500, error_body(msg, "server_error", "generation_failed"), error=msg)
+
+    def _finish(self, rec: dict[str, Any], ans: Answer, t_start: float) -> None:
+        ok = ans.status == 200 and not ans.error
+        rec.update(
+            status="ok" if ok else "error",
+            http_status=ans.status,
+            error=ans.error,
+            usage=ans.usage,
+            finish_reason=ans.finish_reason,
+            response=ans.text,
+            latency_ms=round((time.perf_counter() - t_start) * 1000, 3),
+            t_done=round(self.clock(), 3),
+        )
+
+    async def _stream(
+        self,
+        payload: dict[str, Any],
+        prompt: str,
+        rid: str,
+        arm: int,
+        rec: dict[str, Any],
+        headers: list[tuple[bytes, bytes]],
+        t_start: float,
+    ) -> Response:
+        rec["stream"] = True
+        opened = await self._call(self.arms[ARMS[arm]].stream, payload, prompt, rid)
+        err, events = opened if isinstance(opened, tuple) else (opened, None)
+        fell = False
+        if err is not None:  # refused before the first byte: a plain JSON error, as OpenAI answers
+            self._finish(rec, err, t_start)
+            if arm == 1 and self.fallback:  # (a break mid-stream cannot fall back: bytes went out)
+                opened = await self._call(self.arms["baseline"].stream, payload, prompt, rid)
+                err, events = opened if isinstance(opened, tuple) else (opened, None)
+                self._fell_back(rec, 200 if err is None else err.status, err and err.error, t_start, headers)
+                fell = err is None
+            if not fell:
+                await self._commit(rec)
+                return _Raw(err.body, err.status, headers)
+
+        async def body() -> Any:
+            text, usage, finish, ttft, error, done = [], None, None, None, None, False
+            try:
+                async for ch in events:
+                    if ch.text and ttft is None:
+                        ttft = round((time.perf_counter() - t_start) * 1000, 3)
+                    text.append(ch.text)
+                    usage, finish = ch.usage or usage, ch.finish_reason or finish
+                    if ch.raw:
+                        yield ch.raw
+            except UpstreamError as e:
+                error = str(e)
+            except BaseException:  # the client went away (cancelled): record what it got, without waiting
+                ans = Answer(499, b"", "".join(text), usage, "client disconnected", finish)
+                self._finish(rec, ans, t_start)
+                rec["ttft_ms"] = ttft
+                await self._commit(rec, wait=False)
+                done = True
+                raise
+            finally:
+                if not done and fell:  # the record stays the candidate's error; the fallback's outcome beside it
+                    rec["fallback"].update(http_status=200 if error is None else 502, error=error)
+                    rec.update(latency_ms=round((time.perf_counter() - t_start) * 1000, 3), t_done=self.clock())
+                elif not done:
+                    ans = Answer(200 if error is None else 502, b"", "".join(text), usage, error, finish)
+                    self._finish(rec, ans, t_start)
+                    rec["ttft_ms"] = ttft
+            await self._commit(rec)  # durable before the last byte ([DONE]) goes out
+            if error is None:
+                yield b"data: [DONE]\n\n"
+            else:
+                yield b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n"
+
+        hdrs = {k.decode(): v.decode() for k, v in headers} | {"cache-control": "no-cache"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=hdrs)
+
+    async def feedback(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            try:
+                fb = orjson.loads(body)
+            except orjson.JSONDecodeError as e:
+                raise _Refused(422, f"the body is not valid JSON: {e}", "invalid_json") from None
+            if not isinstance(fb, dict) or not isinstance(fb.get("request_id"), str):
+                raise _Refused(422, "the body must be an object with a string 'request_id'", "invalid_body")
+            r = fb.get("reward")
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= self.scale:
+                raise _Refused(422, f"'reward' must be a number in 0..{self.scale:g} (reward.scale)", "invalid_reward")
+            src = fb.get("source", "system")
+            if not isinstance(src, str) or not src:
+                raise _Refused(422, "'source' must be a non-empty string", "invalid_source")
+            i = self.tally.index.get(fb["request_id"])
+            if i is None:
+                raise _Refused(404, f"unknown request_id {fb['request_id'][:128]!r}", "unknown_request_id")
+        except _Refused as e:
+            return self._refuse(e)
+        now = time.time()
+        rec = {
+            "request_id": fb["request_id"],
+            "reward": float(r),
+            "source": src,
+            "detail": fb.get("detail"),
+            "arm": ARMS[self.tally.cols["arm"][i]],
+            "t": round(self.clock(now), 3),
+            "timestamp": L.now_iso(now),
+        }
+        await self.fb_log.append(orjson.dumps(rec) + b"\n")
+        self.tally.add_feedback(rec)
+        if self.traces is not None:
+            self.traces.feedback(rec)
+        return _Raw(orjson.dumps({"status": "accepted", "request_id": rec["request_id"]}), 202, [])
+
+    async def experiment(self, request: Request) -> Response:
+        try:
+            await self._body(request)
+        except _Refused as e:
+            return self._refuse(e)
+        key, dec = self._decision
+        now_key = (sum(self.tally.feedback), sum(self.tally.errors), self.stage, int(time.monotonic() // 5))
+        if key != now_key:  # new rewards (or 5 s on): analyse again, in a thread, off the event loop
+            dec = await asyncio.to_thread(self.rollout.current)
+            self._decision = (now_key, dec)
+        t, st, ro = self.tally, self.state, self.rollout
+        nxt = ro.next_look()
+        out = {
+            "experiment": self.name,
+            "log_dir": str(self.log_dir),
+            "status": self.state["status"],
+            "stage": self.stage,
+            "ratio": self.ratio,
+            "stages": self.stages,
+            "unit": self.cfg.ab.unit,
+            "public_model": self.public,
+            "arms": {n: self.specs[n].describe() for n in ARMS},
+            "started": st["created"],
+            "t": round(self.clock(), 3),
+            "time_scale": ro.K,
+            "rollout": ro.enabled,
+            "stage_starts": st["stage_starts"],
+            "looks": len(st["looks"]),
+            "last_look": st["looks"][-1] if st["looks"] else None,
+            "next_look": None if nxt is None else {"t": nxt, "in_s": round(max(ro.wall_at(nxt) - time.time(), 0), 3)},
+            "waiting_for": ro.waiting_for(),
+            "rollout_decision": st.get("decision"),
+            "report": st.get("report"),
+            "restarts": st["restarts"],
+            "n_baseline": t.n[0],
+            "n_candidate": t.n[1],
+            "errors": {"baseline": t.errors[0], "candidate": t.errors[1]},
+            "feedback": {"baseline": t.feedback[0], "candidate": t.feedback[1]},
+            "rejected": self.rejected,
+            **dec,
+        }
+        return _Raw(orjson.dumps(out), 200, [])
+
+
+def build_app(gw: Gateway) -> Any:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> Any:
+        await gw.startup()
+        try:
+            yield
+        finally:
+            await gw.shutdown()
+
+    routes = [
+        Route("/healthz", gw.healthz, methods=["GET"]),
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/feedback", gw.feedback, methods=["POST"]),
+        Route("/v1/experiment", gw.experiment, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":  # the hot path, no router
+            if scope["method"] == "POST":
+                await gw.chat_asgi(scope, receive, send)
+            else:
+                await _Raw(error_body("use POST", code="method_not_allowed"), 405, [(b"allow", b"POST")])(
+                    scope, receive, send
+                )
+        else:
+            await app(scope, receive, send)
+
+    return asgi
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+# the command line is hermes_lab.live.serve's; `hermes-lab serve` and `python -m hermes_lab.live.gateway` come here
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hermes_lab.live import serve as serve_cli
+
+    serve_cli.add_arguments(p)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from hermes_lab.live import serve as serve_cli
+
+    return serve_cli.run_cli(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.cli.main import run_module
+
+    return run_module("hermes_lab.live.gateway", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

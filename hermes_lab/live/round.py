@@ -1,0 +1,166 @@
+"""Rounds on live traffic: a round's data from a gateway log, and its A/B stage run live by the gateway.
+
+Stages: execute (``execute.source: live``) and A/B (``ab.mode: live``); the round runner runs them through
+the stage registry like any other (their notebooks call ``execute.execute`` and ``ab_run.notebook_run``,
+which come here in live mode).
+
+execute, live: the round's ``runs/round-NN/trajectories.jsonl`` is the gateway log ``execute.live_dir``
+(empty: the live experiment of the previous round, ``runs/live/round-<NN-1>``) joined with its feedback
+(``hermes_lab.live.log.gateway_trajectories``: every request accounted for; requests without feedback are
+kept aside in ``runs/round-NN/live/``). Round 1 has no previous round and no traffic yet: with
+``live_dir`` empty it executes the embedded tasks (it says so).
+
+A/B, live: the stage prepares the round's experiment in ``runs/live/round-NN/`` (``serve.log_dir`` set: that
+dir, to attach to a gateway already running there): baseline the policy the regression gate compared
+against, candidate this round's adapter, the plan of ``ab.stages``. The round then stops as "awaiting live
+A/B" until the gateway has decided; ``hermes-lab serve --params P --log-dir runs/live/round-NN`` serves it
+(the arms come from the experiment), the agent's traffic and feedback drive it, ``hermes-lab status`` says
+which stage it is in and what it waits for, and ``hermes-lab round --resume`` continues the round. Once the
+rollout ended, its ``ab_report.json`` (``hermes_lab.live.report``: ab-run's schema) becomes the round's
+``runs/round-NN/ab/ab_report.json``; the champion moves only when the rollout reached 100% (``promoted``).
+
+    hermes-lab round --params params/live.yaml            # ... stops at ab: awaiting live A/B
+    hermes-lab serve --params params/live.yaml --log-dir runs/live/round-01   # + the agent's traffic
+    hermes-lab round --params params/live.yaml --resume   # the live decision, then compare
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.config.schema import ConfigError, HermesConfig
+from hermes_lab.live import log as L
+from hermes_lab.live.report import FAM_NAMES  # noqa: F401 (the notebook's family names)
+from hermes_lab.round.stages import STOP_AWAITING_LIVE, gate, write_verdict
+
+AWAITING = STOP_AWAITING_LIVE
+
+
+class LiveABPending(Exception):
+    """The round's live rollout is not decided yet: the round stops here and continues with --resume."""
+
+
+def round_number(round_dir: str | os.PathLike[str]) -> int:
+    m = re.fullmatch(r"round-(\d+)", Path(round_dir).name)
+    return int(m.group(1)) if m else 0
+
+
+def source_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path | None:
+    """The gateway log dir a live round trains on; None for round 1 with no ``execute.live_dir`` (bootstrap)."""
+    if cfg.execute.live_dir:
+        return Path(cfg.execute.live_dir)
+    n = round_number(round_dir)
+    if n <= 1:
+        return None
+    return Path(cfg.round.runs_dir) / "live" / f"round-{n - 1:02d}"
+
+
+def pending_samples(cfg: HermesConfig, round_dir: str | os.PathLike[str], default: int) -> int:
+    """``hermes-lab status``: the new samples a live round would train on (its source's requests with
+    feedback); ``default`` for a first round that executes the tasks."""
+    src = source_dir(cfg, round_dir)
+    if src is None:
+        return default
+    return sum(1 for _ in L.read_jsonl(src / L.FEEDBACK))  # an upper bound: re-scores count twice
+
+
+def execute_live(cfg: HermesConfig, output: str | os.PathLike[str], log_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The round's trajectories from a gateway log dir: the requests with feedback (the reward), as prep
+    reads them; the join's accounting in the result (and its files under ``<round_dir>/live/``)."""
+    src, out = Path(log_dir), Path(output)
+    if not (src / L.REQUESTS).is_file():
+        raise ConfigError(
+            f"execute.source is live, but {src} holds no {L.REQUESTS} (set execute.live_dir to a gateway log dir, "
+            "or run the previous round's live A/B first)"
+        )
+    info = L.gateway_trajectories(src, out.parent / "live", cfg)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    shutil.copyfile(info["trajectories"], tmp)
+    os.replace(tmp, out)  # a half-written file never looks like a finished execution log
+    rewards = [r.get("reward") for _, r in L.read_jsonl(out)]
+    passed = sum(isinstance(r, (int, float)) and r >= cfg.reward.success_threshold for r in rewards)
+    print(L.describe_gateway(info), flush=True)
+    return {
+        "records": len(rewards),
+        "pass_rate": round(passed / max(len(rewards), 1), 4),
+        "output": str(out),
+        "source": "live",
+        "live": info,
+    }
+
+
+# ------------------------------------------------------------------------------------------- the A/B stage
+def experiment_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path:
+    return Path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(cfg.round.runs_dir) / "live" / Path(round_dir).name
+
+
+def prepare(cfg: HermesConfig, round_dir: str | os.PathLike[str], baseline: str, candidate: str) -> dict[str, Any]:
+    """The round's live experiment: created for its arms, or (created before, by the round or a gateway
+    started first) checked to be the same experiment. Returns its state."""
+    from hermes_lab.live import experiment as X
+    from hermes_lab.live.arms import ARMS, resolve_arm
+
+    log_dir = experiment_dir(cfg, round_dir)
+    specs = {"baseline": resolve_arm(cfg, "baseline", baseline), "candidate": resolve_arm(cfg, "candidate", candidate)}
+    stages, ratio = X.live_stages(cfg, log_dir)
+    ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, Path(round_dir).name)
+    fresh = L.load_experiment(log_dir) is None
+    return X.open_experiment(
+        log_dir, ident, stages, ratio, arm_specs=X.arm_specs(specs) if fresh else None, restart=False
+    )
+
+
+def status_line(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> str | None:
+    """``ab: live stage 2 (30%) since 14:05, next look in 7 min, waiting for ...`` of a log dir, or None."""
+    from hermes_lab.live import experiment as X
+
+    state = L.load_experiment(log_dir)
+    if state is None:
+        return None
+    return X.LiveRollout(cfg, state, log_dir, L.Tally(), say=lambda _: None).status_line()
+
+
+def arm_spec(path: str) -> str:
+    """A train output's adapter as its train dir (the gateway then takes the base from its run.json)."""
+    a = Path(path)
+    return str(a.parent) if a.name == "adapter" and (a.parent / "run.json").is_file() else path
+
+
+def baseline_spec(cfg: HermesConfig, explicit: str = "") -> str:
+    """The live baseline as an arm spec: the policy the regression gate compared against (champion, else
+    model.adapter, else the bare base; ``validate.resolve_baseline``)."""
+    from hermes_lab.evaluate.validate import resolve_baseline
+
+    if explicit:
+        return arm_spec(explicit)
+    base, adapter = resolve_baseline(cfg)
+    return arm_spec(adapter) if adapter else base
+
+
+def ab_stage(
+    cfg: HermesConfig, round_dir: str | os.PathLike[str], baseline: str = "", candidate: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The live A/B stage: (the decided rollout's report, written as the round's ``ab/ab_report.json`` with
+    its plots, and the rewarded requests' columns), or ``LiveABPending`` while the gateway decides."""
+    from hermes_lab.live.report import write_live_report
+
+    candidate = arm_spec(candidate or str(Path(round_dir) / "train"))
+    state = prepare(cfg, round_dir, baseline_spec(cfg, baseline), candidate)
+    log_dir, out = experiment_dir(cfg, round_dir), Path(round_dir) / "ab"
+    if state["status"] == "running":
+        where = status_line(cfg, log_dir)
+        msg = (
+            f"{AWAITING}: {where}. Serve it: hermes-lab serve --params {cfg.source or '<params>'} --log-dir {log_dir} "
+            "(and the agent's traffic), then: hermes-lab round --resume"
+        )
+        write_verdict(out, "ab", [gate("ab_decision", None, msg)], stop=AWAITING)  # the round stops, resumable
+        raise LiveABPending(msg)
+    # the traffic as trajectories: the next round's fuel, and its negatives on a roll back (stages.py)
+    info = L.gateway_trajectories(log_dir, out / "live", cfg)
+    shutil.copyfile(info["trajectories"], out / "live_trajectories.jsonl")
+    # rebuilt from the log dir alone: the same decisions the gateway took, in the round's ab/
+    return write_live_report(cfg, log_dir, out)

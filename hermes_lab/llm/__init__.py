@@ -1,0 +1,1 @@
+"""Model APIs: the OpenAI-compatible client, its typed errors and diagnoses, the API judge, `hermes-lab doctor`."""

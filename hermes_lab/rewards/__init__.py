@@ -1,0 +1,1 @@
+"""Reward functions for GRPO: one registry of plain functions, with a "module:function" escape hatch."""

@@ -1,0 +1,275 @@
+"""The stage registry: one row per round stage, read by the round runner, the CLI, status, compare and tests.
+
+Reads and writes nothing itself except through ``write_verdict``/``read_verdict``, which every gated stage
+uses for ``runs/round-NN/<stage>/verdict.json``. Adding a stage to a round is one ``Stage`` row below, one
+notebook in ``notebooks/`` and one module in ``hermes_lab/``: the runner runs the rows in order, passes the
+parameters the row builds, lists the row's gates in every round summary, and stops the round when the
+stage's verdict says so; ``hermes-lab <command>`` comes from the row's ``command``.
+
+The verdict file is the gate-stop marker. A gated stage writes, before it raises (so papermill stops)::
+
+    {"stage": "review", "gates": [{"gate": "review_agreement", "passed": false, "detail": "..."}],
+     "stop": "awaiting review", "written_at": "..."}
+
+``stop`` is null when the round may go on, else one of the row's ``stops`` (the round's status). The
+runner deletes the verdict before it runs the stage, so a verdict it reads was written by this execution;
+a failed notebook without a stopping verdict is a failure, whatever exception it raised. A verdict may
+also carry ``candidate`` (the A/B outcome: decision, promoted, rolled_back, delta, p_value, significant)
+and ``eval`` (held-out pass rate before/after training), which the round summary reports.
+
+    python -c "from hermes_lab.round.stages import STAGES; print([s.name for s in STAGES])"
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hermes_lab.config.schema import HermesConfig
+    from hermes_lab.core.state import FlywheelState
+
+VERDICT_NAME = "verdict.json"
+ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")  # every stage notebook takes these
+
+# the statuses a stage's verdict may stop a round with
+STOP_DATA = "skipped: data gate"
+STOP_AWAITING_REVIEW = "awaiting review"
+STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
+STOP_HEALTH = "stopped: training health"
+STOP_REGRESSION = "stopped: regression gate"
+STOP_AWAITING_LIVE = "awaiting live A/B"  # ab.mode live: the gateway has not decided the rollout yet
+WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues (--resume) after these
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a stage's parameters are built from."""
+
+    cfg: HermesConfig
+    params_path: str
+    round_dir: Path
+    round_no: int
+    parent_run_id: str
+    state: FlywheelState
+
+    @property
+    def runs_dir(self) -> Path:
+        return Path(self.cfg.round.runs_dir)
+
+    @property
+    def champion(self) -> str:
+        return self.state.champion_adapter or ""
+
+    def round_dir_of(self, n: int) -> Path:
+        return self.runs_dir / f"round-{n:02d}"
+
+
+def _no_params(ctx: RoundContext) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a round. ``notebook`` is relative to notebooks/ (or absolute); ``verdict`` is relative
+    to the round dir; ``notebook_params`` lists the notebook's parameters cell in order (a test pins it)."""
+
+    name: str
+    notebook: str
+    module: str
+    verdict: str | None = None
+    gates: tuple[str, ...] = ()  # gate names the verdict reports, in summary order
+    stops: tuple[str, ...] = ()  # statuses the verdict may stop the round with
+    params: Callable[[RoundContext], dict[str, Any]] = _no_params  # beyond ROUND_PARAMS
+    notebook_params: tuple[str, ...] = ROUND_PARAMS
+    command: str | None = None  # `hermes-lab <command>` (module's add_arguments / run_cli)
+    help: str = ""
+    data_outputs: tuple[str, ...] = ()  # the round's execution data it writes: negatives on a rollback
+    starts_cooldown: bool = False  # completing it is a training: the cooldown counts from here
+    consumes_negatives: bool = False  # completing it has used state.negative_files
+
+
+# -------------------------------------------------------------------------------- parameter builders
+def _execute_params(ctx: RoundContext) -> dict[str, Any]:
+    return {"adapter": ctx.champion, "seed": ctx.round_no}
+
+
+def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
+    """A round's new samples: everything logged since the last round that reached training. That is its own
+    execution log and the previous round's A/B traffic (the execution logs of both policies), and, while
+    the rounds before stopped at the data gate (too few samples, or the cooldown), their logs as well:
+    samples pile up until they trigger a training, none is dropped by a skipped round."""
+    runs = Path(runs_dir)
+    out = [runs / f"round-{round_no:02d}" / "trajectories.jsonl"]
+    for k in range(round_no - 1, 0, -1):
+        prev = runs / f"round-{k:02d}"
+        if (prev / "ab" / "requests.jsonl").exists():
+            out.append(prev / "ab" / "requests.jsonl")
+        verdict = read_verdict(prev / "prep" / VERDICT_NAME)
+        if not verdict or verdict.get("stop") != STOP_DATA:  # round k trained on what came before it
+            break
+        if (prev / "trajectories.jsonl").exists():
+            out.append(prev / "trajectories.jsonl")
+    return out
+
+
+def _prep_params(ctx: RoundContext) -> dict[str, Any]:
+    from hermes_lab.core.state import state_path
+
+    return {
+        "trajectories": ",".join(str(p) for p in fresh_data(ctx.runs_dir, ctx.round_no)),
+        "state_path": str(state_path(ctx.runs_dir)),
+        "simulated_now": ctx.state.simulated_now or "",
+    }
+
+
+def _review_params(ctx: RoundContext) -> dict[str, Any]:
+    return {"labels_path": str(ctx.runs_dir / "review" / "labels.jsonl")}
+
+
+def _train_params(ctx: RoundContext) -> dict[str, Any]:
+    return {"start_adapter": ctx.champion}
+
+
+# one baseline for both gates (issue #14): empty, so that both notebooks resolve it the same way with
+# validate.resolve_baseline (champion, else model.adapter, else the bare base)
+def _validate_params(ctx: RoundContext) -> dict[str, Any]:
+    return {"baseline_adapter": ""}
+
+
+def _ab_params(ctx: RoundContext) -> dict[str, Any]:
+    return {"baseline": "", "candidate": str(ctx.round_dir / "train" / "adapter"), "seed": ctx.round_no}
+
+
+# ---------------------------------------------------------------------------------------- the rows
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "execute",
+        "00_execute.ipynb",
+        "hermes_lab.data.execute",
+        params=_execute_params,
+        notebook_params=(*ROUND_PARAMS, "adapter", "seed"),
+        command="execute",
+        help="Run a policy on tasks and write trajectories JSONL (execution logs).",
+        data_outputs=("trajectories.jsonl",),
+    ),
+    Stage(
+        "prep",
+        "10_data_prep.ipynb",
+        "hermes_lab.data.prep",
+        verdict=f"prep/{VERDICT_NAME}",
+        gates=("min_samples", "cooldown"),
+        stops=(STOP_DATA,),
+        params=_prep_params,
+        notebook_params=(
+            *ROUND_PARAMS,
+            "trajectories",
+            "state_path",
+            "simulated_now",
+            "override_cooldown",
+            "override_reason",
+        ),
+        command="prep",
+        help="Ingest, validate and distill trajectories; apply the data gates.",
+        consumes_negatives=True,
+    ),
+    Stage(
+        "review",
+        "15_review_gate.ipynb",
+        "hermes_lab.review.gate",
+        verdict=f"review/{VERDICT_NAME}",
+        gates=("review_agreement",),
+        stops=(STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW),
+        params=_review_params,
+        notebook_params=(*ROUND_PARAMS, "labels_path", "queue_path", "simulate"),
+        command="review",
+        help="Reward-model agreement gate over the human review labels.",
+    ),
+    Stage(
+        "train",
+        "20_grpo_train.ipynb",
+        "hermes_lab.train.grpo",
+        verdict=f"train/{VERDICT_NAME}",
+        gates=("training_health",),
+        stops=(STOP_HEALTH,),
+        params=_train_params,
+        notebook_params=(*ROUND_PARAMS, "data_dir", "start_adapter", "max_steps", "resume"),
+        command="train",
+        help="GRPO + LoRA training from the user's YAML.",
+        starts_cooldown=True,
+    ),
+    Stage(
+        "validate",
+        "30_inspect_validate.ipynb",
+        "hermes_lab.evaluate.validate",
+        verdict=f"validate/{VERDICT_NAME}",
+        gates=("regression",),
+        stops=(STOP_REGRESSION,),
+        params=_validate_params,
+        notebook_params=(*ROUND_PARAMS, "train_dir", "compare_rounds", "baseline_adapter"),
+        command="validate",
+        help="Regression gate: candidate vs baseline on the held-out set.",
+    ),
+    Stage(
+        "ab",
+        "40_ab_analysis.ipynb",
+        "hermes_lab.ab.run",
+        verdict=f"ab/{VERDICT_NAME}",
+        gates=("ab_decision",),
+        stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live.round)
+        params=_ab_params,
+        notebook_params=(*ROUND_PARAMS, "baseline", "candidate", "duration", "seed"),
+        command="ab-run",
+        help="Run the staged A/B rollout and write ab_report.json.",
+        data_outputs=("ab/requests.jsonl", "ab/live_trajectories.jsonl"),  # simulated / live traffic
+    ),
+    # last, so that its table includes this round
+    Stage("compare", "50_round_compare.ipynb", "hermes_lab.round.compare"),
+)
+
+
+def stage(name: str, stages: Sequence[Stage] = STAGES) -> Stage:
+    for s in stages:
+        if s.name == name:
+            return s
+    raise KeyError(f"no stage '{name}'; stages: {', '.join(s.name for s in stages)}")
+
+
+def all_gates(stages: Sequence[Stage] = STAGES) -> list[tuple[str, str]]:
+    """(stage, gate) in round order: every round summary lists exactly these."""
+    return [(s.name, g) for s in stages for g in s.gates]
+
+
+# ------------------------------------------------------------------------------------------ verdicts
+def gate(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
+    return {"gate": name, "passed": passed, "detail": detail}
+
+
+def write_verdict(
+    stage_dir: str | Path, stage_name: str, gates: list[dict[str, Any]], stop: str | None = None, **extra: Any
+) -> Path:
+    """Write ``<stage_dir>/verdict.json`` atomically (the round runner reads it back)."""
+    from hermes_lab.core.jsonl import write_json_atomic
+
+    data = {
+        "stage": stage_name,
+        "gates": gates,
+        "stop": stop,
+        "written_at": datetime.now(timezone.utc).isoformat(),
+        **extra,
+    }
+    return write_json_atomic(Path(stage_dir) / VERDICT_NAME, data)
+
+
+def read_verdict(path: str | Path) -> dict[str, Any] | None:
+    """A verdict, or None when the stage wrote none (or half of one: a killed writer)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
