@@ -148,7 +148,8 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
 
     from hermes_lab.policy import model as P
     from hermes_lab.rewards import registry as R
-    from hermes_lab.train.grpo import filter_long_prompts, grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
+    from hermes_lab.train.grpo import filter_long_prompts
 
     t0 = time.perf_counter()
     set_seed(cfg.grpo.seed)

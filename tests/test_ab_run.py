@@ -369,7 +369,8 @@ def test_round_moves_the_champion_only_on_promotion(tmp_path):
     """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
     from hermes_lab.core.state import FlywheelState
     from hermes_lab.round import runner as R
-    from hermes_lab.round.stages import STAGES, gate, write_verdict
+    from hermes_lab.round.stages import STAGES
+    from hermes_lab.core.verdict import gate, write_verdict
 
     cfg = _cfg(tmp_path)
     for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):

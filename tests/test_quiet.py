@@ -59,7 +59,7 @@ def test_round_runner_kernels_start_without_the_transport_warning(tmp_path, capf
 def test_grpo_config_from_our_mapping_raises_no_deprecation(tmp_path):
     from trl import GRPOConfig
 
-    from hermes_lab.train.grpo import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
 
     cfg = load_config(REPO / "params" / "embedded.yaml")
     kw = grpo_kwargs(cfg, tmp_path, 16, [1.0, 0.25])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fake_openai import judge_score
 
-from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.config.schema import REWARD_TYPES, ConfigError, load_config
 from hermes_lab.rewards import registry as R
 from hermes_lab.tasks import suite as T
 
@@ -56,6 +56,7 @@ def user_module(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- registry
 def test_registry_names_and_default_functions():
     assert set(R.REGISTRY) == {"system", "comparison"}
+    assert list(R.REGISTRY) == list(REWARD_TYPES)  # config checks reward.types against the names it declares
     funcs, weights = R.get_reward_funcs(cfg_with())
     assert [f.__name__ for f in funcs] == ["system", "comparison"]  # TRL logs rewards/<name>/mean
     assert weights == [1.0, 1.0]

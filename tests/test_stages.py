@@ -17,8 +17,10 @@ import yaml
 from hermes_lab.cli import main as cli
 from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.round import runner as R
+from hermes_lab.core import verdict
 from hermes_lab.round import stages
-from hermes_lab.round.stages import STOP_DATA, Stage, all_gates
+from hermes_lab.round.stages import Stage, all_gates
+from hermes_lab.core.verdict import STOP_DATA
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = "2026-01-01T00:00:00+00:00"
@@ -26,11 +28,11 @@ T0 = "2026-01-01T00:00:00+00:00"
 HEAD = (
     "from pathlib import Path\n"
     "from hermes_lab.config.schema import load_config\n"
-    "from hermes_lab.round.stages import gate, write_verdict\n"
+    "from hermes_lab.core.verdict import gate, write_verdict\n"
 )
 GATE_NB = HEAD + (
     "from hermes_lab.data.prep import evaluate_gates\n"
-    "from hermes_lab.round.stages import STOP_DATA\n"
+    "from hermes_lab.core.verdict import STOP_DATA\n"
     "from hermes_lab.core.state import FlywheelState, parse_time\n"
     "cfg = load_config(config_path)\n"
     "state = FlywheelState.load(state_path)\n"
@@ -154,7 +156,7 @@ def test_a_stale_verdict_never_turns_a_crash_into_a_gate_stop(params, mlflow_sto
         stops=(STOP_DATA,),
     )
     rd = tmp_path / "runs" / "round-01"
-    stages.write_verdict(rd / "crash", "crash", [stages.gate("g", False, "old")], STOP_DATA)  # an earlier run's
+    verdict.write_verdict(rd / "crash", "crash", [verdict.gate("g", False, "old")], STOP_DATA)  # an earlier run's
     with pytest.raises(R.RoundError, match="a real bug"):
         R.run_round(str(params), quiet=True, stages=(crash,))
     assert _state(tmp_path).progress["status"] == "failed"
@@ -168,7 +170,7 @@ def test_a_throwaway_stage_is_a_row_a_notebook_and_a_module(params, mlflow_store
     mod.write_text(
         '"""Throwaway stage: lints the round (writes lint/verdict.json)."""\n'
         "from pathlib import Path\n"
-        "from hermes_lab.round.stages import gate, write_verdict\n\n"
+        "from hermes_lab.core.verdict import gate, write_verdict\n\n"
         "def lint(round_dir, strict):\n"
         "    ok = not strict\n"
         "    write_verdict(Path(round_dir) / 'lint', 'lint', [gate('lint_clean', ok, 'ok' if ok else 'dirty')],\n"
@@ -313,12 +315,12 @@ def test_a_round_skipped_at_the_data_gate_hands_its_samples_to_the_next(tmp_path
     runs = tmp_path / "runs"
     for k, stop in ((1, None), (2, STOP_DATA)):
         rd = runs / f"round-{k:02d}"
-        stages.write_verdict(rd / "prep", "prep", [], stop=stop)
+        verdict.write_verdict(rd / "prep", "prep", [], stop=stop)
         (rd / "trajectories.jsonl").write_text("{}\n")
     (runs / "round-01" / "ab").mkdir()
     (runs / "round-01" / "ab" / "requests.jsonl").write_text("{}\n")
     got = [p.relative_to(runs).as_posix() for p in stages.fresh_data(runs, 3)]
     assert got == ["round-03/trajectories.jsonl", "round-02/trajectories.jsonl", "round-01/ab/requests.jsonl"]
     # once round 3 trained, round 4 starts afresh from round 3's log
-    stages.write_verdict(runs / "round-03" / "prep", "prep", [], stop=None)
+    verdict.write_verdict(runs / "round-03" / "prep", "prep", [], stop=None)
     assert [p.name for p in stages.fresh_data(runs, 4)] == ["trajectories.jsonl"]

@@ -41,7 +41,7 @@ PER_STEP_KEYS = {"reward", "kl", "entropy", "frac_reward_zero_std", "rewards/sys
 def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
     from trl import GRPOConfig
 
-    from hermes_lab.train.grpo import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
 
     cfg = load_config(USER_YAML, env=USER_ENV)
     kw = grpo_kwargs(cfg, tmp_path, 256, [1.0, 0.5])
@@ -69,7 +69,7 @@ def test_grpo_kwargs_map_the_users_yaml_and_trl_accepts_them(tmp_path):
 
 
 def test_checkpoint_interval(tmp_path):
-    from hermes_lab.train.grpo import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
 
     kw = grpo_kwargs(load_config(EMBEDDED_YAML), tmp_path, 16, [1.0, 0.25])
     assert kw["save_steps"] == 10  # the embedded 40-step run saves four times
@@ -94,7 +94,7 @@ def test_judge_failures_in_the_inspect_diagnostics(tmp_path):
 
 
 def test_grpo_kwargs_always_pass_beta_even_zero(tmp_path):
-    from hermes_lab.train.grpo import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
 
     cfg = load_config(USER_YAML, {"grpo.kl_coefficient": 0.0, "grpo.group_size": 4}, env=USER_ENV)
     kw = grpo_kwargs(cfg, tmp_path, 16, [1.0, 1.0])

@@ -24,7 +24,7 @@ import numpy as np
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core import tracking
-from hermes_lab.round.stages import gate, write_verdict
+from hermes_lab.core.verdict import gate, write_verdict
 
 
 @dataclass(frozen=True)

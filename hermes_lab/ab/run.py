@@ -564,7 +564,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module(
         "hermes_lab.ab_run", add_arguments, run_cli, argv, description="Staged A/B rollout -> ab_report.json"

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from hermes_lab.core import command
 from hermes_lab.round.stages import STAGES, Stage
 
 # command -> (module, one-line help). The round's stage commands come from the stage registry (its rows'
@@ -42,7 +43,6 @@ AFTER_STAGES: dict[str, tuple[str, str]] = {
     ),
     "lab": ("hermes_lab.cli.lab", "JupyterLab on the project, opening notebooks/README.md (make lab)."),
 }
-DEBUG_HELP = "let library logging (HTTP requests...) and every warning through (hermes_lab.core.quiet)"
 
 
 def commands(stages: Sequence[Stage] = STAGES) -> dict[str, tuple[str, str]]:
@@ -56,7 +56,7 @@ COMMANDS = commands()
 def build_parser(stages: Sequence[Stage] = STAGES) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-lab", description=__doc__.split("\n")[0])
     # its own dest: a subcommand's --debug (doctor has one) would overwrite a shared one
-    parser.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help=command.DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (modname, help_) in commands(stages).items():
         mod = importlib.import_module(modname)  # a missing module is an error, not a silently absent command
@@ -68,42 +68,9 @@ def build_parser(stages: Sequence[Stage] = STAGES) -> argparse.ArgumentParser:
     return parser
 
 
-def _run(runner: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
-    """Run a command; a config problem or a policy argument that names nothing is one line on stderr and
-    exit 2, never a traceback."""
-    from hermes_lab.config.schema import ConfigError
-    from hermes_lab.core import quiet
-    from hermes_lab.policy.arms import ArmError
-
-    quiet.configure(getattr(args, "global_debug", False) or None)  # None: $HERMES_LAB_DEBUG decides
-    try:
-        return int(runner(args) or 0)
-    except ConfigError as e:
-        print(f"{name}: config error: {e}", file=sys.stderr)
-        return 2
-    except ArmError as e:
-        print(f"{name}: {e}", file=sys.stderr)
-        return 2
-
-
-def run_module(
-    module: str,
-    add_arguments: Callable[[argparse.ArgumentParser], None],
-    run_cli: Callable[[argparse.Namespace], int | None],
-    argv: list[str] | None = None,
-    description: str | None = None,
-) -> int:
-    """`python -m hermes_lab.<module>`: the same arguments and error handling as `hermes-lab <command>`."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    add_arguments(p)
-    if not any("--debug" in a.option_strings for a in p._actions):  # doctor's own --debug wins
-        p.add_argument("--debug", dest="global_debug", action="store_true", help=DEBUG_HELP)
-    return _run(run_cli, p.parse_args(argv), f"python -m {module}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return _run(args._run, args, f"hermes-lab {args.command}")
+    return command.run(args._run, args, f"hermes-lab {args.command}")
 
 
 if __name__ == "__main__":

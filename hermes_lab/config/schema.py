@@ -47,11 +47,19 @@ from hermes_lab.config.sections import (
     serve_problems,
 )
 from hermes_lab.core import paths
+from hermes_lab.tasks import suite as tasks
 from hermes_lab.core.yaml_typed import ConfigError, bound_problems, build, read_yaml
 from hermes_lab.core.yaml_typed import field_with as _f
 
 EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 META = ("source", "explicit")  # HermesConfig fields that are not config keys
+# The names reward.types accepts, with their help. hermes_lab.rewards.registry implements exactly these (a test
+# pins it); they are named here, below the rewards, so that a config is checked without importing them.
+REWARD_TYPES: dict[str, str] = {
+    "system": "system feedback, 'the tests pass' (reward.system: the embedded verifiers or 'module:function')",
+    "comparison": "comparison feedback: the completion judged against the logged reference (reward.model's judge, "
+    "or the local one)",
+}
 
 
 @dataclass
@@ -298,9 +306,6 @@ def _callable_spec(value: str) -> bool:
 
 def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a built config: bounds, registry names, TRL's values, cross-field rules."""
-    from hermes_lab.rewards.registry import REGISTRY
-    from hermes_lab.tasks import suite as tasks
-
     errs: list[str] = []
     warns: list[str] = []
     for f in dataclasses.fields(cfg):
@@ -325,8 +330,8 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if not r.types:
         errs.append("reward.types must name at least one reward")
     for t in r.types:
-        if t not in REGISTRY and not _callable_spec(t):
-            errs.append(f"reward.types entry '{t}' is unknown: use {', '.join(REGISTRY)} or 'package.module:function'")
+        if t not in REWARD_TYPES and not _callable_spec(t):
+            errs.append(f"reward.types entry '{t}' is unknown: use {', '.join(REWARD_TYPES)} or 'package.module:function'")
     if r.weights is not None and len(r.weights) != len(r.types):
         errs.append(f"reward.weights needs one weight per reward type ({len(r.types)}), got {len(r.weights)}")
     if r.system != "verifier" and not _callable_spec(r.system):
@@ -376,7 +381,7 @@ def _deep_problems(cfg: HermesConfig) -> list[str]:
     from peft import LoraConfig, TaskType
     from trl import GRPOConfig
 
-    from hermes_lab.train.grpo import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs
 
     if cfg.lora.task_type not in {t.value for t in TaskType}:
         out.append(f"lora.task_type must be one of PEFT's: {', '.join(t.value for t in TaskType)}")
@@ -498,6 +503,8 @@ def field_help(cls: type = HermesConfig, prefix: str = "") -> dict[str, str]:
         choices = get_args(tp) if get_origin(tp) is Literal else None
         if f"{prefix}{f.name}" == "grpo.loss_type":
             choices = trl_choices("loss_type")
+        if f"{prefix}{f.name}" == "reward.types":
+            choices = tuple(f"{k} ({v})" for k, v in REWARD_TYPES.items())
         if choices:
             text += f" Choices: {', '.join(choices)}."
         ge, gt, le, lt = f.metadata.get("bounds", (None,) * 4)

@@ -115,7 +115,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module("hermes_lab.data.execute", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 

@@ -70,7 +70,7 @@ from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallCloc
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
 from hermes_lab.live.log import describe_gateway, expand_inputs
-from hermes_lab.round.stages import STOP_DATA, gate, write_verdict
+from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 OUTPUT_FILES = (
@@ -543,7 +543,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module("hermes_lab.prep", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from hermes_lab.core.jsonl import safe_name, write_json_atomic
 from hermes_lab.policy.arms import ADAPTER_KINDS, ArmError, resolve_adapter
-from hermes_lab.round.stages import STOP_REGRESSION, gate, write_verdict
+from hermes_lab.core.verdict import STOP_REGRESSION, gate, write_verdict
 from hermes_lab.tasks import suite as T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -529,7 +529,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module("hermes_lab.evaluate.validate", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 

@@ -35,7 +35,7 @@ from typing import Any
 from hermes_lab.config.schema import ConfigError, HermesConfig
 from hermes_lab.live import log as L
 from hermes_lab.live.report import FAM_NAMES  # noqa: F401 (the notebook's family names)
-from hermes_lab.round.stages import STOP_AWAITING_LIVE, gate, write_verdict
+from hermes_lab.core.verdict import STOP_AWAITING_LIVE, gate, write_verdict
 
 AWAITING = STOP_AWAITING_LIVE
 

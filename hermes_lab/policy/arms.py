@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.core.command import CommandError
 from hermes_lab.config.schema import EMBEDDED_MODEL, HermesConfig
 
 POLICY_KINDS = (
@@ -40,7 +41,7 @@ ADAPTER_KINDS = "a LoRA adapter dir (adapter_config.json), a train output dir (a
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ArmError(ValueError):
+class ArmError(CommandError):
     """A policy argument that names nothing loadable; the message names the flag and the accepted kinds."""
 
     def __init__(self, flag: str, spec: str, reason: str, kinds: str = POLICY_KINDS):

@@ -69,7 +69,7 @@ from hermes_lab.review.stats import (  # noqa: F401  (re-exported: the agreement
     labels_to_settle,
     wilson,
 )
-from hermes_lab.round.stages import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
+from hermes_lab.core.verdict import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks.suite import family_of, verify
 
 SIMULATED_REVIEWER = "simulated:verifier"
@@ -497,7 +497,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module("hermes_lab.review.gate", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 

@@ -41,7 +41,8 @@ from typing import Any
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
-from hermes_lab.round.stages import STAGES, STOP_AWAITING_LIVE, WAITING, RoundContext, Stage, fresh_data, read_verdict
+from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
+from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -585,7 +586,7 @@ add_arguments, run_cli = add_arguments_round, run_cli_round
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module(
         "hermes_lab.round.runner", add_arguments_round, run_cli_round, argv, description=__doc__.split("\n")[0]

@@ -1,20 +1,11 @@
 """The stage registry: one row per round stage, read by the round runner, the CLI, status, compare and tests.
 
-Reads and writes nothing itself except through ``write_verdict``/``read_verdict``, which every gated stage
-uses for ``runs/round-NN/<stage>/verdict.json``. Adding a stage to a round is one ``Stage`` row below, one
-notebook in ``notebooks/`` and one module in ``hermes_lab/``: the runner runs the rows in order, passes the
-parameters the row builds, lists the row's gates in every round summary, and stops the round when the
-stage's verdict says so; ``hermes-lab <command>`` comes from the row's ``command``.
-
-The verdict file is the gate-stop marker. A gated stage writes, before it raises (so papermill stops)::
-
-    {"stage": "review", "gates": [{"gate": "review_agreement", "passed": false, "detail": "..."}],
-     "stop": "awaiting review", "written_at": "..."}
-
-``stop`` is null when the round may go on, else one of the row's ``stops`` (the round's status). The
-runner deletes the verdict before it runs the stage, so a verdict it reads was written by this execution;
-a failed notebook without a stopping verdict is a failure, whatever exception it raised. A verdict may
-also carry ``candidate`` (the A/B outcome: decision, promoted, rolled_back, delta, p_value, significant)
+Reads and writes nothing itself: a gated stage writes its verdict (``runs/round-NN/<stage>/verdict.json``)
+through ``hermes_lab.core.verdict``, and the runner reads it back. Adding a stage to a round is one ``Stage``
+row below, one notebook in ``notebooks/`` and one module in a stage package: the runner runs the rows in
+order, passes the parameters the row builds, lists the row's gates in every round summary, and stops the
+round when the stage's verdict says so; ``hermes-lab <command>`` comes from the row's ``command``. A verdict
+may also carry ``candidate`` (the A/B outcome: decision, promoted, rolled_back, delta, p_value, significant)
 and ``eval`` (held-out pass rate before/after training), which the round summary reports.
 
     python -c "from hermes_lab.round.stages import STAGES; print([s.name for s in STAGES])"
@@ -29,21 +20,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hermes_lab.core.verdict import (
+    STOP_AWAITING_LIVE,
+    STOP_AWAITING_REVIEW,
+    STOP_BLOCKED_REVIEW,
+    STOP_DATA,
+    STOP_HEALTH,
+    STOP_REGRESSION,
+    VERDICT_NAME,
+    read_verdict,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from hermes_lab.config.schema import HermesConfig
     from hermes_lab.core.state import FlywheelState
 
-VERDICT_NAME = "verdict.json"
 ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")  # every stage notebook takes these
 
-# the statuses a stage's verdict may stop a round with
-STOP_DATA = "skipped: data gate"
-STOP_AWAITING_REVIEW = "awaiting review"
-STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
-STOP_HEALTH = "stopped: training health"
-STOP_REGRESSION = "stopped: regression gate"
-STOP_AWAITING_LIVE = "awaiting live A/B"  # ab.mode live: the gateway has not decided the rollout yet
-WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues (--resume) after these
 
 
 @dataclass(frozen=True)
@@ -242,34 +235,3 @@ def stage(name: str, stages: Sequence[Stage] = STAGES) -> Stage:
 def all_gates(stages: Sequence[Stage] = STAGES) -> list[tuple[str, str]]:
     """(stage, gate) in round order: every round summary lists exactly these."""
     return [(s.name, g) for s in stages for g in s.gates]
-
-
-# ------------------------------------------------------------------------------------------ verdicts
-def gate(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
-    return {"gate": name, "passed": passed, "detail": detail}
-
-
-def write_verdict(
-    stage_dir: str | Path, stage_name: str, gates: list[dict[str, Any]], stop: str | None = None, **extra: Any
-) -> Path:
-    """Write ``<stage_dir>/verdict.json`` atomically (the round runner reads it back)."""
-    from hermes_lab.core.jsonl import write_json_atomic
-
-    data = {
-        "stage": stage_name,
-        "gates": gates,
-        "stop": stop,
-        "written_at": datetime.now(timezone.utc).isoformat(),
-        **extra,
-    }
-    return write_json_atomic(Path(stage_dir) / VERDICT_NAME, data)
-
-
-def read_verdict(path: str | Path) -> dict[str, Any] | None:
-    """A verdict, or None when the stage wrote none (or half of one: a killed writer)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None

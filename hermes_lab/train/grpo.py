@@ -14,24 +14,7 @@ verdicts, the API judge's requests and failures), ``eval.json`` (held-out pass r
     hermes-lab train --config params/embedded.yaml --data trajectories.jsonl --output checkpoints/round-01
     hermes-lab train ... --resume          # a killed training continues from its last checkpoint
 
-The user's keys map onto TRL and PEFT like this (TRL's own defaults are never relied on):
-
-| user YAML                    | TRL GRPOConfig / PEFT LoraConfig                                       |
-|------------------------------|------------------------------------------------------------------------|
-| grpo.group_size              | num_generations                                                        |
-| grpo.kl_coefficient          | beta (always passed: TRL's default 0.0 drops KL and the reference)     |
-| grpo.clip_range              | epsilon                                                                |
-| grpo.learning_rate           | learning_rate (TRL's default 1e-6 is far too low for LoRA)             |
-| grpo.max_steps               | max_steps                                                              |
-| grpo.per_device_batch_size   | per_device_train_batch_size = per_device_batch_size * group_size       |
-|                              | (the user counts prompts, TRL counts completions)                      |
-| grpo.gradient_accumulation   | gradient_accumulation_steps                                            |
-| grpo.temperature             | temperature                                                            |
-| data.max_seq_len             | prompt + max_completion_length <= max_seq_len; TRL no longer truncates |
-|                              | prompts, so longer prompts are flagged and left out (health.json)      |
-| reward.types / weights       | reward_funcs / reward_weights (hermes_lab.rewards.registry)                     |
-| grpo.use_vllm / vllm_mode    | use_vllm / vllm_mode (GPU only)                                        |
-| lora.*                       | peft.LoraConfig(**lora)                                                |
+The user's keys map onto TRL's GRPOConfig and PEFT's LoraConfig in ``hermes_lab.config.trl`` (a table there).
 
 Round N+1 continues from the champion: with ``model.adapter`` (or ``start_adapter``) set, that adapter
 is loaded trainable and TRL keeps a frozen copy of it as the KL reference ("ref" adapter), so KL
@@ -57,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, dump_config, load_config
+from hermes_lab.config.trl import grpo_kwargs
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
-from hermes_lab.round.stages import STOP_HEALTH, gate, write_verdict
+from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
@@ -148,66 +132,6 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
             f"(with grpo.max_completion_length={completion}); raise it"
         )
     return ds.select(keep), flagged, completion
-
-
-# ------------------------------------------------------------------------------------------- mapping
-def grpo_kwargs(
-    cfg: HermesConfig, output_dir: Path, max_completion_length: int, weights: list[float]
-) -> dict[str, Any]:
-    """The GRPOConfig keyword arguments for a HermesConfig (the table in the module docstring)."""
-    import dataclasses
-
-    import torch
-    from trl import GRPOConfig
-
-    g = cfg.grpo
-    on_gpu = torch.cuda.is_available()
-    # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns (FutureWarning) on
-    # the old name: pass the new one where it exists (older 5.x releases only know the old one)
-    ckpt = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in {f.name for f in dataclasses.fields(GRPOConfig)}
-        else "gradient_checkpointing"
-    )
-    kw = dict(
-        output_dir=str(output_dir / "trl"),
-        num_generations=g.group_size,
-        beta=g.kl_coefficient,
-        epsilon=g.clip_range,
-        learning_rate=g.learning_rate,
-        max_steps=g.max_steps,
-        per_device_train_batch_size=g.per_device_batch_size * g.group_size,
-        gradient_accumulation_steps=g.gradient_accumulation,
-        temperature=g.temperature,
-        max_completion_length=max_completion_length,
-        num_iterations=g.num_iterations,
-        loss_type=g.loss_type,
-        scale_rewards=g.scale_rewards,
-        reward_weights=weights,
-        logging_steps=g.logging_steps,
-        seed=g.seed,
-        use_vllm=g.use_vllm,
-        report_to="none",  # our callback logs to MLflow itself: nesting and names stay ours
-        # checkpoints (adapter + optimizer state) for --resume; the final adapter is saved where the round expects it
-        save_strategy="steps",
-        save_steps=save_steps(cfg),
-        save_total_limit=g.save_total_limit,
-        bf16=on_gpu and torch.cuda.is_bf16_supported(),
-        use_cpu=not on_gpu,
-        dataloader_num_workers=0,
-        disable_tqdm=False,
-        remove_unused_columns=False,  # reward functions read reference / ref_reward columns
-    )
-    kw[ckpt] = g.gradient_checkpointing
-    if g.use_vllm:
-        kw["vllm_mode"] = g.vllm_mode
-    return kw
-
-
-def save_steps(cfg: HermesConfig) -> int:
-    """Checkpoint interval: grpo.save_steps, or about four checkpoints a run (at most every 50 steps)."""
-    g = cfg.grpo
-    return g.save_steps or max(1, min(50, math.ceil(g.max_steps / 4)))
 
 
 # ------------------------------------------------------------------------------------------ callback
@@ -326,7 +250,7 @@ def train(
     """Run one GRPO + LoRA training. Returns where the adapter is and what happened.
 
     Checkpoints (adapter + optimizer + scheduler + RNG state) land in ``<output>/trl/`` every
-    ``save_steps(cfg)`` steps. ``resume``: continue from the newest complete one (same settings and data,
+    ``config.trl.save_steps(cfg)`` steps. ``resume``: continue from the newest complete one (same settings and data,
     else a ValueError says what changed); without one, training starts at step 0. Without ``resume``,
     checkpoints of an earlier run in that folder are removed first."""
     import torch
@@ -590,7 +514,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.cli.main import run_module
+    from hermes_lab.core.command import run_module
 
     return run_module("hermes_lab.train", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 

@@ -2,7 +2,7 @@
 
 Reads and writes under ``<output>/trl/`` (``runs/round-NN/train/trl/``): TRL's ``checkpoint-N/`` folders
 (LoRA adapter, optimizer, scheduler and RNG state, ``trainer_state.json``; saved every
-``hermes_lab.train.grpo.save_steps(cfg)`` steps, at most ``grpo.save_total_limit`` kept) and ``hermes_resume.json``:
+``hermes_lab.config.trl.save_steps(cfg)`` steps, at most ``grpo.save_total_limit`` kept) and ``hermes_resume.json``:
 the settings, base, start adapter and prompt-set digest the checkpoints were trained with, and the MLflow run
 they log to. ``--resume`` continues from the newest complete checkpoint only when those still match (a
 checkpoint cut short by a kill is skipped), trims ``train_log.jsonl`` to the checkpoint's step and keeps

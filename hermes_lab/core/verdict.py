@@ -1,0 +1,64 @@
+"""Stage verdicts: the file a gated stage writes before it stops, and the statuses it may stop a round with.
+
+Every gated stage writes ``runs/round-NN/<stage>/verdict.json`` with ``write_verdict`` before it raises
+(so papermill stops); the round runner (``hermes_lab.round``) reads it back with ``read_verdict``, never
+an exception's name::
+
+    {"stage": "review", "gates": [{"gate": "review_agreement", "passed": false, "detail": "..."}],
+     "stop": "awaiting review", "written_at": "..."}
+
+``stop`` is null when the round may go on, else one of the statuses below (the round's status). The
+runner deletes the verdict before it runs the stage, so a verdict it reads was written by this execution;
+a failed notebook without a stopping verdict is a failure, whatever exception it raised. Here, at
+the bottom of the house, because every stage writes one and the registry that reads them
+(``hermes_lab.round.stages``) sits above every stage.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.core.jsonl import write_json_atomic
+
+VERDICT_NAME = "verdict.json"
+
+# the statuses a stage's verdict may stop a round with
+STOP_DATA = "skipped: data gate"
+STOP_AWAITING_REVIEW = "awaiting review"
+STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
+STOP_HEALTH = "stopped: training health"
+STOP_REGRESSION = "stopped: regression gate"
+STOP_AWAITING_LIVE = "awaiting live A/B"  # ab.mode live: the gateway has not decided the rollout yet
+WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues (--resume) after these
+
+
+# ------------------------------------------------------------------------------------------ verdicts
+def gate(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
+    return {"gate": name, "passed": passed, "detail": detail}
+
+
+def write_verdict(
+    stage_dir: str | Path, stage_name: str, gates: list[dict[str, Any]], stop: str | None = None, **extra: Any
+) -> Path:
+    """Write ``<stage_dir>/verdict.json`` atomically (the round runner reads it back)."""
+    data = {
+        "stage": stage_name,
+        "gates": gates,
+        "stop": stop,
+        "written_at": datetime.now(timezone.utc).isoformat(),
+        **extra,
+    }
+    return write_json_atomic(Path(stage_dir) / VERDICT_NAME, data)
+
+
+def read_verdict(path: str | Path) -> dict[str, Any] | None:
+    """A verdict, or None when the stage wrote none (or half of one: a killed writer)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
