@@ -10,7 +10,7 @@ import sys
 import pytest
 from fake_openai import free_port
 
-from hermes_lab.llm import doctor
+from hermes_lab.cli import doctor
 
 KEY = "sk-test-SECRET-8f3a9c2e71"
 JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzY29wZSI6Im9wZW5pZCJ9.c2lnbmF0dXJlMTIzNDU2"
@@ -171,7 +171,7 @@ def test_debug_logs_request_id_status_and_timing(fake, capsys):
 def test_python_dash_m_entry_point(fake):
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     res = subprocess.run(
-        [sys.executable, "-m", "hermes_lab.llm.doctor", "--timeout", "5"],
+        [sys.executable, "-m", "hermes_lab.cli.doctor", "--timeout", "5"],
         env=env,
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ AFTER_STAGES: dict[str, tuple[str, str]] = {
     "round": ("hermes_lab.round.runner", "Run one full round of stage notebooks with papermill."),
     "flywheel": ("hermes_lab.round.runner", "Run several rounds unattended on a simulated clock."),
     "status": ("hermes_lab.round.runner", "Is a round due? If not, why (samples, cooldown, review)."),
-    "doctor": ("hermes_lab.llm.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
+    "doctor": ("hermes_lab.cli.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
     "serve": (
         "hermes_lab.live.gateway",
         "Live A/B gateway: an OpenAI-compatible server routing real traffic to two arms.",

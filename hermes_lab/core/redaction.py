@@ -1,6 +1,6 @@
 """Secrets out of every message, log line, printed value and MLflow param: by value, not by name.
 
-Reads the environment only; writes nothing. Used by ``hermes_lab.llm.client`` (client errors), ``hermes_lab.llm.doctor``
+Reads the environment only; writes nothing. Used by ``hermes_lab.llm.client`` (client errors), ``hermes_lab.cli.doctor``
 (its table), ``hermes_lab.core.tracking`` (MLflow params and tags) and the stages' printed output.
 
 What counts as a secret (``secret_values``):

@@ -8,7 +8,7 @@ is never in a config). Writes nothing under runs/ (the judge's cache is ``hermes
 The user's connectivity check is ``curl -s $TAOTOKEN_BASE_URL/v1/models -H "Authorization: Bearer $KEY"``;
 the client sends exactly that. Check a setup with
 
-    hermes-lab doctor            # or: python -m hermes_lab.llm.doctor
+    hermes-lab doctor            # or: python -m hermes_lab.cli.doctor
 
 Errors are typed and say what to fix (docs/SPEC.md, "Errors the user hits with the model API"):
 ApiAuthError (401/403), ApiBadBody ("Error reading choices": the body was not the expected JSON; shows

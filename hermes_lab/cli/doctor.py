@@ -9,7 +9,7 @@ and exits 1 when any check fails. The key is never printed (only a short fingerp
 
     hermes-lab doctor
     hermes-lab doctor --params params/hermes_grpo_lora.yaml --debug
-    python -m hermes_lab.llm.doctor --model-env HERMES_REWARD_MODEL --timeout 5
+    python -m hermes_lab.cli.doctor --model-env HERMES_REWARD_MODEL --timeout 5
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from hermes_lab.core.command import run_module
 
-    return run_module("hermes_lab.llm.doctor", add_arguments, run_cli, argv, description=__doc__.splitlines()[0])
+    return run_module("hermes_lab.cli.doctor", add_arguments, run_cli, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
