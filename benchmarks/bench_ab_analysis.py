@@ -2,7 +2,7 @@
 
 Stage: validate (A/B). Reads and writes nothing under runs/: the log is synthesised in memory as columns
 (what ``hermes_lab.ab.run.read_log`` returns), two stages (10% for 2 h, 30% for 4 h), five families,
-3% errors, lognormal latencies. Times ``hermes_lab.ab.stats.analyse_log`` (per-stage user fields, Wilson CIs,
+3% errors, lognormal latencies. Times ``hermes_lab.ab.analysis.analyse_log`` (per-stage user fields, Wilson CIs,
 Mann-Whitney, SRM, guardrails, the confidence-sequence path over every look, both rules, per-family
 breakdown) against a plain pandas groupby doing only the aggregates (per stage x arm, per stage x family x
 arm, per look cumulative, p95 latency), measured in the same run.
@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 from hermes_lab.tasks import suite as T
 
@@ -73,16 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     cols, stages = synth(args.rows)
     fams = list(T.FAMILIES)
     st = ab.Settings()
-    ab.analyse_log(
+    ab_analysis.analyse_log(
         {k: v[:1000] for k, v in cols.items()}, stages, st, fams
     )  # imports (scipy, statsmodels) off the clock
     t0 = time.perf_counter()
-    res = ab.analyse_log(cols, stages, st, fams)
+    res = ab_analysis.analyse_log(cols, stages, st, fams)
     ours = time.perf_counter() - t0
     base = pandas_baseline(cols, stages)
     looks = sum(len(s["sequential"]["looks"]) for s in res["stages"])
     print(f"rows: {args.rows:,}  stages: {len(res['stages'])}  looks: {looks}")
-    print(f"hermes_lab.ab.stats.analyse_log (full analysis): {ours:6.2f} s")
+    print(f"hermes_lab.ab.analysis.analyse_log (full analysis): {ours:6.2f} s")
     print(f"pandas groupby (aggregates only):          {base:6.2f} s")
     print(f"ratio ours / pandas: {ours / base:.2f}")
     for s in res["stages"]:

@@ -6,9 +6,9 @@ extended once) through the project's own decision path:
 - units get their arm from the md5 router (``ab.buckets``, the SPEC's formula; a salt per simulated
   rollout, the same across its stages, so ramps are monotone): request ids, or user ids;
 - each stage's looks go through ``ab.look_path`` / ``ab.rule_codes`` / ``ab.first_action``, the code the
-  runner's ``ab.stage_action`` calls at every look (tests/test_ab.py checks that calling it look by look
+  runner's ``ab_analysis.stage_action`` calls at every look (tests/test_ab.py checks that calling it look by look
   gives the same decision); the next stage runs only where a stage widened;
-- the rollout's outcome is ``ab.rollout_decision`` ("promote" only at 100%).
+- the rollout's outcome is ``ab_analysis.rollout_decision`` ("promote" only at 100%).
 
 Scenarios (each with an identical candidate, A/A, and a stated effect):
 - benchmark: i.i.d. requests at 0.25/s, 45% pass (a pass scores 5, a miss partial credit < 3, 3% empty
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 
 LOOK, EXT, MISS_ERR, USERS = 900.0, 1.0, 0.03, 2000
@@ -139,7 +140,7 @@ def simulate_stage(
 
 
 def rollout(sc: Scenario, cand: str, router: Router, rng: np.random.Generator, st: ab.Settings) -> dict:
-    """Chain the stages per rule; each rollout's outcome from ab.rollout_decision."""
+    """Chain the stages per rule; each rollout's outcome from ab_analysis.rollout_decision."""
     stages = ab.plan_stages(sc.plan, sc.rate, LOOK, EXT)
     sims = [simulate_stage(sc, s, cand, router, rng, st) for s in stages]
     res = {}
@@ -152,7 +153,7 @@ def rollout(sc: Scenario, cand: str, router: Router, rng: np.random.Generator, s
                 results.append({"index": s.index, "ratio": s.ratio, "sequential_decision": d})
                 if d != "widen":  # the runner stops the rollout at a stage that did not widen
                     break
-            dec = ab.rollout_decision(results, sc.plan, "sequential")
+            dec = ab_analysis.rollout_decision(results, sc.plan, "sequential")
             outcomes.append((dec["decision"], results[0]["sequential_decision"] == "widen"))
         d = np.array([o[0] for o in outcomes])
         res[rule] = {

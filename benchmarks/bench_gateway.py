@@ -1,7 +1,7 @@
 """Benchmark of the live gateway (issue 12): what `hermes-lab serve` adds on top of calling an upstream directly.
 
 Not a test. An instant OpenAI-compatible stub (aiohttp.web, one fixed pre-encoded answer) runs in its own
-process on 127.0.0.1; the gateway runs as `python -m hermes_lab.live.gateway` with both arms on that stub (ratio
+process on 127.0.0.1; the gateway runs as `python -m hermes_lab.live.serve` with both arms on that stub (ratio
 0.5, logging on: the full request path, routing, durable log record, arm headers); an aiohttp load
 generator in this process sends the same chat completion either directly to the stub or through the
 gateway. Load generator, stub and gateway share the machine's cores, so the figures are relative:
@@ -174,7 +174,7 @@ def start_gateway(stub_url: str, client: str, durability: str, log_dir: str) -> 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "hermes_lab.live.gateway", "--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
+    cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
     cmd += [
         "--baseline",
         stub_url,

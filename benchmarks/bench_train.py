@@ -146,9 +146,9 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOConfig
 
+    from hermes_lab.config.trl import grpo_kwargs
     from hermes_lab.policy import model as P
     from hermes_lab.rewards import registry as R
-    from hermes_lab.config.trl import grpo_kwargs
     from hermes_lab.train.grpo import filter_long_prompts
 
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 
 IDS = [f"req-{i}" for i in range(4000)]
@@ -168,14 +169,14 @@ def test_rollback_only_on_significant_harm():
         "latency_ms": np.full(n, 100.0),
         "family": np.zeros(n, np.int64),
     }
-    out = ab.analyse_stage(cols, stage, ab.Settings())
+    out = ab_analysis.analyse_stage(cols, stage, ab.Settings())
     if out["delta"] < 0:
         assert out["user_decision"] == "roll back"
     assert out["sequential_decision"] == "keep observing"
     assert out["sequential"]["cs_lower"] < 0 < out["sequential"]["cs_upper"]
     # clear harm: rolled back at an interim look, before the stage's planned end
     r2 = np.where(rng.random(n) < np.where(arm == 1, 0.1, 0.6), 5.0, 1.5)
-    out2 = ab.analyse_stage({**cols, "reward": r2}, stage, ab.Settings())
+    out2 = ab_analysis.analyse_stage({**cols, "reward": r2}, stage, ab.Settings())
     assert out2["sequential_decision"] == "roll back"
     assert out2["sequential_look"]["t"] < stage.planned_end
     assert any("significant harm" in x for x in out2["reasons"])
@@ -193,7 +194,7 @@ def test_guardrail_rolls_back(kw, word):
     stage = ab.Stage(0, 0.3, 0.0, 3600, 0.0, 900, 900)
     d = _sim(1, 900, 0.3, 0.6, 0.4, seed=4, T=3600, **kw)  # the candidate is *better* on reward
     cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
-    out = ab.analyse_stage(cols, stage, ab.Settings())
+    out = ab_analysis.analyse_stage(cols, stage, ab.Settings())
     assert out["sequential_decision"] == "roll back"
     assert any("guardrail" in x and word in x for x in out["reasons"])
 
@@ -207,7 +208,9 @@ def test_srm_detects_a_broken_split_and_holds():
     assert np.all(np.diff(p) <= 0)
     stage = ab.Stage(0, 0.1, 0.0, 3600, 0.0, 900, 900)
     d = _sim(1, 2000, 0.1, 0.7, 0.4, seed=6, T=3600, srm_ratio=0.2)  # the router sends 20%, not 10%
-    out = ab.analyse_stage({k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}, stage, ab.Settings())
+    out = ab_analysis.analyse_stage(
+        {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}, stage, ab.Settings()
+    )
     assert out["srm"]["mismatch"] and out["sequential_decision"] == "hold"  # never promote on a broken split
     assert any("sample ratio mismatch" in x for x in out["reasons"])
 
@@ -216,7 +219,7 @@ def test_stage_statistics_match_compare_wilson_and_mann_whitney():
     stage = ab.Stage(0, 0.3, 0.0, 3600, 0.0, 900, 900)
     d = _sim(1, 1500, 0.3, 0.5, 0.45, seed=8, T=3600)
     cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
-    out = ab.analyse_stage(cols, stage, ab.Settings())
+    out = ab_analysis.analyse_stage(cols, stage, ab.Settings())
     c, b = d["reward"][d["arm"] == 1], d["reward"][d["arm"] == 0]
     ref = ab.compare(b, c)
     for k in ("baseline_mean", "candidate_mean", "delta", "baseline_success", "candidate_success"):
@@ -260,12 +263,12 @@ def test_units_that_repeat_are_counted_once():
         "family": np.zeros(n, np.int64),
     }
     stage = ab.Stage(0, 0.5, 0.0, 3600, 0.0, 900, n)
-    _, S_req, _ = ab.stage_path(cols, stage, ab.Settings())
-    _, S_unit, _ = ab.stage_path({**cols, "unit": unit}, stage, ab.Settings())
+    _, S_req, _ = ab_analysis.stage_path(cols, stage, ab.Settings())
+    _, S_unit, _ = ab_analysis.stage_path({**cols, "unit": unit}, stage, ab.Settings())
     assert S_unit["units_c"][-1] + S_unit["units_b"][-1] == users and S_req["units_c"][-1] == S_req["n_c"][-1]
     assert (S_unit["hi"] - S_unit["lo"])[-1] > 3 * (S_req["hi"] - S_req["lo"])[-1]
-    out = ab.analyse_stage({**cols, "unit": unit}, stage, ab.Settings(), family_names=["f"])
-    assert out["var_delta"] > 5 * ab.analyse_stage(cols, stage, ab.Settings())["var_delta"]  # cluster-robust
+    out = ab_analysis.analyse_stage({**cols, "unit": unit}, stage, ab.Settings(), family_names=["f"])
+    assert out["var_delta"] > 5 * ab_analysis.analyse_stage(cols, stage, ab.Settings())["var_delta"]  # cluster-robust
     assert out["srm"]["units_baseline"] + out["srm"]["units_candidate"] == users
 
 
@@ -380,13 +383,13 @@ def test_rollout_decision_keeps_widen_and_promote_apart():
     stages = [[0.1, 7200], [0.3, 14400], [1.0, 0]]
     s0 = {"index": 0, "ratio": 0.1, "sequential_decision": "widen"}
     s1 = {"index": 1, "ratio": 0.3, "sequential_decision": "widen"}
-    first = ab.rollout_decision([s0], stages)
+    first = ab_analysis.rollout_decision([s0], stages)
     assert first == {"decision": "widen", "stage": 0, "final_ratio": 0.3, "promoted": False}
-    both = ab.rollout_decision([s0, s1], stages)
+    both = ab_analysis.rollout_decision([s0, s1], stages)
     assert both["decision"] == "promote" and both["promoted"] and both["final_ratio"] == 1.0
-    held = ab.rollout_decision([s0, {**s1, "sequential_decision": "keep observing"}], stages)
+    held = ab_analysis.rollout_decision([s0, {**s1, "sequential_decision": "keep observing"}], stages)
     assert held["decision"] == "keep observing" and held["final_ratio"] == 0.3 and not held["promoted"]
-    assert ab.rollout_decision([{**s0, "sequential_decision": "roll back"}], stages)["final_ratio"] == 0.0
+    assert ab_analysis.rollout_decision([{**s0, "sequential_decision": "roll back"}], stages)["final_ratio"] == 0.0
 
 
 def test_stage_action_look_by_look_equals_the_whole_path():
@@ -397,12 +400,12 @@ def test_stage_action_look_by_look_equals_the_whole_path():
         stage = ab.Stage(0, 0.3, 0.0, 3600, 1.0, 900, 900)
         d = _sim(1, 1800, 0.3, p_c, 0.45, seed=seed, T=7200)
         cols = {k: d[k] for k in ("t", "arm", "reward", "error", "latency_ms")}
-        looks, _, C = ab.stage_path(cols, stage, st, stage.hard_end)
+        looks, _, C = ab_analysis.stage_path(cols, stage, st, stage.hard_end)
         code, i = ab.first_action(C["sequential"], looks, stage.planned_end)
         live = None
         for look in stage.look_times():
             upto = cols["t"] <= look
-            live = ab.stage_action({k: v[upto] for k, v in cols.items()}, stage, st, float(look), "sequential")
+            live = ab_analysis.stage_action({k: v[upto] for k, v in cols.items()}, stage, st, float(look), "sequential")
             if live:
                 break
         expect = None if int(code) == ab.KEEP else (ab.DECISIONS[int(code)], float(looks[int(i)]))
@@ -424,7 +427,7 @@ def test_rows_without_a_reward_count_in_the_guardrails_only(users):
     missing = (rng.random(len(cols["t"])) < 0.3) & ~cols["error"]
     part = {**cols, "reward": np.where(missing, np.nan, cols["reward"])}
     rewarded = {k: v[~missing] for k, v in cols.items()}
-    full, ref = ab.analyse_stage(part, stage, st), ab.analyse_stage(rewarded, stage, st)
+    full, ref = ab_analysis.analyse_stage(part, stage, st), ab_analysis.analyse_stage(rewarded, stage, st)
     for k in ("n_baseline", "n_candidate", "baseline_mean", "candidate_mean", "delta", "p_value", "var_delta"):
         assert full[k] == pytest.approx(ref[k], rel=1e-12), k
     assert full["mann_whitney"] == ref["mann_whitney"]
@@ -442,5 +445,5 @@ def test_rows_without_a_reward_count_in_the_guardrails_only(users):
     units = len(np.unique(cols["unit"][cand])) if users else int(cand.sum())
     assert full["srm"]["units_candidate"] == units
     # the pooled user's fields ignore rows without a reward too
-    overall = ab.analyse_log({**part, "stage": np.zeros(len(part["t"]), np.int64)}, [stage], st)["overall"]
+    overall = ab_analysis.analyse_log({**part, "stage": np.zeros(len(part["t"]), np.int64)}, [stage], st)["overall"]
     assert overall["n_candidate"] == ref["n_candidate"] and np.isfinite(overall["delta"])

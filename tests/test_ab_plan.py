@@ -1,5 +1,5 @@
 """The A/B plan (hermes_lab.ab.plan): the planned rate reaches the power it was planned for, checked by an
-independent simulation through the runner's own per-experiment decision (md5 router, ab.stage_action)."""
+independent simulation through the runner's own per-experiment decision (md5 router, ab_analysis.stage_action)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import plan as ab_plan
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import run as ab_run
@@ -29,7 +30,7 @@ def _plan(cfg, eval_path=None):
 
 def _runner_power(cfg, rate, p_b, delta, n_exp, seed):
     """Share of experiments the runner's decision widens: Poisson arrivals, md5-routed request ids, Bernoulli
-    rewards, ab.stage_action at the stage's hard end (every look until then), one experiment at a time."""
+    rewards, ab_analysis.stage_action at the stage's hard end (every look until then), one experiment at a time."""
     st = ab.Settings.from_config(cfg)
     stage = ab_rollout.start_stage(ab.plan_stages(ab_stages(cfg), rate, cfg.ab.look_every, cfg.ab.max_extension)[0], 0)
     rng = np.random.default_rng(seed)
@@ -42,7 +43,7 @@ def _runner_power(cfg, rate, p_b, delta, n_exp, seed):
         reward = np.where(rng.random(len(t)) < p_b + delta * arm, st.scale, 0.0)
         cols = {"t": t, "arm": arm, "reward": reward, "error": np.zeros(len(t), bool)}
         cols["latency_ms"] = np.full(len(t), 100.0)
-        act = ab.stage_action(cols, stage, st, stage.hard_end, st.rule)
+        act = ab_analysis.stage_action(cols, stage, st, stage.hard_end, st.rule)
         widened += act is not None and act[0] == "widen"
     return widened / n_exp
 

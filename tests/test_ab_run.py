@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import report as ab_report
 from hermes_lab.ab import run as ab_run
 from hermes_lab.ab import stats as ab
@@ -100,7 +101,7 @@ def test_better_candidate_is_promoted_through_all_stages(tmp_path):
         if s.index in starts
     ]
     until = {s["index"]: s["sequential_look"]["t"] for s in rep["stages"]}
-    again = ab.analyse_log(cols, stages, ab.Settings(), fams, until)
+    again = ab_analysis.analyse_log(cols, stages, ab.Settings(), fams, until)
     assert [s["sequential_decision"] for s in again["stages"]] == [s["sequential_decision"] for s in rep["stages"]]
 
 
@@ -368,9 +369,9 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
 def test_round_moves_the_champion_only_on_promotion(tmp_path):
     """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
     from hermes_lab.core.state import FlywheelState
+    from hermes_lab.core.verdict import gate, write_verdict
     from hermes_lab.round import runner as R
     from hermes_lab.round.stages import STAGES
-    from hermes_lab.core.verdict import gate, write_verdict
 
     cfg = _cfg(tmp_path)
     for decision, promoted, ratio in (("widen", False, 0.3), ("promote", True, 1.0)):

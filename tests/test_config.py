@@ -330,7 +330,7 @@ def test_choices_and_bounds_come_from_the_fields():
 
 
 def test_embedded_warns_when_a_round_cannot_have_enough_samples():
-    from hermes_lab.config.schema import check_config
+    from hermes_lab.config.check import check_config
 
     warnings = check_config(load_config(EMBEDDED_YAML, {"execute.num_tasks": 100}))
     assert (

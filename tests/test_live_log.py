@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.data import gateway
 from hermes_lab.data.prep import run_prep
 from hermes_lab.live import log as L
 
@@ -56,7 +57,7 @@ def log_dir(tmp_path) -> Path:
 
 def test_join_accounts_for_every_request(log_dir, tmp_path):
     cfg = load_config(None)
-    info = L.gateway_trajectories(log_dir, tmp_path / "out", cfg)
+    info = gateway.gateway_trajectories(log_dir, tmp_path / "out", cfg)
     assert (info["requests"], info["errors"], info["answered"]) == (5, 1, 4)
     assert (info["rewarded"], info["judged"], info["unrewarded"]) == (2, 0, 2)
     assert info["torn_lines"] == {"requests": 1, "feedback": 0}
@@ -66,16 +67,16 @@ def test_join_accounts_for_every_request(log_dir, tmp_path):
     assert traj["b"]["task_id"].startswith("reverse-")  # the embedded task's id when the client sent none
     unrew = [json.loads(x)["request_id"] for x in Path(info["unrewarded_file"]).read_text().splitlines()]
     assert unrew == ["c", "d"]
-    assert "5 requests = 1 errors + 4 answered" in L.describe_gateway(info)
+    assert "5 requests = 1 errors + 4 answered" in gateway.describe_gateway(info)
     # another source configured: the reviewer's score counts, the system ones do not
     cfg2 = load_config(None, {"serve.feedback_source": "reviewer"})
-    info2 = L.gateway_trajectories(log_dir, tmp_path / "out2", cfg2)
+    info2 = gateway.gateway_trajectories(log_dir, tmp_path / "out2", cfg2)
     assert info2["rewarded"] == 1 and info2["feedback_other_source"] == 4
 
 
 def test_unrewarded_reach_grpo_data_only_when_judged(log_dir, tmp_path):
     cfg = load_config(None, {"serve.score_unrewarded": "judge", "reward.model": "local"})
-    info = L.gateway_trajectories(log_dir, tmp_path / "out", cfg)
+    info = gateway.gateway_trajectories(log_dir, tmp_path / "out", cfg)
     # 'c' shares its prompt with the rewarded 'a' (its reference); 'd' has no reference and stays out
     assert (info["rewarded"], info["judged"], info["unrewarded"]) == (2, 1, 1)
     rows = {r["request_id"]: r for r in map(json.loads, Path(info["trajectories"]).read_text().splitlines())}

@@ -238,7 +238,7 @@ def test_a_restart_in_stage_2_resumes_at_stage_2(tmp_path, perfect, bad):
         [
             sys.executable,
             "-m",
-            "hermes_lab.live.gateway",
+            "hermes_lab.live.serve",
             "--report",
             str(gw.log_dir),
             "--params",

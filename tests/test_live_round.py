@@ -24,7 +24,7 @@ from test_serve import Gateway  # noqa: E402
 
 from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
-from hermes_lab.live import round as live_round  # noqa: E402
+from hermes_lab.data import gateway  # noqa: E402
 
 
 def traffic_log(tmp: Path, n: int = 700) -> Path:
@@ -109,4 +109,4 @@ def test_a_round_trains_on_a_live_log_and_waits_for_its_live_ab(tmp_path):
     assert (state.champion_adapter == str(rd / "train" / "adapter")) == (report["promoted"] is True)
     assert (rd / "ab" / "live_trajectories.jsonl").stat().st_size > 0  # the traffic: the next round's fuel
     cfg = load_config(params)
-    assert live_round.source_dir(cfg, runs / "round-02") == log  # execute.live_dir set: the same log again
+    assert gateway.source_dir(cfg, runs / "round-02") == log  # execute.live_dir set: the same log again

@@ -36,7 +36,7 @@ def formula_arm(unit: str, ratio: float) -> str:
 
 
 class Gateway:
-    """`python -m hermes_lab.live.gateway` in a subprocess; stdout/stderr kept in files for the secrets check."""
+    """`python -m hermes_lab.live.serve` in a subprocess; stdout/stderr kept in files for the secrets check."""
 
     def __init__(self, tmp: Path, args: list[str], env: dict[str, str] | None = None, port: int | None = None):
         self.tmp, self.args, self.port = tmp, args, port or free_port()
@@ -56,7 +56,7 @@ class Gateway:
         cmd = [
             sys.executable,
             "-m",
-            "hermes_lab.live.gateway",
+            "hermes_lab.live.serve",
             "--port",
             str(self.port),
             "--log-dir",

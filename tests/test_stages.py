@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 from hermes_lab.cli import main as cli
-from hermes_lab.core.state import FlywheelState, state_path
-from hermes_lab.round import runner as R
 from hermes_lab.core import verdict
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.core.verdict import STOP_DATA
+from hermes_lab.round import runner as R
 from hermes_lab.round import stages
 from hermes_lab.round.stages import Stage, all_gates
-from hermes_lab.core.verdict import STOP_DATA
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = "2026-01-01T00:00:00+00:00"

@@ -15,6 +15,7 @@ import pytest
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.evaluate import validate as V
+from hermes_lab.policy import arms as A
 from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,24 +178,24 @@ def test_candidate_and_baseline_resolution(tmp_path):
 
     cfg = load_config(overrides={"round.runs_dir": str(tmp_path)})
     with pytest.raises(FileNotFoundError, match="candidate adapter not found"):
-        V.candidate_from_train_dir(tmp_path / "train", cfg)
+        A.candidate_from_train_dir(tmp_path / "train", cfg)
     adapter = tmp_path / "train" / "adapter"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text("{}")
-    assert V.candidate_from_train_dir(tmp_path / "train", cfg) == ("embedded:tiny", str(adapter))
+    assert A.candidate_from_train_dir(tmp_path / "train", cfg) == ("embedded:tiny", str(adapter))
     (tmp_path / "train" / "run.json").write_text(json.dumps({"base_model": "/m", "adapter": str(adapter)}))
-    assert V.candidate_from_train_dir(tmp_path / "train", cfg)[0] == "/m"
-    assert V.resolve_baseline_adapter(cfg) is None  # no champion yet: the bare base
+    assert A.candidate_from_train_dir(tmp_path / "train", cfg)[0] == "/m"
+    assert A.resolve_baseline_adapter(cfg) is None  # no champion yet: the bare base
     # issue #14: with model.adapter and no champion, both gates compare against model.adapter
     cfg_a = load_config(overrides={"round.runs_dir": str(tmp_path), "model.adapter": "/start"})
-    assert V.resolve_baseline(cfg_a) == ("embedded:tiny", "/start")
+    assert A.resolve_baseline(cfg_a) == ("embedded:tiny", "/start")
     from hermes_lab.ab import run as ab_run
 
-    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == V.resolve_baseline(cfg_a)
+    assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == A.resolve_baseline(cfg_a)
     FlywheelState(champion_adapter="/champ").save(state_path(tmp_path))
-    assert V.resolve_baseline_adapter(cfg) == "/champ" and V.resolve_baseline(cfg_a)[1] == "/champ"
-    assert V.resolve_baseline_adapter(cfg, str(adapter)) == str(adapter)
-    assert V.resolve_baseline_adapter(cfg, str(tmp_path / "train")) == str(adapter)  # a train output dir
+    assert A.resolve_baseline_adapter(cfg) == "/champ" and A.resolve_baseline(cfg_a)[1] == "/champ"
+    assert A.resolve_baseline_adapter(cfg, str(adapter)) == str(adapter)
+    assert A.resolve_baseline_adapter(cfg, str(tmp_path / "train")) == str(adapter)  # a train output dir
     assert ab_run.resolve_arms(cfg_a, tmp_path, candidate=str(adapter))[0] == ("embedded:tiny", "/champ")
 
 

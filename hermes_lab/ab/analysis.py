@@ -1,10 +1,9 @@
 """A/B stage analysis: one stage's decision path and statistics, the rollout's outcome, whole request logs.
 
-Stage: validate (A/B). Split out of ``hermes_lab.ab.stats`` (router, the user's compare and rule, settings,
-stages, and the per-look statistics this module builds on), which re-exports every name here, so callers
-use ``ab.analyse_stage`` / ``ab.stage_action`` / ``ab.rollout_decision`` / ``ab.analyse_log``. Reads and
-writes nothing; ``hermes_lab.ab.run`` (simulated traffic) and the live gateway (``hermes_lab.live.experiment``)
-call it look by look, ``hermes_lab.ab.report`` turns its output into ab_report.json.
+Stage: validate (A/B). Builds on ``hermes_lab.ab.stats`` (router, the user's compare and rule, settings,
+stages, and the per-look statistics). Reads and writes nothing; ``hermes_lab.ab.run`` (simulated traffic)
+and the live gateway (``hermes_lab.live.experiment``) call it look by look, ``hermes_lab.ab.report`` turns
+its output into ab_report.json.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core import tracking
@@ -58,8 +59,8 @@ def build_report(
 ) -> dict[str, Any]:
     """ab_report.json: the user's fields first, then our decision and everything behind it."""
     stages = analysis["stages"]
-    ours = ab.rollout_decision(stages, stage_list, "sequential")
-    users = ab.rollout_decision(stages, stage_list, "user")
+    ours = ab_analysis.rollout_decision(stages, stage_list, "sequential")
+    users = ab_analysis.rollout_decision(stages, stage_list, "user")
     chosen = ours if st.rule == "sequential" else users
     overall = analysis["overall"]
     last = stages[-1] if stages else {}

@@ -3,9 +3,9 @@
 Stage: validate (A/B). Reads and writes nothing. ``hermes_lab.ab.run`` (``hermes-lab ab-run``) and the live
 gateway (``hermes_lab.live.experiment.LiveRollout`` in ``hermes-lab serve``) both run a rollout as: the tested stages
 of ``ab.plan_stages`` one after the other; at every look of a stage its rows so far go to
-``ab.stage_action`` (the decision: roll back / hold at once, widen from the planned end on), and
+``ab_analysis.stage_action`` (the decision: roll back / hold at once, widen from the planned end on), and
 ``after_look`` below says what the rollout does next: stay in the stage, widen into the next stage (which
-starts at that look), or end. The rollout's outcome is ``ab.rollout_decision`` on the stages' decisions.
+starts at that look), or end. The rollout's outcome is ``ab_analysis.rollout_decision`` on the stages' decisions.
 One implementation of each rule: neither runner decides anything itself.
 
     python -m hermes_lab.ab_run ...      # simulated: a look every ab.look_every simulated seconds
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 
 EPS = 1e-9
@@ -31,7 +32,7 @@ class Step:
     ``kind``: "stay" (keep observing in this stage), "next" (widen: ``stage`` is the next stage, starting at the
     look) or "end". ``stopped_by`` (end): the decision that ended it ("roll back", "hold"), "keep observing" (the
     stage reached its hard end undecided), "duration" (the runner's horizon came first), or None when the last
-    tested stage widened (the rollout ran through: promoted, see ``ab.rollout_decision``)."""
+    tested stage widened (the rollout ran through: promoted, see ``ab_analysis.rollout_decision``)."""
 
     kind: str
     stage: ab.Stage | None = None
@@ -50,7 +51,7 @@ def after_look(
     look: float,
     horizon: float | None = None,
 ) -> Step:
-    """The step after a look at time ``look`` of ``stage``, given ``ab.stage_action``'s result there.
+    """The step after a look at time ``look`` of ``stage``, given ``ab_analysis.stage_action``'s result there.
     ``horizon``: the runner's last time (ab-run's --duration); None: no limit (live)."""
     end = stage.hard_end if horizon is None else min(stage.hard_end, horizon)
     if action is None:
@@ -73,7 +74,7 @@ def look_step(
     look: float,
     horizon: float | None = None,
 ) -> tuple[tuple[str, float] | None, Step]:
-    """One look: the decision of ``ab.stage_action`` on the stage's rows so far (none yet: no decision) and the
+    """One look: the decision of ``ab_analysis.stage_action`` on the stage's rows so far (none yet: no decision) and the
     step it leads to."""
-    action = ab.stage_action(cols, stage, st, look, st.rule) if len(cols["t"]) else None
+    action = ab_analysis.stage_action(cols, stage, st, look, st.rule) if len(cols["t"]) else None
     return action, after_look(plan, stage, action, look, horizon)

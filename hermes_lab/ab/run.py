@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
 from hermes_lab.ab.report import RunFacts, build_report, log_to_mlflow, make_plots, summary, write_ab_verdict
@@ -364,7 +365,7 @@ def run_ab(
         sink = RequestLog(logf, a.unit)
         stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink)
     arr = sink.columns()
-    analysis = ab.analyse_log(arr, stages_run, st, FAM_NAMES, stage_until)
+    analysis = ab_analysis.analyse_log(arr, stages_run, st, FAM_NAMES, stage_until)
     facts = RunFacts(
         arms.names[0],
         arms.names[1],
@@ -446,11 +447,11 @@ def read_log(path: str | Path) -> tuple[dict[str, np.ndarray], list[str]]:
 
 # ------------------------------------------------------------------------------------ notebook helpers
 def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", candidate: str = "") -> tuple[Any, Any]:
-    """The notebook's arms. Empty baseline: validate.resolve_baseline, the policy the regression gate
+    """The notebook's arms. Empty baseline: arms.resolve_baseline, the policy the regression gate
     compared against (champion, else model.adapter, else the bare base). Empty candidate: this round's
     training output (<round_dir>/train/adapter on the base named in train/run.json), as validate finds it."""
     from hermes_lab.core.paths import project_root
-    from hermes_lab.evaluate.validate import candidate_from_train_dir, resolve_baseline
+    from hermes_lab.policy.arms import candidate_from_train_dir, resolve_baseline
 
     root = project_root()  # notebook parameters are relative to the project, not to the kernel's cwd
     b: Any = resolve_arm(baseline, "baseline", cfg, root) if baseline else None
@@ -469,22 +470,15 @@ def notebook_run(
     duration: float = 0,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """What 40_ab_analysis.ipynb does: reuse round_dir/ab/ab_report.json if it exists (its verdict is
+    """What 40_ab_analysis.ipynb does with a simulated A/B (``ab.mode: simulated``; live:
+    ``hermes_lab.live.round.notebook_run``): reuse round_dir/ab/ab_report.json if it exists (its verdict is
     rewritten), else run the rollout; plots (PNG + MLflow) in an 'ab' run nested under the round's run."""
     from hermes_lab.core import tracking
 
     out = Path(round_dir) / "ab"
     report_path = out / REPORT_NAME
     with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
-        if cfg.ab.mode == "live":  # the gateway's rollout decides (hermes_lab.live.round); pending: the round stops
-            from hermes_lab.live import round as live_round
-
-            report, cols = live_round.ab_stage(cfg, round_dir, baseline, candidate)
-            write_ab_verdict(report, out)
-            log_to_mlflow(cfg, report, report_path, Path(report["log"]))
-            paths = [Path(p) for p in report["plots"]]
-            fams = live_round.FAM_NAMES
-        elif report_path.is_file() and (out / LOG_NAME).is_file():
+        if report_path.is_file() and (out / LOG_NAME).is_file():
             report = json.loads(report_path.read_text(encoding="utf-8"))
             cols, fams = read_log(out / LOG_NAME)
             paths = make_plots(cols, report, out / "plots", fams)

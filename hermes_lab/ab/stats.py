@@ -37,7 +37,7 @@ What gates the rollout by default (``ab.rule: sequential``) and why:
 Vectorised throughout (bincount over (look, arm) keys): a 10M-request log is analysed in seconds
 (benchmarks/bench_ab_analysis.py). This module holds the router, the user's analysis, the settings, the
 stages and the per-look statistics; a stage's analysis and the rollout's outcome are in
-``hermes_lab.ab.analysis`` (re-exported here: ``ab.analyse_stage``, ``ab.stage_action``, ...).
+``hermes_lab.ab.analysis`` (``analyse_stage``, ``stage_action``, ``rollout_decision``, ``analyse_log``).
 """
 
 from __future__ import annotations
@@ -504,17 +504,3 @@ def explain(
         r.append(f"inconclusive: {cs} contains 0")
     r.append(f"decision: {DECISIONS[code]}")
     return r
-
-
-# the stage analysis lives in hermes_lab.ab.analysis, which builds on the statistics above and imports this
-# module; its names are re-exported lazily (PEP 562), so that callers keep one module to import whichever
-# of the two is imported first
-_ANALYSIS = ("analyse_log", "analyse_stage", "rollout_decision", "stage_action", "stage_path", "stratify")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ANALYSIS:
-        from hermes_lab.ab import analysis as ab_analysis
-
-        return getattr(ab_analysis, name)
-    raise AttributeError(f"module 'hermes_lab.ab.stats' has no attribute {name!r}")

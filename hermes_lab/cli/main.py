@@ -34,7 +34,7 @@ AFTER_STAGES: dict[str, tuple[str, str]] = {
     "status": ("hermes_lab.round.runner", "Is a round due? If not, why (samples, cooldown, review)."),
     "doctor": ("hermes_lab.cli.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
     "serve": (
-        "hermes_lab.live.gateway",
+        "hermes_lab.live.serve",
         "Live A/B gateway: an OpenAI-compatible server routing real traffic to two arms.",
     ),
     "agent": (

@@ -5,7 +5,7 @@
     hermes-lab config --explain
 
 ``--check`` runs every check a round would run into later, TRL's and PEFT's own included
-(``hermes_lab.config.schema.check_config(deep=True)``), and lists every problem, one a line.
+(``hermes_lab.config.check.check_config(deep=True)``), and lists every problem, one a line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 
 import yaml
 
-from hermes_lab.config.schema import ConfigError, check_config, field_help, load_config
+from hermes_lab.config.check import check_config
+from hermes_lab.config.schema import ConfigError, field_help, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

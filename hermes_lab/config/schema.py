@@ -15,7 +15,7 @@ Rules, the way TRL's GRPOConfig documents itself and open-r1 maps YAML onto it:
 - a bad value is an error naming the key. Every check lives here, next to the fields: types and choices
   (``Literal``) are enforced by the loader, ranges by each field's bounds (``_f(..., ge=2)``), the rest
   (cross-field, registry names, TRL's accepted values) by ``_problems``. Every problem is reported, not
-  just the first. ``check_config(cfg, deep=True)`` (``hermes-lab config --check``, and the round before
+  just the first. ``config.check.check_config(cfg, deep=True)`` (``hermes-lab config --check``, and the round before
   its first stage) adds what needs TRL/PEFT imported: their own config classes built from ours.
 
 Secrets never live here: ``api_key_env`` holds the *name* of the environment variable with the key.
@@ -47,9 +47,9 @@ from hermes_lab.config.sections import (
     serve_problems,
 )
 from hermes_lab.core import paths
-from hermes_lab.tasks import suite as tasks
 from hermes_lab.core.yaml_typed import ConfigError, bound_problems, build, read_yaml
 from hermes_lab.core.yaml_typed import field_with as _f
+from hermes_lab.tasks import suite as tasks
 
 EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 META = ("source", "explicit")  # HermesConfig fields that are not config keys
@@ -304,7 +304,7 @@ def _callable_spec(value: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z_][\w.]*", mod) and re.fullmatch(r"[A-Za-z_]\w*", fn))
 
 
-def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
+def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a built config: bounds, registry names, TRL's values, cross-field rules."""
     errs: list[str] = []
     warns: list[str] = []
@@ -331,7 +331,9 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
         errs.append("reward.types must name at least one reward")
     for t in r.types:
         if t not in REWARD_TYPES and not _callable_spec(t):
-            errs.append(f"reward.types entry '{t}' is unknown: use {', '.join(REWARD_TYPES)} or 'package.module:function'")
+            errs.append(
+                f"reward.types entry '{t}' is unknown: use {', '.join(REWARD_TYPES)} or 'package.module:function'"
+            )
     if r.weights is not None and len(r.weights) != len(r.types):
         errs.append(f"reward.weights needs one weight per reward type ({len(r.types)}), got {len(r.weights)}")
     if r.system != "verifier" and not _callable_spec(r.system):
@@ -367,49 +369,6 @@ def _problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     return errs, warns
 
 
-def _deep_problems(cfg: HermesConfig) -> list[str]:
-    """What TRL and PEFT themselves refuse: their config classes built from ours (imports torch)."""
-    import importlib.util
-    import tempfile
-    import warnings
-
-    out = []
-    if importlib.util.find_spec("trl") is None:  # no TRL, nothing to ask
-        return out
-    if cfg.grpo.use_vllm and importlib.util.find_spec("vllm") is None:
-        out.append("grpo.use_vllm is true but vllm is not installed (pip install vllm, GPU only)")
-    from peft import LoraConfig, TaskType
-    from trl import GRPOConfig
-
-    from hermes_lab.config.trl import grpo_kwargs
-
-    if cfg.lora.task_type not in {t.value for t in TaskType}:
-        out.append(f"lora.task_type must be one of PEFT's: {', '.join(t.value for t in TaskType)}")
-    try:
-        lc = cfg.lora
-        LoraConfig(r=lc.r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout, bias=lc.bias)
-    except (ValueError, TypeError) as e:
-        out.append(f"lora: PEFT's LoraConfig refuses these settings: {e}")
-    weights = list(cfg.reward.weights) if cfg.reward.weights else [1.0] * len(cfg.reward.types)
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecation notes about TRL's own defaults are not the user's problem
-        try:
-            GRPOConfig(**grpo_kwargs(cfg, Path(tmp), cfg.grpo.max_completion_length, weights))
-        except (ValueError, TypeError) as e:
-            out.append(f"grpo: TRL's GRPOConfig refuses these settings: {e}")
-    return out
-
-
-def check_config(cfg: HermesConfig, deep: bool = False) -> list[str]:
-    """Every problem of a config at once (ConfigError), else its warnings. ``deep``: also ask TRL and PEFT."""
-    errs, warns = _problems(cfg)
-    if deep and not errs:
-        errs += _deep_problems(cfg)
-    if errs:
-        raise _error(cfg.source or "<defaults>", errs)
-    return warns
-
-
 def ab_stages(cfg: HermesConfig, ratio: float | None = None) -> list[list[float]]:
     """The rollout plan, with the first ratio replaced by ``ratio`` (ab_run --ratio), checked."""
     stages = [[float(x) for x in s] for s in cfg.ab.stages]
@@ -421,7 +380,7 @@ def ab_stages(cfg: HermesConfig, ratio: float | None = None) -> list[list[float]
     return stages
 
 
-def _error(src: str, problems: list[str]) -> ConfigError:
+def problems_error(src: str, problems: list[str]) -> ConfigError:
     if len(problems) == 1:
         return ConfigError(f"{src}: {problems[0]}", problems)
     return ConfigError(f"{src}: {len(problems)} problems: " + "; ".join(problems), problems)
@@ -467,9 +426,9 @@ def load_config(
     cfg.source = src if path is not None else None
     cfg.explicit = frozenset(f"{s}.{k}" for s, kv in raw.items() if isinstance(kv, dict) for k in kv)
     _resolve_alias(cfg, problems)
-    problems += _problems(cfg)[0]  # a key that failed to load kept its default: no false alarm from it
+    problems += config_problems(cfg)[0]  # a key that failed to load kept its default: no false alarm from it
     if problems:  # name the file too: the key alone does not say which YAML to fix
-        raise _error(src, problems)
+        raise problems_error(src, problems)
     from hermes_lab.core.redaction import register_secret_env  # their values are masked wherever we log or print
 
     s = cfg.serve

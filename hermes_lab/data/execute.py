@@ -41,16 +41,16 @@ def execute(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL.
-    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.live.round``)."""
+    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.data.gateway``)."""
     from hermes_lab.policy.model import load_policy
 
     ex = cfg.execute
     if ex.source == "live":
-        from hermes_lab.live import round as live_round
+        from hermes_lab.data import gateway
 
-        src = live_round.source_dir(cfg, Path(output).parent)
+        src = gateway.source_dir(cfg, Path(output).parent)
         if src is not None:
-            return live_round.execute_live(cfg, output, src)
+            return gateway.execute_live(cfg, output, src)
         print("execute.source is live, but this first round has no traffic yet: it executes the embedded tasks")
     adapter = resolve_adapter(adapter, "adapter", cfg)  # a train output dir (its adapter/) or 'champion' too
     pol = policy or load_policy(

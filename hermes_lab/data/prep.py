@@ -67,10 +67,10 @@ from hermes_lab.core import tracking
 from hermes_lab.core.jsonl import plot_label, write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
+from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
+from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
-from hermes_lab.live.log import describe_gateway, expand_inputs
-from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 OUTPUT_FILES = (

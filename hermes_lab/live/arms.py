@@ -119,7 +119,7 @@ def resolve_arm(
         td = latest_round_adapter(cfg.round.runs_dir)
         spec = str(td) if td else EMBEDDED_MODEL
     if Path(spec, "run.json").is_file() or Path(spec, "adapter", "adapter_config.json").is_file():
-        from hermes_lab.evaluate.validate import candidate_from_train_dir
+        from hermes_lab.policy.arms import candidate_from_train_dir
 
         base, adapter = candidate_from_train_dir(spec, cfg)
         return ArmSpec(name, "local", spec, base=base, adapter=adapter)

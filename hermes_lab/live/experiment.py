@@ -14,7 +14,7 @@ refused: it would mix two experiments in one log. A restart continues the stage 
 
 The clock: experiment seconds = (wall time - start) x ``serve.time_scale``; every time in the log dir is on
 it. The rollout: every ``ab.look_every`` experiment seconds of the current stage (its planned end among
-the looks, as in ab-run), ``hermes_lab.ab.rollout.look_step`` (``ab.stage_action``: the code ab-run calls)
+the looks, as in ab-run), ``hermes_lab.ab.rollout.look_step`` (``ab_analysis.stage_action``: the code ab-run calls)
 decides on what the gateway knew at the look time T: the stage's requests complete by T, with the rewards
 whose feedback had arrived by T. A request without feedback by T is left out of the reward's statistics
 and counts in the error and latency guardrails, in SRM and in ``min_per_arm`` (units with a completed
@@ -24,7 +24,7 @@ it scores (rows keep their arrival time), so the always-valid guarantee assumes 
 feedback comes does not depend on the reward; the log keeps every time to check that. Then: widen -> the
 next stage starts at T with its ratio (the same md5 bucket under a larger threshold: units only move
 baseline -> candidate); reaching 100% ends the experiment as promoted; roll back -> ratio 0 at once; hold
-(SRM) or an undecided hard end -> the ratio stays (``ab.rollout_decision``'s final ratio), the experiment
+(SRM) or an undecided hard end -> the ratio stays (``ab_analysis.rollout_decision``'s final ratio), the experiment
 ends. Looks missed while the gateway was down are taken at restart, each on what was known at its time.
 """
 
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, HermesConfig
@@ -232,7 +233,7 @@ class LiveRollout:
         stg, i = self.stage(), int(self.state["stage"])
         cols = self.columns(i, t)
         action, step = ab_rollout.look_step(self.plan, stg, cols, self.st, t)
-        res = ab.analyse_stage(cols, stg, self.st, until=t) if len(cols["t"]) else {}
+        res = ab_analysis.analyse_stage(cols, stg, self.st, until=t) if len(cols["t"]) else {}
         seq = res.get("sequential") or {}
         decision = action[0] if action else "keep observing"
         return {
@@ -274,7 +275,7 @@ class LiveRollout:
             return
         key = f"{self.st.rule}_decision"
         results = [{"index": r["index"], "ratio": r["ratio"], key: r["decision"]} for r in s["stage_results"]]
-        out = ab.rollout_decision(results, self.stages, self.st.rule)
+        out = ab_analysis.rollout_decision(results, self.stages, self.st.rule)
         s.update(
             decision=out,
             status=STATUS.get(out["decision"], out["decision"]),
@@ -328,7 +329,7 @@ class LiveRollout:
         )
 
     def current(self) -> dict[str, Any]:
-        """The current stage's analysis now (``GET /v1/experiment``), by ``hermes_lab.ab.stats.analyse_stage``; once
+        """The current stage's analysis now (``GET /v1/experiment``), by ``hermes_lab.ab.analysis.analyse_stage``; once
         the rollout ended, its decision and the last look."""
         s = self.state
         if not self.running:
@@ -347,7 +348,7 @@ class LiveRollout:
         arm = cols["arm"]
         if not len(arm) or arm.all() or not arm.any():
             return {"decision": "keep observing", "look": None, "reasons": ["no completed requests in an arm yet"]}
-        res = ab.analyse_stage(cols, stg, self.st, until=min(max(now_t, float(cols["t"].max())), stg.hard_end))
+        res = ab_analysis.analyse_stage(cols, stg, self.st, until=min(max(now_t, float(cols["t"].max())), stg.hard_end))
         last = ((res.get("sequential") or {}).get("looks") or [{}])[-1]
         rule = self.st.rule
         keys = ("t", "n_baseline", "n_candidate", "requests_baseline", "requests_candidate", "delta", "cs_lower")

@@ -28,14 +28,12 @@ header is never logged nor forwarded, and an upstream's key goes only to that up
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import itertools
 import logging
 import os
 import re
-import sys
 import time
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -522,27 +520,3 @@ def build_app(gw: Gateway) -> Any:
             await app(scope, receive, send)
 
     return asgi
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-# the command line is hermes_lab.live.serve's; `hermes-lab serve` and `python -m hermes_lab.live.gateway` come here
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hermes_lab.live import serve as serve_cli
-
-    serve_cli.add_arguments(p)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from hermes_lab.live import serve as serve_cli
-
-    return serve_cli.run_cli(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from hermes_lab.core.command import run_module
-
-    return run_module("hermes_lab.live.gateway", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""The live gateway's log directory: durable appends, the experiment state, and reading it back.
+"""The live gateway's log directory: durable appends, the experiment state, and the tally the looks analyse.
 
-Stage: validate (live A/B) and prep. ``hermes-lab serve`` writes, in its log dir (``runs/live/<experiment>/``):
+Stage: validate (live A/B). ``hermes-lab serve`` writes, in its log dir (``runs/live/<experiment>/``):
 
   requests.jsonl    one record per request, in the trajectories format (prompt, response, task_id) plus
                     request_id, unit, arm, model, stage, ratio, t (arrival, s since the experiment start on
@@ -12,24 +12,19 @@ Stage: validate (live A/B) and prep. ``hermes-lab serve`` writes, in its log dir
   ab_report.json    the live rollout's report (``hermes_lab.live.report``), with plots/*.png
 
 Both JSONL files are append-only: never rewritten in place. A line torn by a crash is skipped by every
-reader here (and counted); the next writer starts on a fresh line. ``hermes-lab prep --input DIR`` reads
-a log dir through ``expand_inputs``: requests joined with their feedback (the latest of
-``serve.feedback_source``), written as a trajectories file that prep ingests like any other; answered
-requests without feedback are kept aside (``<name>.unrewarded.jsonl``) and counted, and reach GRPO data
-only with ``serve.score_unrewarded: judge``.
+reader (and counted); the next writer starts on a fresh line. Reading a log dir back as round data (prep,
+``execute.source: live``) is ``hermes_lab.data.gateway``'s, which owns the file names and the reader.
 
-    hermes-lab prep --input runs/live/tiny-vs-round-01 --output runs/round-02/prep
+    hermes-lab serve --params params/embedded.yaml --log-dir runs/live/tiny-vs-round-01
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import os
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,8 +32,7 @@ from typing import Any
 import orjson
 
 from hermes_lab.core.jsonl import write_json_atomic
-
-REQUESTS, FEEDBACK, EXPERIMENT = "requests.jsonl", "feedback.jsonl", "experiment.json"
+from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, read_jsonl  # the log's format is data's
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -135,25 +129,6 @@ def _release(fut: asyncio.Future) -> None:
 
 
 # ------------------------------------------------------------------------------------------ reading
-def read_jsonl(path: str | os.PathLike[str], bad: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) of a gateway log; a torn or invalid line is skipped, its number kept in ``bad``."""
-    p = Path(path)
-    if not p.is_file():
-        return
-    with open(p, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                obj = None
-            if isinstance(obj, dict):
-                yield lineno, obj
-            elif bad is not None:
-                bad.append(lineno)
-
-
 def load_experiment(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     p = Path(log_dir) / EXPERIMENT
     if not p.is_file():
@@ -274,150 +249,6 @@ class Tally:
             family=fam,
         )
         return out
-
-
-# --------------------------------------------------------------------------------------- for prep
-def _task_id(rec: dict[str, Any], prompt: str) -> str:
-    """The client's task_id, else the embedded task's, else a stable id of the prompt (prep splits by it)."""
-    tid = rec.get("task_id")
-    if isinstance(tid, str) and tid.strip():
-        return tid
-    from hermes_lab.tasks import suite as tasks
-
-    t = tasks.parse_prompt(prompt)
-    return t.task_id if t else "live-" + hashlib.sha1(prompt.encode("utf-8", "replace")).hexdigest()[:12]
-
-
-def _family(prompt: str) -> str | None:
-    """The embedded task family of a prompt (prep's per-family numbers), None for any other prompt."""
-    from hermes_lab.tasks import suite as tasks
-
-    return tasks.family_of(prompt)
-
-
-def _judge(cfg: Any, rows: list[dict[str, Any]], best: dict[str, tuple[float, str]]) -> list[float | None]:
-    """Comparison-judge scores of unrewarded rows against the best rewarded response to the same prompt."""
-    from hermes_lab.rewards.registry import local_judge
-
-    todo = [i for i, r in enumerate(rows) if r["prompt"] in best]
-    scores: list[float | None] = [None] * len(rows)
-    if not todo:
-        return scores
-    refs = [best[rows[i]["prompt"]] for i in todo]
-    r = cfg.reward
-    if r.model and r.model.strip().lower() != "local":
-        from hermes_lab.llm.judge import ApiJudge
-
-        got = ApiJudge.from_config(cfg).score(
-            [rows[i]["prompt"] for i in todo], [rows[i]["response"] for i in todo], [ref for _, ref in refs]
-        )
-    else:
-        got = [
-            local_judge(rows[i]["response"], ref, rr, float(r.scale), float(r.success_threshold))
-            for i, (rr, ref) in zip(todo, refs)
-        ]
-    for i, s in zip(todo, got):
-        scores[i] = float(s)
-    return scores
-
-
-def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
-    """Join a gateway log dir into ``<out_dir>/<name>.trajectories.jsonl`` (+ ``.unrewarded.jsonl``).
-
-    Every request is accounted for: requests = errors + answered; answered = rewarded + judged + unrewarded.
-    """
-    src, out = Path(log_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = cfg.serve.feedback_source
-    fb: dict[str, dict[str, Any]] = {}
-    bad_fb: list[int] = []
-    counts = dict.fromkeys(("feedback_lines", "feedback_other_source", "feedback_unknown_request"), 0)
-    for _, rec in read_jsonl(src / FEEDBACK, bad_fb):
-        counts["feedback_lines"] += 1
-        if source != "any" and rec.get("source", "system") != source:
-            counts["feedback_other_source"] += 1
-            continue
-        fb[str(rec.get("request_id"))] = rec  # file order: the latest wins
-    name = src.name or "gateway"
-    traj, unrew = out / f"{name}.trajectories.jsonl", out / f"{name}.unrewarded.jsonl"
-    c = dict.fromkeys(("requests", "errors", "answered", "rewarded", "judged", "unrewarded"), 0)
-    seen: set[str] = set()
-    pending: list[dict[str, Any]] = []
-    best: dict[str, tuple[float, str]] = {}
-    bad_req: list[int] = []
-    with open(traj, "wb") as ft:
-        for lineno, rec in read_jsonl(src / REQUESTS, bad_req):
-            c["requests"] += 1
-            rid = str(rec.get("request_id"))
-            seen.add(rid)
-            if rec.get("status") != "ok":
-                c["errors"] += 1
-                continue
-            c["answered"] += 1
-            prompt = rec.get("prompt") if isinstance(rec.get("prompt"), str) else ""
-            row = {
-                "prompt": prompt,
-                "response": rec.get("response") if isinstance(rec.get("response"), str) else "",
-                "reward": None,
-                "task_id": _task_id(rec, prompt),
-                "family": _family(prompt),
-                **{k: rec.get(k) for k in ("request_id", "unit", "arm", "model", "stage", "ratio", "t", "timestamp")},
-                "messages": rec.get("messages"),
-                "gateway_log": f"{src / REQUESTS}:{lineno}",
-            }
-            f = fb.get(rid)
-            if f is None:
-                pending.append(row)
-                continue
-            row.update(reward=f.get("reward"), reward_source=f.get("source", "system"), feedback_detail=f.get("detail"))
-            if isinstance(row["reward"], (int, float)) and row["reward"] > best.get(prompt, (-1.0, ""))[0]:
-                best[prompt] = (float(row["reward"]), row["response"])
-            c["rewarded"] += 1
-            ft.write(orjson.dumps(row) + b"\n")
-        scores = _judge(cfg, pending, best) if cfg.serve.score_unrewarded == "judge" else [None] * len(pending)
-        with open(unrew, "wb") as fu:
-            for row, s in zip(pending, scores):
-                if s is None:
-                    c["unrewarded"] += 1
-                    fu.write(orjson.dumps(row) + b"\n")
-                else:
-                    c["judged"] += 1
-                    row.update(reward=s, reward_source="judge")
-                    ft.write(orjson.dumps(row) + b"\n")
-    counts["feedback_unknown_request"] = sum(1 for rid in fb if rid not in seen)
-    return {
-        "log_dir": str(src),
-        "trajectories": str(traj),
-        "unrewarded_file": str(unrew),
-        **c,
-        **counts,
-        "torn_lines": {"requests": len(bad_req), "feedback": len(bad_fb)},
-        "feedback_source": source,
-        "score_unrewarded": cfg.serve.score_unrewarded,
-        "identity": "requests = errors + answered; answered = rewarded + judged + unrewarded",
-    }
-
-
-def expand_inputs(inputs: list[Any], out_dir: str | os.PathLike[str], cfg: Any) -> tuple[list[Any], dict[str, Any]]:
-    """prep's inputs with each gateway log dir replaced by its joined trajectories file; what was joined."""
-    files, joined = [], {}
-    for p in inputs:
-        if Path(p).is_dir() and (Path(p) / REQUESTS).is_file():
-            info = gateway_trajectories(p, Path(out_dir) / "gateway", cfg)
-            joined[str(p)] = info
-            files.append(info["trajectories"])
-        else:
-            files.append(p)
-    return files, joined
-
-
-def describe_gateway(info: dict[str, Any]) -> str:
-    """One line accounting for every request of a joined gateway log dir."""
-    return (
-        f"gateway {info['log_dir']}: {info['requests']} requests = {info['errors']} errors + {info['answered']} "
-        f"answered; answered = {info['rewarded']} rewarded + {info['judged']} judged + {info['unrewarded']} "
-        f"unrewarded (kept in {info['unrewarded_file']})"
-    )
 
 
 def now_iso(ts: float | None = None) -> str:

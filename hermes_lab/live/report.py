@@ -7,8 +7,9 @@ stages and the current one up to its latest look).
 
     hermes-lab serve --report runs/live/tiny-vs-round-01 --params params/embedded.yaml
 
-The analysis and the report are ab-run's (``ab.analyse_log``, ``ab_report.build_report``, ``ab_report.make_plots``),
-so the user's fields (delta, p_value, significant) and the decision sit where they do in ab-run's report.
+The analysis and the report are ab-run's (``ab.analysis.analyse_log``, ``ab.report.build_report``,
+``ab.report.make_plots``), so the user's fields (delta, p_value, significant) and the decision sit where
+they do in ab-run's report.
 Each stage is analysed on what the gateway knew at the look that ended it (its requests complete by then,
 the rewards whose feedback had arrived: ``Tally.columns(known_by=...)``), so the report re-derives the
 decisions the gateway took. Live fields on top: ``mode: live``, ``time_scale`` (and a reason line saying
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import HermesConfig
@@ -71,7 +73,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     cols = {k: np.concatenate([p[k] for p in parts]) if parts else tally.columns(-1)[k] for k in keys}
     if a.unit != "user":
         cols.pop("unit")
-    analysis = ab.analyse_log(cols, [s for s, _ in todo], st, FAM_NAMES, {s.index: u for s, u in todo})
+    analysis = ab_analysis.analyse_log(cols, [s for s, _ in todo], st, FAM_NAMES, {s.index: u for s, u in todo})
     K = float(state.get("time_scale", 1.0))
     ended = state.get("ended_at")
     wall = (datetime.fromisoformat(ended).timestamp() if ended else time.time()) - float(state["start_unix"])

@@ -1,14 +1,8 @@
-"""Rounds on live traffic: a round's data from a gateway log, and its A/B stage run live by the gateway.
+"""Rounds on live traffic: the A/B stage run live by the gateway (``ab.mode: live``).
 
-Stages: execute (``execute.source: live``) and A/B (``ab.mode: live``); the round runner runs them through
-the stage registry like any other (their notebooks call ``execute.execute`` and ``ab_run.notebook_run``,
-which come here in live mode).
-
-execute, live: the round's ``runs/round-NN/trajectories.jsonl`` is the gateway log ``execute.live_dir``
-(empty: the live experiment of the previous round, ``runs/live/round-<NN-1>``) joined with its feedback
-(``hermes_lab.live.log.gateway_trajectories``: every request accounted for; requests without feedback are
-kept aside in ``runs/round-NN/live/``). Round 1 has no previous round and no traffic yet: with
-``live_dir`` empty it executes the embedded tasks (it says so).
+The round runner runs it through the stage registry like any other: the A/B notebook calls ``notebook_run``
+here in live mode (``hermes_lab.ab.run.notebook_run`` otherwise). A live round's *data* (``execute.source:
+live``) is read from the previous experiment's log by ``hermes_lab.data.gateway``.
 
 A/B, live: the stage prepares the round's experiment in ``runs/live/round-NN/`` (``serve.log_dir`` set: that
 dir, to attach to a gateway already running there): baseline the policy the regression gate compared
@@ -27,70 +21,21 @@ rollout ended, its ``ab_report.json`` (``hermes_lab.live.report``: ab-run's sche
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.config.schema import ConfigError, HermesConfig
-from hermes_lab.live import log as L
-from hermes_lab.live.report import FAM_NAMES  # noqa: F401 (the notebook's family names)
+from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, gate, write_verdict
+from hermes_lab.data.gateway import gateway_trajectories
+from hermes_lab.live import log as L
+from hermes_lab.live.report import FAM_NAMES
 
 AWAITING = STOP_AWAITING_LIVE
 
 
 class LiveABPending(Exception):
     """The round's live rollout is not decided yet: the round stops here and continues with --resume."""
-
-
-def round_number(round_dir: str | os.PathLike[str]) -> int:
-    m = re.fullmatch(r"round-(\d+)", Path(round_dir).name)
-    return int(m.group(1)) if m else 0
-
-
-def source_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path | None:
-    """The gateway log dir a live round trains on; None for round 1 with no ``execute.live_dir`` (bootstrap)."""
-    if cfg.execute.live_dir:
-        return Path(cfg.execute.live_dir)
-    n = round_number(round_dir)
-    if n <= 1:
-        return None
-    return Path(cfg.round.runs_dir) / "live" / f"round-{n - 1:02d}"
-
-
-def pending_samples(cfg: HermesConfig, round_dir: str | os.PathLike[str], default: int) -> int:
-    """``hermes-lab status``: the new samples a live round would train on (its source's requests with
-    feedback); ``default`` for a first round that executes the tasks."""
-    src = source_dir(cfg, round_dir)
-    if src is None:
-        return default
-    return sum(1 for _ in L.read_jsonl(src / L.FEEDBACK))  # an upper bound: re-scores count twice
-
-
-def execute_live(cfg: HermesConfig, output: str | os.PathLike[str], log_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The round's trajectories from a gateway log dir: the requests with feedback (the reward), as prep
-    reads them; the join's accounting in the result (and its files under ``<round_dir>/live/``)."""
-    src, out = Path(log_dir), Path(output)
-    if not (src / L.REQUESTS).is_file():
-        raise ConfigError(
-            f"execute.source is live, but {src} holds no {L.REQUESTS} (set execute.live_dir to a gateway log dir, "
-            "or run the previous round's live A/B first)"
-        )
-    info = L.gateway_trajectories(src, out.parent / "live", cfg)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    shutil.copyfile(info["trajectories"], tmp)
-    os.replace(tmp, out)  # a half-written file never looks like a finished execution log
-    rewards = [r.get("reward") for _, r in L.read_jsonl(out)]
-    passed = sum(isinstance(r, (int, float)) and r >= cfg.reward.success_threshold for r in rewards)
-    print(L.describe_gateway(info), flush=True)
-    return {
-        "records": len(rewards),
-        "pass_rate": round(passed / max(len(rewards), 1), 4),
-        "output": str(out),
-        "source": "live",
-        "live": info,
-    }
 
 
 # ------------------------------------------------------------------------------------------- the A/B stage
@@ -132,13 +77,34 @@ def arm_spec(path: str) -> str:
 
 def baseline_spec(cfg: HermesConfig, explicit: str = "") -> str:
     """The live baseline as an arm spec: the policy the regression gate compared against (champion, else
-    model.adapter, else the bare base; ``validate.resolve_baseline``)."""
-    from hermes_lab.evaluate.validate import resolve_baseline
+    model.adapter, else the bare base; ``policy.arms.resolve_baseline``)."""
+    from hermes_lab.policy.arms import resolve_baseline
 
     if explicit:
         return arm_spec(explicit)
     base, adapter = resolve_baseline(cfg)
     return arm_spec(adapter) if adapter else base
+
+
+def notebook_run(
+    cfg: HermesConfig,
+    round_dir: str | os.PathLike[str],
+    parent_run_id: str = "",
+    baseline: str = "",
+    candidate: str = "",
+) -> dict[str, Any]:
+    """What 40_ab_analysis.ipynb does with ``ab.mode: live``: the gateway's decided rollout as the round's A/B
+    (``LiveABPending`` while it decides: the round stops), in the result shape of ``ab.run.notebook_run``."""
+    from hermes_lab.ab.report import REPORT_NAME, log_to_mlflow, write_ab_verdict
+    from hermes_lab.core import tracking
+
+    out = Path(round_dir) / "ab"
+    with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
+        report, cols = ab_stage(cfg, round_dir, baseline, candidate)
+        write_ab_verdict(report, out)
+        log_to_mlflow(cfg, report, out / REPORT_NAME, Path(report["log"]))
+    plots = [Path(p) for p in report["plots"]]
+    return {"report": report, "cols": cols, "families": FAM_NAMES, "plots": plots, "report_path": out / REPORT_NAME}
 
 
 def ab_stage(
@@ -160,7 +126,7 @@ def ab_stage(
         write_verdict(out, "ab", [gate("ab_decision", None, msg)], stop=AWAITING)  # the round stops, resumable
         raise LiveABPending(msg)
     # the traffic as trajectories: the next round's fuel, and its negatives on a roll back (stages.py)
-    info = L.gateway_trajectories(log_dir, out / "live", cfg)
+    info = gateway_trajectories(log_dir, out / "live", cfg)
     shutil.copyfile(info["trajectories"], out / "live_trajectories.jsonl")
     # rebuilt from the log dir alone: the same decisions the gateway took, in the round's ab/
     return write_live_report(cfg, log_dir, out)

@@ -1,4 +1,4 @@
-"""The command line of the live gateway: ``hermes-lab serve`` (``python -m hermes_lab.live.gateway``).
+"""The command line of the live gateway: ``hermes-lab serve`` (``python -m hermes_lab.live.serve``).
 
 Stage: validate (live A/B). Builds the ``hermes_lab.live.gateway.Gateway`` from the config and the arm flags, binds
 the socket and runs uvicorn; ``--report DIR`` instead writes the live report of a log dir
@@ -156,3 +156,13 @@ def rollout_line(gw: Gateway) -> str:
         else st["status"]
     )
     return f"rollout: {plan}, a look every {duration(gw.cfg.ab.look_every)}{clock}; now {where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hermes_lab.core.command import run_module
+
+    return run_module("hermes_lab.live.serve", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.core.command import CommandError
 from hermes_lab.config.schema import EMBEDDED_MODEL, HermesConfig
+from hermes_lab.core.command import CommandError
 
 POLICY_KINDS = (
     "a model dir (config.json), a LoRA adapter dir (adapter_config.json), a train output dir (adapter/ inside), "
@@ -181,3 +181,42 @@ def load_args(spec: Any) -> tuple[str, str | None]:
         return spec.base, spec.adapter
     base, adapter = spec
     return str(base), adapter
+
+
+# ---------------------------------------------------------------------------- the round's two policies
+def candidate_from_train_dir(train_dir: str | Path, cfg: Any) -> tuple[str, str]:
+    """(base model, adapter dir) of a training output: run.json's, else model.base_model and train/adapter."""
+    td = Path(train_dir)
+    info: dict[str, Any] = {}
+    rj = td / "run.json"
+    if rj.is_file():
+        try:
+            info = json.loads(rj.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{rj}: not valid JSON ({e.msg})") from None
+    base = info.get("base_model") or cfg.model.base_model
+    adapter = info.get("adapter") or str(td / "adapter")
+    if not Path(adapter, "adapter_config.json").is_file():
+        raise FileNotFoundError(f"candidate adapter not found: {adapter} (no adapter_config.json; did train run?)")
+    return str(base), str(adapter)
+
+
+def resolve_baseline(cfg: Any, explicit: str | None = None) -> tuple[str, str | None]:
+    """(base model, adapter) of THE baseline: the policy both gates compare the candidate with -- the
+    regression gate here and the A/B stage (``ab.run.resolve_arms``, the round's A/B parameters). An
+    explicit adapter, else the live champion (runs/state.json), else model.adapter, else None (bare base)."""
+    from hermes_lab.core.paths import project_root
+    from hermes_lab.core.state import FlywheelState, state_path
+
+    if explicit:  # an adapter, a train output dir or 'champion' (notebook parameters: project-relative)
+        return cfg.model.base_model, resolve_adapter(explicit, "baseline_adapter", cfg, project_root())
+    champ = FlywheelState.load(state_path(cfg.round.runs_dir)).champion_adapter
+    return cfg.model.base_model, champ or cfg.model.adapter or None
+
+
+def resolve_baseline_adapter(cfg: Any, explicit: str | None = None) -> str | None:
+    """The baseline's adapter (``resolve_baseline``), None for the bare base."""
+    return resolve_baseline(cfg, explicit)[1]
+
+
+# ------------------------------------------------------------------------------------------- the comparison

@@ -53,6 +53,7 @@ from typing import Any
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
 from hermes_lab.core.jsonl import iter_objects, safe_name, write_json_atomic
+from hermes_lab.core.verdict import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.review.labels import (  # noqa: F401  (re-exported: the gate's callers import the store from here)
     DEFAULT_STORE,
     LabelStore,
@@ -69,7 +70,6 @@ from hermes_lab.review.stats import (  # noqa: F401  (re-exported: the agreement
     labels_to_settle,
     wilson,
 )
-from hermes_lab.core.verdict import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.tasks.suite import family_of, verify
 
 SIMULATED_REVIEWER = "simulated:verifier"

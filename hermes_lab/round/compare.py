@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
-from hermes_lab.round.stages import STAGES, Stage, all_gates
 from hermes_lab.core.verdict import read_verdict
+from hermes_lab.round.stages import STAGES, Stage, all_gates
 
 # the last value of these stage-run metrics, one column each
 TABLE_METRICS = (

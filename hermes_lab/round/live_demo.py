@@ -100,7 +100,7 @@ def serve_until_decided(params: Path, log_dir: Path, concurrency: int) -> dict[s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     gw = subprocess.Popen(
-        [sys.executable, "-m", "hermes_lab.live.gateway", "--params", str(params), "--log-dir", str(log_dir)]
+        [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--log-dir", str(log_dir)]
         + ["--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -41,8 +41,8 @@ from typing import Any
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
-from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
+from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -180,7 +180,7 @@ def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from hermes_lab.config.schema import check_config
+    from hermes_lab.config.check import check_config
 
     try:
         trl_version = version("trl")
@@ -508,9 +508,9 @@ def status(params_path: str) -> dict[str, Any]:
     n = state.last_round + 1
     pending = cfg.execute.num_tasks * cfg.execute.samples_per_task  # what the embedded execute stage logs
     if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
-        from hermes_lab.live import round as live_round
+        from hermes_lab.data import gateway
 
-        pending = live_round.pending_samples(cfg, _round_dir(runs, n), pending)
+        pending = gateway.pending_samples(cfg, _round_dir(runs, n), pending)
     for p in fresh_data(runs, n)[1:]:  # plus earlier logs since the last training (A/B, skipped rounds)
         with open(p, encoding="utf-8") as f:
             pending += sum(1 for _ in f)

@@ -13,10 +13,8 @@ and ``eval`` (held-out pass rate before/after training), which the round summary
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from hermes_lab.core.state import FlywheelState
 
 ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")  # every stage notebook takes these
-
 
 
 @dataclass(frozen=True)
@@ -129,7 +126,7 @@ def _train_params(ctx: RoundContext) -> dict[str, Any]:
 
 
 # one baseline for both gates (issue #14): empty, so that both notebooks resolve it the same way with
-# validate.resolve_baseline (champion, else model.adapter, else the bare base)
+# policy.arms.resolve_baseline (champion, else model.adapter, else the bare base)
 def _validate_params(ctx: RoundContext) -> dict[str, Any]:
     return {"baseline_adapter": ""}
 

@@ -43,8 +43,8 @@ from hermes_lab.config.schema import HermesConfig, dump_config, load_config
 from hermes_lab.config.trl import grpo_kwargs
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
-from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
+from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
