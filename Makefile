@@ -53,6 +53,7 @@ browser-deps:
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -12,9 +12,9 @@ import pytest
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core import tracking
+from hermes_lab.core.verdict import gate, write_verdict
 from hermes_lab.round import compare
 from hermes_lab.round.stages import all_gates
-from hermes_lab.core.verdict import gate, write_verdict
 
 
 def _round(cfg, n: int, reward: list[float], delta: float, promoted: bool, gates: dict[str, bool | None]) -> None:
