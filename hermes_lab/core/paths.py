@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_ROOT = "HERMES_LAB_ROOT"
-PACKAGE_REPO = Path(__file__).resolve().parent.parent
+PACKAGE_REPO = Path(__file__).resolve().parents[2]  # hermes_lab/core/paths.py -> the checkout
 _NAME = re.compile(r"""^\s*name\s*=\s*["']hermes[-_]lab["']""", re.M)
 
 # notebook parameters that hold paths (resolve_params): plain paths, comma-separated lists of paths (an

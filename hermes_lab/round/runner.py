@@ -40,12 +40,12 @@ from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.paths import PACKAGE_REPO
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
 from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 
-REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = REPO / "notebooks"
+NOTEBOOKS = PACKAGE_REPO / "notebooks"  # the stage notebooks of this checkout
 OK_STATUSES = ("promoted", "rolled back", "completed", *WAITING, "candidate held", "skipped")
 
 
