@@ -194,7 +194,7 @@ def test_replay_a_request_log_with_salt_and_user_units(tmp_path):
 
 
 def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
-    caplog.set_level(logging.DEBUG, logger="hermes_lab.ab.stats")
+    caplog.set_level(logging.DEBUG, logger="hermes_lab.ab")
     ab_run.run_ab(
         _cfg(tmp_path),
         FakePolicy(0.5, "b"),
@@ -203,7 +203,7 @@ def test_debug_log_has_request_id_arm_and_status(tmp_path, caplog):
         output=tmp_path / "r.json",
         plots=False,
     )
-    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "hermes_lab.ab.stats"]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "hermes_lab.ab"]
     assert len(lines) > 100 and all(x.startswith("request_id=req-0-") for x in lines)
     assert any("arm=candidate status=ok" in x for x in lines) and any("arm=baseline" in x for x in lines)
 

@@ -117,9 +117,7 @@ def test_the_users_commands_are_entry_points():
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_every_entry_point_answers_help(module):
-    r = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("usage:"), r.stdout[:200]
     if module in ("hermes_lab.prep", "hermes_lab.train", "hermes_lab.ab_run"):  # named as the user types it

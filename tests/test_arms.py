@@ -139,12 +139,12 @@ def test_users_two_commands_after_train(project_copy):
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HERMES_LAB_ROOT")}
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     py = [sys.executable, "-m"]
-    train = [*py, "hermes_lab.train.grpo", "--config", "params/embedded.yaml", "--data", "./trajectories.jsonl"]
+    train = [*py, "hermes_lab.train", "--config", "params/embedded.yaml", "--data", "./trajectories.jsonl"]
     train += ["--output", "./checkpoints/round-01", "--max-steps", "2", "--no-eval"]
     r = subprocess.run(train, cwd=project_copy, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FutureWarning" not in r.stderr and "gradient_checkpointing" not in r.stderr
-    ab = [*py, "hermes_lab.ab.run", "--baseline", "./checkpoints/baseline", "--candidate", "./checkpoints/round-01"]
+    ab = [*py, "hermes_lab.ab_run", "--baseline", "./checkpoints/baseline", "--candidate", "./checkpoints/round-01"]
     ab += ["--ratio", "0.1", "--duration", "7200", "--output", "./ab_report.json"]
     r = subprocess.run(ab, cwd=project_copy, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -168,7 +168,7 @@ def test_commands_from_another_cwd_use_one_runs_dir(project_copy, tmp_path):
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     py = [sys.executable, "-m"]
     steps = [
-        [*py, "hermes_lab.data.prep", "--input", "traj.jsonl", "--output", "prep", "--params", "params/embedded.yaml"],
+        [*py, "hermes_lab.prep", "--input", "traj.jsonl", "--output", "prep", "--params", "params/embedded.yaml"],
         [
             *py,
             "hermes_lab.review.gate",
@@ -178,7 +178,7 @@ def test_commands_from_another_cwd_use_one_runs_dir(project_copy, tmp_path):
             "--params",
             "params/embedded.yaml",
         ],
-        [*py, "hermes_lab.ab.run", "--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
+        [*py, "hermes_lab.ab_run", "--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
         + ["--duration", "600", "--output", "ab/ab_report.json"],
     ]
     for args in steps:

@@ -46,7 +46,7 @@ GATE_NB = HEAD + (
     "assert ok, 'the data gates refused'\n"
 )
 FIT_NB = HEAD + (
-    "from hermes_lab import tracking\n"
+    "from hermes_lab.core import tracking\n"
     "cfg = load_config(config_path)\n"
     "with tracking.stage_run('fit', parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment) as run:\n"
     "    tracking.log_metrics('fit', {'loss': 0.5})\n"

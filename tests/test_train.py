@@ -655,7 +655,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
             "--master_port",
             str(_free_port()),
             "-m",
-            "hermes_lab.train.grpo",
+            "hermes_lab.train",
             "--config",
             str(tmp_path / "dist.yaml"),
             "--data",

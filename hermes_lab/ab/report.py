@@ -27,6 +27,8 @@ from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core import tracking
 from hermes_lab.core.verdict import gate, write_verdict
 
+REPORT_NAME = "ab_report.json"  # the report's file, in a round's ab/ and in a live log dir
+
 
 @dataclass(frozen=True)
 class RunFacts:

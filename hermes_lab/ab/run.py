@@ -43,7 +43,15 @@ import numpy as np
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
-from hermes_lab.ab.report import RunFacts, build_report, log_to_mlflow, make_plots, summary, write_ab_verdict
+from hermes_lab.ab.report import (
+    REPORT_NAME,
+    RunFacts,
+    build_report,
+    log_to_mlflow,
+    make_plots,
+    summary,
+    write_ab_verdict,
+)
 from hermes_lab.config.schema import HermesConfig, ab_stages, load_config
 from hermes_lab.core.jsonl import iter_objects, write_json_atomic
 from hermes_lab.policy.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
@@ -51,7 +59,7 @@ from hermes_lab.tasks import suite as T
 
 log = logging.getLogger("hermes_lab.ab")
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the simulated clock's start (SimulatedClock's default)
-LOG_NAME, REPORT_NAME = "requests.jsonl", "ab_report.json"
+LOG_NAME = "requests.jsonl"
 COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
 FAM_INDEX = {f: i for i, f in enumerate(T.FAMILIES)}
 FAM_NAMES = [*T.FAMILIES, "other"]
