@@ -8,6 +8,15 @@ import sys
 import pytest
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (make test runs one worker per core) each worker, and every process it starts
+    (papermill kernels, CLI subprocesses, torchrun), gets one BLAS/OpenMP thread: two workers each running
+    torch with a thread per core would fight for the cores, and the tiny policy is ~10x slower that way."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_tracking_uri_restored():
     """mlflow.set_tracking_uri() is global and also sets MLFLOW_TRACKING_URI in os.environ: without this, a test
