@@ -29,8 +29,9 @@ def small_params(tmp_path: Path, **sections) -> Path:
     tiny = build_tiny_policy(REPO / "runs", seed=0)
     os.symlink(tiny, runs / "policies" / tiny.name)  # built once per machine, reused
     cfg["round"]["runs_dir"] = str(runs)
-    cfg["execute"]["num_tasks"] = 600  # ~8% exact duplicates: still >= min_samples new samples
-    cfg["execute"]["samples_per_task"] = 1  # 600 logged samples, as many tasks
+    cfg["execute"]["num_tasks"] = 250  # ~8% exact duplicates: still >= min_samples new samples
+    cfg["execute"]["samples_per_task"] = 1  # 250 logged samples, as many tasks
+    cfg["data"]["min_samples"] = 200  # the gate at the scale of these rounds (the runner, not the volume, is tested)
     cfg["grpo"]["max_steps"] = 12
     cfg["validate"]["eval_tasks_per_family"] = 16
     cfg["validate"]["samples_per_task"] = 2
@@ -80,7 +81,7 @@ def test_status_explains_why_no_round_is_due(tmp_path):
     s = R.status(str(params))
     assert not s["due"]
     assert any(r.startswith("cooldown: 19.0 h left") for r in s["reasons"])
-    assert any(r.startswith("samples: 600 of 5000") for r in s["reasons"])
+    assert any(r.startswith("samples: 250 of 5000") for r in s["reasons"])
     p = subprocess.run([*HERMES, "status", "--params", str(params)], capture_output=True, text=True)
     assert p.returncode == 3 and "not due" in p.stdout
 
