@@ -69,7 +69,7 @@ def test_a_round_trains_on_a_live_log_and_waits_for_its_live_ab(tmp_path):
     assert all(t["gateway_log"].startswith(str(log)) for t in traj)
     prep = json.loads((rd / "prep" / "summary.json").read_text())
     assert prep["counts"]["new_samples"] >= 200  # small_params' data.min_samples
-    assert (rd / "train" / "adapter" / "adapter_config.json").is_file()  # trained on it
+    assert (rd / "train" / "adapter" / "adapter_config.json").is_file(), p.stdout[-3000:]  # trained on it
     # the A/B stage prepared the round's experiment and the round waits for it
     assert "awaiting live A/B" in p.stdout
     state = FlywheelState.load(state_path(runs))

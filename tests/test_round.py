@@ -32,6 +32,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     cfg["execute"]["num_tasks"] = 250  # ~8% exact duplicates: still >= min_samples new samples
     cfg["execute"]["samples_per_task"] = 1  # 250 logged samples, as many tasks
     cfg["data"]["min_samples"] = 200  # the gate at the scale of these rounds (the runner, not the volume, is tested)
+    cfg["data"]["review_fraction"] = 0.25  # ~50 labels: enough for the review gate to decide (35 at 100% agreement)
     cfg["grpo"]["max_steps"] = 12
     cfg["validate"]["eval_tasks_per_family"] = 16
     cfg["validate"]["samples_per_task"] = 2
@@ -124,15 +125,17 @@ def mlflow_server(tmp_path):
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 
-    for _ in range(120):
+    deadline = time.time() + 300  # ~25 s on a quiet 2-core machine, over a minute while other suites run
+    while True:
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
             break
         except OSError:
+            if srv.poll() is not None or time.time() > deadline:
+                if srv.poll() is None:
+                    os.killpg(srv.pid, signal.SIGKILL)
+                pytest.fail(f"mlflow server did not start (exit code {srv.poll()})")
             time.sleep(0.5)
-    else:
-        srv.kill()
-        pytest.fail("mlflow server did not start")
     yield url
     os.killpg(srv.pid, signal.SIGTERM)
     srv.wait(timeout=30)
