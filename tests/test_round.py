@@ -121,11 +121,14 @@ def mlflow_server(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # MLflow 3's server starts ten job consumers by default (its "jobs" feature, which the round does not
+        # use): ~30 s of CPU at start, and processes of their own session that outlive the server's group
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 
-    deadline = time.time() + 300  # ~25 s on a quiet 2-core machine, over a minute while other suites run
+    deadline = time.time() + 300  # seconds on a quiet machine; much longer while other suites run
     while True:
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
