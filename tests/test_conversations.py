@@ -1,0 +1,322 @@
+"""Agent conversations in (issue 27): what the real Hermes Agent 0.19.0 wrote (tests/fixtures/hermes/, remade by
+its make_fixtures.py) and OpenAI chat logs become canonical conversation records, rewarded, deduped, split by
+task and written for the trainer (prep's conversations/ dataset) and the reviewer (the review queue).
+
+Every input goes through the real prep (``hermes-lab prep`` / ``run_prep``): trajectory_samples.jsonl +
+failed_trajectories.jsonl, the batch runner's trajectories.jsonl (plain, .jsonl.gz, compressed), the sessions
+folder, state.db (read-only; a compression chain and a sub-agent), an OpenAI-messages file, and the hostile
+variants, each rejected by line with its reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hermes_lab.config.schema import load_config
+from hermes_lab.data import conversation as C
+from hermes_lab.data import readers
+from hermes_lab.data.prep import run_prep
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "tests" / "fixtures" / "hermes"
+PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+SCALE = 5.0
+
+
+def cfg(**over):
+    return load_config(None, overrides={"data.min_samples": 1, **over})
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def prep(tmp_path: Path, inputs: list[Path], name: str = "out", **kw) -> tuple[dict, Path]:
+    over = kw.pop("over", {})
+    res = run_prep(inputs, tmp_path / name, cfg(**over), make_plots=kw.pop("plots", False), **kw)
+    return res.summary, tmp_path / name
+
+
+# ------------------------------------------------------------------------------- the Done-when inputs
+def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with_outcome_rewards(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [PY, "-m", "hermes_lab.cli.main", "prep", "--input", str(FIX / "trajectory_samples.jsonl"),
+         str(FIX / "failed_trajectories.jsonl"), "--output", str(out), "--set", "data.min_samples=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "3 accepted, 0 rejected" in p.stdout and "3 conversations" in p.stdout and "outcome 3" in p.stdout
+    recs = lines(out / "accepted.jsonl")
+    assert [r["source"]["format"] for r in recs] == ["hermes_trajectory"] * 3
+    ok, failed = recs[0], recs[2]  # trajectory_samples.jsonl line 1; failed_trajectories.jsonl line 1
+    assert (Path(failed["source"]["file"]).name, failed["source"]["line"]) == ("failed_trajectories.jsonl", 1)
+    # the logged signals: completed from the line, the failed file's run ran out of turns
+    assert ok["outcome"]["completed"] is True and ok["outcome"]["inferred"] is False and ok["reward"] == SCALE
+    assert failed["outcome"] == failed["outcome"] | {"completed": False, "partial": False, "inferred": False}
+    assert failed["reward"] == 0.0 and {r["reward_source"] for r in recs} == {"outcome"}
+    # what the agent did: a terminal call with JSON arguments, its result, reasoning, the tools it was offered
+    msgs = ok["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+    call = msgs[2]["tool_calls"][0]
+    assert call["function"] == {"name": "terminal", "arguments": '{"command": "echo hello"}'}
+    assert msgs[3]["tool_call_id"] == call["id"] and msgs[3]["name"] == "terminal" and "hello" in msgs[3]["content"]
+    assert msgs[2]["reasoning"].startswith("The user asks") and "<think>" not in json.dumps(msgs)
+    assert {t["function"]["name"] for t in ok["tools"]} == {"terminal", "process"}
+    assert "<tools>\n[" not in msgs[0]["content"]  # the schemas are in tools, not twice
+    s = json.loads((out / "summary.json").read_text())
+    assert s["conversations"]["reward_sources"] == {"outcome": {"conversations": 3, "mean_reward": round(10 / 3, 4)}}
+    assert s["counts"]["read"] == s["counts"]["accepted"] + s["counts"]["rejected"] + s["counts"]["duplicates"]
+
+
+def test_two_calls_in_one_turn_are_answered_in_order(tmp_path):
+    rec = readers.parse_line(lines(FIX / "trajectory_samples.jsonl")[1], "hermes_trajectory", "f", 2, SCALE, 10**6)
+    a = rec["messages"][2]
+    assert [c["function"]["arguments"] for c in a["tool_calls"]] == [
+        '{"command": "date -u +%Y"}',
+        '{"command": "uname -s"}',
+    ]
+    results = [m for m in rec["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == [c["id"] for c in a["tool_calls"]]
+    assert rec["outcome"]["tool_calls"] == 2 and rec["outcome"]["unanswered_calls"] == 0
+
+
+def test_batch_runner_file_plain_gzip_and_compressed(tmp_path):
+    s, out = prep(tmp_path, [FIX / "batch_trajectories.jsonl", FIX / "batch_trajectories.jsonl.gz",
+                             FIX / "compressed_trajectories.jsonl"])  # fmt: skip
+    per = {Path(f["file"]).name: f for f in s["per_file"]}
+    assert per["batch_trajectories.jsonl"]["accepted"] == 3
+    assert per["batch_trajectories.jsonl.gz"]["duplicates"] == 3  # the same lines, gzip members concatenated
+    assert per["compressed_trajectories.jsonl"]["accepted"] == 3
+    recs = lines(out / "accepted.jsonl")
+    batch = [r for r in recs if r["source"]["file"].endswith("batch_trajectories.jsonl")]
+    assert all(r["meta"]["prompt_index"] in (0, 1, 2) and r["outcome"]["api_calls"] == 2 for r in batch)
+    # the process tool answered {"error": ...}: the runner's tool_error_counts say 1, the penalty applies
+    bad = next(r for r in batch if r["outcome"]["tool_errors"])
+    assert bad["meta"]["tool_stats"]["process"]["failure"] == 1
+    assert bad["reward"] == SCALE * (1.0 - 0.1)
+    comp = [r for r in recs if r["source"]["file"].endswith("compressed_trajectories.jsonl")]
+    assert all(r["outcome"]["compressed"] and r["meta"]["compression_metrics"]["was_compressed"] for r in comp)
+    # the summary turn is not the task: a compressed run keeps its task, so it lands on the same split side
+    assert {r["task_id"] for r in comp} == {r["task_id"] for r in batch}
+
+
+def test_sessions_folder_and_state_db_read_only(tmp_path):
+    db = FIX / "state.db"
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    s, out = prep(tmp_path, [FIX / "sessions", db])
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert not (FIX / "state.db-wal").exists() and not (FIX / "state.db-shm").exists()  # nothing created beside it
+    per = {Path(f["file"]).name: f for f in s["per_file"]}
+    assert per["sessions"]["format"] == "hermes_session" and per["sessions"]["accepted"] == 6
+    assert per["state.db"]["format"] == "hermes_state" and per["state.db"]["read"] == 3  # 4 sessions, 3 conversations
+    recs = {r["conversation_id"]: r for r in lines(out / "accepted.jsonl")}
+    dups = lines(out / "duplicates.jsonl")
+    state = {r["conversation_id"]: r for r in recs.values() if r["source"]["format"] == "hermes_state"}
+    state |= {d["conversation_id"]: json.loads(d["raw"]) for d in dups if d["file"].endswith("state.db")}
+    chain = next(r for r in state.values() if len(r["meta"]["sessions"]) == 2)
+    users = [m["content"] for m in chain["messages"] if m["role"] == "user"]
+    assert users[0] == "What is the disk usage of /tmp?" and users[1].startswith("[CONTEXT COMPACTION")
+    assert users[2] == "And the kernel release?" and chain["outcome"]["compressed"]
+    answers = [m["content"] for m in chain["messages"] if m["role"] == "assistant" and m["content"]]
+    assert len(answers) == len(set(answers))  # the hand-off's replayed answer is not there twice
+    sub = next(r for r in state.values() if r["parent_conversation_id"])
+    assert sub["parent_conversation_id"] in state and sub["meta"]["source_platform"] == "subagent"
+    sess = next(r for r in recs.values() if r["source"]["format"] == "hermes_session")
+    assert (
+        sess["messages"][0]["role"] == "system"
+        and sess["tools"]
+        and sess["source"]["session"] in sess["source"]["file"]
+    )
+
+
+def test_openai_messages_file_and_trl_prompt_completion(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    rows = lines(FIX / "openai_messages.jsonl")[:2]
+    rows[0]["reward"] = 3.5  # a log that carries its reward keeps it
+    rows.append(
+        {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+    )
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s, out = prep(tmp_path, [f])
+    recs = lines(out / "accepted.jsonl")
+    assert s["per_file"][0]["format"] == "openai" and len(recs) == 3
+    assert (recs[0]["reward"], recs[0]["reward_source"]) == (3.5, "log")
+    assert recs[2]["messages"][-1] == {"role": "assistant", "content": "4"} and recs[2]["family"] == "chat"
+    assert recs[0]["conversation_id"] == rows[0]["id"]
+
+
+def test_hostile_variants_are_rejected_by_line_with_reasons(tmp_path):
+    s, out = prep(
+        tmp_path, [FIX / "trajectory_samples.jsonl", FIX / "hostile.jsonl.gz"], over={"data.max_bad_fraction": 1}
+    )
+    rej = lines(out / "rejects.jsonl")
+    assert [(Path(r["file"]).name, r["line"], r["reason"]) for r in rej] == [
+        ("hostile.jsonl.gz", 1, "malformed JSON"),  # truncated line
+        ("hostile.jsonl.gz", 2, "broken tag"),
+        ("hostile.jsonl.gz", 3, "tool call arguments not JSON"),
+        ("hostile.jsonl.gz", 4, "tool result without a call"),
+        ("hostile.jsonl.gz", 5, "message too long"),  # a 5 MB tool result
+    ]
+    assert "<tool_call> at character" in rej[1]["detail"] and "turn 2 (gpt)" in rej[1]["detail"]
+    assert "'ls -la /'" in rej[2]["detail"] and "5242976 characters" in rej[4]["detail"]
+    assert rej[4]["raw_truncated"] and len(rej[4]["raw"]) <= 4096  # the 5 MB line is not copied whole
+    assert s["counts"] | {"accepted": 2, "rejected": 5, "read": 7} == s["counts"]
+
+
+def test_too_many_hostile_lines_stop_prep_naming_the_file(tmp_path):
+    from hermes_lab.data.prep import PrepError
+
+    with pytest.raises(PrepError, match=r"hostile.jsonl.gz: 5 of 5 non-blank lines rejected.*line 2: broken tag"):
+        prep(tmp_path, [FIX / "hostile.jsonl.gz"])
+
+
+# ------------------------------------------------------------------------------------- schema drift
+def call(cid: str, name: str, arguments) -> dict:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_hermes_schema_drift_is_normalised():
+    calls = [call("a", "terminal", {"command": "ls"}), call("b", "mystery", "{}")]
+    raw = [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {}}]},
+        {"role": "assistant", "content": None, "reasoning_content": "thinking", "tool_calls": json.dumps(calls)},
+        {"role": "tool", "tool_call_id": "a", "tool_name": "terminal", "content": "Error: no such file"},
+        {"role": "tool", "content": '{"output": "x", "error": null}'},  # no id: answers the next open call
+        {"role": "assistant", "content": "done"},
+    ]
+    msgs = C.check_messages(raw, 10**6)
+    assert msgs[0]["content"] == "look\n[image]"
+    assert (
+        msgs[1]["reasoning"] == "thinking" and msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"command": "ls"}'
+    )
+    assert [m.get("tool_call_id") for m in msgs[2:4]] == ["a", "b"] and msgs[2]["name"] == "terminal"
+    tools = [C.tool_schema({"name": "terminal", "parameters": {}, "required": None}, "t")]
+    out = C.outcome_of(msgs, tools)
+    assert out | {"tool_calls": 2, "tool_errors": 1, "unknown_tools": ["mystery"], "completed": True} == out
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ([HI, {"role": "tool", "tool_call_id": "x", "content": "r"}], "tool result without a call"),
+        ([HI], "no assistant turn"),
+        ([{"role": "robot", "content": "hi"}], "bad role"),
+        ([HI, {"role": "assistant", "tool_calls": [call("c", "t", "{")]}], "tool call arguments not JSON"),
+        ([HI, {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], "bad tool calls"),
+    ],
+)
+def test_malformed_messages_name_the_message(raw, reason):
+    with pytest.raises(C.Invalid) as e:
+        C.check_messages(raw, 10**6)
+    assert e.value.reason == reason and e.value.detail
+
+
+def test_outcome_rules_order_and_penalty():
+    rules = cfg().conversations
+    r = lambda **o: C.outcome_reward({"tool_errors": 0, **o}, rules, SCALE)  # noqa: E731
+    assert (
+        r(completed=True) == 5.0 and r(completed=True, tool_errors=3) == 3.5 and r(completed=True, tool_errors=9) == 2.0
+    )
+    assert r(completed=False, partial=True) == 2.0 and r(completed=False, partial=True, tool_errors=9) == 0.0
+    assert r(completed=False, partial=False) == 0.0
+    with pytest.raises(Exception, match="failed_reward <= partial_reward <= completed_reward"):
+        cfg(**{"conversations.partial_reward": 0.9, "conversations.completed_reward": 0.5})
+
+
+# ---------------------------------------------------------------------------------- rewards, dedupe, split
+def test_feedback_joined_by_conversation_id_and_judge_for_the_rest(tmp_path):
+    traj = FIX / "batch_trajectories.jsonl"
+    recs = [
+        readers.parse_line(o, "hermes_trajectory", str(traj), i, SCALE, 10**6) for i, o in enumerate(lines(traj), 1)
+    ]
+    fb = tmp_path / "feedback.jsonl"
+    fb.write_text(json.dumps({"conversation_id": recs[0]["conversation_id"], "reward": 1.5, "source": "tests"}) + "\n"
+                  + "not json\n" + json.dumps({"conversation_id": "nobody", "reward": 9}) + "\n")  # fmt: skip
+    # the compressed file repeats each task: the judge has another conversation of the task to compare with
+    s, out = prep(tmp_path, [traj, FIX / "compressed_trajectories.jsonl"], feedback=[fb],
+                  over={"conversations.reward": "judge"}, plots=True)  # fmt: skip
+    got = {r["conversation_id"]: r for r in lines(out / "accepted.jsonl")}
+    assert (got[recs[0]["conversation_id"]]["reward"], got[recs[0]["conversation_id"]]["reward_source"]) == (
+        1.5,
+        "feedback:tests",
+    )
+    srcs = s["conversations"]["reward_sources"]
+    assert srcs["feedback"]["conversations"] == 1 and srcs["judge"]["conversations"] == 5
+    fbi = s["conversations"]["feedback"]
+    assert (fbi["lines"], fbi["bad_lines"], fbi["matched"]) == (3, 2, 1) and "feedback.jsonl:2: not JSON" in fbi[
+        "first_errors"
+    ][0]
+    judged = [r for r in got.values() if r["reward_source"] == "judge"]
+    assert all(0 <= r["reward"] <= SCALE and "outcome_reward" in r["meta"] for r in judged)
+    assert (out / "plots" / "conversations.png").stat().st_size > 10_000
+
+
+def test_exact_and_near_duplicates_by_content(tmp_path):
+    # a run's trajectory line and its session snapshot: one conversation (near); a file read twice: exact
+    s, out = prep(tmp_path, [FIX / "trajectory_samples.jsonl", FIX / "sessions", FIX / "trajectory_samples.jsonl"])
+    dups = lines(out / "duplicates.jsonl")
+    kinds = [(Path(d["file"]).name, d["kind"]) for d in dups]
+    assert kinds.count(("trajectory_samples.jsonl", "exact")) == 2
+    assert ("sessions", "near") in kinds and all(d["duplicate_of"] for d in dups)
+    assert s["counts"]["duplicates"] == len(dups)
+
+
+def test_split_by_task_keeps_every_conversation_of_a_task_on_one_side(tmp_path):
+    import datasets
+
+    f = tmp_path / "chat.jsonl"
+    rows = []
+    for t in range(40):
+        for k in range(3):
+            msgs = [{"role": "user", "content": f"task {t}: do it"}, {"role": "assistant", "content": f"answer {k}"}]
+            rows.append({"messages": msgs, "task_id": f"t{t}", "completed": k > 0})
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s, out = prep(tmp_path, [f], over={"data.holdout_fraction": 0.3})
+    ds = datasets.load_from_disk(str(out / "conversations"))
+    sides: dict[str, set] = {}
+    for tid, split in zip(ds["task_id"], ds["split"]):
+        sides.setdefault(tid, set()).add(split)
+    assert all(len(v) == 1 for v in sides.values()) and {"train", "heldout"} == set().union(*sides.values())
+    held = {t for t, v in sides.items() if v == {"heldout"}}
+    assert set(datasets.load_from_disk(str(out / "heldout_dataset"))["task_id"]) == held
+    assert s["conversations"]["split"] == {"train": ds["split"].count("train"), "heldout": len(held) * 3}
+    assert ds["reward"][:3] == [0.0, 5.0, 5.0]  # completed false without partial: failed
+
+
+def test_review_queue_carries_the_conversation_and_the_widget_escapes_it(tmp_path):
+    from hermes_lab.review.app import ReviewApp, conversation_html
+    from hermes_lab.review.gate import LabelStore
+
+    f = tmp_path / "chat.jsonl"
+    evil = "<script>alert(1)</script>"
+    terminal = call("c1", "terminal", json.dumps({"command": evil}))
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": f"run {evil}"},
+        {"role": "assistant", "content": None, "reasoning": f"plan {evil}", "tool_calls": [terminal]},
+        {"role": "tool", "tool_call_id": "c1", "name": "terminal", "content": "line\n" * 400 + evil},
+        {"role": "assistant", "content": f"done {evil}"},
+    ]
+    f.write_text(json.dumps({"messages": msgs, "id": "conv-evil"}) + "\n")
+    _, out = prep(tmp_path, [f], over={"data.review_fraction": 1.0})
+    item = lines(out / "review_queue.jsonl")[0]
+    assert item["conversation_id"] == "conv-evil" and item["messages"][3]["tool_call_id"] == "c1"
+    page = conversation_html(item["messages"], item["tools"])
+    assert "<script>" not in page and page.count("&lt;script&gt;") >= 5
+    assert page.count("<details") == 3  # system prompt, reasoning, the long tool result
+    assert "&#8594; call <code>terminal({&quot;command&quot;: &quot;&lt;script&gt;" in page
+    app = ReviewApp(out / "review_queue.jsonl", tmp_path / "labels.jsonl", reviewer="ada")
+    assert "Conversation" in app.prompt_label.value and "conv-evil" in app.prompt_label.value
+    assert "<script>" not in app.prompt_html.value and "5.0" not in app.header.value  # the reward stays hidden
+    app.label(2)
+    assert LabelStore(tmp_path / "labels.jsonl").labelled_ids("ada") == {item["review_id"]}
