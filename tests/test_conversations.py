@@ -88,23 +88,22 @@ def test_two_calls_in_one_turn_are_answered_in_order(tmp_path):
 
 
 def test_batch_runner_file_plain_gzip_and_compressed(tmp_path):
-    s, out = prep(tmp_path, [FIX / "batch_trajectories.jsonl", FIX / "batch_trajectories.jsonl.gz",
-                             FIX / "compressed_trajectories.jsonl"])  # fmt: skip
+    s, out = prep(tmp_path, [FIX / "batch_trajectories.jsonl", FIX / "batch_trajectories.jsonl.gz"])
     per = {Path(f["file"]).name: f for f in s["per_file"]}
     assert per["batch_trajectories.jsonl"]["accepted"] == 3
     assert per["batch_trajectories.jsonl.gz"]["duplicates"] == 3  # the same lines, gzip members concatenated
-    assert per["compressed_trajectories.jsonl"]["accepted"] == 3
-    recs = lines(out / "accepted.jsonl")
-    batch = [r for r in recs if r["source"]["file"].endswith("batch_trajectories.jsonl")]
+    batch = lines(out / "accepted.jsonl")
     assert all(r["meta"]["prompt_index"] in (0, 1, 2) and r["outcome"]["api_calls"] == 2 for r in batch)
     # the process tool answered {"error": ...}: the runner's tool_error_counts say 1, the penalty applies
     bad = next(r for r in batch if r["outcome"]["tool_errors"])
     assert bad["meta"]["tool_stats"]["process"]["failure"] == 1
     assert bad["reward"] == SCALE * (1.0 - 0.1)
-    comp = [r for r in recs if r["source"]["file"].endswith("compressed_trajectories.jsonl")]
-    assert all(r["outcome"]["compressed"] and r["meta"]["compression_metrics"]["was_compressed"] for r in comp)
-    # the summary turn is not the task: a compressed run keeps its task, so it lands on the same split side
-    assert {r["task_id"] for r in comp} == {r["task_id"] for r in batch}
+    _, out2 = prep(tmp_path, [FIX / "compressed_trajectories.jsonl"], name="compressed")
+    comp = lines(out2 / "accepted.jsonl")
+    assert len(comp) == 3 and all(r["outcome"]["compressed"] for r in comp)
+    assert all(r["meta"]["compression_metrics"]["was_compressed"] for r in comp)
+    # the summary turn is not the task, and a compressed run is the same run: same task (split side), same id
+    assert [(r["task_id"], r["conversation_id"]) for r in comp] == [(r["task_id"], r["conversation_id"]) for r in batch]
 
 
 def test_sessions_folder_and_state_db_read_only(tmp_path):
@@ -234,41 +233,51 @@ def test_outcome_rules_order_and_penalty():
 
 
 # ---------------------------------------------------------------------------------- rewards, dedupe, split
+def chat_line(task: str, answer: str, completed: bool, **kw) -> str:
+    msgs = [{"role": "user", "content": task}, {"role": "assistant", "content": answer}]
+    return json.dumps({"messages": msgs, "completed": completed, **kw}) + "\n"
+
+
 def test_feedback_joined_by_conversation_id_and_judge_for_the_rest(tmp_path):
-    traj = FIX / "batch_trajectories.jsonl"
-    recs = [
-        readers.parse_line(o, "hermes_trajectory", str(traj), i, SCALE, 10**6) for i, o in enumerate(lines(traj), 1)
-    ]
+    chat = tmp_path / "chat.jsonl"
+    rows = [chat_line("Sum 2 and 3.", a, a == "5", id=f"s{i}") for i, a in enumerate(["5", "5.", "six", "4"])]
+    rows += [chat_line("Name the capital of France.", "Paris", True, id="p0")]  # alone: nothing to compare with
+    chat.write_text("".join(rows))
     fb = tmp_path / "feedback.jsonl"
-    fb.write_text(json.dumps({"conversation_id": recs[0]["conversation_id"], "reward": 1.5, "source": "tests"}) + "\n"
-                  + "not json\n" + json.dumps({"conversation_id": "nobody", "reward": 9}) + "\n")  # fmt: skip
-    # the compressed file repeats each task: the judge has another conversation of the task to compare with
-    s, out = prep(tmp_path, [traj, FIX / "compressed_trajectories.jsonl"], feedback=[fb],
-                  over={"conversations.reward": "judge"}, plots=True)  # fmt: skip
-    got = {r["conversation_id"]: r for r in lines(out / "accepted.jsonl")}
-    assert (got[recs[0]["conversation_id"]]["reward"], got[recs[0]["conversation_id"]]["reward_source"]) == (
-        1.5,
-        "feedback:tests",
+    fb.write_text(
+        json.dumps({"conversation_id": "s3", "reward": 1.5, "source": "tests"})
+        + "\nnot json\n"
+        + json.dumps({"conversation_id": "nobody", "reward": 9})
+        + "\n"
     )
+    s, out = prep(tmp_path, [chat], feedback=[fb], over={"conversations.reward": "judge"}, plots=True)
+    got = {r["conversation_id"]: r for r in lines(out / "accepted.jsonl")}
+    assert (got["s3"]["reward"], got["s3"]["reward_source"]) == (1.5, "feedback:tests")
+    assert (got["p0"]["reward"], got["p0"]["reward_source"]) == (SCALE, "outcome")
+    # the local judge: each answer against the best other conversation of its task ("5", outcome 5.0)
+    assert [got[c]["reward_source"] for c in ("s0", "s1", "s2")] == ["judge"] * 3
+    # "5." against "5" (5.0): similarity 2/3; "six": none; "5" itself against the next best, "4" (1.5, a fail)
+    assert [got[c]["reward"] for c in ("s0", "s1", "s2")] == [2.5, round(SCALE * 2 / 3, 4), 0.0]
     srcs = s["conversations"]["reward_sources"]
-    assert srcs["feedback"]["conversations"] == 1 and srcs["judge"]["conversations"] == 5
+    assert {k: v["conversations"] for k, v in srcs.items()} == {"feedback": 1, "outcome": 1, "judge": 3}
     fbi = s["conversations"]["feedback"]
-    assert (fbi["lines"], fbi["bad_lines"], fbi["matched"]) == (3, 2, 1) and "feedback.jsonl:2: not JSON" in fbi[
-        "first_errors"
-    ][0]
-    judged = [r for r in got.values() if r["reward_source"] == "judge"]
-    assert all(0 <= r["reward"] <= SCALE and "outcome_reward" in r["meta"] for r in judged)
+    assert (fbi["lines"], fbi["bad_lines"], fbi["matched"]) == (3, 2, 1)
+    assert "feedback.jsonl:2: not JSON" in fbi["first_errors"][0]
     assert (out / "plots" / "conversations.png").stat().st_size > 10_000
 
 
-def test_exact_and_near_duplicates_by_content(tmp_path):
-    # a run's trajectory line and its session snapshot: one conversation (near); a file read twice: exact
+def test_exact_near_and_id_duplicates(tmp_path):
+    # a file read twice: exact; a run's trajectory line and its session snapshot: near (what was said, the
+    # system prompt and schemas aside); a batch run and its compressed copy: the same conversation id
     s, out = prep(tmp_path, [FIX / "trajectory_samples.jsonl", FIX / "sessions", FIX / "trajectory_samples.jsonl"])
     dups = lines(out / "duplicates.jsonl")
     kinds = [(Path(d["file"]).name, d["kind"]) for d in dups]
     assert kinds.count(("trajectory_samples.jsonl", "exact")) == 2
     assert ("sessions", "near") in kinds and all(d["duplicate_of"] for d in dups)
     assert s["counts"]["duplicates"] == len(dups)
+    s, out = prep(tmp_path, [FIX / "batch_trajectories.jsonl", FIX / "compressed_trajectories.jsonl"], name="ids")
+    dups = lines(out / "duplicates.jsonl")
+    assert [(Path(d["file"]).name, d["kind"]) for d in dups] == [("compressed_trajectories.jsonl", "id")] * 3
 
 
 def test_split_by_task_keeps_every_conversation_of_a_task_on_one_side(tmp_path):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -335,9 +334,6 @@ def final_answer(messages: list[dict[str, Any]]) -> str:
     return next((m["content"] or "" for m in reversed(messages) if m["role"] == "assistant" and m["content"]), "")
 
 
-_WS = re.compile(r"\s+")
-
-
 def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]], near: bool = False) -> bytes:
     """16-byte digest of what was said: roles, text, reasoning, tool calls and results, tool schemas. ``near``:
     the exchange itself, up to whitespace, case, reasoning, call ids, the system prompt and the tool schemas
@@ -348,7 +344,7 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]], 
             continue
         text = m.get("content") or ""
         if near:
-            text = _WS.sub(" ", text).strip().lower()
+            text = " ".join(text.split()).lower()
         parts = [m["role"], text]
         if not near:
             parts += [m.get("reasoning") or "", m.get("tool_call_id") or ""]
@@ -360,9 +356,25 @@ def content_digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]], 
             b = p.encode("utf-8", "surrogatepass")
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
-    if not near:
-        h.update(json.dumps(tools, sort_keys=True).encode("utf-8", "surrogatepass"))
+    if not near and tools:
+        h.update(_tools_digest(tools))
     return h.digest()
+
+
+_TOOLS: dict[int, tuple[list[dict[str, Any]], bytes]] = {}  # id -> (the list, kept alive; its digest)
+
+
+def _tools_digest(tools: list[dict[str, Any]]) -> bytes:
+    """The schemas' digest, once per list object: every line of a Hermes run shares one parsed tool list
+    (``readers`` caches it), and dumping ~7 KB of schemas per conversation would cost more than the rest."""
+    hit = _TOOLS.get(id(tools))
+    if hit is not None and hit[0] is tools:
+        return hit[1]
+    d = hashlib.blake2b(json.dumps(tools, sort_keys=True).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if len(_TOOLS) >= 256:
+        _TOOLS.clear()
+    _TOOLS[id(tools)] = (tools, d)
+    return d
 
 
 def _norm_args(call: dict[str, Any]) -> str:
@@ -392,6 +404,28 @@ def source_kind(reward_source: str | None) -> str:
     """The summary's bucket of a reward source: feedback:<source> counts as feedback."""
     s = reward_source or "log"
     return "feedback" if s.startswith("feedback") else s
+
+
+def record_text(rec: dict[str, Any]) -> str:
+    """A record as one JSON line (no newline): orjson's, with U+2028 / U+2029 escaped (readers that split on
+    them stay whole); the standard encoder's ASCII escapes for what orjson refuses (a lone surrogate from a
+    session file, an integer past 64 bits in a log's metadata)."""
+    try:
+        import orjson
+
+        return orjson.dumps(rec).decode().replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    except (TypeError, ValueError):
+        return json.dumps(rec)
+
+
+def record_of(text: str) -> dict[str, Any]:
+    """``record_text``'s inverse."""
+    import orjson
+
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:  # the standard encoder's escapes of a lone surrogate
+        return json.loads(text)
 
 
 def review_key(task_id: str, conversation_id: str) -> bytes:
@@ -461,9 +495,15 @@ def dataset_row(rec: dict[str, Any], split: str) -> dict[str, Any]:
     """A record as a row of ``dataset_schema()`` (tools and meta as JSON text)."""
     row = dict(rec)
     row.update(
-        split=split,
-        tools=json.dumps(rec["tools"], ensure_ascii=False),
-        meta=json.dumps(rec.get("meta") or {}, ensure_ascii=False),
-        negative=bool(rec.get("negative")),
+        split=split, tools=_json(rec["tools"]), meta=_json(rec.get("meta") or {}), negative=bool(rec.get("negative"))
     )
     return row
+
+
+def _json(v: Any) -> str:
+    try:
+        import orjson
+
+        return orjson.dumps(v).decode()
+    except (TypeError, ValueError):
+        return json.dumps(v, ensure_ascii=False)

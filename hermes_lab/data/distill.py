@@ -30,7 +30,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.data.conversation import dataset_row, dataset_schema, review_key
+from hermes_lab.data.conversation import dataset_row, dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id
 from hermes_lab.tasks import suite as tasks
 
@@ -552,7 +552,7 @@ class Distill:
                     outliers.add(seq, json.dumps(rec))
                 conv = None
                 if conv_text is not None:  # a conversation: its row of conversations/, in its split
-                    conv = json.loads(conv_text)
+                    conv = record_of(conv_text)
                     split = "heldout" if h else "train"
                     self.conv_split[split] += 1
                     conv_rows.append(dataset_row(conv, split) | {"seq": seq})

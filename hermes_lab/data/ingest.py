@@ -9,9 +9,10 @@ accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_la
 Two paths, chosen per input (``hermes_lab.data.readers.detect`` or ``conversations.format``): the seed's
 ``{prompt, response, reward, task_id}`` lines take the fast path below, unchanged; every other shape becomes a
 canonical conversation record (``hermes_lab.data.conversation``), is rewarded (its log's reward, else feedback
-joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and is deduped by
-content: an exact digest (what was said, call ids and reasoning included) and a near one (whitespace, case,
-reasoning and call ids aside), each in its own ``DigestIndex``. Its projection for the prompt tables is
+joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and is deduped
+three ways, each a ``DigestIndex``: exact (what was said, call ids and reasoning included), near (the exchange
+up to whitespace, case, reasoning, call ids, system prompt and tool schemas: a run's trajectory line and its
+session snapshot) and by conversation_id (a run and its compressed copy). Its projection for the prompt tables is
 (first user message, final answer); the whole record rides along in the spill for the conversations
 dataset and the review queue.
 
@@ -41,7 +42,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hermes_lab.data import readers
-from hermes_lab.data.conversation import Invalid, content_digest, final_answer, review_key, task_prompt_of
+from hermes_lab.data.conversation import (
+    Invalid,
+    content_digest,
+    final_answer,
+    record_text,
+    review_key,
+    task_prompt_of,
+)
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
     REQUIRED,
@@ -109,7 +117,7 @@ class Ingest:
         self.sinks = {n: open(p, "w", encoding="utf-8", newline="\n") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
         # the conversations: their own near-duplicate index, their stats (accepted ones, in seq order), rewards
         self.conv_cfg, self.feedback, self.feedback_info = cfg.conversations, *load_feedback(feedback_files, scale)
-        self.near_index = DigestIndex()
+        self.near_index, self.id_index = DigestIndex(), DigestIndex()
         self.conv_cols = {k: array("q") for k in ("seq", "turns", "tool_calls", "tool_errors", "source")}
         self.reward_sources: dict[str, int] = {}
         self.judge = JudgeQueue(tmp, cfg) if cfg.conversations.reward == "judge" else None
@@ -444,12 +452,9 @@ class Ingest:
             return 0
         if self.judge is not None:
             self.judge.offer(rec, rec["reward"])
-        msgs, tools = rec["messages"], rec["tools"]
-        text = json.dumps(rec)  # ASCII escapes: readers that split lines on U+2028 stay whole
-        prompt, response = task_prompt_of(msgs), final_answer(msgs)
-        item = (lineno, text, prompt, response, rec, review_key(rec["task_id"], rec["conversation_id"]))
-        pending.append((*item, content_digest(msgs, tools), content_digest(msgs, tools, near=True)))
-        return 2 * len(text) + len(prompt) + len(response)
+        item = _conv_item(lineno, rec)
+        pending.append(item)
+        return 2 * len(item[1]) + len(item[2]) + len(item[3])
 
     def _scan_records(self, path: Path, st: dict[str, Any], fidx: int, role: str, fmt: str) -> dict[str, Any]:
         """A session folder / file or a state.db: each conversation is one record (its line: its ordinal)."""
@@ -494,11 +499,7 @@ class Ingest:
             judged += len(batch)
             by_file: dict[int, list[tuple[Any, ...]]] = {}
             for fidx, _role, lineno, rec, _raw in batch:
-                msgs, tools = rec["messages"], rec["tools"]
-                key = review_key(rec["task_id"], rec["conversation_id"])
-                item = (lineno, json.dumps(rec), task_prompt_of(msgs), final_answer(msgs), rec, key)
-                near = content_digest(msgs, tools, near=True)
-                by_file.setdefault(fidx, []).append((*item, content_digest(msgs, tools), near))
+                by_file.setdefault(fidx, []).append(_conv_item(lineno, rec))
             for fidx, items in by_file.items():
                 st = self.files[fidx]
                 self._flush_conv(st, fidx, st["role"], items)
@@ -510,12 +511,11 @@ class Ingest:
             return
         import numpy as np
 
-        keys = np.frombuffer(b"".join(p[6] for p in pending), dtype=np.uint64).reshape(-1, 2)
-        near = np.frombuffer(b"".join(p[7] for p in pending), dtype=np.uint64).reshape(-1, 2)
-        found = self.index.lookup(keys[:, 0], keys[:, 1]).tolist()
-        found_near = self.near_index.lookup(near[:, 0], near[:, 1]).tolist()
-        first: dict[bytes, int] = {}
-        first_near: dict[bytes, int] = {}
+        # exact content, near content, conversation id: the first that was seen before makes a duplicate
+        kinds = (("exact", self.index, 6), ("near", self.near_index, 7), ("id", self.id_index, 8))
+        keys = [np.frombuffer(b"".join(p[col] for p in pending), dtype=np.uint64).reshape(-1, 2) for *_, col in kinds]
+        found = [ix.lookup(k[:, 0], k[:, 1]).tolist() for (_, ix, _), k in zip(kinds, keys)]
+        first: list[dict[bytes, int]] = [{}, {}, {}]  # within this batch
         new_rows: list[int] = []
         new_seqs: list[int] = []
         enc = json.encoder.encode_basestring_ascii
@@ -524,14 +524,14 @@ class Ingest:
         parts: list[tuple[list[Any], ...]] = [([], [], [], [], []) for _ in range(self.n_parts)]
         seq, dups, sha1 = self.n, 0, hashlib.sha1
         seed_hash = hashlib.sha1(f"{self.seed}:".encode())
-        for j, (lineno, text, prompt, response, rec, key, digest, near_digest) in enumerate(pending):
-            o, kind = found[j], "exact"
-            if o < 0:
-                o = first.get(digest, -1)
-            if o < 0:
-                o, kind = found_near[j], "near"
-                if o < 0:
-                    o = first_near.get(near_digest, -1)
+        for j, item in enumerate(pending):
+            lineno, text, prompt, response, rec, key = item[:6]
+            o, kind = -1, ""
+            for k, (name, _, col) in enumerate(kinds):
+                o = found[k][j] if found[k][j] >= 0 else first[k].get(item[col], -1)
+                if o >= 0:
+                    kind = name
+                    break
             if o >= 0:
                 dups += 1
                 c["copies"][o] += 1
@@ -542,7 +542,8 @@ class Ingest:
                     f'"conversation_id": {enc(rec["conversation_id"])}, "raw": {enc(text)}}}\n'
                 )
                 continue
-            first[digest], first_near[near_digest] = seq, seq
+            for k, (*_, col) in enumerate(kinds):
+                first[k][item[col]] = seq
             new_rows.append(j)
             new_seqs.append(seq)
             sink.write(text + "\n")
@@ -583,9 +584,8 @@ class Ingest:
         self.n = seq
         if new_rows:
             idx = np.asarray(new_rows, dtype=np.int64)
-            seqs = np.asarray(new_seqs, dtype=np.int64)
-            self.index.add(keys[idx, 0].copy(), keys[idx, 1].copy(), seqs)
-            self.near_index.add(near[idx, 0].copy(), near[idx, 1].copy(), seqs.copy())
+            for (_, ix, _), k in zip(kinds, keys):
+                ix.add(k[idx, 0].copy(), k[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
         self._write_parts(parts)
         st["accepted"] += len(new_rows)
         st["duplicates"] += dups
@@ -633,6 +633,16 @@ class Ingest:
             "reward_sources": by_source,
             "arrays": cc,
         }
+
+
+def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
+    """A conversation in a batch: (line, record text, prompt, response, record, review key, exact digest,
+    near digest, id digest)."""
+    msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
+    text, key = record_text(rec), review_key(rec["task_id"], cid)
+    digests = content_digest(msgs, tools), content_digest(msgs, tools, near=True)
+    cid_digest = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), rec, key, *digests, cid_digest)
 
 
 def _cut(cut: bool) -> dict[str, Any]:

@@ -1,23 +1,35 @@
 """Distill stage: ingest execution logs, validate every line, distill them into GRPO data, apply the gates.
 
 Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
-``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), the
-trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``) and
-the state's last training time. Inputs are only ever read. Writes into the output dir
-(``runs/round-NN/prep/`` by convention), each file through a temp file renamed into place:
+``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), or agent
+conversations in any shape ``hermes_lab.data.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
+trajectories, session files or folder, state.db; detected per input or ``--format``), the
+trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``),
+feedback files (``--feedback``, ``conversations.feedback``) and the state's last training time. Inputs are
+only ever read. Writes into the output dir (``runs/round-NN/prep/`` by convention), each file through a temp
+file renamed into place:
 
-  accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped)
+  accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped);
+                      a conversation as its canonical record (hermes_lab.data.conversation), reward included
   negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
-  rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}
+                      (a conversation also says its kind, exact, near or id, and its conversation_id)
+  rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}; a session or state.db
+                      conversation: line null, its session (id) and file
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
   grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
   left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
   selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
+  conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
+                      (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
+                      (hermes_lab.data.conversation.dataset_schema). A conversation's row in the prompt sets is
+                      its (first user message, final answer)
   review_queue.jsonl  the stratified human spot-check sample
-  plots/*.png         reward distribution per family, rejects by reason, selection by family
-  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
+  plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
+                      (turns, tool calls and errors per conversation, reward by source) when there are any
+  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically); "conversations":
+                      turns, tool calls, tool errors, conversations and mean reward by reward source, feedback
   verdict.json        the gates in the round runner's format (hermes_lab.round.stages), stop: "skipped: data gate"
 
 Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``

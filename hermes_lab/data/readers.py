@@ -26,6 +26,7 @@ line (file, line or session id, reason, detail, raw).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,9 +39,10 @@ from hermes_lab.data.conversation import (
     Invalid,
     arguments_text,
     check_messages,
-    content_digest,
+    final_answer,
     make_record,
     outcome_of,
+    task_prompt_of,
     text_of,
     tool_schema,
 )
@@ -186,8 +188,10 @@ def _json_body(body: str, what: str, at: str) -> dict[str, Any]:
     return obj
 
 
+@functools.lru_cache(maxsize=64)
 def _system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
-    """The system turn without its ``<tools>[...]</tools>`` block, and those tools as OpenAI schemas."""
+    """The system turn without its ``<tools>[...]</tools>`` block, and those tools as OpenAI schemas. Cached:
+    the lines of one run repeat the same system turn, and its records share the parsed list (never mutated)."""
     i = value.rfind("<tools>")  # the block itself: Hermes's preamble names "<tools> </tools> XML tags" first
     if i < 0:
         return value, []
@@ -222,7 +226,7 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
             )
         if kind == "system":
             text, found = _system_tools(value, at)
-            tools += found
+            tools = found if not tools else tools + found
             msgs.append({"role": "system", "content": text.strip()})
         elif kind == "human":
             msgs.append({"role": "user", "content": value})
@@ -296,8 +300,9 @@ def from_trajectory(obj: dict[str, Any], file: str, line: int | None, max_chars:
     stamp = obj.get("timestamp") or meta_in.get("timestamp")
     keep = ("prompt_index", "toolsets_used", "tool_stats", "compression_metrics", "metadata")
     meta = {k: obj[k] for k in keep if k in obj}
-    # no id in the log: the run's time and what was said (a line copied into two files keeps its id)
-    cid = "hermes-" + hashlib.blake2b(str(stamp).encode() + content_digest(msgs, tools), digest_size=8).hexdigest()
+    # no id in the log: the run's time, model, task and answer (a line copied into two files keeps its id)
+    key = "\x00".join([str(stamp), str(obj.get("model")), task_prompt_of(msgs), final_answer(msgs)])
+    cid = "hermes-" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     return make_record(
         msgs,
         tools,
