@@ -13,7 +13,9 @@ Conversations (``--conversations``, default 100,000): Hermes Agent ShareGPT traj
 ones (tests/fixtures/hermes/trajectory_samples.jsonl: the system turn with its <tools> schemas, the task, a
 <think> + <tool_call> turn, a <tool_response>, the answer; ~10 KB a line, every one distinct but 1% repeated
 lines), through the same prep in a child: conversations/s and peak RSS, beside ``datasets.load_dataset("json")``
-of the same file (which parses it and nothing else).
+of the same file (which parses it and nothing else). Peak RSS counts the pages of the memory-mapped Arrow files
+datasets writes and reads (the kernel reclaims those); the heap (RssAnon, sampled in the child) is what
+``data.memory_budget_mb`` bounds.
 
     .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--conversations 100000]
                                              [--budget-mb 512] [--keep DIR]
@@ -111,13 +113,24 @@ ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 60.0  # at 1M records
 GOAL_RSS_GIB = 1.5  # at 5M records
 CHILD = """
-import json, sys, time
+import json, sys, threading, time
 from hermes_lab.config.schema import load_config
 from hermes_lab.data.prep import run_prep
+anon = [0]
+def sample():  # the heap's peak (RssAnon); ru_maxrss also counts the pages of memory-mapped Arrow files
+    while True:
+        try:
+            with open("/proc/self/status") as f:
+                kb = next(int(x.split()[1]) for x in f if x.startswith("RssAnon"))
+        except (OSError, StopIteration):
+            return
+        anon[0] = max(anon[0], kb)
+        time.sleep(0.1)
+threading.Thread(target=sample, daemon=True).start()
 cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
 t = time.perf_counter()
 res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary}, default=str))
+print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary, "anon_kb": anon[0]}, default=str))
 """
 
 
@@ -160,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             f"prep {n:,}: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
             f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
             f"{s['split']['grpo_prompts']:,} GRPO / {s['split']['heldout_prompts']:,} held-out prompts; "
-            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB ({rss * 2**30 / size:.2f}x the input; "
+            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB, heap {res['anon_kb'] / 2**20:.2f} GiB "
+            f"({rss * 2**30 / size:.2f}x the input; "
             f"{s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
             flush=True,
         )
@@ -209,8 +223,9 @@ def bench_conversations(root: Path, n: int, budget_mb: int) -> None:
     print(
         f"prep {n:,} Hermes conversations: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
         f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; {n / t_prep:,.0f} conversations/s, "
-        f"{conv['tool_calls']['total']:,} tool calls; peak RSS {rss:.2f} GiB ({rss * 2**30 / size:.2f}x the input; "
-        f"{s['memory']['partitions']} partitions, budget {budget_mb} MiB) | datasets.load_dataset('json'): "
+        f"{conv['tool_calls']['total']:,} tool calls; peak RSS {rss:.2f} GiB, of it heap {res['anon_kb'] / 2**20:.2f} "
+        f"GiB (the rest: mapped Arrow files; input {size / 2**30:.2f} GiB, {s['memory']['partitions']} partitions, "
+        f"budget {budget_mb} MiB) | datasets.load_dataset('json'): "
         f"{t_hf:.1f} s for {len(ds):,} rows ({n / t_hf:,.0f}/s); ratio prep / load_dataset {t_prep / t_hf:.2f}x",
         flush=True,
     )

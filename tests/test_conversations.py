@@ -169,6 +169,21 @@ def test_hostile_variants_are_rejected_by_line_with_reasons(tmp_path):
     assert s["counts"] | {"accepted": 2, "rejected": 5, "read": 7} == s["counts"]
 
 
+def test_a_damaged_state_db_is_one_reject_and_a_session_file_that_is_not_json_another(tmp_path):
+    db = tmp_path / "state.db"
+    db.write_bytes((FIX / "state.db").read_bytes()[:4096])  # the header page only: SQLite calls it malformed
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    (sessions / "session_1.json").write_text('{"session_id": "1", "messages": [')
+    s, out = prep(tmp_path, [FIX / "trajectory_samples.jsonl", db, sessions], over={"data.max_bad_fraction": 1})
+    rej = lines(out / "rejects.jsonl")
+    assert [(Path(r["file"]).name, r["line"], r["reason"]) for r in rej] == [
+        ("state.db", None, "unreadable SQLite store"),
+        ("session_1.json", None, "malformed JSON"),
+    ]
+    assert "DatabaseError" in rej[0]["detail"] and s["counts"]["accepted"] == 2
+
+
 def test_too_many_hostile_lines_stop_prep_naming_the_file(tmp_path):
     from hermes_lab.data.prep import PrepError
 
@@ -329,3 +344,36 @@ def test_review_queue_carries_the_conversation_and_the_widget_escapes_it(tmp_pat
     assert "<script>" not in app.prompt_html.value and "5.0" not in app.header.value  # the reward stays hidden
     app.label(2)
     assert LabelStore(tmp_path / "labels.jsonl").labelled_ids("ada") == {item["review_id"]}
+
+
+def test_conversation_numbers_and_plot_go_to_mlflow(tmp_path, mlflow_store):
+    from hermes_lab.core import tracking
+
+    with tracking.stage_run("prep", runs_dir=tmp_path) as run:
+        s, _ = prep(tmp_path, [FIX / "batch_trajectories.jsonl", FIX / "state.db"], plots=True)
+    r = mlflow_store.MlflowClient().get_run(run.info.run_id)
+    m = r.data.metrics
+    # 3 batch runs, 3 state.db conversations of which the sub-agent's repeats a batch run's exchange (near)
+    assert m["prep/conversations"] == m["prep/conv_count"] == 5 and m["prep/conv_tool_errors_total"] == 1
+    assert m["prep/conv_turns_mean"] == s["conversations"]["turns"]["mean"]
+    assert m["prep/conv_reward_source_outcome"] == 5 and m["prep/conv_reward_mean_outcome"] > 0
+    arts = {a.path for a in mlflow_store.MlflowClient().list_artifacts(run.info.run_id, "plots")}
+    assert "plots/conversations.png" in arts
+
+
+def test_conversations_in_partitions_give_the_same_outputs(tmp_path, monkeypatch):
+    """Prep's partitions (memory-bounded distill): the conversations dataset, review queue and sinks do not change."""
+    import datasets
+
+    from hermes_lab.data import prep as prep_module
+
+    inputs = [FIX / "trajectory_samples.jsonl", FIX / "failed_trajectories.jsonl", FIX / "batch_trajectories.jsonl"]
+    over = {"data.review_fraction": 0.5, "data.holdout_fraction": 0.3}
+    prep(tmp_path, [*inputs, FIX / "state.db"], name="one", over=over)
+    monkeypatch.setattr(prep_module, "_partitions", lambda files, budget: 3)
+    s3, _ = prep(tmp_path, [*inputs, FIX / "state.db"], name="three", over=over)
+    assert s3["memory"]["partitions"] == 3
+    for name in ("accepted", "duplicates", "review_queue"):
+        assert (tmp_path / "one" / f"{name}.jsonl").read_bytes() == (tmp_path / "three" / f"{name}.jsonl").read_bytes()
+    a, b = (datasets.load_from_disk(str(tmp_path / x / "conversations")) for x in ("one", "three"))
+    assert a.to_list() == b.to_list() and a.features == b.features and len(a) == 8

@@ -459,6 +459,14 @@ def plot_selection(rep: dict[str, Any], path: Path) -> Path:
     return tracking.log_figure(fig, path)
 
 
+def _conv_batch(rows: list[dict[str, Any]]) -> Any:
+    """Rows of the conversations dataset (``dataset_row``s plus their seq) as one Arrow record batch."""
+    import pyarrow as pa
+
+    schema = dataset_schema().append(pa.field("seq", pa.int64()))
+    return pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))
+
+
 def _tid_hash(task_id: str | None) -> int:
     return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
 
@@ -477,6 +485,7 @@ class Distill:
         self.n_negative_grpo = 0
         self.sel = Selection(cfg)
         self.conversations: list[Any] = []  # per partition: an Arrow table (one partition) or file of rows
+        self.conv_batch_bytes = (cfg.data.memory_budget_mb << 20) // 32  # record text parsed at once
         self.conv_split = {"train": 0, "heldout": 0}
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
@@ -502,6 +511,8 @@ class Distill:
         held_prompts = set(table.column("prompt").filter(pa.array(held_all)).to_pylist())
         groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
         conv_rows: list[dict[str, Any]] = []
+        conv_batches: list[Any] = []
+        conv_bytes = 0
         for batch in table.to_batches(max_chunksize=ROW_BATCH):
             sq = batch.column(0).to_numpy()
             cols = zip(
@@ -556,14 +567,20 @@ class Distill:
                     split = "heldout" if h else "train"
                     self.conv_split[split] += 1
                     conv_rows.append(dataset_row(conv, split) | {"seq": seq})
+                    conv_bytes += len(conv_text)
+                    if conv_bytes >= self.conv_batch_bytes:  # parsed records weigh ~5x their text: Arrow them
+                        conv_batches.append(_conv_batch(conv_rows))
+                        conv_rows, conv_bytes = [], 0
                 if pick:
                     key = int(c["rank"][seq]) << LINE_BITS | seq
                     review.add(key, _review_line(p, resp, tid, fam, r, scale, thr, conv))
         self.sel.count(groups[0])
         if conv_rows:
-            schema = dataset_schema().append(pa.field("seq", pa.int64()))
-            t = pa.Table.from_struct_array(pa.array(conv_rows, type=pa.struct(list(schema))))
+            conv_batches.append(_conv_batch(conv_rows))
             del conv_rows
+        if conv_batches:
+            t = pa.Table.from_batches(conv_batches)
+            del conv_batches
             if len(self.ing.part_paths) == 1:
                 self.conversations.append(t)
             else:

@@ -460,30 +460,24 @@ class Ingest:
         """A session folder / file or a state.db: each conversation is one record (its line: its ordinal)."""
         pending: list[tuple[Any, ...]] = []
         pending_bytes = n = 0
-        cap, max_chars = self.cap, self.conv_cfg.max_message_chars
-        try:
-            records = list(readers.iter_records(path, fmt, max_chars, cap)) if fmt == "hermes_state" else None
-        except sqlite3.Error as e:  # not a state.db after all, or unreadable: one reject says so
-            st.update(lines=1, read=1)
-            self._reject(st, None, "unreadable SQLite store", f"{type(e).__name__}: {e}"[:200], "", session=None)
-            return st
-        for n, sid, file, raw, rec in (
-            records if records is not None else readers.iter_records(path, fmt, max_chars, cap)
-        ):
+        records = readers.iter_records(path, fmt, self.conv_cfg.max_message_chars, self.cap)
+        while True:
+            try:
+                n_rec, sid, file, raw, rec = next(records)
+            except StopIteration:
+                break
+            except sqlite3.Error as e:  # not a SQLite store after all, or a damaged one: what was read is kept
+                n += 1
+                detail = f"{type(e).__name__}: {e}"[:200]
+                self._reject(st, None, "unreadable SQLite store", detail, "", file=str(path), session=None)
+                break
+            n += 1
             if isinstance(rec, Invalid):
                 cut = len(raw) > RAW_KEEP and rec.reason in ("message too long", "line too long")
-                self._reject(
-                    st,
-                    None,
-                    rec.reason,
-                    rec.detail,
-                    raw[:RAW_KEEP] if cut else raw,
-                    file=file,
-                    session=sid,
-                    **_cut(cut),
-                )
+                kept = raw[:RAW_KEEP] if cut else raw
+                self._reject(st, None, rec.reason, rec.detail, kept, file=file, session=sid, **_cut(cut))
                 continue
-            pending_bytes += self._add_conv(st, fidx, role, st["round"], n, rec, raw, pending)
+            pending_bytes += self._add_conv(st, fidx, role, st["round"], n_rec, rec, raw, pending)
             if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
                 self._flush_conv(st, fidx, role, pending)
                 pending, pending_bytes = [], 0

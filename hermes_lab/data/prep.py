@@ -513,7 +513,12 @@ def _distill(
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s) or gateway log dir(s)"
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="trajectories or conversations: JSONL (.gz) files, Hermes session folders or files, a Hermes state.db, "
+        "gateway log dirs",
     )
     parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
     parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")

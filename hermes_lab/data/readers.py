@@ -63,7 +63,7 @@ def detect(path: Path, first_object: Any = None) -> str:
         head = f.read(16)
     if head == SQLITE_MAGIC:
         return "hermes_state"
-    if path.suffix == ".json" and path.name.startswith("session_"):
+    if path.suffix == ".json":  # one JSON document, not lines: a session snapshot
         return "hermes_session"
     obj = first_object
     if not isinstance(obj, dict) or isinstance(obj.get("prompt"), str):
@@ -412,7 +412,10 @@ def iter_state_db(path: Path, max_chars: int) -> Iterator[tuple[int, str | None,
     try:
         scols = {r[1] for r in con.execute("PRAGMA table_info(sessions)")}
         mcols = {r[1] for r in con.execute("PRAGMA table_info(messages)")}
-        sessions = [dict(r) for r in con.execute("SELECT * FROM sessions ORDER BY started_at, id")]
+        keep = ("id", "source", "model", "model_config", "parent_session_id", "started_at", "ended_at", "end_reason")
+        keep += ("api_call_count",)
+        cols = ", ".join(c for c in keep if c in scols)  # the system prompts are read per conversation
+        sessions = [dict(r) for r in con.execute(f"SELECT {cols} FROM sessions ORDER BY started_at, id")]
         chains = _chains(sessions)
         root_of = {s["id"]: c[0]["id"] for c in chains for s in c}
         want = [
@@ -449,7 +452,9 @@ def iter_state_db(path: Path, max_chars: int) -> Iterator[tuple[int, str | None,
                         continue  # the hand-off a compression replays into its continuation
                     seen.add(key)
                     raw_msgs.append(m)
-            sp = root.get("system_prompt")
+            sp = None
+            if "system_prompt" in scols:
+                sp = con.execute("SELECT system_prompt FROM sessions WHERE id = ?", (root["id"],)).fetchone()[0]
             if isinstance(sp, str) and sp.strip() and not (raw_msgs and raw_msgs[0].get("role") == "system"):
                 raw_msgs.insert(0, {"role": "system", "content": sp})
             raw = json.dumps(
