@@ -4,8 +4,13 @@ outlier report and the human review sample, in bounded memory.
 Reads what ``hermes_lab.data.ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
 negative, review rank; indexed by the record's seq number, its order of acceptance) and the text spill,
 partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldout_dataset/``,
-``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl``, and the selection report behind
-``selection.json`` and its plot (contents in ``hermes_lab.data.prep``'s docstring).
+``conversations/``, ``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl``, and the selection
+report behind ``selection.json`` and its plot (contents in ``hermes_lab.data.prep``'s docstring).
+
+A conversation (a record that came in as one, ``hermes_lab.data.conversation``) joins the prompt tables as its
+projection (first user message, final answer) and keeps its whole record: a row of ``conversations/`` with
+its split (the prompt tables' rule: its task_id's, or held out with its prompt) and reward, and, when the
+review sample picks it, a review item holding its messages and tools (the label is the conversation's).
 
 How the memory stays bounded: a prompt's records all sit in one partition, so the per-prompt rows are built
 one partition at a time; rows keep the seq of their prompt's first record, and the datasets are written in
@@ -25,6 +30,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.data.conversation import dataset_row, dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id
 from hermes_lab.tasks import suite as tasks
 
@@ -118,8 +124,37 @@ def review_selection(cols: dict[str, Any], fam_names: list[str], cfg: Any) -> tu
     return picked, info
 
 
-def _review_line(prompt: str, response: str, task_id: str, family: str, reward: float, scale: float, thr: float) -> str:
+def _review_line(
+    prompt: str,
+    response: str,
+    task_id: str,
+    family: str,
+    reward: float,
+    scale: float,
+    thr: float,
+    conv: dict[str, Any] | None = None,
+) -> str:
+    """A review item; for a conversation (``conv``) its id is the conversation's and it carries the
+    messages, tools, conversation_id and reward_source the widget shows."""
     band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
+    if conv is not None:
+        key = review_key(task_id, conv["conversation_id"])
+        rec = {
+            "review_id": hashlib.sha1(key).hexdigest()[:12],
+            "task_id": task_id,
+            "family": family,
+            "prompt": prompt,
+            "response": response,
+            "reward": reward,
+            "reward_band": band,
+            "simulated_label": None,
+            "conversation_id": conv["conversation_id"],
+            "reward_source": conv["reward_source"],
+            "messages": conv["messages"],
+            "tools": conv["tools"],
+            "outcome": conv["outcome"],
+        }
+        return json.dumps(rec)
     rec = {
         "review_id": review_id(task_id, prompt, response),
         "task_id": task_id,
@@ -424,6 +459,14 @@ def plot_selection(rep: dict[str, Any], path: Path) -> Path:
     return tracking.log_figure(fig, path)
 
 
+def _conv_batch(rows: list[dict[str, Any]]) -> Any:
+    """Rows of the conversations dataset (``dataset_row``s plus their seq) as one Arrow record batch."""
+    import pyarrow as pa
+
+    schema = dataset_schema().append(pa.field("seq", pa.int64()))
+    return pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))
+
+
 def _tid_hash(task_id: str | None) -> int:
     return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
 
@@ -441,6 +484,9 @@ class Distill:
         self.tids: dict[str, Any] = {"grpo_dataset": array("Q"), "heldout_dataset": array("Q")}
         self.n_negative_grpo = 0
         self.sel = Selection(cfg)
+        self.conversations: list[Any] = []  # per partition: an Arrow table (one partition) or file of rows
+        self.conv_batch_bytes = (cfg.data.memory_budget_mb << 20) // 32  # record text parsed at once
+        self.conv_split = {"train": 0, "heldout": 0}
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
         import pyarrow as pa
@@ -464,6 +510,9 @@ class Distill:
         held_all = c["held"][seq_all]
         held_prompts = set(table.column("prompt").filter(pa.array(held_all)).to_pylist())
         groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
+        conv_rows: list[dict[str, Any]] = []
+        conv_batches: list[Any] = []
+        conv_bytes = 0
         for batch in table.to_batches(max_chunksize=ROW_BATCH):
             sq = batch.column(0).to_numpy()
             cols = zip(
@@ -479,8 +528,9 @@ class Distill:
                 self.is_out[sq].tolist(),
                 self.picked[sq].tolist(),
                 c["copies"][sq].tolist(),
+                batch.column(4).to_pylist(),
             )
-            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick, dup in cols:
+            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick, dup, conv_text in cols:
                 fam = self.fam_names[fid]
                 h = held or p in held_prompts
                 self.moved += h and not held
@@ -511,10 +561,33 @@ class Distill:
                     z = round((r - med) / sigma, 3)
                     rec = {"file": files[fidx]["file"], "line": line, "task_id": tid, "reward": r, "z": z}
                     outliers.add(seq, json.dumps(rec))
+                conv = None
+                if conv_text is not None:  # a conversation: its row of conversations/, in its split
+                    conv = record_of(conv_text)
+                    split = "heldout" if h else "train"
+                    self.conv_split[split] += 1
+                    conv_rows.append(dataset_row(conv, split) | {"seq": seq})
+                    conv_bytes += len(conv_text)
+                    if conv_bytes >= self.conv_batch_bytes:  # parsed records weigh ~5x their text: Arrow them
+                        conv_batches.append(_conv_batch(conv_rows))
+                        conv_rows, conv_bytes = [], 0
                 if pick:
                     key = int(c["rank"][seq]) << LINE_BITS | seq
-                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr))
+                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr, conv))
         self.sel.count(groups[0])
+        if conv_rows:
+            conv_batches.append(_conv_batch(conv_rows))
+            del conv_rows
+        if conv_batches:
+            t = pa.Table.from_batches(conv_batches)
+            del conv_batches
+            if len(self.ing.part_paths) == 1:
+                self.conversations.append(t)
+            else:
+                f = self.ing.tmp / f"conversations-{len(self.conversations):04d}.arrow"
+                with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
+                    writer.write_table(t)
+                self.conversations.append(f)
         for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
             if not grp:
                 continue
@@ -586,9 +659,32 @@ class Distill:
                 order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
                 ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
                 del ds, pieces
+            paths["conversations"] = self._save_conversations(out / "conversations")
         finally:
             if bars:
                 datasets.enable_progress_bars()
         left.write_sorted(tmp / "left_out.jsonl")
         os.replace(tmp / "left_out.jsonl", paths["left_out"])
         return paths
+
+    def _save_conversations(self, path: Path) -> Path:
+        """``conversations/``: every accepted conversation in acceptance order (empty, schema only, for seed
+        input: those records are the prompt sets' one-turn rows)."""
+        import datasets
+        import numpy as np
+        import pyarrow as pa
+
+        shutil.rmtree(path, ignore_errors=True)
+        parts = self.conversations
+        if not parts or not isinstance(parts[0], Path):  # one partition: in memory, ordered by seq
+            schema = dataset_schema().append(pa.field("seq", pa.int64()))
+            table = parts[0] if parts else schema.empty_table()
+            order = np.argsort(table.column("seq").to_numpy(), kind="stable")
+            datasets.Dataset(table.take(order).drop_columns(["seq"])).save_to_disk(str(path))
+            return path
+        # several: memory-mapped Arrow files, one ordered pass (save_to_disk batches it), as for the prompt sets
+        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in parts])
+        order = np.argsort(np.asarray(ds.data.column("seq")), kind="stable")
+        ds.select(order).remove_columns(["seq"]).save_to_disk(str(path))
+        del ds
+        return path
