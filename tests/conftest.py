@@ -73,11 +73,40 @@ def fake_openai(monkeypatch):
     server.stop()
 
 
+_MLFLOW_TEMPLATE: list = []
+
+
+def mlflow_db(dest) -> str:
+    """A new, empty SQLite MLflow store at ``dest`` (a file path); returns its tracking URI.
+
+    Creating a store runs MLflow's schema migrations (~50 of them: 3 s of CPU on a quiet machine, far more on a
+    loaded one), and the suite creates one for most tests that log. So each test process migrates one store, once,
+    and every test gets a byte copy of it: still a real store of its own, as the code under test would find it."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not _MLFLOW_TEMPLATE:
+        from mlflow.tracking import MlflowClient
+
+        tmp = tempfile.mkdtemp(prefix="hermes-lab-mlflow-template-")
+        atexit.register(shutil.rmtree, tmp, True)
+        db = Path(tmp) / "mlflow.db"
+        MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # creates and migrates the schema
+        _MLFLOW_TEMPLATE.append(db)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_MLFLOW_TEMPLATE[0], dest)
+    return f"sqlite:///{dest}"
+
+
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """A real SQLite MLflow store with the 'hermes-lab' experiment; artifacts under tmp_path (never ./mlruns)."""
     import mlflow
 
+    mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())

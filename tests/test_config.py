@@ -33,7 +33,7 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 def run_cli(*args: str, unset: tuple[str, ...] = (), extra_env: dict[str, str] | None = None):
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(extra_env or {})
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 
 
 # ------------------------------------------------------------------------------------- the user's file

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import mlflow_db
 
 from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.tasks import suite as T
@@ -337,7 +338,7 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
     from hermes_lab.train.grpo import train
 
     tmp = tmp_path_factory.mktemp("train_a")
-    uri = f"sqlite:///{tmp}/mlflow.db"
+    uri = mlflow_db(tmp / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.setenv("TAOTOKEN_API_KEY", KEY)  # set, as on the user's machine: it must reach no param or file
@@ -571,7 +572,7 @@ def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_
 
     from hermes_lab.train.state import RESUME_FILE, last_checkpoint
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     mlflow.set_tracking_uri(uri)
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
     out = tmp_path / "out"
@@ -638,7 +639,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
         os.environ,
         CUDA_VISIBLE_DEVICES="",
         OMP_NUM_THREADS="1",
-        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db",
+        MLFLOW_TRACKING_URI=mlflow_db(tmp_path / "mlflow.db"),
         TAOTOKEN_API_KEY=KEY,
     )
     import mlflow

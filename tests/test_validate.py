@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.evaluate import validate as V
@@ -200,7 +201,7 @@ def test_candidate_and_baseline_resolution(tmp_path):
 
 
 def test_report_is_logged_to_mlflow(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_db(tmp_path / "mlflow.db"))
     from mlflow.tracking import MlflowClient
 
     from hermes_lab.core import tracking
@@ -276,7 +277,7 @@ def adapters(tiny_base, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_db(tmp_path / "mlflow.db"))
     params = tmp_path / "params.yaml"
     # 24 tasks x 3 samples = 72 pairs per family: enough for identical outputs to prove a drop < 5 points
     params.write_text(
@@ -385,7 +386,7 @@ def test_notebook_runs_with_papermill(which, tiny_base, adapters, tmp_path, monk
 
     from hermes_lab.core import tracking
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_db(tmp_path / "mlflow.db"))
     round_dir, params = synthetic_round(tmp_path, tiny_base, adapters[which])
     exp_id = tracking.setup(tmp_path, "hermes-lab")  # before any client: it points MLflow at this store
     parent = MlflowClient().create_run(exp_id, run_name="round-02").info.run_id
