@@ -75,6 +75,28 @@ def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with
     assert s["counts"]["read"] == s["counts"]["accepted"] + s["counts"]["rejected"] + s["counts"]["duplicates"]
 
 
+def test_the_other_shapes_through_the_cli_batch_file_sessions_folder_state_db_openai_file(tmp_path):
+    inputs = ["batch_trajectories.jsonl", "sessions", "state.db", "openai_messages.jsonl"]
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [PY, "-m", "hermes_lab.cli.main", "prep", "--input", *(str(FIX / i) for i in inputs), "--output", str(out),
+         "--set", "data.min_samples=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    per = [(Path(f["file"]).name, f["format"], f["read"], f["rejected"]) for f in s["per_file"]]
+    assert per == [
+        ("batch_trajectories.jsonl", "hermes_trajectory", 3, 0),
+        ("sessions", "hermes_session", 6, 0),
+        ("state.db", "hermes_state", 3, 0),
+        ("openai_messages.jsonl", "openai", 6, 0),
+    ]
+    # each session snapshot or OpenAI line repeats a run read before it (a batch run, its own session): duplicates
+    assert s["counts"]["accepted"] + s["counts"]["duplicates"] == 18 and s["counts"]["accepted"] >= 7
+    assert f"{s['counts']['accepted']} conversations" in p.stdout
+
+
 def test_two_calls_in_one_turn_are_answered_in_order(tmp_path):
     rec = readers.parse_line(lines(FIX / "trajectory_samples.jsonl")[1], "hermes_trajectory", "f", 2, SCALE, 10**6)
     a = rec["messages"][2]
