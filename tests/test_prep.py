@@ -839,7 +839,7 @@ def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
 
 
 def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
-    from hermes_lab.data.distill import gain_by_family
+    from hermes_lab.data.selection import gain_by_family
 
     rep = {
         "by_family": {

@@ -3,7 +3,7 @@
 Reads one YAML file (``params/*.yaml``); writes nothing. Every stage module takes a ``HermesConfig``.
 
 The user's file (model / lora / grpo / reward / data) is accepted exactly as docs/SPEC.md shows it. The
-workbench adds optional sections (execute / review / validate / ab / round / serve, declared in
+workbench adds optional sections (execute / conversations / review / validate / ab / round / serve, declared in
 hermes_lab.config.sections with their bounds) whose defaults fit the embedded task suite, so the user's file
 alone is a complete config.
 
@@ -39,11 +39,13 @@ import yaml
 
 from hermes_lab.config.sections import (
     ABSection,
+    ConversationsSection,
     ExecuteSection,
     ReviewSection,
     RoundSection,
     ServeSection,
     ValidateSection,
+    conversations_problems,
     serve_problems,
 )
 from hermes_lab.core import paths
@@ -222,6 +224,10 @@ class HermesConfig:
     reward: RewardSection = field(default_factory=RewardSection, metadata={"help": "Reward functions."})
     data: DataSection = field(default_factory=DataSection, metadata={"help": "Data gates and distillation."})
     execute: ExecuteSection = field(default_factory=ExecuteSection, metadata={"help": "Execute step."})
+    conversations: ConversationsSection = field(
+        default_factory=ConversationsSection,
+        metadata={"help": "Agent conversations in prep: input shapes and the rewards of logs that carry none."},
+    )
     review: ReviewSection = field(default_factory=ReviewSection, metadata={"help": "Human review gate."})
     validate: ValidateSection = field(default_factory=ValidateSection, metadata={"help": "Regression gate."})
     ab: ABSection = field(default_factory=ABSection, metadata={"help": "A/B test and rollout."})
@@ -356,6 +362,7 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if not cfg.round.registered_model.strip() or "'" in cfg.round.registered_model:
         errs.append("round.registered_model must be a non-empty name without quotes")
     errs += serve_problems(cfg.serve)
+    errs += conversations_problems(cfg.conversations)
     if a.plan_power > 0 and a.mode == "live":
         warns.append(
             "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
@@ -442,6 +449,7 @@ def load_config(
 def _resolve_paths(cfg: HermesConfig) -> None:
     """Path-valued fields -> absolute, against the project root: one runs/ whatever the cwd (paths.py)."""
     cfg.round.runs_dir = str(paths.resolve(cfg.round.runs_dir))
+    cfg.conversations.feedback = [str(paths.resolve(f)) for f in cfg.conversations.feedback]
     if cfg.model.adapter and paths.is_local_spec(cfg.model.adapter):
         cfg.model.adapter = str(paths.resolve(cfg.model.adapter))
     cfg.model.base_model = paths.resolve_spec(cfg.model.base_model)

@@ -1,4 +1,4 @@
-"""The workbench's own config sections: execute, review, validate, ab, round and serve (the live gateway).
+"""The workbench's own config sections: execute, conversations, review, validate, ab, round, serve (the gateway).
 
 Part of the config layer: ``hermes_lab.config.schema`` holds the user's sections (model / lora / grpo / reward /
 data, accepted exactly as docs/SPEC.md shows them), ``HermesConfig``, the loader and the cross-field checks
@@ -44,6 +44,62 @@ class ExecuteSection:
         "",
         "execute.source live: the gateway log dir (requests.jsonl, feedback.jsonl). Empty: the previous round's "
         "live experiment, runs/live/round-<NN-1>.",
+    )
+
+
+@dataclass
+class ConversationsSection:
+    format: Literal["auto", "seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state"] = _f(
+        "auto",
+        "Shape of prep's inputs (hermes-lab prep --format). auto: per input, a folder of session_*.json is "
+        "hermes_session, a SQLite file hermes_state, JSONL by its first line ('conversations': Hermes ShareGPT "
+        "trajectories, 'messages': OpenAI chat, else the seed's {prompt, response, reward, task_id}).",
+    )
+    reward: Literal["outcome", "judge"] = _f(
+        "outcome",
+        "Reward of a conversation whose log has none and no feedback joined: outcome (the rules below) or "
+        "judge (the comparison judge, reward.model or the local one, scores its final answer against the best "
+        "outcome-scored conversation of the same task; a task with no other conversation keeps the outcome "
+        "reward). Every record says which source set its reward (reward_source).",
+    )
+    feedback: list[str] = _f(
+        [],
+        "JSONL files of later feedback, {conversation_id, reward (0..reward.scale), source?} a line (the latest "
+        "line of an id wins): joined into conversations by id before any rule (reward_source feedback:<source>).",
+    )
+    completed_reward: float = _f(
+        1.0,
+        "Outcome rule: share of reward.scale for a completed conversation without tool errors (Hermes: "
+        "completed true; other logs: ends on a text answer).",
+        ge=0,
+        le=1,
+    )
+    partial_reward: float = _f(
+        0.4,
+        "Outcome rule: share of reward.scale for a partial conversation (Hermes's partial flag, or one that "
+        "ends on a tool call or result, or was cut off), and the floor of a completed one with tool errors.",
+        ge=0,
+        le=1,
+    )
+    failed_reward: float = _f(
+        0.0,
+        "Outcome rule: share of reward.scale for a failed conversation (Hermes: completed false, not partial; "
+        "failed_trajectories.jsonl), and the floor of a partial one with tool errors.",
+        ge=0,
+        le=1,
+    )
+    tool_error_penalty: float = _f(
+        0.1,
+        "Outcome rule: share of reward.scale taken off per tool error (Hermes's rule: a result with a "
+        "non-null 'error' or success false, or text starting 'error:'; or its logged tool_error_counts).",
+        ge=0,
+        le=1,
+    )
+    max_message_chars: int = _f(
+        1_000_000,
+        "A conversation holding a message (a tool result, most often) longer than this many characters is "
+        "rejected as 'message too long': no training context holds it. Raise it for long tool outputs.",
+        ge=1000,
     )
 
 
@@ -343,6 +399,17 @@ class ServeSection:
         "baseline: a failed candidate call (upstream error, timeout, 5xx) is answered by the baseline and "
         "still counted as a candidate error. none: the client gets the error.",
     )
+
+
+def conversations_problems(c: ConversationsSection) -> list[str]:
+    """The outcome rules must order failed <= partial <= completed: a failed run never outscores a finished one."""
+    if not c.failed_reward <= c.partial_reward <= c.completed_reward:
+        return [
+            "conversations: the outcome rewards must satisfy failed_reward <= partial_reward <= completed_reward, got "
+            f"{c.failed_reward:g}, {c.partial_reward:g}, {c.completed_reward:g}"
+        ]
+    empty = [i for i, f in enumerate(c.feedback) if not str(f).strip()]
+    return [f"conversations.feedback: empty file name at entry {i}" for i in empty]
 
 
 def serve_problems(s: ServeSection) -> list[str]:
