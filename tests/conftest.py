@@ -18,8 +18,9 @@ def pytest_configure(config):
 
 
 # The files whose tests run longest (pytest --durations), started first: `make test` hands whole files to its
-# pytest-xdist workers in this order (--dist loadfile, so each file's module and session fixtures are built
-# once), and a long file started last would leave one core idle at the end.
+# pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder: each file's module and session
+# fixtures built once, and xdist's own reorder, by number of tests, off), and a long file started last would
+# leave one core idle at the end.
 LONGEST_FIRST = (
     "test_live_round.py",
     "test_round.py",
@@ -30,11 +31,57 @@ LONGEST_FIRST = (
     "test_prep.py",
     "test_serve.py",
 )
+# Files whose tests never load the embedded tiny policy. On a fresh clone the policy is not built yet (3-4
+# minutes): the first worker starts its build in the background, these files run meanwhile, and the first test
+# that needs the policy waits on the build's lock (hermes_lab.policy.model.build_tiny_policy), so it is built
+# once whatever this list says; a file listed here by mistake only waits.
+POLICY_FREE = (
+    "test_ab.py",
+    "test_ab_plan.py",
+    "test_api.py",
+    "test_architecture.py",
+    "test_browser_conversations.py",
+    "test_conversations.py",
+    "test_doctor.py",
+    "test_inspect.py",
+    "test_jsonl.py",
+    "test_notebooks.py",
+    "test_prep_fuzz.py",
+    "test_redaction.py",
+    "test_rewards.py",
+    "test_tasks.py",
+)
+_POLICY_BUILD: list = []
+
+
+def _policy_built() -> bool:
+    from pathlib import Path
+
+    from hermes_lab.policy.model import tiny_dir
+
+    return (tiny_dir(Path(__file__).resolve().parents[1] / "runs", 0) / "build.json").exists()
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    key = lambda item: rank.get(item.path.name, len(rank))  # noqa: E731
+    if _policy_built() or all(item.path.name in POLICY_FREE for item in items):
+        items.sort(key=key)  # stable: the rest keep their order
+        return
+    items.sort(key=lambda item: (item.path.name not in POLICY_FREE, key(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":  # one builder: the first worker, or plain pytest
+        import subprocess
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the workers hold the other core(s)
+        cmd = [sys.executable, "-m", "hermes_lab.policy.model"]
+        _POLICY_BUILD.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_unconfigure(config):
+    for proc in _POLICY_BUILD:  # a session that ends first (a -k selection) does not leave it running
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait()
 
 
 @pytest.fixture(autouse=True)
