@@ -71,7 +71,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     parts = [tally.columns(s.index, until) for s, until in todo]
     keys = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
     cols = {k: np.concatenate([p[k] for p in parts]) if parts else tally.columns(-1)[k] for k in keys}
-    if a.unit != "user":
+    if a.unit == "request":
         cols.pop("unit")
     analysis = ab_analysis.analyse_log(cols, [s for s, _ in todo], st, FAM_NAMES, {s.index: u for s, u in todo})
     K = float(state.get("time_scale", 1.0))
