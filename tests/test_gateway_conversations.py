@@ -398,3 +398,94 @@ def test_real_hermes_agent_through_the_gateway(hermes_py, tmp_path):
     for r in rows:  # the whole conversation: as many assistant messages as turns, every result after its call
         assert r["outcome"]["turns"] == len(by_conv[r["conversation_id"]]) and r["outcome"]["unanswered_calls"] == 0
         assert r["tools"] and r["outcome"]["tool_calls"] >= 1
+
+
+def test_explicit_ids_and_accepted_model_names(agent_stub, tmp_path):
+    """serve.models limits the names (others: 404 naming them); an X-Hermes-Conversation header or
+    metadata.conversation_id joins requests whose messages share no prefix."""
+    params = tmp_path / "p.yaml"
+    params.write_text("serve:\n  models: [agent-model]\n  rollout: false\n")
+    args = ["--params", str(params), "--ratio", "0.5"]
+    args += ["--baseline", agent_stub.url, "--baseline-model", "base-model"]
+    args += ["--candidate", agent_stub.url, "--candidate-model", "cand-model"]
+    gw = Gateway(tmp_path, args).start()
+    try:
+        h = httpx.Client(base_url=gw.url, trust_env=False, timeout=30)
+        assert [m["id"] for m in h.get("/v1/models").json()["data"]] == ["hermes", "agent-model"]
+        ask = {"messages": [{"role": "user", "content": "hi"}]}
+        solo = h.post("/v1/chat/completions", json={**ask, "model": "agent-model"})
+        assert solo.status_code == 200 and solo.headers["x-hermes-conversation"] == solo.headers["x-request-id"]
+        no = h.post("/v1/chat/completions", json={**ask, "model": "gpt-4o"})
+        assert no.status_code == 404 and "agent-model" in no.json()["error"]["message"]
+        a = h.post("/v1/chat/completions", json={**ask, "model": "hermes"}, headers={"X-Hermes-Conversation": "run-7"})
+        b = h.post(
+            "/v1/chat/completions",
+            json={
+                "model": "hermes",
+                "messages": [{"role": "user", "content": "next"}],
+                "metadata": {"conversation_id": "run-7"},
+            },
+        )
+        assert a.headers["x-hermes-conversation"] == b.headers["x-hermes-conversation"] == "run-7"
+        assert a.headers["x-hermes-arm"] == b.headers["x-hermes-arm"] == formula_arm("run-7", 0.5)
+        bad = h.post("/v1/chat/completions", json=ask | {"model": "hermes"}, headers={"X-Hermes-Conversation": "a b"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_conversation_id"
+        turns = [(r["turn"], r["history"]) for r in gw.records() if r["conversation_id"] == "run-7"]
+        assert turns == [(0, 0), (1, 0)]  # named: joined, its messages logged whole (no proven prefix)
+        r = h.post(
+            "/v1/feedback", json={"conversation_id": "run-7", "reward": 3, "request_id": b.headers["x-request-id"]}
+        )
+        assert r.status_code == 202
+        mismatch = {"conversation_id": "run-7", "reward": 3, "request_id": solo.headers["x-request-id"]}
+        assert h.post("/v1/feedback", json=mismatch).json()["error"]["code"] == "conversation_mismatch"
+        assert h.get("/v1/conversations/run-7").json()["reward"] == 3.0
+    finally:
+        gw.stop()
+
+
+def test_roll_back_switches_running_candidate_conversations(agent_stub, tmp_path):
+    """In process: a candidate conversation's next turn goes to the baseline once the share is 0 (a roll back),
+    marked switched; a new conversation then goes to the baseline too."""
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.live.arms import resolve_arm
+    from hermes_lab.live.gateway import Gateway as G
+
+    cfg = load_config(None, {"serve.rollout": False, "round.runs_dir": str(tmp_path / "runs")})
+    specs = {
+        "baseline": resolve_arm(cfg, "baseline", agent_stub.url, "base-model", ""),
+        "candidate": resolve_arm(cfg, "candidate", agent_stub.url, "cand-model", ""),
+    }
+    cid = next(f"c-{i}" for i in range(100) if formula_arm(f"c-{i}", 0.5) == "candidate")
+
+    async def go():
+        gw = G(cfg, specs, ratio=0.5, log_dir=tmp_path / "log", say=lambda *a: None)
+        await gw.startup()
+        try:
+
+            async def ask(messages, cid_=None):
+                body = json.dumps({"model": "x", "messages": messages, "tools": TOOLS}).encode()
+                sent = False
+
+                async def receive():
+                    nonlocal sent
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+
+                hdr = {b"x-hermes-conversation": cid_.encode()} if cid_ else {}
+                r = await gw.chat(hdr, receive)
+                return dict(r.raw_headers), json.loads(r.body)
+
+            msgs = [{"role": "user", "content": "inspect"}]
+            h1, a1 = await ask(msgs, cid)
+            assert h1[b"x-hermes-arm"] == b"candidate"
+            msg = a1["choices"][0]["message"]
+            msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"}]
+            gw.ratio = 0.0  # what the rollout's roll back sets
+            h2, _ = await ask(msgs)  # linked by prefix, no id
+            assert h2[b"x-hermes-arm"] == b"baseline" and h2[b"x-hermes-conversation"] == cid.encode()
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(go())
+    recs = [json.loads(x) for x in (tmp_path / "log" / "requests.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["switched"], r["turn"]) for r in recs] == [("candidate", False, 0), ("baseline", True, 1)]
