@@ -21,6 +21,9 @@ p50 at concurrency 1 next to the single-turn request's measured in the same run 
 throughput with 64 conversations in flight (goal: >= 2,000 req/s).
 
     python benchmarks/bench_gateway.py [--quick] [--variants aiohttp:write,aiohttp:fsync,httpx:write]
+    # before / after in one run: a variant may name another checkout of the package (client:durability@DIR)
+    git archive <commit> | tar -x -C /tmp/before
+    python benchmarks/bench_gateway.py --quick --variants aiohttp:write,aiohttp:write@/tmp/before
 """
 
 from __future__ import annotations
@@ -347,9 +350,11 @@ def measure_conversations(direct: str, gateway: str, n1: int, n64: int, log_dir:
     return rows
 
 
-def start_gateway(stub_url: str, client: str, durability: str, log_dir: str) -> tuple[subprocess.Popen, str]:
+def start_gateway(
+    stub_url: str, client: str, durability: str, log_dir: str, repo: Path = REPO
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(repo)}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
@@ -389,9 +394,10 @@ def main() -> int:
         print("direct and gateway requests alternate (c=1) or alternate in blocks (c=64): same machine load")
         rows = []
         for variant in args.variants.split(","):
-            client, durability = variant.split(":")
+            spec, _, other = variant.partition("@")
+            client, durability = spec.split(":")
             with tempfile.TemporaryDirectory() as tmp:
-                gw, url = start_gateway(stub_url, client, durability, tmp)
+                gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
                 try:
                     m = measure(stub_url + "/v1/chat/completions", url, n1, n64, {"gateway": gw.pid, "stub": stub.pid})
                     if not rows and not args.no_conversations:  # the default variant: agent conversations too

@@ -443,9 +443,8 @@ def test_explicit_ids_and_accepted_model_names(agent_stub, tmp_path):
         gw.stop()
 
 
-def test_roll_back_switches_running_candidate_conversations(agent_stub, tmp_path):
-    """In process: a candidate conversation's next turn goes to the baseline once the share is 0 (a roll back),
-    marked switched; a new conversation then goes to the baseline too."""
+def _inproc(agent_stub, tmp_path):
+    """A Gateway object in this process (both arms the scripted upstream) and a way to ask it."""
     from hermes_lab.config.schema import load_config
     from hermes_lab.live.arms import resolve_arm
     from hermes_lab.live.gateway import Gateway as G
@@ -455,33 +454,65 @@ def test_roll_back_switches_running_candidate_conversations(agent_stub, tmp_path
         "baseline": resolve_arm(cfg, "baseline", agent_stub.url, "base-model", ""),
         "candidate": resolve_arm(cfg, "candidate", agent_stub.url, "cand-model", ""),
     }
+
+    def make():
+        return G(cfg, specs, ratio=0.5, log_dir=tmp_path / "log", say=lambda *a: None)
+
+    async def ask(gw, messages, cid=None):
+        body = json.dumps({"model": "x", "messages": messages, "tools": TOOLS}).encode()
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        hdr = {b"x-hermes-conversation": cid.encode()} if cid else {}
+        r = await gw.chat(hdr, receive)
+        return dict(r.raw_headers), json.loads(r.body)
+
+    return make, ask
+
+
+def test_a_restarted_gateway_continues_open_conversations(agent_stub, tmp_path):
+    make, ask = _inproc(agent_stub, tmp_path)
+
+    async def go():
+        gw = make()
+        await gw.startup()
+        msgs = [{"role": "user", "content": "inspect"}]
+        h1, a1 = await ask(gw, msgs)
+        await gw.shutdown()
+        msg = a1["choices"][0]["message"]
+        msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"}]
+        gw2 = make()  # the tracker rebuilt from the log
+        await gw2.startup()
+        try:
+            h2, _ = await ask(gw2, msgs)
+        finally:
+            await gw2.shutdown()
+        return h1, h2
+
+    h1, h2 = asyncio.run(go())
+    assert h2[b"x-hermes-conversation"] == h1[b"x-hermes-conversation"] and h2[b"x-hermes-arm"] == h1[b"x-hermes-arm"]
+    recs = [json.loads(x) for x in (tmp_path / "log" / "requests.jsonl").read_text().splitlines()]
+    assert [(r["turn"], r["history"], len(r["messages"])) for r in recs] == [(0, 0, 1), (1, 2, 1)]
+
+
+def test_roll_back_switches_running_candidate_conversations(agent_stub, tmp_path):
+    """In process: a candidate conversation's next turn goes to the baseline once the share is 0 (a roll back),
+    marked switched."""
+    make, ask = _inproc(agent_stub, tmp_path)
     cid = next(f"c-{i}" for i in range(100) if formula_arm(f"c-{i}", 0.5) == "candidate")
 
     async def go():
-        gw = G(cfg, specs, ratio=0.5, log_dir=tmp_path / "log", say=lambda *a: None)
+        gw = make()
         await gw.startup()
         try:
-
-            async def ask(messages, cid_=None):
-                body = json.dumps({"model": "x", "messages": messages, "tools": TOOLS}).encode()
-                sent = False
-
-                async def receive():
-                    nonlocal sent
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-
-                hdr = {b"x-hermes-conversation": cid_.encode()} if cid_ else {}
-                r = await gw.chat(hdr, receive)
-                return dict(r.raw_headers), json.loads(r.body)
-
             msgs = [{"role": "user", "content": "inspect"}]
-            h1, a1 = await ask(msgs, cid)
+            h1, a1 = await ask(gw, msgs, cid)
             assert h1[b"x-hermes-arm"] == b"candidate"
             msg = a1["choices"][0]["message"]
             msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"}]
             gw.ratio = 0.0  # what the rollout's roll back sets
-            h2, _ = await ask(msgs)  # linked by prefix, no id
+            h2, _ = await ask(gw, msgs)  # linked by prefix, no id
             assert h2[b"x-hermes-arm"] == b"baseline" and h2[b"x-hermes-conversation"] == cid.encode()
         finally:
             await gw.shutdown()

@@ -249,6 +249,22 @@ def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
     )
 
 
+def flatten_messages(messages: list[Any]) -> str:
+    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
+    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
+    so training on the logged prompt trains on what the policy saw."""
+    parts = []
+    for m in messages:
+        m = m if isinstance(m, dict) else {}
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: keep the text ones
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+        parts.append((str(m.get("role", "user")), c if isinstance(c, str) else ""))
+    if len(parts) == 1 and parts[0][0] == "user":
+        return parts[0][1]
+    return "\n".join(f"{r}: {c}" for r, c in parts) + "\nassistant:"
+
+
 # ---------------------------------------------------------------------------------------- upstreams
 class UpstreamArm:
     """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""

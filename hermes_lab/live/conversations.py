@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from hermes_lab.data.conversation import is_tool_error
+
 _SEP = b"\x1e"
 
 
@@ -75,6 +77,16 @@ def encode(m: Any) -> bytes:
             if isinstance(fn, dict):
                 parts += [str(fn.get("name") or "").encode(), _args(fn.get("arguments"))]
     return b"\x1f".join(parts) + _SEP
+
+
+def tool_errors(messages: list[Any]) -> int:
+    """Tool results among a turn's new messages that report an error (Hermes's rule, ``is_tool_error``)."""
+    n = 0
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "tool":
+            c = m.get("content")
+            n += is_tool_error(c if isinstance(c, str) else orjson.dumps(c).decode() if c else "")
+    return n
 
 
 class Conversation:
@@ -191,6 +203,23 @@ class Tracker:
         self.by_key[k] = (c, n_messages + 1)
         c.keys.append(k)
         c.waiting_tools = bool(answer.get("tool_calls"))
+
+    def restore(self, cid: str, arm: int, turns: int, messages: list[Any], age_s: float) -> None:
+        """A conversation still open when the gateway stopped (its messages and answers reassembled from the
+        log): a restarted gateway links its next turn as before (``hermes_lab.live.log.open_conversations``)."""
+        c = self.open_new(cid, arm, False)
+        c.turns, c.last = turns, time.monotonic() - age_s
+        last = messages[-1] if messages else {}
+        c.waiting_tools = isinstance(last, dict) and bool(last.get("tool_calls"))
+        if self._expired(c, time.monotonic()):
+            self._forget(c)
+            return
+        h = hashlib.blake2b(digest_size=16)
+        for m in messages:
+            h.update(encode(m))
+        k = h.digest()
+        self.by_key[k] = (c, len(messages))
+        c.keys.append(k)
 
     def close(self, cid: str) -> bool:
         """Feedback closed it: a later turn that would continue it opens a new conversation."""

@@ -35,7 +35,6 @@ header is never logged nor forwarded, and an upstream's key goes only to that up
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import itertools
 import logging
@@ -55,11 +54,10 @@ from starlette.routing import Route
 
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, HermesConfig
-from hermes_lab.data.conversation import is_tool_error
 from hermes_lab.live import experiment as X
 from hermes_lab.live import log as L
-from hermes_lab.live.arms import ARMS, Answer, ArmSpec, CallAssembler, UpstreamError, build_arms
-from hermes_lab.live.conversations import Link, Tracker
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, CallAssembler, UpstreamError, build_arms, flatten_messages
+from hermes_lab.live.conversations import Link, Tracker, tool_errors
 
 log = logging.getLogger("hermes_lab.serve")
 ARM_HEADER = {0: b"baseline", 1: b"candidate"}
@@ -83,22 +81,6 @@ class _Refused(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
-
-
-def flatten_messages(messages: list[Any]) -> str:
-    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
-    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
-    so training on the logged prompt trains on what the policy saw."""
-    parts = []
-    for m in messages:
-        m = m if isinstance(m, dict) else {}
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: keep the text ones
-            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
-        parts.append((str(m.get("role", "user")), c if isinstance(c, str) else ""))
-    if len(parts) == 1 and parts[0][0] == "user":
-        return parts[0][1]
-    return "\n".join(f"{r}: {c}" for r, c in parts) + "\nassistant:"
 
 
 def default_experiment(specs: dict[str, ArmSpec]) -> str:
@@ -129,7 +111,6 @@ class Gateway:
         self.unit, self.salt = cfg.ab.unit, cfg.ab.salt
         self.from_user = s.conversation_from_user
         self.convs = Tracker(s.conversation_idle_s, s.conversation_tool_wait_s, s.max_conversations)
-        self.tools_seen: set[str] = set()
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
         self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
@@ -145,6 +126,9 @@ class Gateway:
                 raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
             self._auth = f"Bearer {key}".encode()
         self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
+        for cid, arm, turns, msgs, age in L.open_conversations(self.log_dir, s.conversation_tool_wait_s):
+            if cid not in self.tally.conv_reward:  # a scored conversation was closed by its feedback
+                self.convs.restore(cid, arm, turns, msgs, age)
         # the staged rollout on the (scaled) wall clock: it owns stage and ratio, the gateway routes with them
         self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
         self.clock = self.rollout.clock
@@ -162,8 +146,7 @@ class Gateway:
         s = self.cfg.serve
         self.req_log = L.LogWriter(self.log_dir / L.REQUESTS, s.durability, s.fsync_ms)
         self.fb_log = L.LogWriter(self.log_dir / L.FEEDBACK, s.durability, s.fsync_ms)
-        self.tools_log = L.LogWriter(self.log_dir / L.TOOLS, s.durability, s.fsync_ms)
-        self.tools_seen = L.known_tools(self.log_dir)
+        self.tools_log = L.ToolsLog(self.log_dir, s.durability, s.fsync_ms)
         for a in self.arms.values():
             await a.start()
         # the decision's scipy/statsmodels imports take seconds: done now, off the loop, not at the first look
@@ -316,18 +299,6 @@ class Gateway:
             raise _Refused(400, "conversation id: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_conversation_id")
         return cid
 
-    def _tools(self, payload: dict[str, Any]) -> str | None:
-        """The request's tool schemas, logged once per distinct list (tools.jsonl); their hash for the record."""
-        tools = payload.get("tools")
-        if not tools:
-            return None
-        raw = orjson.dumps(tools)
-        th = hashlib.blake2b(raw, digest_size=8).hexdigest()
-        if th not in self.tools_seen:
-            self.tools_seen.add(th)
-            self.tools_log.append_nowait(b'{"tools_hash":"' + th.encode() + b'","tools":' + raw + b"}\n")
-        return th
-
     def _route(self, rid: str, cid: str, payload: dict[str, Any], hdr: dict[bytes, bytes]) -> str:
         """The randomisation unit of a new conversation's first turn (ab.unit)."""
         if self.unit == "conversation":
@@ -385,18 +356,13 @@ class Gateway:
         task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
         arm_obj = self.arms[ARMS[arm]]
         prompt = flatten_messages(messages) if (arm_obj.needs_prompt or not link.history) else ""
-        tool_errors = 0
-        for m in new:
-            if isinstance(m, dict) and m.get("role") == "tool":
-                c = m.get("content")
-                tool_errors += is_tool_error(c if isinstance(c, str) else orjson.dumps(c).decode() if c else "")
         info = {
             "conversation_id": conv.id,
             "turn": turn,
             "history": link.history,
             "messages": new,
-            "tools_hash": self._tools(payload),
-            "tool_errors": tool_errors,
+            "tools_hash": self.tools_log.add(payload.get("tools")),
+            "tool_errors": tool_errors(new),
             "switched": switched,
         }
         headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]

@@ -30,6 +30,7 @@ reader (and counted); the next writer starts on a fresh line. Reading a log dir 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import threading
@@ -148,9 +149,50 @@ def load_experiment(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
 
 
-def known_tools(log_dir: str | os.PathLike[str]) -> set[str]:
-    """The tool-schema hashes tools.jsonl holds (a restart writes each list once still)."""
-    return {str(r.get("tools_hash")) for _, r in read_jsonl(Path(log_dir) / TOOLS)}
+class ToolsLog:
+    """tools.jsonl: each distinct tool-schema list the agents sent, once, under its hash (a request's record
+    names the hash; an agent sends the same ~7 KB of schemas with every turn). A restart knows the hashes."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], durability: str = "write", fsync_ms: float = 100.0):
+        self.seen = {str(r.get("tools_hash")) for _, r in read_jsonl(Path(log_dir) / TOOLS)}
+        self.writer = LogWriter(Path(log_dir) / TOOLS, durability, fsync_ms)
+
+    def add(self, tools: Any) -> str | None:
+        if not tools:
+            return None
+        raw = orjson.dumps(tools)
+        th = hashlib.blake2b(raw, digest_size=8).hexdigest()
+        if th not in self.seen:
+            self.seen.add(th)
+            self.writer.append_nowait(b'{"tools_hash":"' + th.encode() + b'","tools":' + raw + b"}\n")
+        return th
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_conversations(log_dir: str | os.PathLike[str], within_s: float) -> list[tuple[str, int, int, list, float]]:
+    """Conversations of the log whose last turn is less than ``within_s`` old, reassembled (the log keeps
+    only each turn's new messages): (id, arm of the first turn, turns, messages with the last answer, age s)."""
+    from hermes_lab.data.gateway import conversation_line
+
+    now = time.time()
+    turns: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for lineno, rec in read_jsonl(Path(log_dir) / REQUESTS):
+        cid = rec.get("conversation_id")
+        if isinstance(cid, str):
+            turns.setdefault(cid, []).append((lineno, rec))
+    out = []
+    for cid, ts in turns.items():
+        try:
+            age = now - datetime.fromisoformat(str(ts[-1][1].get("timestamp"))).timestamp()
+        except ValueError:
+            continue
+        if age < within_s and ts[-1][1].get("status") == "ok":
+            line = conversation_line(cid, ts, {}, None, "")
+            arm = 1 if ts[0][1].get("arm") == "candidate" else 0
+            out.append((cid, arm, len(ts), line["messages"], age))
+    return out
 
 
 def save_experiment(log_dir: str | os.PathLike[str], state: dict[str, Any]) -> Path:
