@@ -8,10 +8,11 @@ A request continues a conversation when its messages begin with that conversatio
 the gateway gave: the request's messages *up to its last assistant message* are exactly an earlier turn's
 messages plus that turn's answer. So every answered turn registers one key, the digest of (its messages, its
 answer), and a new request looks up one key, the digest of its messages through its last assistant message:
-one dict lookup, never a scan over open conversations. The digest is a chained BLAKE2b over a canonical
+one dict lookup, never a scan over open conversations. The digest is a chained XXH3-128 over a canonical
 encoding of each message (role, text stripped, tool calls as name + arguments with sorted keys; call ids and
 reasoning left out, because clients echo answers back without them or with ids of their own), computed in
-one pass over the request's already parsed messages: hashing a 50 KB history costs tens of microseconds.
+one pass over the request's already parsed messages: a 58 KB, 41-message history on a busy
+2-core machine: ~0.1 ms, about what parsing its JSON costs.
 
 An explicit id wins: the ``X-Hermes-Conversation`` header, ``metadata.conversation_id``, or (with
 ``serve.conversation_from_user``) the OpenAI ``user`` field. A request that continues nothing opens a
@@ -27,12 +28,12 @@ would have continued an ended conversation opens a new one.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from typing import Any
 
 import orjson
+import xxhash
 
 from hermes_lab.data.conversation import is_tool_error
 
@@ -49,13 +50,23 @@ def _text(c: Any) -> str:
     return orjson.dumps(c).decode()
 
 
+_ARGS: dict[str, bytes] = {}  # arguments text -> canonical bytes: an agent re-sends every earlier call each turn
+
+
 def _args(a: Any) -> bytes:
     """Arguments canonical: a JSON object's text with sorted keys (a client may re-serialise them)."""
     if isinstance(a, str):
+        hit = _ARGS.get(a)
+        if hit is not None:
+            return hit
         try:
-            a = orjson.loads(a) if a.strip() else {}
-        except orjson.JSONDecodeError:
-            return a.encode("utf-8", "surrogatepass")
+            out = orjson.dumps(orjson.loads(a) if a.strip() else {}, option=orjson.OPT_SORT_KEYS)
+        except (orjson.JSONDecodeError, TypeError):
+            out = a.encode("utf-8", "surrogatepass")
+        if len(_ARGS) >= 65536:
+            _ARGS.clear()
+        _ARGS[a] = out
+        return out
     try:
         return orjson.dumps(a, option=orjson.OPT_SORT_KEYS)
     except TypeError:
@@ -63,20 +74,31 @@ def _args(a: Any) -> bytes:
 
 
 def encode(m: Any) -> bytes:
-    """One message's canonical bytes (what must match between our answer and the client's echo of it)."""
-    if not isinstance(m, dict):
+    """One message's canonical bytes. An assistant message must match between our answer and the client's echo
+    of it (text stripped, tool calls as name + sorted arguments, no ids, no reasoning); every other message is
+    only ever the client's own, so its role and text suffice (and cost least: this runs on every message of
+    every request)."""
+    if type(m) is not dict:
         return b"?" + _SEP
     role = m.get("role")
-    parts = [str(role).encode(), _text(m.get("content")).strip().encode("utf-8", "surrogatepass")]
-    if role == "tool":
-        parts.append(str(m.get("tool_call_id") or "").encode())
+    c = m.get("content")
+    if role != "assistant":
+        text = c if type(c) is str else _text(c)
+        if role == "tool":
+            return b"tool\x1f" + str(m.get("tool_call_id") or "").encode() + b"\x1f" + _utf8(text) + _SEP
+        return str(role).encode() + b"\x1f" + _utf8(text) + _SEP
+    parts = [b"assistant", _utf8(_text(c).strip())]
     calls = m.get("tool_calls")
     if isinstance(calls, list):
-        for c in calls:
-            fn = c.get("function") if isinstance(c, dict) else None
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict):
                 parts += [str(fn.get("name") or "").encode(), _args(fn.get("arguments"))]
     return b"\x1f".join(parts) + _SEP
+
+
+def _utf8(s: str) -> bytes:
+    return s.encode("utf-8", "surrogatepass")
 
 
 def tool_errors(messages: list[Any]) -> int:
@@ -156,7 +178,7 @@ class Tracker:
         last = len(messages) - 1
         while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
             last -= 1
-        h = hashlib.blake2b(digest_size=16)
+        h = xxhash.xxh3_128()
         key = None
         for i, m in enumerate(messages):
             h.update(encode(m))
@@ -214,7 +236,7 @@ class Tracker:
         if self._expired(c, time.monotonic()):
             self._forget(c)
             return
-        h = hashlib.blake2b(digest_size=16)
+        h = xxhash.xxh3_128()
         for m in messages:
             h.update(encode(m))
         k = h.digest()
