@@ -128,7 +128,7 @@ def conversation(k: int, stream: bool) -> list[bytes]:
     msgs: list = [system, {"role": "user", "content": f"conversation {k}: inspect the directory"}]
     out = []
     for t in range(TURNS):
-        body = {"model": "hermes-agent", "messages": msgs, "tools": TOOLS}
+        body = {"model": "hermes", "messages": msgs, "tools": TOOLS}
         if stream:
             body["stream"] = True
         out.append(json.dumps(body).encode())
@@ -369,7 +369,8 @@ def start_gateway(
         "stub-c",
     ]
     cmd += ["--set", f"serve.upstream_client={client}", "--set", f"serve.durability={durability}"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (a variant's other checkout must win)
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_up(f"http://127.0.0.1:{port}/healthz", proc)
     return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
 
@@ -379,6 +380,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests (200 / 1,000): a smoke run")
     ap.add_argument("--variants", default="aiohttp:write,aiohttp:fsync,httpx:write", help="client:durability list")
     ap.add_argument("--no-conversations", action="store_true", help="skip the agent-conversation lines")
+    ap.add_argument(
+        "--conversations-all", action="store_true", help="conversation lines for every variant (default: the first)"
+    )
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
     if args.stub:
@@ -400,8 +404,8 @@ def main() -> int:
                 gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
                 try:
                     m = measure(stub_url + "/v1/chat/completions", url, n1, n64, {"gateway": gw.pid, "stub": stub.pid})
-                    if not rows and not args.no_conversations:  # the default variant: agent conversations too
-                        conv = measure_conversations(stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp))
+                    if (not rows or args.conversations_all) and not args.no_conversations:  # agent conversations
+                        m["conv"] = measure_conversations(stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp))
                 finally:
                     gw.terminate()
                     gw.wait(30)
@@ -430,7 +434,10 @@ def main() -> int:
         print(f"\ngoals for the default ({variant}); on a shared machine the ratios are the figures to compare:")
         for name, ok in goals:
             print(f"  {'met   ' if ok else 'missed'} {name}")
-        if not args.no_conversations:
+        for variant, m in rows:
+            if "conv" not in m:
+                continue
+            conv = m["conv"]
             print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
             head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
             print(f"{'':14s} {head}")

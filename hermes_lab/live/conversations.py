@@ -143,6 +143,7 @@ class Tracker:
         self.by_key: dict[bytes, tuple[Conversation, int]] = {}  # digest -> (conversation, messages so far)
         self.open: OrderedDict[str, Conversation] = OrderedDict()  # by id, least recently active first
         self.ended = 0
+        self._opened = 0
 
     def _expired(self, c: Conversation, now: float) -> bool:
         return c.closed or now - c.last > (self.tool_wait_s if c.waiting_tools else self.idle_s)
@@ -200,7 +201,9 @@ class Tracker:
         return Link(None, 0, 0, h)
 
     def open_new(self, cid: str, arm: int, explicit: bool) -> Conversation:
-        self.sweep()
+        self._opened += 1
+        if self._opened % 64 == 0 or len(self.open) >= self.max_open:  # ending idle ones need not be per request
+            self.sweep()
         old = self.open.get(cid)
         if old is not None:  # a client reusing an id for a new opening: the old one ends here
             self._forget(old)
@@ -219,9 +222,8 @@ class Tracker:
         c.last = time.monotonic()
         if answer is None or c.closed or self.open.get(c.id) is not c:
             return
-        h = hasher.copy()
-        h.update(encode(answer))
-        k = h.digest()
+        hasher.update(encode(answer))  # the request's digest is not needed after this: extend it in place
+        k = hasher.digest()
         self.by_key[k] = (c, n_messages + 1)
         c.keys.append(k)
         c.waiting_tools = bool(answer.get("tool_calls"))
