@@ -85,8 +85,8 @@ class Gateway:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
+            try:  # a graceful stop flushes the log and the MLflow traces: a loaded machine needs more than 30 s
+                self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
