@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -196,3 +197,105 @@ def test_sandbox_config_is_checked():
         load_config(None, {"reward.tests_score": "most"})
     with pytest.raises(ConfigError, match="sandbox.api_key_env must be the NAME"):
         load_config(None, {"sandbox.api_key_env": "sk-live-123"})
+
+
+# ------------------------------------------------------------------------ code files: prep, then training
+FIXTURES = Path(__file__).parent / "fixtures"
+HOSTILE_MODULE = '''
+import json, os
+from hermes_lab.config.schema import load_config
+from hermes_lab.rewards.tests import make_tests_reward
+
+SPEC = json.dumps({"kind": "assert", "tests": ["assert add(1, 2) == 3"]})
+GOOD = "def add(a, b):\\n    return a + b\\n"
+CASES = {
+    "infinite_loop": "while True:\\n    pass\\n" + GOOD,
+    "fork_bomb": "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass\\n"
+    + GOOD,
+    "alloc_1gb": "blob = bytearray(1 << 30)\\n" + GOOD,
+    "print_100mb": "import sys\\nfor _ in range(100):\\n    sys.stdout.write('x' * (1 << 20))\\n" + GOOD,
+    "kill_parent": "import os, signal\\nos.kill(os.getppid(), signal.SIGKILL)\\nos.kill(%d, signal.SIGKILL)\\n" + GOOD,
+}
+_REWARD = []
+
+
+def hostile(prompts, completions, **kw):
+    """Inside a GRPO step: the hostile set through the tests reward, then a zero for every real completion."""
+    if not _REWARD:
+        cfg = load_config(None, {"reward.types": ["tests"], "sandbox.timeout_s": 2.0, "sandbox.cpu_s": 2.0,
+                                 "sandbox.memory_mb": 256, "sandbox.max_processes": 8, "sandbox.max_output_kb": 256})
+        _REWARD.append(make_tests_reward(cfg))
+    codes = [c % os.getpid() if "%d" in c else c for c in CASES.values()]
+    scores = _REWARD[0](prompts=list(CASES), completions=codes, tests=[SPEC] * len(CASES))
+    with open(os.environ["HOSTILE_LOG"], "a") as f:
+        kinds = _REWARD[0].sandbox.to_dict()["by_kind"]
+        f.write(json.dumps({"scores": dict(zip(CASES, scores)), "kinds": kinds}) + "\\n")
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "kind"), [("humaneval_trajectories.jsonl", "check"), ("mbpp_trajectories.jsonl", "assert")]
+)
+def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
+    name, kind, tmp_path, monkeypatch, mlflow_store
+):
+    """A HumanEval-format and an MBPP-format trajectory file: prep keeps their tests with each prompt, the logged
+    right answers pass them in the sandbox, and GRPO trains the tiny policy with the tests reward. The MBPP run
+    also runs the hostile set inside its GRPO steps (a user reward through reward.types' module:function):
+    every case scores 0 and training goes on to its last step."""
+    from datasets import load_from_disk
+
+    from hermes_lab.data import prep
+    from hermes_lab.policy.model import build_tiny_policy
+    from hermes_lab.train.grpo import train
+
+    root = Path(__file__).resolve().parents[1]
+    build_tiny_policy(root / "runs", 0, quiet=True)  # cached under the repo's runs/policies/
+    types, weights = ["tests"], [1.0]
+    if kind == "assert":
+        (tmp_path / "hostile_reward.py").write_text(HOSTILE_MODULE, encoding="utf-8")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("HOSTILE_LOG", str(tmp_path / "hostile.jsonl"))
+        types, weights = ["tests", "hostile_reward:hostile"], [1.0, 0.0]
+    cfg = load_config(
+        root / "params" / "embedded.yaml",
+        {
+            "reward.types": types,
+            "reward.weights": weights,
+            "grpo.max_steps": 2,
+            "grpo.max_completion_length": 48,
+            "data.max_seq_len": 256,
+            "data.min_samples": 1,
+            "data.holdout_fraction": 0.0,
+            "round.runs_dir": str(root / "runs"),
+        },
+    )
+    try:
+        res = prep.run_prep([FIXTURES / name], tmp_path / "prep", cfg, make_plots=False)
+    except prep.GateRefused as e:
+        res = e.result
+    ds = load_from_disk(str(res.output_dir / "grpo_dataset"))
+    assert len(ds) == 6 and all(TestSpec.from_json(t).kind == kind for t in ds["tests"])
+    # the logged answers against their own tests: the right ones pass, the wrong ones do not
+    logged = [json.loads(x) for x in (FIXTURES / name).read_text().splitlines()]
+    spec_of = dict(zip(ds["prompt"], ds["tests"]))
+    reward = make_tests_reward(cfg)
+    got = reward(
+        prompts=[r["prompt"] for r in logged],
+        completions=[r["response"] for r in logged],
+        tests=[spec_of[r["prompt"]] for r in logged],
+    )
+    assert [g == 5.0 for g in got] == [r["reward"] == 5.0 for r in logged], got
+
+    out = train(cfg, res.output_dir, tmp_path / "train", evaluate_heldout=False)
+    health = json.loads((tmp_path / "train" / "health.json").read_text())
+    assert out.steps == 2 and health["status"] == "completed"
+    sandbox = health["sandbox"]
+    assert sandbox["completions"] == 2 * cfg.grpo.per_device_batch_size * cfg.grpo.group_size
+    assert sum(sandbox["by_kind"].values()) == sandbox["completions"] and sandbox["sandbox_errors"] == 0
+    if kind == "assert":  # the hostile set ran inside both steps: contained, zero, counted, and training went on
+        calls = [json.loads(x) for x in (tmp_path / "hostile.jsonl").read_text().splitlines()]
+        assert len(calls) == 2 and all(set(c["scores"].values()) == {0.0} for c in calls)
+        assert calls[0]["kinds"] == {"timeout": 2, "memory": 1, "output_limit": 1, "runtime_error": 1}

@@ -16,7 +16,10 @@ traceback): valid UTF-8; JSON with no NaN/Infinity, no number that overflows a d
 refuses to convert (an integer of more than 4300 digits), no key twice in one object (parsers disagree on
 which value wins), no lone surrogate escape in any string or key, not nested beyond Python's recursion
 limit; an object with prompt (non-empty string), response (string), reward (a number in 0..scale, not a
-bool), task_id (non-empty string, or an integer, kept as text), family (a string or null, optional).
+bool), task_id (non-empty string, or an integer, kept as text), family (a string or null, optional), and
+optionally the task's tests (``tests``, ``entry_point``, MBPP's ``test_list``, HumanEval's ``test``, APPS'
+``input_output``: ``hermes_lab.sandbox.specs.parse_tests``); tests that do not parse reject the line ("bad
+tests", naming the test), tests that do are kept with the record, normalised, for the tests reward.
 
 Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
@@ -34,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hermes_lab.sandbox.specs import SpecError, parse_tests
 from hermes_lab.tasks import suite as tasks
 
 BOM = b"\xef\xbb\xbf"
@@ -153,6 +157,20 @@ def check_record(obj: Any, scale: float) -> tuple[str, str, float, str, str | No
     if fam is not None and type(fam) is not str:
         raise Bad("bad family", f"family must be a string or null, got a JSON {_kind(fam)}")
     return prompt, response, float(reward), task_id, fam or None
+
+
+TEST_FIELDS = ("tests", "entry_point", "test_list", "test", "input_output")
+
+
+def record_tests(obj: dict[str, Any], prompt: str) -> str | None:
+    """The record's tests as normalised JSON (``TestSpec.to_json``), None without any; Bad when they do not parse."""
+    if not any(k in obj for k in TEST_FIELDS):
+        return None
+    try:
+        spec = parse_tests(obj, prompt)
+    except SpecError as e:
+        raise Bad("bad tests", str(e)[:300]) from None
+    return spec.to_json() if spec is not None else None
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -278,7 +296,13 @@ class Ingest:
         self.tmp_sinks = {n: tmp / f"{n}.jsonl" for n in SINKS}
         self.sinks = {n: open(p, "w", encoding="utf-8", newline="\n") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
         self.schema = pa.schema(
-            [("seq", pa.int64()), ("prompt", pa.string()), ("response", pa.string()), ("task_id", pa.string())]
+            [
+                ("seq", pa.int64()),
+                ("prompt", pa.string()),
+                ("response", pa.string()),
+                ("task_id", pa.string()),
+                ("tests", pa.string()),
+            ]
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
         self._writers = [pa.ipc.new_stream(str(p), self.schema) for p in self.part_paths]
@@ -414,6 +438,7 @@ class Ingest:
                 try:
                     obj = decode(text)
                     prompt, response, reward, task_id, fam = check_record(obj, scale)
+                    tests_json = record_tests(obj, prompt)
                 except Bad as e:
                     self._reject(st, lineno, e.reason, e.detail, line)
                     continue
@@ -428,7 +453,9 @@ class Ingest:
                 joined = (task_id + prompt + response).encode()  # the review id's bytes too
                 h = hashlib.blake2b(f"{len(task_id)},{len(prompt)},".encode(), digest_size=16)
                 h.update(joined)  # unambiguous: the lengths say where task_id and prompt end
-                pending.append((lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest()))
+                pending.append(
+                    (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest(), tests_json)
+                )
                 pending_bytes += len(text) + len(joined) + (len(out_text) if out_text is not text else 0)
                 if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
                     self._flush(st, fidx, role, pending)
@@ -468,12 +495,26 @@ class Ingest:
         negative = role == "negative"
         families, fam_cache, split_cache, holdout = self.families, self._fam_cache, self._split_cache, self.holdout
         seed_hash, sha1 = hashlib.sha1(f"{self.seed}:".encode()), hashlib.sha1
-        parts: list[tuple[list[int], list[str], list[str], list[str]]] = [([], [], [], []) for _ in range(self.n_parts)]
+        parts: list[tuple[list[int], list[str], list[str], list[str], list[str | None]]] = [
+            ([], [], [], [], []) for _ in range(self.n_parts)
+        ]
         k_parts = self.n_parts
         seq, text_bytes = self.n, 0
         dups = 0
         # the hot loop of prep: the helpers (split_of, review_id, review_rank) are inlined here
-        for j, (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, digest) in enumerate(pending):
+        for j, (
+            lineno,
+            text,
+            out_text,
+            prompt,
+            response,
+            reward,
+            task_id,
+            fam,
+            joined,
+            digest,
+            tests_json,
+        ) in enumerate(pending):
             o = found[j]
             if o < 0:
                 o = first_in_batch.get(digest, -1)
@@ -517,6 +558,7 @@ class Ingest:
             part[1].append(prompt)
             part[2].append(response)
             part[3].append(task_id)
+            part[4].append(tests_json)
             seq += 1
             text_bytes += len(joined)
         self.n, self.text_bytes = seq, self.text_bytes + text_bytes
@@ -524,7 +566,7 @@ class Ingest:
             idx = np.asarray(new_rows, dtype=np.int64)
             self.index.add(keys[idx, 0].copy(), keys[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
         pa = self.pa
-        for w, (seqs, ps, rs, ts) in zip(self._writers, parts):
+        for w, (seqs, ps, rs, ts, tj) in zip(self._writers, parts):
             if seqs:
                 w.write_batch(
                     pa.record_batch(
@@ -533,6 +575,7 @@ class Ingest:
                             pa.array(ps, pa.string()),
                             pa.array(rs, pa.string()),
                             pa.array(ts, pa.string()),
+                            pa.array(tj, pa.string()),
                         ],
                         schema=self.schema,
                     )

@@ -11,7 +11,8 @@ the state's last training time. Inputs are only ever read. Writes into the outpu
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
   rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
-  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight,
+                      and its tests (JSON, null without: the tests reward's column, hermes_lab.sandbox.specs)
   left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
   selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)

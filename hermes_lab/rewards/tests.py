@@ -28,7 +28,9 @@ from collections import deque
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
-from hermes_lab.sandbox.executor import Executor, Limits, make_executor
+from hermes_lab.sandbox.executor import Executor, Limits
+from hermes_lab.sandbox.fusion import FusionExecutor
+from hermes_lab.sandbox.local import LocalExecutor
 from hermes_lab.sandbox.specs import KINDS, Outcome, SpecError, TestRunner, TestSpec, extract_code, parse_tests
 
 WINDOW = 200  # scored completions over which sandbox.max_error_rate is measured
@@ -55,8 +57,8 @@ def executor_of(cfg: HermesConfig) -> Executor:
     """The configured executor; with ``sandbox.require_isolation`` a local one must have its namespaces."""
     s = cfg.sandbox
     if s.executor == "fusion":
-        return make_executor("fusion", url=s.url, workers=s.workers or None, api_key_env=s.api_key_env)
-    ex = make_executor("local", workers=s.workers or None)
+        return FusionExecutor(s.url, workers=s.workers or None, api_key_env=s.api_key_env)
+    ex = LocalExecutor(workers=s.workers or None)
     if s.require_isolation:
         rep = ex.describe()
         if not str(rep.get("namespaces", "none")).startswith(("user", "net")):

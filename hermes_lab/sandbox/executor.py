@@ -10,14 +10,14 @@ Two implementations, the same contract (``run_many(requests, limits) -> results`
 - ``hermes_lab.sandbox.fusion.FusionExecutor``: a SandboxFusion server's ``POST /run_code`` (or anything that
   speaks that API), for a user who already runs a sandbox service for many machines.
 
-``make_executor(kind, ...)`` builds one by name (the config's ``sandbox.executor``). What goes into a program
-(the completion's code, a test harness) is ``hermes_lab.sandbox.specs``' business, not the executor's.
+``hermes_lab.rewards.tests.executor_of(cfg)`` builds the one the config names (``sandbox.executor``). What goes
+into a program (the completion's code, a test harness) is ``hermes_lab.sandbox.specs``' business, not the
+executor's.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -120,19 +120,3 @@ class Executor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def make_executor(kind: str = "local", *, url: str = "", workers: int | None = None, **kw: Any) -> Executor:
-    """``local`` (this machine) or ``fusion`` (a SandboxFusion-compatible ``run_code`` server at ``url``)."""
-    factories: dict[str, Callable[[], Executor]] = {}
-    if kind == "local":
-        from hermes_lab.sandbox.local import LocalExecutor
-
-        factories[kind] = lambda: LocalExecutor(workers=workers, **kw)
-    elif kind == "fusion":
-        from hermes_lab.sandbox.fusion import FusionExecutor
-
-        factories[kind] = lambda: FusionExecutor(url, workers=workers, **kw)
-    if kind not in factories:
-        raise ValueError(f"unknown sandbox executor {kind!r}: use local or fusion")
-    return factories[kind]()

@@ -46,6 +46,7 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 28, 24, 38
+PR_SET_CHILD_SUBREAPER = 36
 SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 alike (the generic syscall table)
 AT_RECURSIVE, MOUNT_ATTR_RDONLY = 0x8000, 0x1
 MAX_PROGRAM_CODE, CPU_EXCEEDED, LAUNCHER_FAILED = 100, 124, 125
@@ -320,18 +321,14 @@ def run_program(job, stdin_fd, report, ready_fd):
     os._exit(code & 0xFF)
 
 
-def main():
-    if len(sys.argv) > 1:
-        print("usage: python -S -s -B launcher.py < job.marshal  (started by hermes_lab.sandbox.local, not by hand)")
-        return 0
-    del sys.path[0]  # the launcher's own dir: nothing there is the program's to import
-    job = marshal.loads(sys.stdin.buffer.read())  # the same interpreter wrote it: no json import (~10 ms a run)
+def run_job(job, kernel):
+    """One run: namespaces, then the program's process (``run_program``), waited for; the exit status."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing
     report = {}
     job["host_root"] = os.geteuid() == 0
     job["drop"] = job["host_root"] and job.get("drop_to_nobody", True)
     try:
-        job["namespaced"] = bool(job.get("isolate", True)) and isolate(Kernel(), job, report)
+        job["namespaced"] = bool(job.get("isolate", True)) and isolate(kernel, job, report)
     except OSError as e:  # the id maps could not be written: no usable user namespace after all
         job["namespaced"] = False
         report["namespaces"] = f"none ({e})"
@@ -360,6 +357,138 @@ def main():
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return min(os.WEXITSTATUS(status), MAX_PROGRAM_CODE)
+
+
+# ------------------------------------------------------------------------------------------ fork server
+def serve(sock_fd):
+    """Fork-server mode: one launcher, started once, forks a run per request (no interpreter start per run).
+
+    Requests come on a SOCK_SEQPACKET socket as marshalled tuples with file descriptors attached:
+    ("run", id) + [stdout, stderr, job memfd] -> ("started", id, pid), later ("exited", id, status);
+    ("kill", id) -> the run's process group gets SIGKILL (a no-op once it is reaped). The run's process is
+    a session and process group of its own, as in per-run mode; the server reaps it, killing its group
+    first (a zombie's pid cannot be reused, so that kill never reaches another group). EOF on the socket
+    (the trainer is gone) kills every running group and ends the server."""
+    import socket
+
+    sock = socket.socket(fileno=sock_fd)
+    kernel = Kernel()  # ctypes and libc loaded once: every fork has them
+    # a run's orphans (its program once the run's launcher is killed) are reparented here and reaped at once,
+    # not by the machine's init whenever it gets to them: the trainer waits for a run's group to be empty
+    kernel.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to the wakeup fd
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's Ctrl-C is the trainer's
+    running = {}  # pid -> id
+    ids = {}  # id -> pid, until reaped
+    import select
+
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        try:
+            events = poller.poll()
+        except InterruptedError:
+            continue
+        for fd, _ in events:
+            if fd == wake_r:
+                os.read(wake_r, 4096)
+                _reap(sock, running, ids)
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+            except InterruptedError:
+                continue
+            if not msg:  # the trainer is gone: so is every run
+                for pid in running:
+                    _killpg(pid)
+                return 0
+            kind, run_id = marshal.loads(msg)
+            if kind == "kill":
+                if run_id in ids:
+                    _killpg(ids[run_id])
+                continue
+            out_fd, err_fd, job_fd = fds
+            pid = os.fork()
+            if pid == 0:
+                _run_forked(sock, wake_r, wake_w, out_fd, err_fd, job_fd, kernel)
+            for f in fds:
+                os.close(f)
+            running[pid], ids[run_id] = run_id, pid
+            _send(sock, ("started", run_id, pid))
+        _reap(sock, running, ids)
+
+
+def _run_forked(sock, wake_r, wake_w, out_fd, err_fd, job_fd, kernel):
+    """In a run's process forked by the server: its own session, its own stdio, the job, nothing else."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        sock.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        with os.fdopen(job_fd, "rb") as f:
+            job = marshal.load(f)
+        os.closerange(3, 1 << 16)
+        os.environ.clear()  # the server's environment was the clean one already; the job's HOME is per run
+        os.environ.update(job.get("env", {}))
+        code = run_job(job, kernel)
+    except BaseException as e:
+        os.write(2, f"sandbox launcher failed: {type(e).__name__}: {e}\n".encode())
+        code = LAUNCHER_FAILED
+    os._exit(code)
+
+
+def _reap(sock, running, ids):
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        pid = info.si_pid
+        _killpg(pid)  # whatever the run left in its group, while the zombie still holds the group's id
+        _, status = os.waitpid(pid, 0)
+        run_id = running.pop(pid, None)
+        if run_id is not None:
+            ids.pop(run_id, None)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            _send(sock, ("exited", run_id, code))
+
+
+def _killpg(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _send(sock, msg):
+    try:
+        sock.send(marshal.dumps(msg))
+    except OSError:
+        pass  # the trainer is gone: the next poll sees EOF
+
+
+def main():
+    del sys.path[0]  # the launcher's own dir: nothing there is the program's to import
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        return serve(int(sys.argv[2]))
+    if len(sys.argv) > 1:
+        print("usage: python -S -s -B launcher.py [--serve FD] < job.marshal  (started by hermes_lab.sandbox.local)")
+        return 0
+    job = marshal.loads(sys.stdin.buffer.read())  # the same interpreter wrote it: no json import (~10 ms a run)
+    return run_job(job, Kernel())
 
 
 def _flush():

@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import marshal
 import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,9 +65,201 @@ def clean_env(work: str) -> dict[str, str]:
     }
 
 
+class _Handle:
+    """A started run, whichever way it was started: its process group id, its output pipes, how to tell it
+    has exited, kill it, and get its exit status (negative: killed by that signal)."""
+
+    pid: int
+    out_fd: int
+    err_fd: int
+
+    def exited(self) -> bool:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> int:
+        raise NotImplementedError
+
+
+class _ProcessHandle(_Handle):
+    """One ``python launcher.py`` per run, a child of ours."""
+
+    def __init__(self, python: str, job: dict[str, Any], work: str):
+        self.proc = subprocess.Popen(
+            [python, "-S", "-s", "-B", str(LAUNCHER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=work,
+            env=job["env"],
+            start_new_session=True,  # its own process group: killed whole
+            close_fds=True,
+        )
+        self.pid = self.proc.pid
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr
+        self.out_fd, self.err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.write(marshal.dumps(job))  # the launcher reads it whole before anything else
+            self.proc.stdin.close()
+
+    def exited(self) -> bool:  # without reaping it (WNOWAIT): its pid stays ours until wait()
+        return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    def kill(self) -> None:
+        _kill_group(self.pid)
+
+    def wait(self) -> int:
+        # the group is killed once more before the launcher is reaped: until then its pid (the group's id)
+        # cannot be reused, so the kill never reaches an unrelated process group
+        os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        _kill_group(self.pid)  # whatever the program left behind in its group
+        code = self.proc.wait()
+        self.proc.stdout.close()  # type: ignore[union-attr]
+        self.proc.stderr.close()  # type: ignore[union-attr]
+        return code
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.started, self.done = threading.Event(), threading.Event()
+        self.pid, self.code, self.failed = 0, 0, ""
+
+
+class ForkServer:
+    """One launcher started once (``launcher.py --serve``), forking a run per request: no interpreter start
+    per run, which is most of a run's cost. Runs come back as (pid, exit status) messages over a
+    SOCK_SEQPACKET socket; their output goes straight into pipes we made. If the server dies, the runs in
+    flight end as sandbox errors and the next run starts a new one; when this process ends, the socket closes
+    and the server kills what still runs and exits."""
+
+    def __init__(self, python: str):
+        self.python = python
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.waiters: dict[int, _Waiter] = {}
+        self.ids = itertools.count(1)
+
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [self.python, "-S", "-s", "-B", str(LAUNCHER), "--serve", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            env=clean_env("/"),
+            start_new_session=True,
+        )
+        child.close()
+        self.sock = parent
+        threading.Thread(target=self._listen, args=(parent,), daemon=True, name="sandbox-forkserver").start()
+
+    def _listen(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                msg = sock.recv(4096)
+            except OSError:
+                msg = b""
+            if not msg:
+                break
+            kind, run_id, value = marshal.loads(msg)
+            w = self.waiters.get(run_id)
+            if w is None:
+                continue
+            if kind == "started":
+                w.pid = value
+                w.started.set()
+            else:
+                w.code = value
+                w.done.set()
+        with self.lock:
+            if self.sock is sock:
+                self.sock = None
+            lost = [w for w in self.waiters.values() if not w.done.is_set()]
+        for w in lost:  # the server is gone: these runs end here, as the executor's failure
+            w.failed = "the sandbox fork server exited"
+            w.started.set()
+            w.done.set()
+
+    def submit(self, job: dict[str, Any], out_w: int, err_w: int) -> tuple[int, _Waiter]:
+        data = marshal.dumps(job)
+        job_fd = os.memfd_create("hermes-job")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(job_fd, view) :]
+            os.lseek(job_fd, 0, os.SEEK_SET)
+            with self.lock:
+                if self.sock is None:
+                    self._start()
+                run_id, w = next(self.ids), _Waiter()
+                self.waiters[run_id] = w
+                assert self.sock is not None
+                socket.send_fds(self.sock, [marshal.dumps(("run", run_id))], [out_w, err_w, job_fd])
+        finally:
+            os.close(job_fd)
+        return run_id, w
+
+    def kill(self, run_id: int) -> None:
+        with self.lock, contextlib.suppress(OSError):
+            if self.sock is not None:
+                self.sock.send(marshal.dumps(("kill", run_id)))
+
+    def forget(self, run_id: int) -> None:
+        with self.lock:
+            self.waiters.pop(run_id, None)
+
+    def close(self) -> None:
+        with self.lock:
+            sock, proc, self.sock = self.sock, self.proc, None
+        if sock is not None:
+            sock.close()  # EOF: the server kills what still runs and exits
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                proc.wait()
+
+
+class _ServerHandle(_Handle):
+    def __init__(self, server: ForkServer, job: dict[str, Any]):
+        self.server = server
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self.run_id, self.w = server.submit(job, out_w, err_w)
+        finally:
+            os.close(out_w)  # the run holds its own copies: EOF comes when it (and what it started) is gone
+            os.close(err_w)
+        self.out_fd, self.err_fd = out_r, err_r
+        self.w.started.wait(30)
+        self.pid = self.w.pid
+
+    def exited(self) -> bool:
+        return self.w.done.is_set()
+
+    def kill(self) -> None:
+        self.server.kill(self.run_id)
+
+    def wait(self) -> int:
+        if not self.w.done.wait(30):
+            self.w.failed = "the sandbox fork server did not report the run's end"
+        self.server.forget(self.run_id)
+        os.close(self.out_fd)
+        os.close(self.err_fd)
+        return self.w.code
+
+
 class LocalExecutor(Executor):
-    """Runs each program through the launcher (see the module docstring). ``isolate=False`` skips the
-    namespaces, ``guard=False`` the audit hook: for tests that check one layer alone, never for training."""
+    """Runs each program through the launcher (see the module docstring): by default forked from one
+    pre-started launcher (``ForkServer``), else (``forkserver=False``) one launcher process per run.
+    ``isolate=False`` skips the namespaces, ``guard=False`` the audit hook: for tests and benchmarks that
+    look at one layer alone, never for training."""
 
     name = "local"
 
@@ -75,12 +270,14 @@ class LocalExecutor(Executor):
         isolate: bool = True,
         guard: bool = True,
         tmp_root: str | None = None,
+        forkserver: bool = True,
     ):
         super().__init__(workers)
         # the real binary: a venv's python is a symlink whose target nobody may reach (the launcher fixes
         # that for the stdlib), and -S skips the venv's site-packages anyway
         self.python = os.path.realpath(python or sys.executable)
         self.isolate, self.guard, self.tmp_root = isolate, guard, tmp_root
+        self.server = ForkServer(self.python) if forkserver else None
         self._report: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------- run
@@ -96,6 +293,7 @@ class LocalExecutor(Executor):
                 "program": req.program,
                 "stdin": req.stdin,
                 "work": work,
+                "env": clean_env(work),
                 "cpu_s": float(limits.cpu_s),
                 "memory_mb": int(limits.memory_mb),
                 "file_mb": int(limits.file_mb),
@@ -112,37 +310,21 @@ class LocalExecutor(Executor):
     def _supervise(self, job: dict[str, Any], limits: Limits, work: str, t0: float) -> RunResult:
         cap = int(limits.max_output_kb) << 10
         try:
-            proc = subprocess.Popen(
-                [self.python, "-S", "-s", "-B", str(LAUNCHER)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=work,
-                env=clean_env(work),
-                start_new_session=True,  # its own process group: killed whole
-                close_fds=True,
-            )
+            h: _Handle = _ServerHandle(self.server, job) if self.server else _ProcessHandle(self.python, job, work)
         except OSError as e:
             return RunResult("sandbox_error", detail=f"cannot start the launcher: {e}", seconds=time.monotonic() - t0)
-        try:
-            assert proc.stdin is not None
-            proc.stdin.write(marshal.dumps(job))  # the launcher reads it whole before anything else
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        deadline = t0 + float(limits.timeout_s)
-        out, err, over, timed_out = self._read(proc, deadline, cap)
+        out, err, over, timed_out = _read(h, t0 + float(limits.timeout_s), cap)
         if over or timed_out:
-            _kill_group(proc.pid)
-        # the group is killed once more before the launcher is reaped: until then its pid (the group's id)
-        # cannot be reused, so the kill never reaches an unrelated process group
-        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-        _kill_group(proc.pid)  # whatever the program left behind in its group
-        code = proc.wait()
-        _wait_group_gone(proc.pid)  # killed processes die asynchronously: the run ends when they are gone
+            h.kill()
+        code = h.wait()
+        failed = getattr(getattr(h, "w", None), "failed", "")
+        if h.pid:
+            _wait_group_gone(h.pid)  # killed processes die asynchronously: the run ends when they are gone
         seconds = round(time.monotonic() - t0, 4)
         stdout = out.decode("utf-8", "replace")
         stderr = err[-KEEP_STDERR:].decode("utf-8", "replace")
+        if failed:
+            return RunResult("sandbox_error", None, stdout, stderr, seconds, detail=failed)
         if over:
             return RunResult(
                 "output_limit", None, stdout, stderr, seconds, detail=f"more than {cap >> 10} KiB of output"
@@ -162,41 +344,10 @@ class LocalExecutor(Executor):
             return RunResult("killed", None, stdout, stderr, seconds, signal=sig, detail=_signame(sig))
         return RunResult("ok" if code == 0 else "error", code, stdout, stderr, seconds)
 
-    @staticmethod
-    def _read(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-        """stdout and stderr until both close, the deadline passes or either passes ``cap`` bytes."""
-        bufs: dict[Any, bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-        sel = selectors.DefaultSelector()
-        for f in bufs:
-            sel.register(f, selectors.EVENT_READ)
-        over = timed_out = False
-        exited_at: float | None = None
-        try:
-            while sel.get_map():
-                now = time.monotonic()
-                if exited_at is None and _exited(proc.pid):
-                    exited_at = now  # the launcher is gone: what is left in the pipes drains, briefly
-                limit = deadline if exited_at is None else min(deadline, exited_at + GRACE_S)
-                if now >= limit:
-                    timed_out = exited_at is None
-                    break
-                for key, _ in sel.select(timeout=min(0.05, limit - now)):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        continue
-                    buf = bufs[key.fileobj]
-                    buf += chunk
-                    if len(buf) > cap:
-                        del buf[cap:]
-                        over = True
-                if over:
-                    break
-        finally:
-            sel.close()
-            for f in bufs:
-                f.close()  # type: ignore[union-attr]
-        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), over, timed_out
+    def close(self) -> None:
+        super().close()
+        if self.server is not None:
+            self.server.close()
 
     # ------------------------------------------------------------------------------------------ describe
     def describe(self) -> dict[str, Any]:
@@ -204,6 +355,7 @@ class LocalExecutor(Executor):
         if self._report is None:
             r = self.run_one(RunRequest("pass"), Limits(timeout_s=30, cpu_s=10), report=True)
             rep: dict[str, Any] = {"executor": self.name, "workers": self.workers, "python": self.python}
+            rep["spawn"] = "fork server" if self.server else "one launcher process per run"
             line = next((s for s in r.stderr.splitlines() if s.startswith("HERMES_SANDBOX ")), None)
             if r.status != "ok" or line is None:
                 rep["error"] = f"the probe run failed ({r.status}): {r.detail or _last_line(r.stderr)}"
@@ -221,9 +373,38 @@ class LocalExecutor(Executor):
         return dict(self._report)
 
 
-def _exited(pid: int) -> bool:
-    """Has the child exited? Without reaping it (WNOWAIT): its pid stays ours until Popen.wait."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+def _read(h: _Handle, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+    """stdout and stderr until both close, the deadline passes or either passes ``cap`` bytes."""
+    bufs = {h.out_fd: bytearray(), h.err_fd: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        sel.register(fd, selectors.EVENT_READ)
+    over = timed_out = False
+    exited_at: float | None = None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if exited_at is None and h.exited():
+                exited_at = now  # the launcher is gone: what is left in the pipes drains, briefly
+            limit = deadline if exited_at is None else min(deadline, exited_at + GRACE_S)
+            if now >= limit:
+                timed_out = exited_at is None
+                break
+            for key, _ in sel.select(timeout=min(0.05, limit - now)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = bufs[key.fd]
+                buf += chunk
+                if len(buf) > cap:
+                    del buf[cap:]
+                    over = True
+            if over:
+                break
+    finally:
+        sel.close()
+    return bytes(bufs[h.out_fd]), bytes(bufs[h.err_fd]), over, timed_out
 
 
 def _wait_group_gone(pgid: int, limit_s: float = 5.0) -> None:

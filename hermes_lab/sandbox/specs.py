@@ -88,7 +88,9 @@ class TestSpec:
         return len(self.tests)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-native (lists, not tuples): what a trajectory record's ``tests`` field holds."""
         d = asdict(self)
+        d["tests"], d["cases"] = list(self.tests), [list(c) for c in self.cases]
         return {k: v for k, v in d.items() if v or k == "kind"}
 
     def to_json(self) -> str:
