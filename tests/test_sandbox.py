@@ -283,11 +283,12 @@ def test_the_http_executor_speaks_run_code_to_the_standin(standin):
 
 
 def test_the_tests_reward_through_the_http_executor_matches_the_local_one(standin, local):
-    cfg = load_config(None, {"reward.types": ["tests"], "sandbox.executor": "fusion", "sandbox.url": standin})
+    quick = {"reward.types": ["tests"], "sandbox.timeout_s": 1.0, "sandbox.cpu_s": 1.0}  # the loop times out
+    cfg = load_config(None, {**quick, "sandbox.executor": "fusion", "sandbox.url": standin})
     codes = [GOOD, "def add(a, b):\n    return a * b\n", "def add(a, b) return", "while True: pass\n"]
     kw = dict(prompts=["p"] * 4, completions=codes, tests=[MBPP] * 4)
     via_http = make_tests_reward(cfg)
-    local_cfg = load_config(None, {"reward.types": ["tests"]})
+    local_cfg = load_config(None, quick)
     # a * b passes add(2, 2) == 4 only: a third of the tests
     assert via_http(**kw) == make_tests_reward(local_cfg, executor=local)(**kw) == [5.0, round(5 / 3, 4), 0.0, 0.0]
     assert via_http.sandbox.to_dict()["isolation"]["executor"] == "fusion"

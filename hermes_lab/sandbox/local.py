@@ -217,6 +217,10 @@ class ForkServer:
         with self.lock:
             sock, proc, self.sock = self.sock, self.proc, None
         if sock is not None:
+            # shutdown, not close alone: the listener thread's recv holds the socket open until it returns, so
+            # a bare close() would send the server no EOF (it would be killed after the timeout below)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()  # EOF: the server kills what still runs and exits
         if proc is not None:
             try:
