@@ -22,6 +22,7 @@ Not a test: run it by hand or via ``make bench``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -101,6 +102,7 @@ def throughput(n: int, workers: int) -> dict[str, float]:
 
 def grpo_share(steps: int) -> tuple[float, float, int]:
     """(mean step time, mean tests-reward time per step, steps) of a short training on the code family."""
+    import datasets
     from datasets import Dataset
 
     from hermes_lab.config.schema import load_config
@@ -125,6 +127,7 @@ def grpo_share(steps: int) -> tuple[float, float, int]:
         return timed
 
     R.REGISTRY["tests"] = timed_factory
+    datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
         ts = T.generate_tasks(200, split="train", seed=0, families=["code"])
@@ -141,7 +144,12 @@ def grpo_share(steps: int) -> tuple[float, float, int]:
                 "round.runs_dir": str(ROOT / "runs"),
             },
         )
-        train(cfg, data, Path(tmp) / "train", evaluate_heldout=False)
+        with (
+            open(Path(tmp) / "train.log", "w") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            train(cfg, data, Path(tmp) / "train", evaluate_heldout=False)  # TRL's per-step lines: not ours to print
         rows = [json.loads(x) for x in (Path(tmp) / "train" / "train_log.jsonl").read_text().splitlines()]
         step_times = [r["step_time"] for r in rows if "step_time" in r]
         health = json.loads((Path(tmp) / "train" / "health.json").read_text())
