@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,21 +217,23 @@ CASES = {
     "print_100mb": "import sys\\nfor _ in range(100):\\n    sys.stdout.write('x' * (1 << 20))\\n" + GOOD,
     "kill_parent": "import os, signal\\nos.kill(os.getppid(), signal.SIGKILL)\\nos.kill(%d, signal.SIGKILL)\\n" + GOOD,
 }
-_REWARD = []
+TESTS = make_tests_reward(load_config(None, {"reward.types": ["tests"], "sandbox.timeout_s": 2.0, "sandbox.cpu_s": 2.0,
+                                            "sandbox.memory_mb": 256, "sandbox.max_processes": 8,
+                                            "sandbox.max_output_kb": 256}))
 
 
-def hostile(prompts, completions, **kw):
-    """Inside a GRPO step: the hostile set through the tests reward, then a zero for every real completion."""
-    if not _REWARD:
-        cfg = load_config(None, {"reward.types": ["tests"], "sandbox.timeout_s": 2.0, "sandbox.cpu_s": 2.0,
-                                 "sandbox.memory_mb": 256, "sandbox.max_processes": 8, "sandbox.max_output_kb": 256})
-        _REWARD.append(make_tests_reward(cfg))
+def hostile(prompts, completions, tests, **kw):
+    """The tests reward inside a GRPO step, the hostile set scored in the same call beside the policy's
+    completions; the policy's scores go back to TRL, the hostile ones to HOSTILE_LOG."""
     codes = [c % os.getpid() if "%d" in c else c for c in CASES.values()]
-    scores = _REWARD[0](prompts=list(CASES), completions=codes, tests=[SPEC] * len(CASES))
+    n = len(completions)
+    scores = TESTS(prompts=[*prompts, *CASES], completions=[*completions, *codes], tests=[*tests, *[SPEC] * len(CASES)])
     with open(os.environ["HOSTILE_LOG"], "a") as f:
-        kinds = _REWARD[0].sandbox.to_dict()["by_kind"]
-        f.write(json.dumps({"scores": dict(zip(CASES, scores)), "kinds": kinds}) + "\\n")
-    return [0.0] * len(completions)
+        f.write(json.dumps(dict(zip(CASES, scores[n:]))) + "\\n")
+    return scores[:n]
+
+
+hostile.sandbox = TESTS.sandbox  # its tally, hostile cases included: health.json and train/tests_<kind> in MLflow
 '''
 
 
@@ -242,9 +245,9 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
     name, kind, tmp_path, monkeypatch, mlflow_store
 ):
     """A HumanEval-format and an MBPP-format trajectory file: prep keeps their tests with each prompt, the logged
-    right answers pass them in the sandbox, and GRPO trains the tiny policy with the tests reward. The MBPP run
-    also runs the hostile set inside its GRPO steps (a user reward through reward.types' module:function):
-    every case scores 0 and training goes on to its last step."""
+    right answers pass them in the sandbox, and GRPO trains the tiny policy with the tests reward. In the MBPP run
+    the tests reward (through reward.types' module:function) also scores the hostile set in every GRPO step:
+    each case scores 0, is counted by kind in health.json and MLflow, and training goes on to its last step."""
     from datasets import load_from_disk
 
     from hermes_lab.data import prep
@@ -258,7 +261,7 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
         (tmp_path / "hostile_reward.py").write_text(HOSTILE_MODULE, encoding="utf-8")
         monkeypatch.syspath_prepend(str(tmp_path))
         monkeypatch.setenv("HOSTILE_LOG", str(tmp_path / "hostile.jsonl"))
-        types, weights = ["tests", "hostile_reward:hostile"], [1.0, 0.0]
+        types = ["hostile_reward:hostile"]  # the tests reward, the hostile set beside
     cfg = load_config(
         root / "params" / "embedded.yaml",
         {
@@ -292,10 +295,20 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
     out = train(cfg, res.output_dir, tmp_path / "train", evaluate_heldout=False)
     health = json.loads((tmp_path / "train" / "health.json").read_text())
     assert out.steps == 2 and health["status"] == "completed"
-    sandbox = health["sandbox"]
-    assert sandbox["completions"] == 2 * cfg.grpo.per_device_batch_size * cfg.grpo.group_size
+    sandbox, policy_completions = health["sandbox"], 2 * cfg.grpo.per_device_batch_size * cfg.grpo.group_size
     assert sum(sandbox["by_kind"].values()) == sandbox["completions"] and sandbox["sandbox_errors"] == 0
-    if kind == "assert":  # the hostile set ran inside both steps: contained, zero, counted, and training went on
-        calls = [json.loads(x) for x in (tmp_path / "hostile.jsonl").read_text().splitlines()]
-        assert len(calls) == 2 and all(set(c["scores"].values()) == {0.0} for c in calls)
-        assert calls[0]["kinds"] == {"timeout": 2, "memory": 1, "output_limit": 1, "runtime_error": 1}
+    if kind == "check":
+        assert sandbox["completions"] == policy_completions
+        return
+    # the hostile set ran inside both steps: contained, zero, counted by kind, and training went on
+    calls = [json.loads(x) for x in (tmp_path / "hostile.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(set(c.values()) == {0.0} for c in calls), calls
+    assert sandbox["completions"] == policy_completions + 2 * len(calls[0])
+    kinds = sandbox["by_kind"]
+    assert kinds["timeout"] >= 4 and kinds["memory"] >= 2 and kinds["output_limit"] >= 2, kinds  # 2 steps each
+    assert kinds["runtime_error"] >= 2, kinds  # os.kill of the parent and the trainer: refused, raised
+    client = mlflow_store.MlflowClient()
+    for k, v in kinds.items():
+        hist = sorted(client.get_metric_history(out.mlflow_run_id, f"train/tests_{k}"), key=lambda m: m.step)
+        assert hist and hist[-1].value == v, (k, hist)
+    sys.modules["hostile_reward"].TESTS.sandbox.runner.executor.close()
