@@ -221,7 +221,8 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
 
     gs = list(groups.values())
     outcome = [g.outcome() for g in gs]
-    std = [math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
+    # equal rewards: exactly 0 (the sums' cancellation leaves ~1e-8 for e.g. three rewards of 1.6667)
+    std = [0.0 if g.rmax == g.rmin else math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
     if held:
         weight = [sel.neg_w if g.neg_source is not None else 1 for g in gs]
         reason = ["heldout"] * len(gs)
