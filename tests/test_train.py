@@ -267,7 +267,7 @@ def test_cli_unknown_reward_is_a_config_error_before_loading_the_model(tmp_path)
     # a base model that does not exist: reaching it would fail differently (and, for real models, slowly)
     text = (
         EMBEDDED_YAML.read_text()
-        .replace("types: [system, comparison]", "types: [system, bleu]")
+        .replace("types: [system, tests, comparison]", "types: [system, tests, bleu]")
         .replace("base_model: embedded:tiny", f"base_model: {tmp_path / 'no-such-model'}")
     )
     assert "bleu" in text and "no-such-model" in text
@@ -527,7 +527,12 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(
         EMBEDDED_YAML,
-        {"grpo.max_steps": 3, "reward.types": ["system", f"{mod}:flaky"], "round.runs_dir": str(ROOT / "runs")},
+        {
+            "grpo.max_steps": 3,
+            "reward.types": ["system", f"{mod}:flaky"],
+            "reward.weights": [1.0, 1.0],  # the embedded file weighs its three types
+            "round.runs_dir": str(ROOT / "runs"),
+        },
     )
     with pytest.raises(RewardError, match="reward 'flaky' returned nan.*poisons the GRPO advantage"):
         train(cfg, prompt_set, tmp_path / "train_d", evaluate_heldout=False)
