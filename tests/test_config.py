@@ -319,7 +319,7 @@ def test_every_problem_is_listed_not_just_the_first(tmp_path):
 
 def test_choices_and_bounds_come_from_the_fields():
     helps = field_help()
-    assert "Choices: request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
+    assert "Choices: conversation, request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
     from hermes_lab.config.schema import trl_choices
 
     trl = trl_choices("loss_type")  # read from the installed TRL's GRPOConfig, not a copy of it

@@ -283,7 +283,9 @@ class ABSection:
         "still inconclusive then: the rollout stops at 'keep observing'.",
         ge=0,
     )
-    min_per_arm: int = _f(30, "Units (requests, or users when unit is user) each arm needs before any decision.", ge=2)
+    min_per_arm: int = _f(
+        30, "Units (conversations, requests, or users: ab.unit) each arm needs before any decision.", ge=2
+    )
     guardrail_alpha: float = _f(
         0.01,
         "Error level of each guardrail's always-valid one-sided bound (error rate, p95 latency): a guardrail "
@@ -291,10 +293,13 @@ class ABSection:
         gt=0,
         lt=1,
     )
-    unit: Literal["request", "user"] = _f(
-        "request",
-        "Randomisation unit: request, or user (requests of one user share an arm). Decisions count units: "
-        "SRM, min_per_arm and the always-valid bounds use one observation per unit.",
+    unit: Literal["conversation", "request", "user"] = _f(
+        "conversation",
+        "Randomisation unit: conversation (every turn of an agent's conversation goes to the arm of its first "
+        "turn; a single-turn request is a conversation of one turn), request (each request on its own), or user "
+        "(requests of one user share an arm). Decisions count units: SRM, min_per_arm and the always-valid "
+        "bounds use one observation per unit. The simulated ab-run's traffic is single-turn: conversation and "
+        "request are the same there.",
     )
     num_users: int = _f(2000, "Simulated user pool when unit is user.", ge=1)
     task_split: Literal["heldout", "any", "train"] = _f(
@@ -395,6 +400,35 @@ class ServeSection:
         gt=0,
         le=1e6,
     )
+    models: list[str] = _f(
+        [],
+        "Model names the gateway accepts besides public_model (others get 404 model_not_found). Empty: any "
+        "model name a client asks for is served by the experiment (an agent keeps its own model name).",
+    )
+    conversation_idle_s: float = _f(
+        900.0,
+        "A conversation whose last answer had no tool call ends when no new turn follows within this many "
+        "seconds (or when feedback closes it); a later request that continues it opens a new conversation.",
+        gt=0,
+        le=7 * 86400,
+    )
+    conversation_tool_wait_s: float = _f(
+        3600.0,
+        "A conversation whose last answer asked for tool calls waits this long for their results before it "
+        "ends (tools may run long).",
+        gt=0,
+        le=7 * 86400,
+    )
+    max_conversations: int = _f(
+        200_000,
+        "Open conversations the gateway tracks at most (memory bound); the longest idle ends first.",
+        ge=100,
+    )
+    conversation_from_user: bool = _f(
+        False,
+        "The OpenAI 'user' field (or X-Hermes-User) names the conversation, when a client sends one per "
+        "conversation. An X-Hermes-Conversation header or metadata.conversation_id always does.",
+    )
     fallback: Literal["none", "baseline"] = _f(
         "none",
         "baseline: a failed candidate call (upstream error, timeout, 5xx) is answered by the baseline and "
@@ -473,6 +507,14 @@ def serve_problems(s: ServeSection) -> list[str]:
     for key in ("host", "public_model", "feedback_source"):
         if not getattr(s, key).strip():
             out.append(f"serve.{key} must not be empty")
+    bad = [m for m in s.models if not isinstance(m, str) or not m.strip()]
+    if bad:
+        out.append("serve.models: every entry must be a non-empty model name")
+    if s.conversation_tool_wait_s < s.conversation_idle_s:
+        out.append(
+            f"serve.conversation_tool_wait_s ({s.conversation_tool_wait_s:g}) must be >= serve.conversation_idle_s "
+            f"({s.conversation_idle_s:g}): a conversation waiting for tool results is never ended sooner"
+        )
     if "/" in s.experiment or s.experiment in {".", ".."}:
         out.append(f"serve.experiment must be a plain name (it is a folder under runs/live/), got {s.experiment!r}")
     for key in ("api_key_env", "baseline_key_env", "candidate_key_env"):
