@@ -466,7 +466,7 @@ def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
     # KL is measured against the start adapter, not the bare base: zero before the first update, although
     # the start adapter has drifted from the base (run (a)'s last step measured that drift)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert _step_rows(trained.out)[-1]["kl"] > 1e-4
+    assert _step_rows(trained.out)[-1]["kl"] > 1e-5  # ten times the tolerance of the zero above
     assert json.loads((tmp_path / "train_b" / "run.json").read_text())["start_adapter"] == str(start)
     run = mlflow_store.MlflowClient().get_run(res.mlflow_run_id)
     assert run.data.params["train.start_adapter"] == str(start)
