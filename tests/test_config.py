@@ -67,7 +67,7 @@ def test_embedded_loads_without_env(monkeypatch):
     cfg = load_config(EMBEDDED_YAML)
     assert cfg.model.base_model == "embedded:tiny"
     assert cfg.round.simulated_clock is True
-    assert cfg.reward.weights == [1.0, 0.25]
+    assert cfg.reward.types == ["system", "tests", "comparison"] and cfg.reward.weights == [1.0, 1.0, 0.25]
 
 
 def test_overrides_apply_and_are_checked(user_env):

@@ -1,4 +1,5 @@
-"""The workbench's own config sections: execute, conversations, review, validate, ab, round, serve (the gateway).
+"""The workbench's own config sections: execute, conversations, review, validate, ab, round, serve (the gateway),
+sandbox.
 
 Part of the config layer: ``hermes_lab.config.schema`` holds the user's sections (model / lora / grpo / reward /
 data, accepted exactly as docs/SPEC.md shows them), ``HermesConfig``, the loader and the cross-field checks
@@ -444,6 +445,59 @@ def conversations_problems(c: ConversationsSection) -> list[str]:
         ]
     empty = [i for i, f in enumerate(c.feedback) if not str(f).strip()]
     return [f"conversations.feedback: empty file name at entry {i}" for i in empty]
+
+
+@dataclass
+class SandboxSection:
+    executor: Literal["local", "fusion"] = _f(
+        "local",
+        "Where the tests reward runs completions' code. local: this machine, no extra service (one process per "
+        "run; namespaces, read-only mounts, rlimits, no privileges, an audit hook: hermes_lab.sandbox.launcher). "
+        "fusion: a sandbox service speaking SandboxFusion's POST /run_code API at sandbox.url.",
+    )
+    url: str = _f("", "executor fusion: the service's http(s) root (e.g. http://sandbox:8080; /run_code is appended).")
+    api_key_env: str = _f(
+        "", "executor fusion: NAME of an env var holding a key sent as 'Authorization: Bearer' (empty: none)."
+    )
+    workers: int = _f(0, "Programs run at once (0: one per CPU core; fusion: concurrent requests, 0 means 8).", ge=0)
+    timeout_s: float = _f(
+        4.0, "Wall-clock limit of one run (all of a completion's tests; one stdin/stdout case).", gt=0, le=600
+    )
+    cpu_s: float = _f(4.0, "CPU-seconds limit of one run (RLIMIT_CPU; local executor).", gt=0, le=600)
+    memory_mb: int = _f(512, "Address-space limit of one run, MiB (RLIMIT_AS; fusion: memory_limit_MB).", ge=32)
+    file_mb: int = _f(16, "Largest file a run may write, MiB (RLIMIT_FSIZE; also its private /tmp's size).", ge=1)
+    max_processes: int = _f(
+        16, "Processes and threads a run may start (RLIMIT_NPROC above the sandbox user's count).", ge=1, le=4096
+    )
+    max_output_kb: int = _f(
+        1024, "Output a run may print, KiB (stdout and stderr each); past it the run is stopped.", ge=1
+    )
+    cache_size: int = _f(
+        100_000, "Completions whose results are kept by (code, tests) hash; duplicates run once.", ge=0
+    )
+    require_isolation: bool = _f(
+        False,
+        "local executor: stop with an error when the kernel allows no namespaces here (then only rlimits and the "
+        "audit hook stand between a completion and the network and the disk). false: go on, and say so.",
+    )
+    max_error_rate: float = _f(
+        0.2,
+        "Training stops when more than this share of the last 200 scored completions met a sandbox error (the "
+        "executor failed, not the completion: scored None, counted in health.json).",
+        ge=0,
+        le=1,
+    )
+
+
+def sandbox_problems(s: SandboxSection) -> list[str]:
+    out = []
+    if s.executor == "fusion" and not s.url.startswith(("http://", "https://")):
+        out.append(
+            f"sandbox.url must be the http(s) root of a run_code server when sandbox.executor is fusion, got {s.url!r}"
+        )
+    if s.api_key_env and not _ENV_NAME.match(s.api_key_env):  # never echo it: it may be the key
+        out.append("sandbox.api_key_env must be the NAME of an environment variable, not the key itself")
+    return out
 
 
 def serve_problems(s: ServeSection) -> list[str]:

@@ -190,6 +190,7 @@ class _Prompt:
         "s1",
         "sq",
         "task_id",
+        "tests",
         "total",
     )
 
@@ -202,6 +203,7 @@ class _Prompt:
             reward,
         )
         self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
+        self.tests: str | None = None  # the task's tests (normalised JSON) from the first record that has them
         # the group: every sample of the prompt, duplicate lines included (the policy gave that answer again)
         self.ns, self.n_pass, self.s1, self.sq, self.rmin, self.rmax = 0, 0, 0.0, 0.0, reward, reward
 
@@ -219,7 +221,8 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
 
     gs = list(groups.values())
     outcome = [g.outcome() for g in gs]
-    std = [math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
+    # equal rewards: exactly 0 (the sums' cancellation leaves ~1e-8 for e.g. three rewards of 1.6667)
+    std = [0.0 if g.rmax == g.rmin else math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
     if held:
         weight = [sel.neg_w if g.neg_source is not None else 1 for g in gs]
         reason = ["heldout"] * len(gs)
@@ -232,6 +235,7 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
             "task_id": pa.array([g.task_id for g in gs], pa.string()),
             "family": pa.array([g.family for g in gs], pa.string()),
             "reference": pa.array([g.reference for g in gs], pa.string()),
+            "tests": pa.array([g.tests for g in gs], pa.string()),  # the tests reward's column (None: no tests)
             "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
             "n_logged": pa.array([g.n for g in gs], pa.int64()),
             "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
@@ -315,6 +319,7 @@ class Distill:
                 batch.column(1).to_pylist(),
                 batch.column(2).to_pylist(),
                 batch.column(3).to_pylist(),
+                batch.column("tests").to_pylist(),
                 c["reward"][sq].tolist(),
                 c["held"][sq].tolist(),
                 c["negative"][sq].tolist(),
@@ -323,9 +328,9 @@ class Distill:
                 self.is_out[sq].tolist(),
                 self.picked[sq].tolist(),
                 c["copies"][sq].tolist(),
-                batch.column(4).to_pylist(),
+                batch.column("conv").to_pylist(),
             )
-            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick, dup, conv_text in cols:
+            for seq, p, resp, tid, tests_json, r, held, neg, fid, origin, out, pick, dup, conv_text in cols:
                 fam = self.fam_names[fid]
                 h = held or p in held_prompts
                 self.moved += h and not held
@@ -336,6 +341,8 @@ class Distill:
                     g.reference, g.ref_reward = resp, r
                 if g.task_id is None and held:
                     g.task_id = tid
+                if g.tests is None and tests_json is not None:
+                    g.tests = tests_json
                 g.n += 1
                 g.total += r
                 k = 1 + dup

@@ -17,14 +17,15 @@ file renamed into place:
   rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}; a session or state.db
                       conversation: line null, its session (id) and file
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
-  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight,
+                      and its tests (JSON, null without: the tests reward's column, hermes_lab.sandbox.specs)
   left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
   selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
                       (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
                       (hermes_lab.data.conversation.dataset_schema). A conversation's row in the prompt sets is
-                      its (first user message, final answer)
+                      its (first user message, final answer), and the tests its line carried (null without)
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
                       (turns, tool calls and errors per conversation, reward by source) when there are any
