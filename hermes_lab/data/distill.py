@@ -139,34 +139,23 @@ def _review_line(
     """A review item; for a conversation (``conv``) its id is the conversation's and it carries the
     messages, tools, conversation_id and reward_source the widget shows."""
     band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
-    if conv is not None:
-        key = review_key(task_id, conv["conversation_id"])
-        rec = {
-            "review_id": hashlib.sha1(key).hexdigest()[:12],
-            "task_id": task_id,
-            "family": family,
-            "prompt": prompt,
-            "response": response,
-            "reward": reward,
-            "reward_band": band,
-            "simulated_label": None,
-            "conversation_id": conv["conversation_id"],
-            "reward_source": conv["reward_source"],
-            "messages": conv["messages"],
-            "tools": conv["tools"],
-            "outcome": conv["outcome"],
-        }
-        return json.dumps(rec)
+    if conv is not None:  # a conversation: its id names the review item, the person labels it whole
+        rid, label = hashlib.sha1(review_key(task_id, conv["conversation_id"])).hexdigest()[:12], None
+    else:
+        rid = review_id(task_id, prompt, response)
+        label = tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None
     rec = {
-        "review_id": review_id(task_id, prompt, response),
+        "review_id": rid,
         "task_id": task_id,
         "family": family,
         "prompt": prompt,
         "response": response,
         "reward": reward,
         "reward_band": band,
-        "simulated_label": tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None,
+        "simulated_label": label,
     }
+    if conv is not None:
+        rec.update({k: conv[k] for k in ("conversation_id", "reward_source", "messages", "tools", "outcome")})
     return json.dumps(rec)  # ASCII escapes: readers that splitlines() must not split on U+2028
 
 
