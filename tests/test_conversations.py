@@ -75,6 +75,28 @@ def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with
     assert s["counts"]["read"] == s["counts"]["accepted"] + s["counts"]["rejected"] + s["counts"]["duplicates"]
 
 
+def test_the_other_shapes_through_the_cli_batch_file_sessions_folder_state_db_openai_file(tmp_path):
+    inputs = ["batch_trajectories.jsonl", "sessions", "state.db", "openai_messages.jsonl"]
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [PY, "-m", "hermes_lab.cli.main", "prep", "--input", *(str(FIX / i) for i in inputs), "--output", str(out),
+         "--set", "data.min_samples=1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    per = [(Path(f["file"]).name, f["format"], f["read"], f["rejected"]) for f in s["per_file"]]
+    assert per == [
+        ("batch_trajectories.jsonl", "hermes_trajectory", 3, 0),
+        ("sessions", "hermes_session", 6, 0),
+        ("state.db", "hermes_state", 3, 0),
+        ("openai_messages.jsonl", "openai", 6, 0),
+    ]
+    # each session snapshot or OpenAI line repeats a run read before it (a batch run, its own session): duplicates
+    assert s["counts"]["accepted"] + s["counts"]["duplicates"] == 18 and s["counts"]["accepted"] >= 7
+    assert f"{s['counts']['accepted']} conversations" in p.stdout
+
+
 def test_two_calls_in_one_turn_are_answered_in_order(tmp_path):
     rec = readers.parse_line(lines(FIX / "trajectory_samples.jsonl")[1], "hermes_trajectory", "f", 2, SCALE, 10**6)
     a = rec["messages"][2]
@@ -377,3 +399,47 @@ def test_conversations_in_partitions_give_the_same_outputs(tmp_path, monkeypatch
         assert (tmp_path / "one" / f"{name}.jsonl").read_bytes() == (tmp_path / "three" / f"{name}.jsonl").read_bytes()
     a, b = (datasets.load_from_disk(str(tmp_path / x / "conversations")) for x in ("one", "three"))
     assert a.to_list() == b.to_list() and a.features == b.features and len(a) == 8
+
+
+def test_seed_and_conversation_lines_carry_their_tests_into_the_prompt_sets(tmp_path):
+    """The tests reward's column (issue #32) on both of ingest's paths: a seed line's tests and a JSONL
+    conversation's ride into the prompt sets, normalised; a conversation without any gets null; tests that
+    do not parse reject the line on either path."""
+    from datasets import load_from_disk
+
+    from hermes_lab.sandbox.specs import parse_tests
+
+    asserts = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text(
+        json.dumps({"prompt": "Write add(a, b).", "response": "def add(a, b): return a + b", "reward": 5,
+                    "task_id": "s-1", "test_list": asserts}) + "\n"
+        + json.dumps({"prompt": "Say hi.", "response": "hi", "reward": 4, "task_id": "s-2"}) + "\n"
+        + json.dumps({"prompt": "Write sub.", "response": "x", "reward": 1, "task_id": "s-3", "tests": 7}) + "\n"
+    )  # fmt: skip
+    chat = tmp_path / "chat.jsonl"
+
+    def conv(user, answer, **extra):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **extra}
+
+    chat.write_text(
+        json.dumps(conv("Write mul(a, b).", "def mul(a, b): return a * b", reward=5, tests=["assert mul(2, 3) == 6"]))
+        + "\n" + json.dumps(conv("What is 2+2?", "4", reward=5)) + "\n"
+        + json.dumps(conv("Write div.", "x", reward=1, tests={"kind": "nope"})) + "\n"
+    )  # fmt: skip
+    s, out = prep(tmp_path, [seed, chat], over={"data.max_bad_fraction": 1})
+    rej = lines(out / "rejects.jsonl")
+    assert [(Path(r["file"]).name, r["line"], r["reason"]) for r in rej] == [
+        ("seed.jsonl", 3, "bad tests"),
+        ("chat.jsonl", 3, "bad tests"),
+    ]
+    rows = {}
+    for name in ("grpo_dataset", "heldout_dataset"):
+        if any((out / name).glob("*.arrow")):  # datasets saves an empty set without a shard it can load back
+            rows |= {r["prompt"]: r["tests"] for r in load_from_disk(str(out / name)).to_list()}
+    assert rows["Write add(a, b)."] == parse_tests({"test_list": asserts}).to_json()
+    assert rows["Write mul(a, b)."] == parse_tests({"tests": ["assert mul(2, 3) == 6"]}).to_json()
+    assert rows["Say hi."] is None and rows["What is 2+2?"] is None
+    recs = [r for r in lines(out / "accepted.jsonl") if "messages" in r]
+    assert [r.get("tests") for r in recs] == [rows["Write mul(a, b)."], None]  # the record keeps them
+    assert s["counts"]["accepted"] == 4

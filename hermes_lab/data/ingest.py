@@ -23,7 +23,10 @@ fixed-size fields per accepted record (reward, origin, family id, split, review 
 
 Validation, every field of every line: ``hermes_lab.data.lines`` (JSON, the seed record) and
 ``hermes_lab.data.readers`` / ``hermes_lab.data.conversation`` (every other shape); a bad line is a reject with
-its number and reason, never a traceback.
+its number and reason, never a traceback. A line (a seed record, or a conversation of a JSONL format) may carry
+its task's tests (``hermes_lab.data.lines.record_tests``): tests that do not parse reject the line ("bad
+tests"), tests that do ride along, normalised, for the tests reward (the partitions' ``tests`` column; a
+conversation's record holds them as ``tests``, absent without any).
 
 Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
@@ -59,6 +62,7 @@ from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the 
     decode,
     estimated_size,
     is_gzip,
+    record_tests,
     review_id,
     review_rank,
     split_of,
@@ -128,6 +132,7 @@ class Ingest:
                 ("response", pa.string()),
                 ("task_id", pa.string()),
                 ("conv", pa.string()),  # the canonical record (JSON) of a conversation; null for a seed line
+                ("tests", pa.string()),  # the task's tests (``TestSpec.to_json``); null without any
             ]
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
@@ -301,8 +306,11 @@ class Ingest:
                     obj = decode(text)
                     if conv is None:
                         prompt, response, reward, task_id, fam = check_record(obj, scale)
+                        tests_json = record_tests(obj, prompt)
                     else:
                         rec = readers.parse_line(obj, conv, st["file"], lineno, scale, max_chars)
+                        if (conv_tests := record_tests(obj, task_prompt_of(rec["messages"]))) is not None:
+                            rec["tests"] = conv_tests
                 except Bad as e:
                     cut = e.reason == "message too long"  # keep its first 4 KiB, as for a line too long
                     self._reject(st, lineno, e.reason, e.detail, line[:RAW_KEEP] if cut else line, **_cut(cut))
@@ -324,7 +332,9 @@ class Ingest:
                 joined = (task_id + prompt + response).encode()  # the review id's bytes too
                 h = hashlib.blake2b(f"{len(task_id)},{len(prompt)},".encode(), digest_size=16)
                 h.update(joined)  # unambiguous: the lengths say where task_id and prompt end
-                pending.append((lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest()))
+                pending.append(
+                    (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest(), tests_json)
+                )
                 pending_bytes += len(text) + len(joined) + (len(out_text) if out_text is not text else 0)
                 if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
                     self._flush(st, fidx, role, pending)
@@ -364,12 +374,25 @@ class Ingest:
         negative = role == "negative"
         families, fam_cache, split_cache, holdout = self.families, self._fam_cache, self._split_cache, self.holdout
         seed_hash, sha1 = hashlib.sha1(f"{self.seed}:".encode()), hashlib.sha1
-        parts: list[tuple[list[int], list[str], list[str], list[str]]] = [([], [], [], []) for _ in range(self.n_parts)]
+        # seq, prompt, response, task_id, conv (none on this path: a null column), tests
+        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
         k_parts = self.n_parts
         seq, text_bytes = self.n, 0
         dups = 0
         # the hot loop of prep: the helpers (split_of, review_id, review_rank) are inlined here
-        for j, (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, digest) in enumerate(pending):
+        for j, (
+            lineno,
+            text,
+            out_text,
+            prompt,
+            response,
+            reward,
+            task_id,
+            fam,
+            joined,
+            digest,
+            tests_json,
+        ) in enumerate(pending):
             o = found[j]
             if o < 0:
                 o = first_in_batch.get(digest, -1)
@@ -413,6 +436,7 @@ class Ingest:
             part[1].append(prompt)
             part[2].append(response)
             part[3].append(task_id)
+            part[5].append(tests_json)
             seq += 1
             text_bytes += len(joined)
         self.n, self.text_bytes = seq, self.text_bytes + text_bytes
@@ -424,13 +448,15 @@ class Ingest:
         st["duplicates"] += dups
 
     def _write_parts(self, parts: list[tuple[list[Any], ...]]) -> None:
+        """A batch's rows into the partitions: per partition the lists (seq, prompt, response, task_id, conv,
+        tests); conv empty for seed lines (a null column)."""
         pa = self.pa
-        for w, part in zip(self._writers, parts):
-            seqs, ps, rs, ts = part[:4]
+        for w, (seqs, ps, rs, ts, convs, tests) in zip(self._writers, parts):
             if seqs:
-                conv = pa.array(part[4], pa.string()) if len(part) > 4 else pa.nulls(len(seqs), pa.string())
+                conv = pa.array(convs, pa.string()) if convs else pa.nulls(len(seqs), pa.string())
                 cols = [pa.array(seqs, pa.int64()), pa.array(ps, pa.string()), pa.array(rs, pa.string())]
-                w.write_batch(pa.record_batch([*cols, pa.array(ts, pa.string()), conv], schema=self.schema))
+                cols += [pa.array(ts, pa.string()), conv, pa.array(tests, pa.string())]
+                w.write_batch(pa.record_batch(cols, schema=self.schema))
 
     # ------------------------------------------------------------------------------- conversations
     def _add_conv(
@@ -515,7 +541,7 @@ class Ingest:
         enc = json.encoder.encode_basestring_ascii
         sink = self.sinks["negatives" if role == "negative" else "accepted"]
         c, cc = self.cols, self.conv_cols
-        parts: list[tuple[list[Any], ...]] = [([], [], [], [], []) for _ in range(self.n_parts)]
+        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
         seq, dups, sha1 = self.n, 0, hashlib.sha1
         seed_hash = hashlib.sha1(f"{self.seed}:".encode())
         for j, item in enumerate(pending):
@@ -571,7 +597,7 @@ class Ingest:
             if rec["conversation_id"] in self.feedback:
                 self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
             part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
-            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text)):
+            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text, rec.get("tests"))):
                 col.append(v)
             seq += 1
             self.text_bytes += len(prompt) + len(response) + len(text)

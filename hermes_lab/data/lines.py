@@ -7,7 +7,11 @@ refuses to convert (an integer of more than 4300 digits), no key twice in one ob
 which value wins), no lone surrogate escape in any string or key, not nested beyond Python's recursion
 limit; a seed record is an object with prompt (non-empty string), response (string), reward (a number in
 0..scale, not a bool), task_id (non-empty string, or an integer, kept as text), family (a string or null,
-optional). ``DigestIndex`` holds 16-byte digests in sorted numpy runs (24 bytes each).
+optional). A line (a seed record or a conversation's) may also carry its task's tests (``tests``,
+``entry_point``, MBPP's ``test_list``, HumanEval's ``test``, APPS' ``input_output``:
+``hermes_lab.sandbox.specs.parse_tests``): tests that do not parse reject the line ("bad tests", naming the
+test), tests that do are kept with the record, normalised, for the tests reward (``record_tests``).
+``DigestIndex`` holds 16-byte digests in sorted numpy runs (24 bytes each).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.data.conversation import Invalid
+from hermes_lab.sandbox.specs import SpecError, parse_tests
 
 BOM = b"\xef\xbb\xbf"
 REQUIRED = ("prompt", "response", "reward", "task_id")
@@ -130,6 +135,20 @@ def check_record(obj: Any, scale: float) -> tuple[str, str, float, str, str | No
     if fam is not None and type(fam) is not str:
         raise Bad("bad family", f"family must be a string or null, got a JSON {_kind(fam)}")
     return prompt, response, float(reward), task_id, fam or None
+
+
+TEST_FIELDS = ("tests", "entry_point", "test_list", "test", "input_output")
+
+
+def record_tests(obj: dict[str, Any], prompt: str) -> str | None:
+    """The record's tests as normalised JSON (``TestSpec.to_json``), None without any; Bad when they do not parse."""
+    if not any(k in obj for k in TEST_FIELDS):
+        return None
+    try:
+        spec = parse_tests(obj, prompt)
+    except SpecError as e:
+        raise Bad("bad tests", str(e)[:300]) from None
+    return spec.to_json() if spec is not None else None
 
 
 # ------------------------------------------------------------------------------------------- reading

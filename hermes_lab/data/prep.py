@@ -17,14 +17,15 @@ file renamed into place:
   rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}; a session or state.db
                       conversation: line null, its session (id) and file
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
-  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight,
+                      and its tests (JSON, null without: the tests reward's column, hermes_lab.sandbox.specs)
   left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
   selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
                       (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
                       (hermes_lab.data.conversation.dataset_schema). A conversation's row in the prompt sets is
-                      its (first user message, final answer)
+                      its (first user message, final answer), and the tests its line carried (null without)
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
                       (turns, tool calls and errors per conversation, reward by source) when there are any
@@ -46,7 +47,7 @@ z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond
 reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
 seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
 (1 otherwise); ``data.select: mixed`` weighs prompts by their group outcome, every logged sample of a prompt
-text being one group (``hermes_lab.data.distill.Selection``); ``expand_by_weight(ds)`` repeats the rows.
+text being one group (``hermes_lab.data.selection.Selection``); ``expand_by_weight(ds)`` repeats the rows.
 Free text that becomes an identifier (a family in a plot label or a metric name) is made safe where it is
 used (``hermes_lab.core.jsonl.safe_name``); the data keeps it.
 
@@ -470,7 +471,7 @@ def _distill(
     """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
     import numpy as np
 
-    from hermes_lab.data import distill as pd
+    from hermes_lab.data import selection as ps
     from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
 
     cols, fam_names = ing.columns(), ing.family_names()
@@ -492,12 +493,12 @@ def _distill(
     )
     paths.update(distill.save(out))
     summary["split"] = distill.split_summary()
-    rep = pd.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
+    rep = ps.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
     rep["left_out_file"] = str(paths["left_out"])
     paths["selection"] = write_json_atomic(out / "selection.json", rep)
-    summary["selection"] = pd.selection_metrics(rep)
+    summary["selection"] = ps.selection_metrics(rep)
     if plots:
-        paths["plot_selection"] = pd.plot_selection(rep, out / "plots" / "selection_by_family.png")
+        paths["plot_selection"] = ps.plot_selection(rep, out / "plots" / "selection_by_family.png")
     fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
     summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
     summary["conversations"]["split"] = distill.conv_split
