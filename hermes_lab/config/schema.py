@@ -143,6 +143,24 @@ class GrpoSection:
     save_total_limit: int = _f(
         2, "Checkpoints kept under <output>/trl/ (the oldest are deleted).", ge=1, why="--resume needs the last one"
     )
+    environment: str = _f(
+        "",
+        "Episode-level GRPO: 'package.module:Class', an environment in TRL's contract (reset(**row) returns None or "
+        "text for the user turn; its public, typed and documented methods are the tools; get_reward() or "
+        "_hermes_score(final_answer) scores the episode). After the prompt set, train runs episode_steps more steps on "
+        "whole episodes (TRL's multi-turn tool calling), continuing the same adapter. Empty: no episode phase. "
+        "The embedded agent family: hermes_lab.tasks.agent:TimeEnv.",
+    )
+    max_turns: int = _f(
+        2, "Episode mode: tool-calling turns per episode at most (TRL max_tool_calling_iterations).", ge=1, le=16
+    )
+    episode_steps: int = _f(0, "Episode mode: optimizer steps of the episode phase (0: grpo.max_steps).", ge=0)
+    episode_completion_length: int = _f(
+        112,
+        "Episode mode: tokens an episode may add after its prompt, tool results included (TRL max_completion_length).",
+        ge=8,
+    )
+    episode_tasks: int = _f(256, "Episode mode: training episodes' tasks (each sampled group_size times).", ge=1)
 
 
 @dataclass
@@ -350,6 +368,8 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
             f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt within "
             f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len or lower grpo.max_completion_length"
         )
+    if g.environment and not _callable_spec(g.environment):
+        errs.append(f"grpo.environment must be 'package.module:Class' (or empty); got {g.environment!r}")
     if not r.types:
         errs.append("reward.types must name at least one reward")
     for t in r.types:

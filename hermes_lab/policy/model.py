@@ -37,9 +37,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.policy.chat import add_chat_template, assistant_spans
+from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
-TINY_VERSION = 10  # bump when the recipe changes: a new cache dir (6: packed batches, 8: graded levels, 10: code)
+# bump when the recipe changes: a new cache dir (6: packed batches, 8: graded levels, 10: code, 11: agent + chat)
+TINY_VERSION = 11
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 NOISE = 0.65  # share of teacher answers that are corrupted (9 in 10 of them format slips)
 TINY_STEPS = 900
@@ -49,9 +52,11 @@ TINY_BATCH = 128
 # stalled near that ceiling by round 3. At 3e-3 greedy is ~92%, so the headroom above the sampled pass rate
 # is the noisy teacher's slips, which GRPO can unlearn round after round.
 TINY_LR = 3e-3
-# teacher examples per family per draw: the families of longer answers (reverse, add, tool, code) twice
-TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2}
-PACK_WIDTH = 64  # tokens per packed row: about 3.5 examples; the longest example is 37
+# teacher examples per family per draw: the families of longer answers (reverse, add, tool, code) twice; agent:
+# the embedded agent family's episodes (hermes_lab.tasks.agent), rendered with the chat template (policy.chat)
+TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2, "agent": 1}
+# tokens per packed row: an agent episode is ~130 tokens (at most 169), a string example 17.5 on average
+PACK_WIDTH = 176
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
@@ -78,9 +83,10 @@ def build_tokenizer() -> Any:
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *_byte_alphabet()])}
-    return Qwen2Tokenizer(
+    tok = Qwen2Tokenizer(
         vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD, padding_side="left", model_max_length=256
     )
+    return add_chat_template(tok)  # v11: Hermes-style tool calls (policy.chat)
 
 
 def _tiny_model(vocab_size: int, seed: int) -> Any:
@@ -134,10 +140,13 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH
     """
     import torch
 
-    fams = tuple(f for f in T.FAMILIES for _ in range(TEACHER_MIX[f]))
-    prompts, answers = [], []
+    fams = tuple(f for f in (*T.FAMILIES, A.FAMILY) for _ in range(TEACHER_MIX[f]))
+    prompts, answers, episodes = [], [], []
     for _ in range(n):
         fam = rng.choice(fams)
+        if fam == A.FAMILY:  # a whole episode: the assistant turns are the labels, the rest context
+            episodes.append(assistant_spans(tok, A.teacher_conversation(rng, NOISE), [A.TimeEnv.time]))
+            continue
         while True:
             t = T.make_task(fam, T._make_input(fam, rng))
             if T.split_of(t.prompt) == "train":
@@ -147,29 +156,47 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH
         answer = T.teacher_answer(t, rng)
         answers.append(T.corrupt(answer, rng) if rng.random() < NOISE else answer)
     # one batched call each: the fast tokenizer's per-call overhead was a tenth of a step
-    p_all = tok(prompts, add_special_tokens=False)["input_ids"]
-    a_all = [a + [tok.eos_token_id] for a in tok(answers, add_special_tokens=False)["input_ids"]]
-    rows: list[list[tuple[list[int], list[int]]]] = [[]]
+    p_all = tok(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+    a_all = [a + [tok.eos_token_id] for a in tok(answers, add_special_tokens=False)["input_ids"]] if answers else []
+    examples = list(zip(p_all, a_all))
+    if episodes:
+        # each piece's tokens (the tokenizer is per character, so the pieces' tokens are the whole's)
+        piece_ids = iter(tok([t for ep in episodes for t, _ in ep], add_special_tokens=False)["input_ids"])
+        for ep in episodes:
+            ids, lab = [], []
+            for _, trained in ep:
+                x = next(piece_ids)
+                ids += x
+                lab += x if trained else [-100] * len(x)
+            examples.append((ids, lab, None))
+    rows: list[list[tuple[list[int], list[int] | None, Any]]] = [[]]
     used = [0]
-    for p_ids, a_ids in zip(p_all, a_all):
-        k = len(p_ids) + len(a_ids)
+    for ex in examples:
+        # (prompt, answer): labels on the answer; (ids, labels, None): an episode with its own labels
+        k = len(ex[0]) + (len(ex[1]) if ex[2:] == () else 0)
+        if k > width:
+            raise ValueError(f"a teacher example of {k} tokens does not fit a packed row of {width}")
         # first fit: the first row with room (examples stay in order within a row)
         r = next((i for i, u in enumerate(used) if u + k <= width), None)
         if r is None:
             rows.append([])
             used.append(0)
             r = len(rows) - 1
-        rows[r].append((p_ids, a_ids))
+        rows[r].append(ex)
         used[r] += k
     ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         at = 0
-        for p, a in row:
-            seq = p + a
+        for ex in row:
+            if ex[2:] == ():
+                p, a = ex
+                seq, lab = p + a, [-100] * len(p) + a
+            else:
+                seq, lab = ex[0], ex[1]
             ids[i, at : at + len(seq)] = torch.tensor(seq)
-            labels[i, at + len(p) : at + len(seq)] = torch.tensor(a)
+            labels[i, at : at + len(seq)] = torch.tensor(lab)
             pos[i, at : at + len(seq)] = torch.arange(len(seq))
             at += len(seq)
         pos[i, at:] = torch.arange(width - at)  # the tail padding: one more block, no labels
@@ -240,6 +267,17 @@ def build_tiny_policy(
         report = evaluate(policy, held, temperature=0.9, samples_per_task=2, seed=seed)
         # greedy: what the policy knows, the ceiling GRPO can sharpen the sampled pass rate towards
         report["greedy_pass_rate"] = evaluate(policy, held, temperature=0, seed=seed)["pass_rate"]
+        # the agent family: episodes played as TRL plays them (policy.episodes), sampled and greedy
+        from hermes_lab.policy import episodes as E
+
+        agent_held = A.generate_tasks(200, split="heldout", seed=seed)
+        sampled = E.evaluate_episodes(policy, agent_held, temperature=0.9, seed=seed)
+        greedy = E.evaluate_episodes(policy, agent_held, temperature=0, seed=seed)
+        report["agent"] = {
+            "episode_success": sampled["episode_success"],
+            "greedy_episode_success": greedy["episode_success"],
+            "sampled": {k: v for k, v in sampled.items() if k not in ("passes", "task_ids")},
+        }
         report.update(
             seed=seed,
             version=TINY_VERSION,
@@ -440,6 +478,9 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"sampled pass rate at T=0.9 on held-out tasks: {report['pass_rate']:.1%}")
     for fam, s in report["per_family"].items():
         print(f"  {fam:8s} {s['pass_rate']:.1%}  (mean reward {s['mean_reward']:.2f}, n={s['n']})")
+    if "agent" in report:
+        a = report["agent"]
+        print(f"  agent    {a['episode_success']:.1%}  episode success (greedy {a['greedy_episode_success']:.1%})")
     return 0
 
 

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
+from hermes_lab.train import episodes as EP
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
@@ -74,6 +76,7 @@ class TrainResult:
     judge: dict[str, Any] | None = (
         None  # the API judge's request/failure counts (hermes_lab.rewards.registry.JudgeFaults)
     )
+    episodes: dict[str, Any] | None = None  # the episode phase's totals (train.episodes.EpisodeReward.to_dict)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -368,8 +371,17 @@ def train(
             _write_jsonl(out / "samples.jsonl", list(samples.rows))
             h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge, sandbox)
             write_json_atomic(out / "health.json", h)
+            if cfg.grpo.environment:
+                # the episode phase continues this adapter; its adapter becomes the round's candidate
+                ep = train_episodes(cfg, out / "episodes", str(adapter_dir), parent_run_id, data)
+                shutil.rmtree(adapter_dir)
+                shutil.copytree(ep.adapter_dir, adapter_dir)
+                result.warnings += ep.warnings
+                result.episodes = ep.episodes
             if evaluate_heldout:
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
+                if cfg.grpo.environment:  # the agent family's held-out episodes, before and after
+                    result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir)
                 write_json_atomic(out / "eval.json", result.eval)
             result.seconds = round(time.time() - t0, 1)
             meta = {
@@ -393,6 +405,106 @@ def train(
             )
             if run is not None:
                 _log_artifacts(out, result)
+    return result
+
+
+def train_episodes(
+    cfg: HermesConfig,
+    output_dir: str | os.PathLike[str],
+    start_adapter: str | None = None,
+    parent_run_id: str | None = None,
+    data: str | os.PathLike[str] | None = None,
+) -> TrainResult:
+    """Episode-level GRPO: ``grpo.environment``'s episodes with TRL's multi-turn tool calling
+    (``environment_factory``), ``grpo.episode_steps`` steps from ``start_adapter`` (or a fresh LoRA).
+
+    Writes ``train_log.jsonl`` (TRL's lines, its ``tools/*`` metrics and ``train.episodes.METRICS``),
+    ``samples.jsonl`` (whole episodes), ``health.json`` (with the episodes' totals) and ``adapter/`` under
+    ``output_dir``; its own MLflow run (``train-episodes``) nested under ``parent_run_id``."""
+    import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hermes_lab.core import quiet, tracking
+    from hermes_lab.policy import model as P
+
+    t0 = time.time()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(cfg.grpo.seed)
+    env_cls = EP.load_environment(cfg.grpo.environment)  # a bad spec fails before the model loads
+    ds = EP.episode_dataset(cfg, data, env_cls)
+    base = P.resolve_model_name(cfg.model.base_model, cfg.round.runs_dir, cfg.model.seed)
+    tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    peft_config = None
+    if start_adapter:
+        with quiet.third_party_deprecations():
+            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
+    else:
+        lc = cfg.lora
+        peft_config = LoraConfig(
+            r=lc.r,
+            lora_alpha=lc.lora_alpha,
+            lora_dropout=lc.lora_dropout,
+            target_modules=list(lc.target_modules),
+            bias=lc.bias,
+            task_type=lc.task_type,
+        )
+    reward = EP.EpisodeReward(cfg.reward.success_threshold)
+    gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])
+    gkw.update(max_steps=cfg.grpo.episode_steps or cfg.grpo.max_steps, max_tool_calling_iterations=cfg.grpo.max_turns)
+    gkw.update(save_strategy="no")  # the phase is short; a killed round reruns it
+    gkw.pop("save_steps", None)
+    args = GRPOConfig(**gkw)
+    callback = make_callback(cfg, out / "train_log.jsonl", reward, True, None, reward)
+    (out / "train_log.jsonl").unlink(missing_ok=True)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is TRL-experimental: said here
+    with tracking.stage_run("train-episodes", parent_run_id, cfg.round.runs_dir, cfg.round.experiment) as run:
+        with quiet.third_party_deprecations():
+            tracking.log_params(
+                {
+                    "episodes.environment": cfg.grpo.environment,
+                    "episodes.max_turns": cfg.grpo.max_turns,
+                    "episodes.tasks": len(ds) if ds is not None else 0,
+                    "episodes.start_adapter": start_adapter or "",
+                }
+            )
+            trainer = GRPOTrainer(
+                model=model,
+                reward_funcs=[reward],
+                args=args,
+                train_dataset=ds,
+                processing_class=tok,
+                peft_config=peft_config,
+                callbacks=[callback],
+                environment_factory=env_cls,
+            )
+            try:
+                trainer.train()
+            except Exception as e:
+                h = {"status": "stopped", "warnings": callback.warnings, "episodes": reward.to_dict()}
+                write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
+                raise
+            finally:
+                callback.close()
+        adapter_dir = out / "adapter"
+        trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
+        tok.save_pretrained(str(adapter_dir))
+        _write_jsonl(out / "samples.jsonl", list(reward.rows))
+        steps = trainer.state.global_step
+        health = {"status": "completed", "warnings": callback.warnings, "steps": steps, "episodes": reward.to_dict()}
+        write_json_atomic(out / "health.json", health)
+        result = TrainResult(out, adapter_dir, run.info.run_id if run else None, steps, 0.0, callback.warnings)
+        result.seconds = round(time.time() - t0, 1)
+        result.episodes = {**reward.to_dict(), "steps": steps, "seconds": result.seconds}
+        tracking.log_metrics("train", {"episode_seconds": result.seconds})
+        tracking.log_artifact(out / "train_log.jsonl")
+        tracking.log_artifact(out / "samples.jsonl")
     return result
 
 
