@@ -65,6 +65,11 @@ REWARD_TYPES: dict[str, str] = {
     "or the local one)",
     "tests": "system feedback from execution: the completion's code runs against its task's tests in the sandbox "
     "(sandbox.*); the share passed on reward.scale (reward.tests_score); rows without tests score None",
+    "group_comparison": "the group-relative comparison judge (RULER-like): one judge call scores a group's "
+    "samples together on 0..scale; malformed replies are retried (reward.group_judge_retries), then the group "
+    "falls back to the pointwise local judge; no reward.model: the local judge",
+    "tool_call": "tool-call validity of a sampled assistant turn (turn-level GRPO, grpo.turns): its <tool_call> "
+    "blocks parse, name a tool of the conversation's schema, and their arguments satisfy it; no call: None",
 }
 
 
@@ -161,6 +166,16 @@ class GrpoSection:
         ge=8,
     )
     episode_tasks: int = _f(256, "Episode mode: training episodes' tasks (each sampled group_size times).", ge=1)
+    turns: Literal["", "all", "last", "failed", "first_tool"] = _f(
+        "",
+        "Turn-level GRPO on logged conversations (prep's conversations/): which assistant turns become prompts "
+        "(the conversation before the turn, with the real tool results, rendered with the policy's chat template "
+        "and the conversation's tools; the group samples that turn, the loss covers only it). all: every "
+        "assistant turn; last: each conversation's last; failed: every turn of conversations whose reward is "
+        "below reward.success_threshold; first_tool: each conversation's first turn that calls a tool. Rewards: "
+        "tool_call (validity), comparison (the judge against the logged turn, the conversation's reward as its "
+        "ref_reward: the outcome credited to the turn). Empty: the prompt sets (grpo_dataset), as before.",
+    )
 
 
 @dataclass
@@ -191,6 +206,12 @@ class RewardSection:
         le=1,
     )
     judge_failure_window: int = _f(200, "Judged samples over which max_judge_failure_rate is measured.", ge=1)
+    group_judge_retries: int = _f(
+        2,
+        "group_comparison: times a group is asked again when the judge's reply has the wrong number of scores "
+        "(or none it can read); then the group falls back to the pointwise local judge (counted, never fatal).",
+        ge=0,
+    )
     tests_score: Literal["share", "all"] = _f(
         "share",
         "The tests reward: share (scale x the share of tests passed) or all (scale when every test passes, else "

@@ -46,6 +46,12 @@ class ExecuteSection:
         "execute.source live: the gateway log dir (requests.jsonl, feedback.jsonl). Empty: the previous round's "
         "live experiment, runs/live/round-<NN-1>.",
     )
+    agent_tasks: int = _f(
+        0,
+        "Embedded agent family (hermes_lab.tasks.agent): episodes the policy plays per round, logged as OpenAI "
+        "chat conversations to round-NN/agent_episodes.jsonl for prep's conversations. 0: none.",
+        ge=0,
+    )
 
 
 @dataclass

@@ -99,7 +99,37 @@ def execute(
             f.write(json.dumps(rec) + "\n")
     os.replace(tmp, out)  # a half-written file never looks like a finished execution log
     n = len(tasks_)
-    return {"records": n, "pass_rate": round(passed / max(n, 1), 4), "output": str(out)}
+    res: dict[str, Any] = {"records": n, "pass_rate": round(passed / max(n, 1), 4), "output": str(out)}
+    if ex.agent_tasks:
+        res.update(execute_agent(cfg, pol, out.parent / AGENT_FILE, seed, start, adapter))
+    return res
+
+
+AGENT_FILE = "agent_episodes.jsonl"
+
+
+def execute_agent(
+    cfg: HermesConfig, pol: Any, output: Path, seed: int, start: datetime, adapter: str | None
+) -> dict[str, Any]:
+    """The agent family's episodes (``execute.agent_tasks`` train-split tasks, played as TRL plays them), written
+    as OpenAI chat conversations (messages with tool_calls and tool results, tools, reward, family ``agent``):
+    what prep reads into its conversations and the episode phase of train starts from."""
+    from hermes_lab.policy import episodes as E
+    from hermes_lab.tasks import agent as A
+
+    tasks_ = A.generate_tasks(cfg.execute.agent_tasks, split="train", seed=seed)
+    eps = E.run_episodes(pol, tasks_, temperature=cfg.execute.temperature, seed=seed, max_turns=cfg.grpo.max_turns)
+    tmp = output.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, e in enumerate(eps):
+            rec = A.conversation_record(e.task, e.messages, e.reward)
+            rec.update(
+                id=f"agent-{seed}-{i}", timestamp=(start + timedelta(seconds=i)).isoformat(), model=adapter or "base"
+            )
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, output)
+    s = E.summarize(eps)
+    return {"agent_episodes": len(eps), "agent_success": s["episode_success"], "agent_output": str(output)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,13 @@ Every reward lies on the user's 0..scale range (reward.scale, 5 by default):
   model or ``local`` it uses the local judge below, so the embedded default runs offline. A judge fault
   is per sample (``JudgeFaults``: a documented fallback, counted in health.json); training stops only
   when the failure share passes ``reward.max_judge_failure_rate``.
+- ``group_comparison``: the group-relative comparison judge (RULER-like, ``hermes_lab.llm.group_judge``): one
+  call scores all group_size samples of a prompt together, relative to each other; a malformed reply is retried,
+  then its group falls back to the pointwise local judge (counted in health.json's ``group_judge``). No
+  ``reward.model``: the local judge.
+- ``tool_call``: tool-call validity of a sampled assistant turn (``hermes_lab.rewards.toolcalls``): its calls
+  parse, name tools of the row's ``tools`` schema and satisfy their arguments' JSON schema; a turn without a
+  call scores None. For turn-level GRPO on logged conversations (``grpo.turns``).
 - ``"pkg.module:function"`` in ``reward.types``: any user function, the open-r1/TRL escape hatch.
 
 Local judge, deliberately simple: similarity to a reference that passed earns up to ``scale``;
@@ -143,10 +150,56 @@ def make_comparison_reward(cfg: HermesConfig) -> RewardFn:
     return comparison
 
 
+def make_group_comparison_reward(cfg: HermesConfig) -> RewardFn:
+    """The group-relative comparison judge (``hermes_lab.llm.group_judge``): one call per GRPO group (the
+    consecutive completions of one prompt), falling back per group to the pointwise local judge. With no
+    ``reward.model`` (or ``local``): the local judge, offline."""
+    r = cfg.reward
+    scale, thr = float(r.scale), float(r.success_threshold)
+    judge = None
+    if r.model and r.model != "local":
+        from hermes_lab.llm.group_judge import GroupJudge
+
+        judge = GroupJudge.from_config(
+            cfg, fallback=lambda p, resp, ref: local_judge(resp, ref or "", None, scale, thr)
+        )
+
+    def group_comparison(
+        prompts: list[Any], completions: list[Any], reference: list[str] | None = None, **kw: Any
+    ) -> list[float | None]:
+        texts, ps = [_text(c) for c in completions], [_text(p) for p in prompts]
+        refs = list(reference) if reference is not None else [None] * len(texts)
+        ref_rewards = kw.get("ref_reward") or [None] * len(texts)
+        if judge is None:
+            return [local_judge(t, ref or "", rr, scale, thr) for t, ref, rr in zip(texts, refs, ref_rewards)]
+        spans, i = [], 0
+        while i < len(ps):  # a group: TRL's consecutive completions of one prompt
+            j = i
+            while j < len(ps) and ps[j] == ps[i]:
+                j += 1
+            spans.append((i, j))
+            i = j
+        scores = judge.score_groups(
+            [ps[a] for a, _ in spans], [texts[a:b] for a, b in spans], [refs[a] for a, _ in spans]
+        )
+        return [v for group in scores for v in group]
+
+    group_comparison.group_judge = judge  # type: ignore[attr-defined]
+    return group_comparison
+
+
+def make_tool_call_reward(cfg: HermesConfig) -> RewardFn:
+    from hermes_lab.rewards.toolcalls import make_tool_call_reward as make
+
+    return make(float(cfg.reward.scale))
+
+
 REGISTRY: dict[str, Callable[[HermesConfig], RewardFn]] = {
     "system": make_system_reward,
     "comparison": make_comparison_reward,
     "tests": make_tests_reward,
+    "tool_call": make_tool_call_reward,
+    "group_comparison": make_group_comparison_reward,
 }
 
 
@@ -270,12 +323,18 @@ def _guard(fn: RewardFn, name: str, samples: SampleLog | None) -> RewardFn:
     guarded.__name__ = name  # TRL logs rewards/<__name__>/mean
     guarded.judge_stats = getattr(fn, "judge_stats", None)  # type: ignore[attr-defined]
     guarded.sandbox = getattr(fn, "sandbox", None)  # type: ignore[attr-defined]
+    guarded.group_judge = getattr(fn, "group_judge", None)  # type: ignore[attr-defined]
     return guarded
 
 
 def judge_faults(funcs: list[RewardFn]) -> JudgeFaults | None:
     """The judge-fault counter of a config's reward functions (None without an API judge)."""
     return next((f.judge_stats for f in funcs if getattr(f, "judge_stats", None) is not None), None)
+
+
+def group_judge_of(funcs: list[RewardFn]) -> Any:
+    """The ``GroupJudge`` among a config's reward functions (None without an API group judge)."""
+    return next((f.group_judge for f in funcs if getattr(f, "group_judge", None) is not None), None)
 
 
 def sandbox_tally(funcs: list[RewardFn]) -> Any:

@@ -95,6 +95,8 @@ def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
     samples pile up until they trigger a training, none is dropped by a skipped round."""
     runs = Path(runs_dir)
     out = [runs / f"round-{round_no:02d}" / "trajectories.jsonl"]
+    if (runs / f"round-{round_no:02d}" / "agent_episodes.jsonl").exists():  # execute.agent_tasks: conversations
+        out.append(runs / f"round-{round_no:02d}" / "agent_episodes.jsonl")
     for k in range(round_no - 1, 0, -1):
         prev = runs / f"round-{k:02d}"
         if (prev / "ab" / "requests.jsonl").exists():

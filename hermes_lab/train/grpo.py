@@ -85,8 +85,9 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     from datasets import Dataset, load_from_disk
 
     p = Path(data)
-    if p.is_dir() and (p / "grpo_dataset").is_dir():
-        p = p / "grpo_dataset"
+    table = "conversations" if cfg.grpo.turns else "grpo_dataset"  # grpo.turns: turn-level, from conversations
+    if p.is_dir() and (p / table).is_dir():
+        p = p / table
     if p.is_dir():
         ds = load_from_disk(str(p))
     elif p.is_file():
@@ -97,9 +98,15 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
         except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
             res = e.result
             log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
-        ds = load_from_disk(str(res.output_dir / "grpo_dataset"))
+        if not (res.output_dir / table).is_dir():
+            raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
+        ds = load_from_disk(str(res.output_dir / table))
     else:
         raise FileNotFoundError(f"--data {data}: no such file or directory")
+    if cfg.grpo.turns:
+        if "messages" not in ds.column_names:
+            raise ValueError(f"--data {data}: grpo.turns needs prep's conversations (columns: {ds.column_names})")
+        return ds  # train() turns it into turn prompts with the policy's chat template (train.turns)
     if "prompt" not in ds.column_names:
         raise ValueError(f"--data {data}: the dataset has no 'prompt' column (columns: {ds.column_names})")
     if "weight" in ds.column_names:  # hard (negative) prompts are repeated
@@ -287,6 +294,12 @@ def train(
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if cfg.grpo.turns:  # turn-level: one row per chosen assistant turn of the logged conversations
+        from hermes_lab.train.turns import turn_dataset
+
+        ds = turn_dataset(ds, cfg, tok)
+        if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
+            ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
     log_path, trl_dir = out / "train_log.jsonl", out / "trl"
     marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
@@ -370,6 +383,8 @@ def train(
             tok.save_pretrained(str(adapter_dir))
             _write_jsonl(out / "samples.jsonl", list(samples.rows))
             h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge, sandbox)
+            gj = rewards.group_judge_of(funcs)
+            h["group_judge"] = gj.to_dict() if gj is not None else None  # malformed replies, retries, fallbacks
             write_json_atomic(out / "health.json", h)
             if cfg.grpo.environment:
                 # the episode phase continues this adapter; its adapter becomes the round's candidate
