@@ -7,6 +7,9 @@ Reads a training run's per-step curves (``hermes_lab.evaluate.curves``: MLflow, 
 Writes under ``<round_dir>/validate/``:
 - ``plots/*.png``: reward mean with a +/-std band, per-reward-function curves, KL, frac_reward_zero_std,
   entropy, completion lengths, clip ratios, learning rate, loss / grad norm (also logged to MLflow);
+- for a run with an episode phase (``<train_dir>/episodes/``): the same plots under ``plots/episodes/`` plus
+  episode success, tool errors, turns and tool calls per episode; its diagnostics as ``episodes:<rule>``, and
+  ``episodes.by_turns`` in diagnostics.json (episodes by the turns they took: success, reward, tool calls);
 - ``diagnostics.json``: one entry per rule of thumb {rule, severity (ok/warn/fail), step, value, message,
   advice} -- KL spike, KL above the guard, reward not rising, NaN anywhere, groups with zero reward
   spread, reward outliers -- with the user's advice in plain words (docs/SPEC.md, "Rules of thumb").
@@ -431,6 +434,19 @@ def inspect_run(
         "plots": {k: str(v) for k, v in plots.items()},
         "diagnostics": diags,
     }
+    ep_dir = Path(train_dir) / "episodes"
+    if (ep_dir / "train_log.jsonl").is_file():  # the episode phase: its own curves, diagnostics and table
+        ep_df = load_curves(ep_dir, runs_dir=runs_dir)
+        ep_diags = [{**d, "rule": f"episodes:{d['rule']}"} for d in diagnose_with_config(ep_df, cfg)]
+        diags += ep_diags
+        ep_plots = plot_curves(ep_df, out_dir / "plots" / "episodes", diagnostics=ep_diags, close=close)
+        report["episodes"] = {
+            "n_steps": int(len(ep_df)),
+            "plots": {k: str(v) for k, v in ep_plots.items()},
+            "by_turns": episode_table(ep_dir).reset_index().to_dict("records"),
+        }
+        report["worst"] = worst(diags)
+        plots.update({f"episodes/{k}": v for k, v in ep_plots.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "diagnostics.json"
     write_json_atomic(path, report)
@@ -447,6 +463,44 @@ def inspect_run(
         "worst": report["worst"],
         "path": path,
     }
+
+
+def episode_table(episodes_dir: str | Path) -> pd.DataFrame:
+    """The episode phase's logged episodes (``samples.jsonl``) by the number of assistant turns they took: how
+    many, their success rate, mean reward, tool calls and tool errors per episode (reward by turn)."""
+    import json
+
+    import pandas as pd
+
+    rows = []
+    path = Path(episodes_dir) / "samples.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        rec = json.loads(line)
+        msgs = rec.get("episode") or []
+        rows.append(
+            {
+                "turns": sum(m.get("role") == "assistant" for m in msgs),
+                "reward": rec.get("reward"),
+                "success": (rec.get("reward") or 0) >= 3,
+                "tool_calls": sum(len(m.get("tool_calls") or []) for m in msgs if m.get("role") == "assistant"),
+                "tool_errors": sum(
+                    m.get("role") == "tool" and str(m.get("content", "")).startswith("{'error'") for m in msgs
+                ),
+            }
+        )
+    cols = ["episodes", "success_rate", "mean_reward", "tool_calls", "tool_errors"]
+    if not rows:
+        return pd.DataFrame(columns=cols).rename_axis("turns")
+    df = pd.DataFrame(rows).groupby("turns")
+    return pd.DataFrame(
+        {
+            "episodes": df.size(),
+            "success_rate": df["success"].mean().round(4),
+            "mean_reward": df["reward"].mean().round(3),
+            "tool_calls": df["tool_calls"].mean().round(3),
+            "tool_errors": df["tool_errors"].mean().round(3),
+        }
+    )
 
 
 def diagnostics_table(diags: list[dict[str, Any]]) -> pd.DataFrame:

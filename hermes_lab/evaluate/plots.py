@@ -2,8 +2,10 @@
 
 Writes ``<round_dir>/validate/plots/*.png`` (reward mean with a +/-std band, per-reward-function curves,
 KL with its spikes marked, frac_reward_zero_std, entropy, completion lengths, clip ratios, learning rate,
-loss / grad norm) and logs them to the active MLflow run. Reads nothing: ``hermes_lab.evaluate.curves`` loads the
-curves, ``hermes_lab.evaluate.inspect`` diagnoses them and calls ``plot_curves``.
+loss / grad norm; for the episode phase, under ``plots/episodes/``, the same and episode success, tool errors,
+invalid calls, turns and tool calls per episode) and logs them to the active MLflow run. Reads nothing:
+``hermes_lab.evaluate.curves`` loads the curves, ``hermes_lab.evaluate.inspect`` diagnoses them and calls
+``plot_curves``.
 
     hermes-lab inspect --train-dir runs/round-01/train --output runs/round-01/validate
 """
@@ -53,6 +55,21 @@ PANELS = [
         ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/clipped_ratio"],
     ),
     _Panel("learning_rate", "Learning rate", "lr", ["learning_rate"]),
+    # the episode phase (train/episodes/, hermes_lab.train.episodes): skipped for a run without it
+    _Panel(
+        "episode_success",
+        "Episodes: success, tool errors, invalid calls, answers without a tool",
+        "fraction",
+        ["episode_success", "tool_error_rate", "invalid_call_rate", "answered_without_tool"],
+        ["episode_success"],
+    ),
+    _Panel(
+        "episode_turns",
+        "Episodes: assistant turns and tool calls per episode",
+        "per episode",
+        ["turns_per_episode", "tool_calls_per_episode"],
+        ["turns_per_episode"],
+    ),
     _Panel("loss_grad_norm", "Loss and gradient norm", "value", ["loss", "grad_norm"], ["loss"]),
 ]
 

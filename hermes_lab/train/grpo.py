@@ -109,6 +109,9 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
         return ds  # train() turns it into turn prompts with the policy's chat template (train.turns)
     if "prompt" not in ds.column_names:
         raise ValueError(f"--data {data}: the dataset has no 'prompt' column (columns: {ds.column_names})")
+    if cfg.grpo.environment and "family" in ds.column_names:
+        # agent conversations are trained whole, in the episode phase: their first user turn is no string prompt
+        ds = ds.filter(lambda fam: fam != "agent", input_columns="family")
     if "weight" in ds.column_names:  # hard (negative) prompts are repeated
         from hermes_lab.data.prep import expand_by_weight
 
