@@ -24,6 +24,11 @@ which the script checks (it is the proof that the settings are the same). Not a 
 ``make bench``.
 
     .venv/bin/python benchmarks/bench_train.py [--steps 20] [--warmup 2] [--rounds 3] [--prompts 200] [--threads 1]
+        [--episode-steps 6] [--only-episodes]
+
+Episode-level GRPO gets its own line first (``--episode-steps``): the workbench's episode phase
+(``hermes_lab.train.grpo.train_episodes``: its callback, episode metrics, MLflow run, files) against a bare TRL
+GRPOTrainer with the same environment class (``environment_factory``), rows, reward and GRPOConfig.
 """
 
 from __future__ import annotations
@@ -189,6 +194,147 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
     return wall, logs
 
 
+def run_hermes_episodes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[dict[str, Any]]]:
+    """The workbench's episode phase (``hermes_lab.train.grpo.train_episodes``), trl.GRPOTrainer swapped for the
+    timed subclass."""
+    import json
+
+    import trl
+
+    from hermes_lab.train import grpo as TR
+
+    original, trl.GRPOTrainer = trl.GRPOTrainer, timed
+    try:
+        t0 = time.perf_counter()
+        TR.train_episodes(cfg, out)
+        wall = time.perf_counter() - t0
+    finally:
+        trl.GRPOTrainer = original
+    logs = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    return wall, [r for r in logs if "reward" in r]
+
+
+def run_bare_episodes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[dict[str, Any]]]:
+    """Episode-level GRPO with TRL alone: the same environment class (environment_factory), dataset rows, reward
+    (the environment's score of the final answer) and GRPOConfig as the workbench's episode phase."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import GRPOConfig
+
+    from hermes_lab.config.trl import grpo_kwargs
+    from hermes_lab.policy import model as P
+    from hermes_lab.tasks import agent as A
+    from hermes_lab.train import episodes as EP
+
+    t0 = time.perf_counter()
+    set_seed(cfg.grpo.seed)
+    base = P.resolve_model_name(cfg.model.base_model, cfg.round.runs_dir, cfg.model.seed)
+    tok = AutoTokenizer.from_pretrained(base)
+    env_cls = EP.load_environment(cfg.grpo.environment)
+    ds = EP.episode_dataset(cfg, None, env_cls)
+
+    def episode(prompts: Any, completions: Any, environments: Any, **kw: Any) -> list[float]:
+        return [e._hermes_score(A.final_answer(c)) for c, e in zip(completions, environments)]
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    lc = cfg.lora
+    peft_config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.lora_alpha,
+        lora_dropout=lc.lora_dropout,
+        target_modules=list(lc.target_modules),
+        bias=lc.bias,
+        task_type=lc.task_type,
+    )
+    gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])
+    gkw.update(max_steps=cfg.grpo.episode_steps, max_tool_calling_iterations=cfg.grpo.max_turns, save_strategy="no")
+    gkw.pop("save_steps", None)
+    trainer = timed(
+        model=model,
+        reward_funcs=[episode],
+        args=GRPOConfig(**gkw),
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=peft_config,
+        environment_factory=env_cls,
+    )
+    trainer.train()
+    trainer.model.save_pretrained(str(out / "adapter"), selected_adapters=["default"])
+    wall = time.perf_counter() - t0
+    return wall, [r for r in trainer.state.log_history if "reward" in r]
+
+
+def measure(
+    arms: dict[str, Any], cfg: Any, data: Path, tmp: Path, rounds: int, warmup: int, steps: int, tag: str
+) -> dict[str, list[dict[str, Any]]]:
+    """Alternate the arms' runs (A B B A ...), timing each run's measured steps."""
+    timed, records = timed_trainer_class()
+    names = list(arms)
+    order = [names if i % 2 == 0 else names[::-1] for i in range(rounds)]
+    results: dict[str, list[dict[str, Any]]] = {a: [] for a in names}
+    for i, pair in enumerate(order):
+        for arm in pair:
+            out = tmp / f"{tag}-{arm}-{i}"
+            with (
+                open(tmp / f"{tag}-{arm}-{i}.log", "w") as quiet,
+                contextlib.redirect_stdout(quiet),
+                contextlib.redirect_stderr(quiet),
+            ):
+                wall, logs = arms[arm](cfg, data, out, timed)
+            ends = records[-1]
+            assert len(ends) == warmup + steps, (arm, len(ends))
+            loop = ends[-1][0] - ends[warmup - 1][0]
+            cpu = ends[-1][1] - ends[warmup - 1][1]
+            results[arm].append(
+                {"sps": steps / loop, "loop": loop, "cpu": cpu, "wall": wall, "rewards": [r["reward"] for r in logs]}
+            )
+            print(f"  {tag} run {i + 1} {arm:6s}: {steps} steps in {loop:6.2f} s = {steps / loop:.3f} steps/s")
+    return results
+
+
+def episodes_line(cfg: Any, data: Path, tmp: Path, args: Any) -> None:
+    """Episode-level GRPO: the workbench's episode phase vs a bare TRL GRPOTrainer with the same environment."""
+    from hermes_lab.config.schema import load_config
+
+    cfg = load_config(
+        args.config,
+        {
+            "grpo.episode_steps": args.warmup + args.episode_steps,
+            "grpo.environment": cfg.grpo.environment or "hermes_lab.tasks.agent:TimeEnv",
+            "model.base_model": cfg.model.base_model,
+            "round.runs_dir": cfg.round.runs_dir,
+        },
+    )
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    res = measure(
+        {"hermes": run_hermes_episodes, "bare": run_bare_episodes},
+        cfg,
+        data,
+        tmp,
+        args.rounds,
+        args.warmup,
+        args.episode_steps,
+        "episodes",
+    )
+    best = {arm: min(r["loop"] for r in rs) for arm, rs in res.items()}
+    med = {arm: statistics.median(r["sps"] for r in rs) for arm, rs in res.items()}
+    robust = best["bare"] / best["hermes"]
+    same = all(
+        abs(a - b) < 1e-4 for h, b_ in zip(res["hermes"], res["bare"]) for a, b in zip(h["rewards"], b_["rewards"])
+    )
+    print(
+        f"episode-level GRPO ({cfg.grpo.environment}, {cfg.grpo.group_size} x {cfg.grpo.per_device_batch_size} "
+        f"episodes a step, max_turns {cfg.grpo.max_turns}): bare TRL {args.episode_steps / best['bare']:.3f} "
+        f"steps/s, hermes {args.episode_steps / best['hermes']:.3f} steps/s (fastest runs; medians "
+        f"{med['bare']:.3f} / {med['hermes']:.3f})"
+    )
+    print(
+        f"ratio hermes/bare steps/s, episode-level (fastest runs): {robust:.3f}  (overhead {100 * (1 - robust):+.1f}%;"
+        f" goal <= {100 * (1 - GOAL_RATIO):.0f}%: {'met' if robust >= GOAL_RATIO else 'NOT met'}); same per-step "
+        f"rewards in both arms: {'yes' if same else 'NO'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="measured steps per run")
@@ -203,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         "where 2 spinning OpenMP threads slow down many-fold when another process takes a core)",
     )
     ap.add_argument("--config", default=str(ROOT / "params" / "embedded.yaml"), help="training YAML")
+    ap.add_argument("--episode-steps", type=int, default=6, help="measured steps per episode-level run (0: none)")
+    ap.add_argument("--only-episodes", action="store_true", help="only the episode-level line")
     args = ap.parse_args(argv)
 
     import logging
@@ -236,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                 "round.runs_dir": str(tmp / "runs"),
             },
         )
+        if args.episode_steps:
+            episodes_line(cfg, data, tmp, args)
+        if args.only_episodes:
+            return 0
         timed, records = timed_trainer_class()
         order = [("hermes", "bare") if i % 2 == 0 else ("bare", "hermes") for i in range(args.rounds)]
         results: dict[str, list[dict[str, Any]]] = {"hermes": [], "bare": []}
