@@ -161,8 +161,9 @@ class GrpoSection:
     )
     episode_steps: int = _f(0, "Episode mode: optimizer steps of the episode phase (0: grpo.max_steps).", ge=0)
     episode_completion_length: int = _f(
-        112,
-        "Episode mode: tokens an episode may add after its prompt, tool results included (TRL max_completion_length).",
+        144,
+        "Episode mode: tokens an episode may add after its prompt, tool results included (TRL max_completion_length; "
+        "a tool result that would pass it is dropped by TRL and the episode ends there).",
         ge=8,
     )
     episode_tasks: int = _f(256, "Episode mode: training episodes' tasks (each sampled group_size times).", ge=1)
