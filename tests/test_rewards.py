@@ -55,7 +55,7 @@ def user_module(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- registry
 def test_registry_names_and_default_functions():
-    assert set(R.REGISTRY) == {"system", "comparison", "tests"}
+    assert set(R.REGISTRY) == {"system", "comparison", "tests", "tool_call", "group_comparison"}
     assert list(R.REGISTRY) == list(REWARD_TYPES)  # config checks reward.types against the names it declares
     funcs, weights = R.get_reward_funcs(cfg_with())
     assert [f.__name__ for f in funcs] == ["system", "comparison"]  # TRL logs rewards/<name>/mean

@@ -198,8 +198,8 @@ REGISTRY: dict[str, Callable[[HermesConfig], RewardFn]] = {
     "system": make_system_reward,
     "comparison": make_comparison_reward,
     "tests": make_tests_reward,
-    "tool_call": make_tool_call_reward,
     "group_comparison": make_group_comparison_reward,
+    "tool_call": make_tool_call_reward,
 }
 
 
