@@ -143,3 +143,13 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     assert roles[0] == "assistant" and ("tool" in roles or len(roles) == 1)
     health = json.loads((tmp_path / "episodes" / "health.json").read_text())
     assert health["status"] == "completed" and health["episodes"]["episodes"] == res.episodes["episodes"]
+    # inspect: the episode phase's curves as PNGs and its episodes by the turns they took
+    from hermes_lab.evaluate.curves import load_curves
+    from hermes_lab.evaluate.inspect import episode_table
+    from hermes_lab.evaluate.plots import plot_curves
+
+    plots = plot_curves(load_curves(tmp_path / "episodes"), tmp_path / "plots")
+    assert {"episode_success", "episode_turns", "reward", "kl"} <= set(plots)
+    assert all(p.stat().st_size > 1000 for p in plots.values())
+    table = episode_table(tmp_path / "episodes")
+    assert table["episodes"].sum() == len(samples) and set(table.index) <= {1, 2, 3}
