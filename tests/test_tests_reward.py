@@ -268,6 +268,7 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
             "reward.types": types,
             "reward.weights": weights,
             "grpo.max_steps": 2,
+            "grpo.environment": "",
             "grpo.max_completion_length": 48,
             "data.max_seq_len": 256,
             "data.min_samples": 1,

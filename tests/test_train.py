@@ -349,7 +349,10 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
         exp_id = mlflow.create_experiment("hermes-lab", artifact_location=(tmp / "mlartifacts").as_uri())
         with mlflow.start_run(experiment_id=exp_id, run_name="round-01") as parent:
             parent_id = parent.info.run_id
-        cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 4, "round.runs_dir": str(ROOT / "runs")})
+        # the episode phase too (hermes_lab.train.episodes), 2 steps: its adapter is the result
+        cfg = load_config(
+            EMBEDDED_YAML, {"grpo.max_steps": 4, "grpo.episode_steps": 2, "round.runs_dir": str(ROOT / "runs")}
+        )
         t0 = time.time()
         res = train(cfg, prompt_set, tmp / "train", parent_run_id=parent_id, evaluate_heldout=False)
         seconds = time.time() - t0
@@ -409,6 +412,15 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
         if f.is_file() and f.suffix in {".json", ".jsonl", ".yaml", ".txt"}:
             assert KEY not in f.read_text(errors="ignore"), f
 
+    # the episode phase continued the prompt phase's adapter; its adapter is the result
+    ep_steps = [r for r in _step_rows(out / "episodes")]
+    assert [r["step"] for r in ep_steps] == [1, 2] and all("episode_success" in r for r in ep_steps)
+    ep_health = json.loads((out / "episodes" / "health.json").read_text())
+    assert ep_health["status"] == "completed" and ep_health["episodes"]["episodes"] == 2 * 4 * 8
+    assert res.episodes["steps"] == 2
+    assert _adapter_tensors(out / "episodes" / "adapter").keys() == tensors.keys()
+    assert all((_adapter_tensors(out / "episodes" / "adapter")[k] == v).all() for k, v in tensors.items())
+
     # the adapter loads the way every later stage loads it, and generates
     from hermes_lab.policy.model import load_policy
 
@@ -453,7 +465,9 @@ def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
 
     start = trained.res.adapter_dir
     before = _adapter_tensors(start)
-    cfg = load_config(EMBEDDED_YAML, {"grpo.max_steps": 2, "round.runs_dir": str(ROOT / "runs")})
+    cfg = load_config(
+        EMBEDDED_YAML, {"grpo.max_steps": 2, "grpo.environment": "", "round.runs_dir": str(ROOT / "runs")}
+    )
     res = train(cfg, prompt_set, tmp_path / "train_b", start_adapter=str(start), evaluate_heldout=False)
     assert res.steps == 2
     after = _adapter_tensors(res.adapter_dir)
@@ -529,6 +543,7 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
         EMBEDDED_YAML,
         {
             "grpo.max_steps": 3,
+            "grpo.environment": "",
             "reward.types": ["system", f"{mod}:flaky"],
             "reward.weights": [1.0, 1.0],  # the embedded file weighs its three types
             "round.runs_dir": str(ROOT / "runs"),
@@ -560,7 +575,13 @@ def test_judge_faults_are_per_sample_in_a_real_training(tiny_policy, prompt_set,
     fake_openai.fail_429 = 6  # the first six judge requests are rate-limited (no retries left)
     cfg = load_config(
         EMBEDDED_YAML,
-        {**judge, "grpo.max_steps": 2, "reward.max_judge_failure_rate": 0.6, "round.runs_dir": str(tmp_path / "r1")},
+        {
+            **judge,
+            "grpo.max_steps": 2,
+            "grpo.environment": "",
+            "reward.max_judge_failure_rate": 0.6,
+            "round.runs_dir": str(tmp_path / "r1"),
+        },
     )
     res = train(cfg, prompt_set, tmp_path / "ok", evaluate_heldout=False)
     assert res.steps == 2
@@ -575,7 +596,9 @@ def test_judge_faults_are_per_sample_in_a_real_training(tiny_policy, prompt_set,
     assert rows[-1]["judge_failures"] == j["judge_failures"] and all("rewards/comparison/mean" in r for r in rows)
 
     fake_openai.chat_reply = "I cannot say."  # every judgement unparsable: past the limit at the first step
-    cfg = load_config(EMBEDDED_YAML, {**judge, "grpo.max_steps": 2, "round.runs_dir": str(tmp_path / "r2")})
+    cfg = load_config(
+        EMBEDDED_YAML, {**judge, "grpo.max_steps": 2, "grpo.environment": "", "round.runs_dir": str(tmp_path / "r2")}
+    )
     with pytest.raises(RewardError, match=r"judge failed on (\d+) of the last \1 samples.*max_judge_failure_rate 20%"):
         train(cfg, prompt_set, tmp_path / "stop", evaluate_heldout=False)
     health = json.loads((tmp_path / "stop" / "health.json").read_text())
@@ -599,6 +622,7 @@ def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "hermes_lab.train", "--config", str(EMBEDDED_YAML), "--data", str(prompt_set)]
     argv += ["--output", str(out), "--max-steps", "6", "--no-eval", "--set", "grpo.save_steps=2"]
+    argv += ["--set", "grpo.environment="]  # the prompt phase's checkpoints are what is resumed here
     argv += ["--set", f"model.base_model={tiny_policy}", "--set", f"round.runs_dir={tmp_path}"]
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1")
     first = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -655,6 +679,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
     cfg = yaml.safe_load(EMBEDDED_YAML.read_text())
     cfg["model"]["base_model"] = str(tiny_policy)
     cfg["grpo"]["per_device_batch_size"] = 2  # 2 prompts x 8 per process: 4 prompts a step in all
+    cfg["grpo"]["environment"] = ""  # the episode phase is single-process
     (tmp_path / "dist.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(
         os.environ,

@@ -389,7 +389,9 @@ def train(
             gj = rewards.group_judge_of(funcs)
             h["group_judge"] = gj.to_dict() if gj is not None else None  # malformed replies, retries, fallbacks
             write_json_atomic(out / "health.json", h)
-            if cfg.grpo.environment:
+            if cfg.grpo.environment and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                callback._warn("episodes_multiprocess", "the episode phase runs single-process: skipped under torchrun")
+            elif cfg.grpo.environment:
                 # the episode phase continues this adapter; its adapter becomes the round's candidate
                 ep = train_episodes(cfg, out / "episodes", str(adapter_dir), parent_run_id, data)
                 shutil.rmtree(adapter_dir)
@@ -593,7 +595,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="config override, e.g. --set grpo.save_steps=5 (repeatable)",
+        help="config override, e.g. --set grpo.save_steps=5 or --set 'reward.types=[system,tool_call]' (repeatable)",
     )
 
 
@@ -607,6 +609,13 @@ def run_cli(args: argparse.Namespace) -> int:
         k, sep, v = kv.partition("=")
         if not sep:
             raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
+        if v.strip().startswith("["):  # a list: --set 'reward.types=[tool_call,comparison]'
+            import yaml
+
+            try:
+                v = yaml.safe_load(v)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"--set {kv!r}: not a YAML list ({e})") from None
         overrides[k] = v
     cfg = load_config(args.config, overrides or None)
     start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
