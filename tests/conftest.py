@@ -43,6 +43,7 @@ POLICY_FREE = (
     "test_browser_conversations.py",
     "test_conversations.py",
     "test_doctor.py",
+    "test_group_judge.py",
     "test_inspect.py",
     "test_jsonl.py",
     "test_notebooks.py",
