@@ -66,8 +66,12 @@ def _agent_rows_from_prep(data: Path, cfg: HermesConfig) -> list[dict[str, Any]]
 
     from hermes_lab.tasks import agent as A
 
+    try:
+        ds = load_from_disk(str(conv))
+    except (IndexError, FileNotFoundError, ValueError):  # prep wrote no conversation (an empty dataset dir)
+        return []
     rows = []
-    for r in load_from_disk(str(conv)):
+    for r in ds:
         if r.get("family") != A.FAMILY or r.get("split", "train") != "train":
             continue
         msgs = r["messages"]
