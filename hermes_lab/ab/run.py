@@ -32,7 +32,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -40,9 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from hermes_lab.ab import adjust as ab_adjust
 from hermes_lab.ab import analysis as ab_analysis
+from hermes_lab.ab import covariates as ab_cov
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
+from hermes_lab.ab.held import load_held
 from hermes_lab.ab.report import (
     REPORT_NAME,
     RunFacts,
@@ -74,11 +77,12 @@ class Traffic:
         self.t, self.ids, self.units, self.prompts, self.task_ids = t, ids, units, prompts, task_ids
 
     @classmethod
-    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int) -> Traffic:
+    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int, start: float = 0.0) -> Traffic:
+        """Poisson arrivals at ``ab.request_rate`` in (start, horizon] (start > 0: a continued experiment)."""
         a = cfg.ab
         rng = np.random.default_rng([seed, 7])
-        n_guess = int(a.request_rate * horizon * 1.2 + 50)
-        t = np.cumsum(rng.exponential(1 / a.request_rate, n_guess))
+        n_guess = int(a.request_rate * (horizon - start) * 1.2 + 50)
+        t = start + np.cumsum(rng.exponential(1 / a.request_rate, n_guess))
         while t[-1] < horizon:  # rare: Poisson ran long
             t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1 / a.request_rate, n_guess))])
         t = t[t <= horizon]
@@ -172,15 +176,39 @@ class RequestLog:
     unit: str = "request"
     cols: dict[str, list] = field(default_factory=lambda: {k: [] for k in COLUMNS})
     unit_codes: dict[str, int] = field(default_factory=dict)
+    covariates: ab_cov.Encoder | None = None  # the adjustment's columns, one row per request (ab.covariates)
+    cov_rows: list[tuple] = field(default_factory=list)
 
     def rows(self) -> int:
         return len(self.cols["t"])
 
+    def keep(self, recs: list[dict[str, Any]]) -> None:
+        """Rows a continued experiment keeps (its held stage's requests, as logged): analysed, not re-logged."""
+        for rec in recs:
+            if self.covariates:
+                self.cov_rows.append(self.covariates.row(rec))
+            fam = rec.get("family") or "other"
+            for key, val in (
+                ("t", float(rec["t"])),
+                ("stage", int(rec["stage"])),
+                ("arm", int(rec["arm"] == "candidate")),
+                ("reward", float(rec["reward"])),
+                ("error", rec.get("status") != "ok"),
+                ("latency_ms", float(rec["latency_ms"])),
+                ("family", FAM_INDEX.get(fam, len(FAM_INDEX))),
+                ("unit", self.unit_codes.setdefault(str(rec.get("unit")), len(self.unit_codes))),
+            ):
+                self.cols[key].append(val)
+
     def columns(self, since: int = 0) -> dict[str, np.ndarray]:
-        """Typed columns of the rows from ``since`` on (unit codes only for user-level randomisation)."""
+        """Typed columns of the rows from ``since`` on (unit codes only for user-level randomisation;
+        covariate columns only for request units, which the adjustment is for)."""
         part = {k: np.asarray(v[since:]) for k, v in self.cols.items()}
         if self.unit != "user":
             part["unit"] = None
+            if self.covariates:
+                arr = np.array(self.cov_rows[since:], np.float64).reshape(-1, len(ab_adjust.COLUMNS))
+                part.update({k: arr[:, j] for j, k in enumerate(ab_adjust.COLUMNS)})
         return _cols(part)
 
 
@@ -251,6 +279,8 @@ class Server:
             lines.append(json.dumps(rec))
             if debug:
                 log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], status)
+            if sink.covariates:
+                sink.cov_rows.append(sink.covariates.row(rec))
             for key, val in (
                 ("t", t),
                 ("stage", stg.index),
@@ -266,9 +296,15 @@ class Server:
 
 
 def rollout(
-    server: Server, plan: list[ab.Stage], horizon: float, st: ab.Settings, sink: RequestLog
+    server: Server,
+    plan: list[ab.Stage],
+    horizon: float,
+    st: ab.Settings,
+    sink: RequestLog,
+    first: ab.Stage | None = None,
 ) -> tuple[list[ab.Stage], dict[int, float], str | None]:
-    """Serve the traffic stage by stage, deciding at every look: (stages run, each one's end, what stopped it)."""
+    """Serve the traffic stage by stage, deciding at every look: (stages run, each one's end, what stopped it).
+    ``first``: a continued stage (its kept rows already in ``sink``), served from its old hard end on."""
     from tqdm.auto import tqdm
 
     traffic, a = server.traffic, server.cfg.ab
@@ -283,11 +319,16 @@ def rollout(
     )
     # the steps between looks and stages are hermes_lab.ab.rollout's, which the live gateway shares
     stg: ab.Stage | None = ab_rollout.start_stage(plan[0], 0.0) if plan and horizon > 0 else None
+    since = -np.inf
+    if first is not None:  # looks before the old hard end were taken by the held round: none acted
+        stg, since = first, first.hard_end - first.continued
     while stg is not None:
         stages_run.append(stg)
         router = ab.ABRouter(server.arms.names[0], server.arms.names[1], stg.ratio, a.salt)
-        lo_row = sink.rows()
+        lo_row = 0 if stg is first else sink.rows()
         for look in stg.look_times(min(stg.hard_end, horizon)):
+            if look <= since:
+                continue
             hi = int(np.searchsorted(traffic.t, look, side="right"))
             idx, pos = list(range(pos, hi)), hi
             if idx:
@@ -317,6 +358,8 @@ def run_ab(
     score_fn: Callable[[list[str], list[str]], list[float]] | None = None,
     plots: bool = True,
     plan_eval: str | Path | None = None,
+    history: Sequence[str | Path] = (),
+    continue_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the staged rollout and write the report, its verdict, the request log and the plots; returns the
     report.
@@ -325,6 +368,10 @@ def run_ab(
     simulated seconds (0: every stage, with extensions). ``score_fn(prompts, responses)``: the reward
     (default: the round's system reward, ``rewards.score_responses``: the task verifiers). ``plan_eval``:
     train's eval.json, the held-out gain ``ab.plan_power`` sizes the simulated traffic for (``ab_plan``).
+    ``history``: logs with rewards from before this experiment, the ``ab.covariates`` history prior
+    (``hermes_lab.ab.covariates.round_history`` gives a round's). ``continue_from``: an earlier round's ``ab/``
+    whose rollout ended undecided at a stage's hard end: continue that experiment (``hermes_lab.ab.held``; its
+    settings, plan and history replace this run's).
     """
     wall0 = time.time()
     cache: dict[str, Any] = {}
@@ -334,7 +381,11 @@ def run_ab(
             pols[arm] = load_arm(spec, cfg, cache)
         except ArmError as e:
             raise e.with_flag(flag) from None
-    stage_list = ab_stages(cfg, ratio)
+    held = load_held(continue_from) if continue_from else None
+    if held is not None:  # the held experiment's own settings, rate and history: the same sequence, carried on
+        cfg = copy.copy(cfg)
+        cfg.ab, history = held.ab, held.history
+    stage_list = held.stage_list if held is not None else ab_stages(cfg, ratio)
     st = ab.Settings.from_config(cfg)
     sized = None
     if cfg.ab.plan_power > 0 and not replay:  # a replayed log keeps its own arrival times
@@ -347,6 +398,11 @@ def run_ab(
     a = cfg.ab
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
     full = sum(s.seconds * (1 + s.max_extension) for s in plan)
+    start = 0.0
+    if held is not None:  # from the held stage's old hard end: its added time, then the stages after it
+        plan = [held.stage if s.index == held.stage.index else s for s in plan if s.index >= held.stage.index]
+        start = held.stage.hard_end - held.stage.continued
+        full = held.stage.hard_end + sum(s.seconds * (1 + s.max_extension) for s in plan[1:])
     horizon = min(duration, full) if duration and duration > 0 else full
     output = Path(output)
     log_dir = Path(log_dir) if log_dir else output.parent
@@ -359,7 +415,7 @@ def run_ab(
     log_path = log_dir / LOG_NAME
     if replay and Path(replay).resolve() == log_path.resolve():
         raise ValueError(f"--replay {replay} is where this run writes its request log: pass another --log-dir")
-    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed)
+    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed, start)
     if replay:
         horizon = min(horizon, float(traffic.t[-1]))
     log.info(
@@ -369,9 +425,12 @@ def run_ab(
         len(traffic.t),
     )
     server = Server(cfg, traffic, arms, score_fn, seed, np.random.default_rng([seed, 11]))
+    enc = covariate_encoder(cfg, history)
     with log_path.open("w", encoding="utf-8") as logf:
-        sink = RequestLog(logf, a.unit)
-        stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink)
+        sink = RequestLog(logf, a.unit, covariates=enc)
+        if held is not None:
+            sink.keep(held.rows)
+        stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink, held.stage if held else None)
     arr = sink.columns()
     analysis = ab_analysis.analyse_log(arr, stages_run, st, FAM_NAMES, stage_until)
     facts = RunFacts(
@@ -386,7 +445,16 @@ def run_ab(
         time.time() - wall0,
     )
     report = build_report(cfg, analysis, stage_list, st, facts)
-    report["plan"] = sized.as_dict() if sized else None
+    report["plan"] = {**sized.as_dict(), "line": sized.line(), "underpowered": sized.underpowered} if sized else None
+    report["covariates"] = enc.describe() if enc else None
+    if held is not None:
+        report["plan"], report["continued"] = None, held.describe()  # the plan was the held round's
+        report["reasons"].insert(
+            0,
+            f"continues the experiment held in {held.source} (stage {held.stage.index} at "
+            f"{held.stage.ratio:.0%}, its {len(held.rows)} requests kept): another {held.added:g} s from "
+            f"t = {start:g} s, the same bets, covariates and history",
+        )
     pngs = make_plots(arr, report, log_dir / "plots", FAM_NAMES) if plots else []
     report["plots"] = [str(p) for p in pngs]
     write_json_atomic(output, report)
@@ -395,6 +463,16 @@ def run_ab(
     _log_plan(report)
     log.info("A/B decision: %s (%s)", report["decision"], "; ".join(report["reasons"]))
     return report
+
+
+def covariate_encoder(cfg: HermesConfig, history: Sequence[str | Path] = ()) -> ab_cov.Encoder | None:
+    """The request rows' covariates (``ab.covariates``, request units only), the history read from ``history``."""
+    kinds = cfg.ab.covariates
+    if not kinds or cfg.ab.unit != "request":
+        return None
+    hist = ab_cov.load_history(history, cfg.reward.scale, kinds) if "history" in kinds and history else None
+    enc = ab_cov.Encoder(kinds, hist)
+    return enc if enc else None
 
 
 def _log_plan(report: dict[str, Any]) -> None:
@@ -429,6 +507,9 @@ def _cols(c: dict[str, Any]) -> dict[str, Any]:
     }
     if c.get("unit") is not None:
         out["unit"] = np.asarray(c["unit"], np.int64)
+    for k in ab_adjust.COLUMNS:  # the adjustment's covariates (hermes_lab.ab.covariates), when there are any
+        if c.get(k) is not None:
+            out[k] = np.asarray(c[k], np.int64 if k in ("cell", "task") else np.float64)
     return out
 
 
@@ -477,6 +558,7 @@ def notebook_run(
     candidate: str = "",
     duration: float = 0,
     seed: int = 0,
+    continue_from: str = "",
 ) -> dict[str, Any]:
     """What 40_ab_analysis.ipynb does with a simulated A/B (``ab.mode: simulated``; live:
     ``hermes_lab.live.round.notebook_run``): reuse round_dir/ab/ab_report.json if it exists (its verdict is
@@ -496,7 +578,18 @@ def notebook_run(
         else:
             b, c = resolve_arms(cfg, round_dir, baseline, candidate)
             ev = Path(round_dir) / "train" / "eval.json"  # this round's held-out gain: what ab.plan_power sizes for
-            report = run_ab(cfg, b, c, duration=duration, output=report_path, seed=seed, plan_eval=ev)
+            hist = ab_cov.round_history(round_dir, cfg.ab.history_rounds)  # the covariates' prior
+            report = run_ab(
+                cfg,
+                b,
+                c,
+                duration=duration,
+                output=report_path,
+                seed=seed,
+                plan_eval=ev,
+                history=hist,
+                continue_from=continue_from or None,  # round.on_held continue: an earlier round's held A/B
+            )
             cols, fams = read_log(out / LOG_NAME)
             paths = [Path(p) for p in report["plots"]]
     return {"report": report, "cols": cols, "families": fams, "plots": paths, "report_path": report_path}
@@ -527,6 +620,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan-eval", default=None, help="train's eval.json: the held-out gain ab.plan_power sizes the traffic for"
     )
+    p.add_argument(
+        "--history",
+        default="",
+        help="comma-separated logs with rewards from before this A/B (trajectories, earlier A/B request logs): "
+        "the prior of the ab.covariates adjustment",
+    )
+    p.add_argument(
+        "--continue-from",
+        default=None,
+        help="an earlier run's A/B folder (ab_report.json, requests.jsonl) whose rollout ended undecided at a "
+        "stage's hard end: continue that experiment (its settings, rate, kept requests and covariates) for "
+        "another stage length instead of starting a new one",
+    )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument(
@@ -552,6 +658,8 @@ def run_cli(args: argparse.Namespace) -> int:
         replay=args.replay,
         seed=args.seed,
         plan_eval=args.plan_eval,
+        history=[h for h in args.history.split(",") if h],
+        continue_from=args.continue_from,
     )
     if args.no_mlflow:
         report = run_ab(cfg, args.baseline, args.candidate, **kw)
