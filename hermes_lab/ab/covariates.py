@@ -214,3 +214,13 @@ class Encoder:
             "tasks": len(self.tasks),
             "history": self.history.summary() if self.history is not None else None,
         }
+
+
+def encoder(cfg: Any, history: Iterable[str | Path] = ()) -> Encoder | None:
+    """The request rows' covariates (``ab.covariates``, request units only), the history read from ``history``."""
+    kinds = cfg.ab.covariates
+    if not kinds or cfg.ab.unit != "request":
+        return None
+    hist = load_history(history, cfg.reward.scale, kinds) if "history" in kinds and history else None
+    enc = Encoder(kinds, hist)
+    return enc if enc else None
