@@ -131,7 +131,8 @@ class Gateway:
             if not key:
                 raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
             self._auth = f"Bearer {key}".encode()
-        self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
+        covs = cfg.ab.covariates if cfg.ab.unit == "request" else ()  # the adjusted rule needs request units
+        self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source, covariates=covs)
         # the staged rollout on the (scaled) wall clock: it owns stage and ratio, the gateway routes with them
         self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
         self.clock = self.rollout.clock

@@ -25,12 +25,14 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from hermes_lab.ab.covariates import Encoder
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, read_jsonl  # the log's format is data's
 
@@ -155,8 +157,11 @@ class Tally:
     failed request: its ``t_done``), so that ``columns(known_by=T)`` is what a look at T could know.
     """
 
-    def __init__(self, source: str = "system"):
+    def __init__(self, source: str = "system", covariates: Sequence[str] = ()):
         self.source = source
+        # the requests' covariate codes (ab.covariates, request units): the adjusted rule of ab-run, live too
+        self.covariates = Encoder(covariates) if covariates else None
+        self.cov: list[tuple[int, int]] = []
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
             k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit")
@@ -185,6 +190,8 @@ class Tally:
         c["latency_ms"].append(float(rec.get("latency_ms") or 0.0))
         c["unit"].append(self.units.setdefault(str(rec.get("unit")), len(self.units)))
         self.reward.append(0.0 if err else math.nan)
+        if self.covariates:
+            self.cov.append(self.covariates.row(rec)[:2])  # (cell, task): no history on live traffic
         self.n[arm] += 1
         self.errors[arm] += err
 
@@ -201,9 +208,16 @@ class Tally:
         return True
 
     @classmethod
-    def from_dir(cls, log_dir: str | os.PathLike[str], source: str = "system", families: bool = False) -> Tally:
-        """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower)."""
-        t = cls(source)
+    def from_dir(
+        cls,
+        log_dir: str | os.PathLike[str],
+        source: str = "system",
+        families: bool = False,
+        covariates: Sequence[str] = (),
+    ) -> Tally:
+        """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower);
+        ``covariates``: ``ab.covariates`` (request units), each request's cell and task codes."""
+        t = cls(source, covariates)
         bad: list[int] = []
         if families:
             from hermes_lab.tasks import suite as T
@@ -238,6 +252,9 @@ class Tally:
         order = order[np.argsort(cols["t"][order], kind="stable")]  # time order (answers finish out of order)
         out = {k: v[order] for k, v in cols.items()}
         fam = np.asarray(self.family[:n], np.int64)[order] if len(self.family) >= n else np.zeros(len(order), np.int64)
+        if self.covariates:
+            cov = np.asarray(self.cov[:n], np.int64).reshape(-1, 2)[order]
+            out["cell"], out["task"] = cov[:, 0], cov[:, 1]
         out.update(
             t=out["t"].astype(np.float64),
             stage=out["stage"].astype(np.int64),
