@@ -1,37 +1,42 @@
 """Sizing the simulated A/B for the gain it must detect (``ab.plan_power``): the request rate of ``ab-run``.
 
-Stage: validate (A/B). Reads this round's ``train/eval.json`` when ``ab.plan_effect`` is 0 (the held-out
-pass rate before and after training: the gain to detect, and the baseline's success share); writes nothing.
-``hermes_lab.ab.run`` simulates its traffic at the planned rate, prints ``Plan.line()`` and puts the plan
-into ``ab_report.json`` ("plan") and MLflow (``ab/plan_*``).
+Stage: validate (A/B). Reads this round's ``train/eval.json`` when it exists (the held-out mean reward before
+and after training: the gain to detect unless ``ab.plan_effect`` sets it; the baseline's pass rate and
+partial credit per family and level); writes nothing. ``hermes_lab.ab.run`` simulates its traffic at the
+planned rate, prints ``Plan.line()`` and puts the plan into ``ab_report.json`` ("plan") and MLflow
+(``ab/plan_*``); the round's summary repeats the line when the plan is underpowered.
 
     hermes-lab ab-run --params P.yaml --baseline ... --candidate ... --plan-eval runs/round-02/train/eval.json
 
 What is planned: the smallest request rate at which the staged rollout promotes a candidate that is
-``effect`` points of success share better than a baseline at ``baseline_share`` with probability ``power``,
-capped at ``ab.plan_max_rate`` (a simulated rollout costs generating rate x stage length responses; when the
-cap binds, the plan says which power the cap reaches). The stages' lengths stay as configured: docs/SPEC.md's
-"10% for 2 h" is an exposure minimum, so the rate is what moves. Later rounds gain less, so they get more
-requests; a large gain gets fewer (a cheaper round).
+``effect`` points of reward share better with probability ``power``, capped at ``ab.plan_max_rate`` (a
+simulated rollout costs generating rate x stage length responses). When the cap binds and falls short, the
+plan is *underpowered* and says so instead of running silently: "needs ~N requests in stage 0 for +X points
+at 95% power, the budget allows M" (N by the normal approximation below, calibrated by the simulation at
+the cap). The stages' lengths stay as configured: docs/SPEC.md's "10% for 2 h" is an exposure minimum, so
+the rate is what moves. Later rounds gain less, so they get more requests; a large gain gets fewer.
 
 How the power is computed: by simulating the test the rollout uses, not a textbook formula, because the
 decision is sequential (a confidence sequence read at every look, widening only from the stage's planned
-end, extensions, ``min_per_arm``, SRM: ``hermes_lab.ab.stats``) and a fixed-sample z-test would misstate it. Each
-stage decides on its own data only, so the rollout's power is the product of the tested stages' chances to
-widen. A stage's chance is the share of ``REPS`` seeded simulated experiments in which ``ab.look_path`` +
-``ab.rule_codes`` + ``ab.first_action`` (the rule of ``ab.rule``) widen, on Bernoulli arms: Poisson
-arrivals at the rate, the stage's candidate share, reward = scale on a success and 0 otherwise (the success
-share is then the reward's mean), no errors and one latency (the guardrails are not what is planned for).
-Rewards with partial credit move their mean by less than the success share but vary less too: the plan is
-exact for pass/fail rewards and approximate otherwise; with request units (``ab.unit: user`` counts users,
-whose requests are correlated: then the plan is optimistic).
+end, extensions, ``min_per_arm``, SRM: ``hermes_lab.ab.stats``) and a fixed-sample z-test would misstate it.
+Each stage decides on its own data only, so the rollout's power is the product of the tested stages'
+chances to widen. A stage's chance is the share of ``REPS`` seeded simulated experiments in which
+``ab.look_path`` + ``ab.rule_codes`` + ``ab.first_action`` (the rule of ``ab.rule``) widen, on arms built
+from the eval (``plan_arms``): with ``family_level`` among ``ab.covariates``, one cell per family and level
+with the baseline's pass rate and the reward share a miss scores there, a request's reward two-point (a
+pass scores the scale, a miss the cell's partial credit), the cell its covariate, so the simulated rule is
+the regression-adjusted one and the plan uses the variance the cells leave (the prompts' own repeats and
+the history, which narrow the real CS further, are not counted: conservative). Without covariates, the
+same eval as one cell; without an eval, one pass/fail cell at ``FALLBACK_SHARE``. Poisson arrivals at the
+rate, the stage's candidate share, no errors and one latency (the guardrails are not what is planned for);
+request units (``ab.unit: user`` counts users, whose requests are correlated: then the plan is optimistic).
 
 The search: a normal approximation of the betting CS (half-width at n units with bets tuned at n*:
-sqrt(L V / 2 n*) (n*/n + 1), L = log(2/alpha), V = the pseudo-outcome variance p_c(1-p_c)/r + p_b(1-p_b)/(1-r))
-gives a starting rate; bisection on log rate then uses the simulation, with common random numbers (the same
-seeded draws at every rate, so the simulated power is monotone in the rate). A stage whose approximate power
-exceeds ``SKIP_ABOVE`` (a 30% stage once the 10% one is sized) is not simulated: its approximation is used,
-and the plan says so per stage.
+sqrt(L V / 2 n*) (n*/n + 1), L = log(2/alpha), V = the pseudo-outcome variance the cells leave,
+``Arms.variance``) gives a starting rate; bisection on log rate then uses the simulation, with common random
+numbers (the same seeded draws at every rate, so the simulated power is monotone in the rate). A stage whose
+approximate power exceeds ``SKIP_ABOVE`` (a 30% stage once the 10% one is sized) is not simulated: its
+approximation is used, and the plan says so per stage.
 """
 
 from __future__ import annotations
