@@ -42,8 +42,12 @@ serve: setup
 live-demo: setup
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 
+## the suite on every core (pytest-xdist: whole files per worker, the longest first: tests/conftest.py). The tiny
+## policy most tests share is built first, on every core (a no-op once cached in runs/policies/): inside the
+## suite it would be built by one single-threaded worker while the other waits for it
 test: setup lint browser-deps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/hermes-lab build-policy
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 ## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
 ## elsewhere the browser tests skip and say why
@@ -55,8 +59,9 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
 
+## the loop of a change: everything but the tests marked slow (notebooks, trainings, rounds), on every core
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n auto -m "not slow" tests
 
 ## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
 lab: setup

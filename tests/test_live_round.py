@@ -27,7 +27,7 @@ from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
 from hermes_lab.data import gateway  # noqa: E402
 
 
-def traffic_log(tmp: Path, n: int = 700) -> Path:
+def traffic_log(tmp: Path, n: int = 300) -> Path:
     """A gateway log of ``n`` requests with feedback: a bad and a perfect upstream, half and half."""
     good, bad = OpenAIStub(models=("good",)).start(), OpenAIStub(models=("bad",))
     bad.reply = "no idea"
@@ -65,11 +65,11 @@ def test_a_round_trains_on_a_live_log_and_waits_for_its_live_ab(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     # the round's data is the live log, joined with its feedback: every trajectory is one of its requests
     traj = [json.loads(x) for x in (rd / "trajectories.jsonl").read_text().splitlines()]
-    assert len(traj) >= 700 and {t["request_id"] for t in traj} <= live_ids
+    assert len(traj) >= 300 and {t["request_id"] for t in traj} <= live_ids
     assert all(t["gateway_log"].startswith(str(log)) for t in traj)
     prep = json.loads((rd / "prep" / "summary.json").read_text())
-    assert prep["counts"]["new_samples"] >= 500
-    assert (rd / "train" / "adapter" / "adapter_config.json").is_file()  # trained on it
+    assert prep["counts"]["new_samples"] >= 200  # small_params' data.min_samples
+    assert (rd / "train" / "adapter" / "adapter_config.json").is_file(), p.stdout[-3000:]  # trained on it
     # the A/B stage prepared the round's experiment and the round waits for it
     assert "awaiting live A/B" in p.stdout
     state = FlywheelState.load(state_path(runs))

@@ -179,7 +179,7 @@ def test_commands_from_another_cwd_use_one_runs_dir(project_copy, tmp_path):
             "params/embedded.yaml",
         ],
         [*py, "hermes_lab.ab_run", "--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
-        + ["--duration", "600", "--output", "ab/ab_report.json"],
+        + ["--duration", "120", "--output", "ab/ab_report.json"],
     ]
     for args in steps:
         r = _run(args, other, env)
