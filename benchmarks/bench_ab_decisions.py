@@ -17,23 +17,39 @@ Scenarios (each with an identical candidate, A/A, and a stated effect):
 - rare successes: 3% pass, scores 0 or 5 only; effect +6 points;
 - small arm: 5% then 30% at 0.1 requests/s (~36 candidate requests by the first stage's planned end);
 - rare + small: 3% pass, 0/5 scores, 0.1 requests/s at 10%;
-- latency only: rewards identical, candidate latency x2 (a p95 ratio of ~2): the guardrail must roll back.
+- latency only: rewards identical, candidate latency x2 (a p95 ratio of ~2): the guardrail must roll back;
+- embedded mix: the embedded suite's 14 family:level cells of a late round (``EMBEDDED``: measured shares,
+  partial credit, prompt pools and spreads; pass rates moved to a ~82% champion), +3 points of pass rate, at
+  the rate ``make flywheel`` plans within (params/embedded.yaml's ``ab.plan_max_rate``). ``--eval`` takes
+  the cells' pass rates and partial credit from a real round's train/eval.json instead (its "before": e.g.
+  ``runs/round-04/train/eval.json`` after ``make flywheel``);
+- skewed mix: 70% easy requests (97% pass), 30% hard (45%), +3 points at the same rate.
+The two mixes run the sequential rule twice on the same simulated requests: plain (no covariates) and
+regression-adjusted (``hermes_lab.ab.adjust``: each request's cell, its prompt and their history as
+``hermes_lab.ab.covariates`` gives them); "variance left" is the adjusted pseudo-outcomes' variance as a
+share of the plain ones' in the first stage.
 
 Printed per scenario and rule: A/A false widen (passed the first stage), false promotion (100%), false
 roll back, false hold, their total (wrong actions), and the power on the stated effect (promoted to 100%;
 for harm and latency: rolled back). Goal (ours): <= 5% wrong actions on A/A in every scenario and >= 80%
-power on the benchmark's stated lift. Monte Carlo s.e. at 5%: ~1% with the default 500 rollouts, ~0.7% with
+power on the benchmark's stated lift; with the adjustment, >= 80% power at +3 points on the embedded mix.
+Monte Carlo s.e. at 5%: ~1% with the default 500 rollouts, ~0.7% with
 1000 (about 5 and 10 minutes on 2 loaded cores; a third of it is md5 routing).
 
-    .venv/bin/python benchmarks/bench_ab_decisions.py [--reps 1000] [--only benchmark,"heavy users"]
+    .venv/bin/python benchmarks/bench_ab_decisions.py [--reps 1000] [--only benchmark,"heavy users"] \
+        [--eval runs/round-04/train/eval.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +62,7 @@ RULES = {"user": "user rule, every look", "user_end": "user rule, stage end", "s
 MIX_RULES = {"sequential_plain": "ours, plain", "sequential": "ours, adjusted"}
 FLYWHEEL_RATE = 1.5  # params/embedded.yaml's ab.plan_max_rate: the budget `make flywheel` plans within
 REPEATED = 3000  # a cell with at most this many held-out prompts repeats them within a stage at that rate
+EXEC_LOG = 1080  # samples in a round's execution log (the baseline's; `make round` logs ~1081): the cells' history
 
 
 @dataclass(frozen=True)
@@ -62,17 +79,31 @@ class Cell:
     sd: float
 
 
-# The embedded task mix behind a +3-point round: the baseline of round 4 of `make flywheel` (train/eval.json
-# per_level "before": pass rate, mean reward -> the miss share; the prompts' spread from its paired samples),
-# with each cell's count of held-out prompts (tasks.suite: tool and small sums repeat, words do not).
+# The embedded task mix of a late round, where the gains are a few points (the issue's rounds 4-5: a champion at
+# ~82%). Measured, not guessed, where it can be: every family:level of the suite with its traffic share
+# (tasks.suite's round-robin), the reward share a miss scores (partial credit) and the between-prompt spread
+# (sd: from the paired samples, two per prompt, of a real round's held-out eval: `make round`'s train/eval.json,
+# round 1's candidate at 53.9%), and each cell's pool of held-out prompts (distinct prompts among 32400 drawn by
+# ab-run's traffic: tool and small sums repeat, words do not; large pools by capture-recapture). Only the pass
+# rates are moved: the measured ones (right-hand comment), shifted on the logit scale by one constant to the
+# late round's 81.7%, keeping their order and spread; a late champion's cells differ at least this much.
 EMBEDDED = (
-    Cell("upper:1", 1 / 15, 0.90, 0.30, 2630, 0.10),
-    Cell("upper:3", 1 / 15, 0.85, 0.30, 10**6, 0.10),
-    Cell("add:1", 1 / 15, 0.80, 0.30, 18, 0.20),
-    Cell("add:3", 1 / 15, 0.60, 0.30, 220, 0.20),
-    Cell("tool:1", 1 / 10, 0.80, 0.30, 7, 0.25),
-    Cell("tool:2", 1 / 10, 0.85, 0.30, 3, 0.25),
+    Cell("add:1", 0.0670, 0.713, 0.204, 18, 0.000),  # measured 0.381
+    Cell("add:2", 0.0670, 0.771, 0.277, 110, 0.234),  # measured 0.455
+    Cell("add:3", 0.0660, 0.711, 0.243, 220, 0.248),  # measured 0.379
+    Cell("reverse:1", 0.0670, 0.837, 0.375, 2609, 0.000),  # measured 0.560
+    Cell("reverse:2", 0.0670, 0.885, 0.394, 69969, 0.000),  # measured 0.657
+    Cell("reverse:3", 0.0660, 0.846, 0.410, 10**6, 0.000),  # measured 0.576
+    Cell("sort:1", 0.0670, 0.806, 0.359, 149, 0.163),  # measured 0.507
+    Cell("sort:2", 0.0670, 0.853, 0.396, 1520, 0.000),  # measured 0.590
+    Cell("sort:3", 0.0660, 0.833, 0.397, 14823, 0.000),  # measured 0.553
+    Cell("tool:1", 0.1000, 0.737, 0.442, 7, 0.206),  # measured 0.410
+    Cell("tool:2", 0.1000, 0.927, 0.476, 3, 0.037),  # measured 0.760
+    Cell("upper:1", 0.0670, 0.860, 0.368, 2560, 0.060),  # measured 0.605
+    Cell("upper:2", 0.0670, 0.841, 0.387, 67890, 0.073),  # measured 0.567
+    Cell("upper:3", 0.0660, 0.801, 0.415, 10**6, 0.000),  # measured 0.500
 )
+# A skewed-difficulty mix: most traffic easy, a hard minority (live traffic's long tail of hard prompts).
 SKEWED = (
     Cell("easy", 0.7, 0.97, 0.30, 10**6, 0.05),
     Cell("hard", 0.3, 0.45, 0.30, 10**6, 0.15),
@@ -103,6 +134,26 @@ SCENARIOS = [
     Scenario("embedded mix", rate=FLYWHEEL_RATE, size=0.03, mix=EMBEDDED),
     Scenario("skewed mix", rate=FLYWHEEL_RATE, size=0.03, mix=SKEWED),
 ]
+
+
+def cells_from_eval(path: str) -> tuple[Cell, ...]:
+    """The embedded mix with a real round's cells: each family:level's share, pass rate and partial credit
+    from eval.json's "before" (the round's baseline); the prompt pools from ``EMBEDDED``, and the spread
+    between prompts as the same share of the pass/fail variance as there."""
+    before = json.loads(Path(path).read_text(encoding="utf-8"))["before"]
+    known = {c.name: c for c in EMBEDDED}
+    levels = before.get("per_level") or {}
+    unknown = sorted(set(levels) - set(known))
+    if not levels or unknown:
+        raise SystemExit(f"{path}: 'before' needs per_level with the embedded cells ({unknown or 'none'})")
+    total = sum(float(v["n"]) for v in levels.values())
+    out = []
+    for name, v in sorted(levels.items()):
+        c, p = known[name], min(max(float(v["pass_rate"]), 0.005), 0.995)
+        miss = min(max((float(v["mean_reward"]) / 5 - p) / (1 - p), 0.0), 1.0)
+        sd = c.sd * math.sqrt(p * (1 - p) / (c.p * (1 - c.p)))
+        out.append(dataclasses.replace(c, weight=float(v["n"]) / total, p=p, miss=miss, sd=sd))
+    return tuple(out)
 
 
 class Router:
@@ -180,8 +231,8 @@ def _mix_traffic(sc: Scenario, n: tuple[int, int], cand_arm: np.ndarray, lift: f
     """Rewards and covariates of requests from the task mix: each request's cell, its prompt (drawn from the
     cell's held-out prompts: a repeated prompt keeps its pass rate within a rollout), a pass with the
     prompt's rate (+ the candidate's lift, spread over the cells in proportion to what they miss), partial
-    credit on a miss; and the history a round has: the cell's share in the baseline's execution log (~110
-    samples) and, for repeated prompts, their share in the previous round's A/B log (a champion 7 points
+    credit on a miss; and the history a round has: the cell's share in the baseline's execution log
+    (``EXEC_LOG`` samples) and, for repeated prompts, their share in the previous round's A/B log (a champion 7 points
     worse), as ``hermes_lab.ab.covariates`` gives them."""
     reps, m = n
     cells = sc.mix
@@ -218,12 +269,13 @@ def _mix_traffic(sc: Scenario, n: tuple[int, int], cand_arm: np.ndarray, lift: f
     passed = rng.random((reps, m)) < q
     partial = np.clip(miss[cell] + rng.normal(0, 0.08, (reps, m)), 0.0, 0.5)
     reward = np.where(passed, 5.0, np.round(5 * partial, 4))
-    est = share + rng.normal(0, 1, len(cells)) * np.sqrt(share * (1 - share) / 110)  # the execution log's cells
+    n_log = EXEC_LOG * w  # the execution log's samples per cell: its estimate of the cell's mean reward share
+    est = share + rng.normal(0, 1, (reps, len(cells))) * np.sqrt(share * (1 - share) / n_log)  # per rollout
     cov = {
         "cell": cell,
         "task": task,
-        "hist_cell_dev": (est - float(w @ est))[cell],
-        "hist_cell_n": np.full((reps, m), 110.0),
+        "hist_cell_dev": np.take_along_axis(est - (est @ w)[:, None], cell, 1),
+        "hist_cell_n": n_log[cell],
         "hist_task_dev": hist_task_dev,
         "hist_task_n": hist_task_n,
     }
@@ -296,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=500, help="simulated rollouts per scenario and candidate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    p.add_argument("--eval", default="", help="a round's train/eval.json: the embedded mix's cells from its baseline")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     st, rng, router = ab.Settings(), np.random.default_rng(args.seed), Router(args.reps)
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    if args.eval:
+        mix = cells_from_eval(args.eval)
+        chosen = [dataclasses.replace(s, mix=mix) if s.mix is EMBEDDED else s for s in chosen]
+        print(f"embedded mix: the cells of {args.eval} (baseline pass {sum(c.weight * c.p for c in mix):.1%})")
     print(
         f"{args.reps} rollouts per scenario and candidate; looks every {LOOK:.0f} s, extension x{EXT:g}; "
         f"alpha {st.alpha}, guardrail alpha {st.guardrail_alpha}, srm alpha {st.srm_alpha}"

@@ -336,7 +336,9 @@ HELD_NB = HEAD + (
     "else:  # the first one reaches its hard end undecided\n"
     "    held = {'stage': 0, 'ratio': 0.1, 'cs': [-0.05, 0.2], 'units_baseline': 900, 'units_candidate': 100}\n"
     "    cand = {'decision': 'keep observing', 'promoted': False, 'rolled_back': False, 'held': held}\n"
-    "write_verdict(out, 'decide', [gate('decision', cand['promoted'], cand['decision'])], candidate=cand)\n"
+    "line = 'ab: UNDERPOWERED plan: needs ~4200 requests in stage 0 (10% candidate) ..., the budget allows 2100'\n"
+    "plan = None if continue_from else {'underpowered': True, 'line': line, 'power': 0.6, 'power_target': 0.95}\n"
+    "write_verdict(out, 'decide', [gate('decision', cand['promoted'], cand['decision'])], candidate=cand, plan=plan)\n"
 )
 
 
@@ -373,6 +375,9 @@ def test_a_held_candidate_has_its_own_status_and_the_next_round_may_continue_its
     runs = tmp_path / "runs"
     assert r1.status == "candidate held: undecided" and r1.summary["held"]["cs"] == [-0.05, 0.2]
     assert "held: stage 0 (10%) reached its hard end undecided, delta in [-0.050, +0.200]" in out
+    # the round's output names the underpowered plan (ab.plan_power could not be reached within the budget)
+    assert r1.summary["ab_plan"].startswith("ab: UNDERPOWERED plan: needs ~4200 requests")
+    assert "\n  ab: UNDERPOWERED plan: needs ~4200 requests" in out and "the budget allows 2100" in out
     if on_held == "new":  # a new candidate: round 2 trains again and its experiment starts afresh
         assert r1.summary["held"]["next"] == "new" and r2.summary["continues"] is None
         assert (runs / "round-02" / "fit").is_dir() and r2.status == "candidate held: undecided"

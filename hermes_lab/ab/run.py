@@ -273,6 +273,7 @@ def run_ab(
     settings, plan and history replace this run's).
     """
     wall0 = time.time()
+    held = load_held(continue_from) if continue_from else None  # HeldError names the folder, before any load
     cache: dict[str, Any] = {}
     pols = {}
     for arm, spec, flag in ((0, baseline, "--baseline"), (1, candidate, "--candidate")):
@@ -280,7 +281,6 @@ def run_ab(
             pols[arm] = load_arm(spec, cfg, cache)
         except ArmError as e:
             raise e.with_flag(flag) from None
-    held = load_held(continue_from) if continue_from else None
     if held is not None:  # the held experiment's own settings, rate and history: the same sequence, carried on
         cfg = copy.copy(cfg)
         cfg.ab, history = held.ab, held.history
