@@ -27,7 +27,10 @@ Scenarios (each with an identical candidate, A/A, and a stated effect):
 The two mixes run the sequential rule twice on the same simulated requests: plain (no covariates) and
 regression-adjusted (``hermes_lab.ab.adjust``: each request's cell, its prompt and their history as
 ``hermes_lab.ab.covariates`` gives them); "variance left" is the adjusted pseudo-outcomes' variance as a
-share of the plain ones' in the first stage.
+share of the plain ones' in the first stage. A third row, "adjusted, held continued", is what the embedded
+flywheel does with a stage that reaches its hard end undecided (``round.on_held: continue``): the next round
+carries the same sequence on for another stage length, once per experiment (its power spends two rounds'
+A/B budget on one candidate; its A/A row shows the continuation keeps the guarantee).
 
 Printed per scenario and rule: A/A false widen (passed the first stage), false promotion (100%), false
 roll back, false hold, their total (wrong actions), and the power on the stated effect (promoted to 100%;
@@ -59,7 +62,11 @@ from hermes_lab.ab import stats as ab
 LOOK, EXT, MISS_ERR, USERS = 900.0, 1.0, 0.03, 2000
 PLAN = [[0.1, 7200], [0.3, 14400], [1.0, 0]]
 RULES = {"user": "user rule, every look", "user_end": "user rule, stage end", "sequential": "ours (sequential)"}
-MIX_RULES = {"sequential_plain": "ours, plain", "sequential": "ours, adjusted"}
+MIX_RULES = {
+    "sequential_plain": "ours, plain",
+    "sequential": "ours, adjusted",
+    "sequential_held": "adjusted, held continued",  # round.on_held: continue, once: the next round's budget too
+}
 FLYWHEEL_RATE = 1.5  # params/embedded.yaml's ab.plan_max_rate: the budget `make flywheel` plans within
 REPEATED = 3000  # a cell with at most this many held-out prompts repeats them within a stage at that rate
 EXEC_LOG = 1080  # samples in a round's execution log (the baseline's; `make round` logs ~1081): the cells' history
@@ -185,7 +192,7 @@ def simulate_stage(
     counts = rng.poisson(sc.rate * stage.seconds * (1 + stage.max_extension), reps)
     n_max = int(counts.max())
     keep = np.arange(n_max)[None, :] < counts[:, None]
-    t = np.sort(rng.uniform(0, stage.hard_end, (reps, n_max)), axis=1)
+    t = stage.start + np.sort(rng.uniform(0, stage.hard_end - stage.start, (reps, n_max)), axis=1)
     g = np.broadcast_to(np.arange(reps)[:, None], (reps, n_max))
     p_user = None
     if sc.unit == "user":
@@ -286,12 +293,17 @@ def simulate_mix(
     sc: Scenario, stage: ab.Stage, cand: str, router: Router, rng: np.random.Generator, st: ab.Settings
 ) -> dict[str, np.ndarray]:
     """A stage of a task-mix scenario: every rollout's decision code per rule, the adjusted sequential rule
-    and the plain one deciding on the same simulated requests."""
+    and the plain one deciding on the same simulated requests. The stage is simulated as a held one continued
+    (``round.on_held: continue``: another stage length with extension on the same sequence, ``Stage.continued``):
+    the rules decide on the looks up to the stage's own hard end, "sequential_held" on all of them (a
+    confidence sequence at a look depends on the requests before it only, so the first part is the stage)."""
     reps = router.reps
-    counts = rng.poisson(sc.rate * stage.seconds * (1 + stage.max_extension), reps)
+    longer = dataclasses.replace(stage, continued=stage.seconds * (1 + stage.max_extension))
+    span = longer.hard_end - stage.start
+    counts = rng.poisson(sc.rate * span, reps)
     n_max = int(counts.max())
     keep = np.arange(n_max)[None, :] < counts[:, None]
-    t = np.sort(rng.uniform(0, stage.hard_end, (reps, n_max)), axis=1)
+    t = stage.start + np.sort(rng.uniform(0, span, (reps, n_max)), axis=1)
     g = np.broadcast_to(np.arange(reps)[:, None], (reps, n_max))
     arm = (router.requests(stage.index, n_max) < stage.ratio).astype(np.int8)
     lift = {"better": sc.size, "worse": -sc.size}.get(cand, 0.0)
@@ -303,13 +315,15 @@ def simulate_mix(
         "error": np.zeros(int(keep.sum()), bool),
         "latency_ms": np.exp(rng.normal(np.log(120), 0.35, int(keep.sum()))),
     }
-    looks = stage.look_times()
+    looks = longer.look_times()
+    own = int(np.searchsorted(looks, stage.hard_end)) + 1  # the stage's own looks: through its hard end
     out = {}
     for rule, extra in (("sequential_plain", {}), ("sequential", {k: v[keep] for k, v in cov.items()})):
         S = ab.look_path({**cols, **extra}, looks, stage.ratio, stage.tune_n, st, g[keep], reps)
-        C = ab.rule_codes(S, st)
-        out[rule] = ab.first_action(C["sequential"], looks, stage.planned_end)[0]
+        C = ab.rule_codes(S, st)["sequential"]
+        out[rule] = ab.first_action(C[:, :own], looks[:own], stage.planned_end)[0]
         if rule == "sequential":
+            out["sequential_held"] = ab.first_action(C, looks, stage.planned_end)[0]
             out["var_ratio"] = S["var_ratio"]
     return out
 
@@ -323,9 +337,12 @@ def rollout(sc: Scenario, cand: str, router: Router, rng: np.random.Generator, s
     for rule in MIX_RULES if sc.mix else RULES:
         outcomes = []
         for r in range(router.reps):
-            results = []
+            results, continued = [], False
             for s, sim in zip(stages, sims):
-                d = ab.DECISIONS[int(sim[rule][r])]
+                code = int(sim["sequential" if rule == "sequential_held" else rule][r])
+                if rule == "sequential_held" and code == ab.KEEP and not continued:  # held: continued, once
+                    code, continued = int(sim[rule][r]), True
+                d = ab.DECISIONS[code]
                 results.append({"index": s.index, "ratio": s.ratio, "sequential_decision": d})
                 if d != "widen":  # the runner stops the rollout at a stage that did not widen
                     break
@@ -407,11 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in dict.fromkeys(n for n, _ in mix_power):
         adj, plain = mix_power[(name, "sequential")], mix_power[(name, "sequential_plain")]
+        held = mix_power[(name, "sequential_held")]
         good = adj >= 0.80
         ok &= good or name != "embedded mix"
         print(
             f"goal ({name}): power >= 80% at +3 points with the regression adjustment: adjusted {adj:.1%}, "
-            f"plain {plain:.1%} on the same traffic ({adj / max(plain, 1e-9):.2f}x): {'PASS' if good else 'FAIL'}"
+            f"plain {plain:.1%} on the same traffic ({adj / max(plain, 1e-9):.2f}x): {'PASS' if good else 'FAIL'}; "
+            f"with a held stage continued once by the next round (round.on_held: continue): {held:.1%}"
         )
     print(f"time: {time.perf_counter() - t0:.1f} s (md5 routing {router.seconds:.1f} s)")
     return 0 if ok else 1

@@ -459,12 +459,14 @@ def adjustment_lines(report: dict[str, Any]) -> list[str]:
         if not q.get("adjusted"):
             continue
         plain = (q.get("cs_lower_plain"), q.get("cs_upper_plain"))
-        width = q.get("width_ratio")
+        width, red = q.get("width_ratio"), q.get("variance_reduction")
+        narrow = None if width is None else round(100 * (1 - width))
+        cut = None if red is None else round(100 * red)
         out.append(
             f"stage {s['index']}: regression-adjusted CS [{_f(q.get('cs_lower'))}, {_f(q.get('cs_upper'))}], "
             f"plain [{_f(plain[0])}, {_f(plain[1])}]"
-            + (f": {1 - width:.0%} narrower" if width is not None else "")
-            + (f", variance -{q['variance_reduction']:.0%}" if q.get("variance_reduction") is not None else "")
+            + ("" if narrow is None else f": {narrow}% narrower" if narrow > 0 else ": no narrower")
+            + ("" if cut is None else f", variance {cut}% lower" if cut > 0 else ", variance not reduced")
         )
     return out
 
