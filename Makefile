@@ -42,12 +42,10 @@ serve: setup
 live-demo: setup
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 
-## the suite on every core (pytest-xdist: whole files per worker, the longest first: tests/conftest.py). The tiny
-## policy most tests share is built first, on every core (a no-op once cached in runs/policies/): inside the
-## suite it would be built by one single-threaded worker while the other waits for it
+## the suite on every core (pytest-xdist: whole files per worker, the longest first: tests/conftest.py). On a
+## fresh clone the tiny policy most tests share builds in the background while the files that need none run
 test: setup lint browser-deps
-	$(BIN)/hermes-lab build-policy
-	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 ## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
 ## elsewhere the browser tests skip and say why
@@ -61,7 +59,7 @@ lint: setup
 
 ## the loop of a change: everything but the tests marked slow (notebooks, trainings, rounds), on every core
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto -m "not slow" tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 ## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
 lab: setup

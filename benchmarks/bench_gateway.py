@@ -13,7 +13,17 @@ Measured per gateway variant (upstream client x durability):
 Goal on 2 cores: added p50 <= 0.5 ms at concurrency 1; >= 3,000 req/s, >= 50% of direct and p99 <= 40 ms
 at concurrency 64.
 
+Agent conversations (issue 28; the default variant, streamed and not): 20-turn tool-calling conversations
+whose requests carry the whole history (a 30 KB system prompt and tool schemas, then one tool call and a 1 KB
+tool result per turn: 31 KB at turn 1, 52 KB at turn 20), each answered with the same tool call, so the gateway
+links every turn by its message prefix, logs only the new messages and the assembled tool call. Lines: added
+p50 at concurrency 1 next to the single-turn request's measured in the same run (goal: within 1 ms), and
+throughput with 64 conversations in flight (goal: >= 2,000 req/s).
+
     python benchmarks/bench_gateway.py [--quick] [--variants aiohttp:write,aiohttp:fsync,httpx:write]
+    # before / after in one run: a variant may name another checkout of the package (client:durability@DIR)
+    git archive <commit> | tar -x -C /tmp/before
+    python benchmarks/bench_gateway.py --quick --variants aiohttp:write,aiohttp:write@/tmp/before
 """
 
 from __future__ import annotations
@@ -41,6 +51,90 @@ BODY = json.dumps(
     }
 ).encode()
 REQUEST = json.dumps({"model": "hermes", "messages": [{"role": "user", "content": "up cat="}]}).encode()
+CALL = {"id": "call_1", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls -la"}'}}
+TOOL_BODY = json.dumps(
+    {
+        "id": "cmpl-stub",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "stub",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 9000, "completion_tokens": 12, "total_tokens": 9012},
+    }
+).encode()
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+_CHUNK = {"id": "cmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": "stub"}
+TOOL_STREAM = b"".join(
+    [
+        _sse({**_CHUNK, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}),
+        _sse(
+            {
+                **_CHUNK,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "tool_calls": [
+                                {**CALL, "index": 0, "function": {"name": "terminal", "arguments": '{"comm'}}
+                            ]
+                        },
+                    }
+                ],
+            }
+        ),
+        _sse(
+            {
+                **_CHUNK,
+                "choices": [
+                    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'and": "ls -la"}'}}]}}
+                ],
+            }
+        ),
+        _sse({**_CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+        _sse(
+            {**_CHUNK, "choices": [], "usage": {"prompt_tokens": 9000, "completion_tokens": 12, "total_tokens": 9012}}
+        ),
+        b"data: [DONE]\n\n",
+    ]
+)
+TURNS = 20
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": "A tool of the agent. " * 10,
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+    for i in range(30)
+]
+
+
+def conversation(k: int, stream: bool) -> list[bytes]:
+    """The request bodies of conversation k: turn t holds the history (t tool calls and results) and asks again."""
+    system = {"role": "system", "content": "You are Hermes, an agent. " * 900}  # ~23 KB, tools ~7 KB more
+    msgs: list = [system, {"role": "user", "content": f"conversation {k}: inspect the directory"}]
+    out = []
+    for t in range(TURNS):
+        body = {"model": "hermes", "messages": msgs, "tools": TOOLS}
+        if stream:
+            body["stream"] = True
+        out.append(json.dumps(body).encode())
+        msgs = [*msgs, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+        msgs.append({"role": "tool", "tool_call_id": "call_1", "content": f"turn {t}: " + "x" * 1000})
+    return out
 
 
 def free_port() -> int:
@@ -54,8 +148,12 @@ def run_stub(port: int) -> None:
     from aiohttp import web
 
     async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=BODY, content_type="application/json")
+        body = await request.read()
+        if b'"tools"' not in body:
+            return web.Response(body=BODY, content_type="application/json")
+        if b'"stream": true' in body or b'"stream":true' in body:
+            return web.Response(body=TOOL_STREAM, content_type="text/event-stream")
+        return web.Response(body=TOOL_BODY, content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -169,9 +267,94 @@ def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], 
     return out
 
 
-def start_gateway(stub_url: str, client: str, durability: str, log_dir: str) -> tuple[subprocess.Popen, str]:
+async def conv_sequential(direct: str, gateway: str, n_conv: int, stream: bool) -> dict[str, list[float]]:
+    """Concurrency 1: each conversation's turns in order, direct and gateway alternating per turn, with the
+    single-turn request interleaved too (its added latency measured under the same load)."""
+    import aiohttp
+
+    lat: dict[str, list[float]] = {k: [] for k in ("direct", "gateway", "direct1", "gateway1")}
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as s:
+        for k in range(n_conv + 1):
+            for t, body in enumerate(conversation(10_000 * int(stream) + k, stream)):
+                for name, url, data in (
+                    ("gateway", gateway, body),
+                    ("direct", direct, body),
+                    ("direct1", direct, REQUEST),
+                    ("gateway1", gateway, REQUEST),
+                )[:: 1 if t % 2 else -1]:
+                    t0 = time.perf_counter()
+                    async with s.post(url, data=data, headers=headers) as r:
+                        await r.read()
+                        assert r.status == 200, r.status
+                    if k:  # the first conversation warms up
+                        lat[name].append((time.perf_counter() - t0) * 1000)
+    return lat
+
+
+async def conv_burst(url: str, n_conv: int, concurrency: int, stream: bool, offset: int) -> tuple[int, float, int]:
+    """``n_conv`` conversations, ``concurrency`` in flight, each turn after the previous answer: (requests,
+    wall seconds, errors)."""
+    import aiohttp
+
+    bodies = [conversation(offset + k, stream) for k in range(n_conv)]
+    errors = done = 0
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        todo = iter(bodies)
+
+        async def worker() -> None:
+            nonlocal errors, done
+            for conv in todo:
+                for body in conv:
+                    async with s.post(url, data=body, headers=headers) as r:
+                        await r.read()
+                        errors += r.status != 200
+                    done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done, time.perf_counter() - t0, errors
+
+
+def measure_conversations(direct: str, gateway: str, n1: int, n64: int, log_dir: Path) -> list[tuple[str, dict]]:
+    rows = []
+    for stream in (False, True):
+        seq = asyncio.run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
+        res = {}
+        for name, url in (("direct", direct), ("gateway", gateway)):
+            n, wall, err = asyncio.run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
+            res[name] = (n / wall, err)
+        rows.append(
+            (
+                "streamed" if stream else "not streamed",
+                {
+                    "added_p50": pct(seq["gateway"], 0.5) - pct(seq["direct"], 0.5),
+                    "added_p50_single": pct(seq["gateway1"], 0.5) - pct(seq["direct1"], 0.5),
+                    "direct_rps": res["direct"][0],
+                    "rps": res["gateway"][0],
+                    "errors": res["direct"][1] + res["gateway"][1],
+                },
+            )
+        )
+    recs = [json.loads(x) for x in (log_dir / "requests.jsonl").read_bytes().splitlines()]
+    turns = [r for r in recs if r.get("tools_hash")]
+    linked = sum(1 for r in turns if r["history"] == (2 * r["turn"] + 1 if r["turn"] else 0))
+    calls = sum(1 for r in turns if r.get("tool_calls") == [CALL])
+    rows.append(
+        (
+            "log",
+            {"turns": len(turns), "linked": linked, "calls": calls, "bytes": sum(len(json.dumps(r)) for r in turns)},
+        )
+    )
+    return rows
+
+
+def start_gateway(
+    stub_url: str, client: str, durability: str, log_dir: str, repo: Path = REPO
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(repo)}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
@@ -186,7 +369,8 @@ def start_gateway(stub_url: str, client: str, durability: str, log_dir: str) -> 
         "stub-c",
     ]
     cmd += ["--set", f"serve.upstream_client={client}", "--set", f"serve.durability={durability}"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (a variant's other checkout must win)
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_up(f"http://127.0.0.1:{port}/healthz", proc)
     return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
 
@@ -195,6 +379,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (200 / 1,000): a smoke run")
     ap.add_argument("--variants", default="aiohttp:write,aiohttp:fsync,httpx:write", help="client:durability list")
+    ap.add_argument("--no-conversations", action="store_true", help="skip the agent-conversation lines")
+    ap.add_argument(
+        "--conversations-all", action="store_true", help="conversation lines for every variant (default: the first)"
+    )
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
     if args.stub:
@@ -210,11 +398,14 @@ def main() -> int:
         print("direct and gateway requests alternate (c=1) or alternate in blocks (c=64): same machine load")
         rows = []
         for variant in args.variants.split(","):
-            client, durability = variant.split(":")
+            spec, _, other = variant.partition("@")
+            client, durability = spec.split(":")
             with tempfile.TemporaryDirectory() as tmp:
-                gw, url = start_gateway(stub_url, client, durability, tmp)
+                gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
                 try:
                     m = measure(stub_url + "/v1/chat/completions", url, n1, n64, {"gateway": gw.pid, "stub": stub.pid})
+                    if (not rows or args.conversations_all) and not args.no_conversations:  # agent conversations
+                        m["conv"] = measure_conversations(stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp))
                 finally:
                     gw.terminate()
                     gw.wait(30)
@@ -243,6 +434,32 @@ def main() -> int:
         print(f"\ngoals for the default ({variant}); on a shared machine the ratios are the figures to compare:")
         for name, ok in goals:
             print(f"  {'met   ' if ok else 'missed'} {name}")
+        for variant, m in rows:
+            if "conv" not in m:
+                continue
+            conv = m["conv"]
+            print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
+            head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
+            print(f"{'':14s} {head}")
+            for name, c in conv[:2]:
+                diff = c["added_p50"] - c["added_p50_single"]
+                print(
+                    f"{name:14s} {c['added_p50']:6.3f}ms {c['added_p50_single']:6.3f}ms {diff:5.2f}ms"
+                    f" {c['direct_rps']:9,.0f} {c['rps']:9,.0f} {c['rps'] / c['direct_rps']:9.0%}"
+                    f" (errors {c['errors']})"
+                )
+                goals = [
+                    (f"{name}: added p50 at c=1 within 1 ms of a single-turn request", diff <= 1.0),
+                    (f"{name}: throughput at c=64 >= 2,000 req/s", c["rps"] >= 2000),
+                ]
+                for g, ok in goals:
+                    print(f"  {'met   ' if ok else 'missed'} {g}")
+            lg = conv[2][1]
+            print(
+                f"log: {lg['turns']} conversation turns, {lg['linked']} linked to their conversation at the right turn,"
+                f" {lg['calls']} with the tool call assembled; {lg['bytes'] / max(lg['turns'], 1) / 1024:.1f} KB a"
+                " record (only the new messages)"
+            )
         best = max(rows, key=lambda r: r[1]["gateway"]["rps"])
         print(
             f"fastest variant at c=64: {best[0]}; gw CPU = the gateway process' CPU per request (load-independent-ish)"

@@ -1,4 +1,5 @@
-"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 and 5,000,000 trajectories.
+"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 and 5,000,000 trajectories,
+and on 100,000 Hermes-shaped agent conversations.
 
 Goals: at most 60 s for 1M records on 2 cores; peak memory (RSS) at most 1.5 GiB for 5M records, whatever
 the input size (prep streams within ``data.memory_budget_mb``). Each size runs prep in a fresh child process;
@@ -8,7 +9,16 @@ size, measured in the same run (a lower bound: it parses, but validates, dedups 
 skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via ``make bench``
 (generating 5M lines takes a few minutes on a loaded machine).
 
-    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--budget-mb 512] [--keep DIR]
+Conversations (``--conversations``, default 100,000): Hermes Agent ShareGPT trajectories shaped like the real
+ones (tests/fixtures/hermes/trajectory_samples.jsonl: the system turn with its <tools> schemas, the task, a
+<think> + <tool_call> turn, a <tool_response>, the answer; ~10 KB a line, every one distinct but 1% repeated
+lines), through the same prep in a child: conversations/s and peak RSS, beside ``datasets.load_dataset("json")``
+of the same file (which parses it and nothing else). Peak RSS counts the pages of the memory-mapped Arrow files
+datasets writes and reads (the kernel reclaims those); the heap (RssAnon, sampled in the child) is what
+``data.memory_budget_mb`` bounds.
+
+    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--conversations 100000]
+                                             [--budget-mb 512] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -66,17 +76,61 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
         f.writelines(lines)
 
 
+def write_conversations(path: Path, n: int, seed: int = 0) -> None:
+    """n Hermes-shaped trajectory lines (~10 KB each) from the real fixture's first line: each with its own
+    task, command, tool output and answer; every 100th line repeats the one before (an exact duplicate)."""
+    rng = random.Random(seed)
+    fixture = ROOT / "tests" / "fixtures" / "hermes" / "trajectory_samples.jsonl"
+    base = json.loads(fixture.read_text().splitlines()[0])
+    system = base["conversations"][0]["value"]
+    words = ["disk", "kernel", "printer", "billing", "logs", "cache", "network", "backup", "cron", "users"]
+    prev = ""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            if i % 100 == 99 and prev:
+                f.write(prev)
+                continue
+            topic = " ".join(rng.choice(words) for _ in range(3))
+            cmd = f"grep -c {rng.choice(words)} /var/log/{rng.choice(words)}-{i}.log"
+            output = "\n".join(f"{rng.choice(words)}-{rng.randrange(10**6)}: ok" for _ in range(110))
+            result = json.dumps({"tool_call_id": f"call_{i}", "name": "terminal", "content": {"output": output}})
+            call = json.dumps({"name": "terminal", "arguments": {"command": cmd}})
+            think = f"<think>\nI will look at the {topic} first.\n</think>\n"
+            turns = [
+                {"from": "system", "value": system},
+                {"from": "human", "value": f"Task {i}: check the {topic} and report what you find."},
+                {"from": "gpt", "value": f"{think}<tool_call>\n{call}\n</tool_call>"},
+                {"from": "tool", "value": f"<tool_response>\n{result}\n</tool_response>"},
+                {"from": "gpt", "value": f"<think>\n</think>\nThe {topic} look fine: {rng.randrange(1000)} lines."},
+            ]
+            stamp = f"2026-01-01T{i // 3600 % 24:02d}:{i // 60 % 60:02d}:{i % 60:02d}"
+            rec = {"conversations": turns, "timestamp": stamp, "model": "bench", "completed": rng.random() < 0.85}
+            prev = json.dumps(rec, ensure_ascii=False) + "\n"
+            f.write(prev)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 60.0  # at 1M records
 GOAL_RSS_GIB = 1.5  # at 5M records
 CHILD = """
-import json, sys, time
+import json, sys, threading, time
 from hermes_lab.config.schema import load_config
 from hermes_lab.data.prep import run_prep
+anon = [0]
+def sample():  # the heap's peak (RssAnon); ru_maxrss also counts the pages of memory-mapped Arrow files
+    while True:
+        try:
+            with open("/proc/self/status") as f:
+                kb = next(int(x.split()[1]) for x in f if x.startswith("RssAnon"))
+        except (OSError, StopIteration):
+            return
+        anon[0] = max(anon[0], kb)
+        time.sleep(0.1)
+threading.Thread(target=sample, daemon=True).start()
 cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
 t = time.perf_counter()
 res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary}, default=str))
+print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary, "anon_kb": anon[0]}, default=str))
 """
 
 
@@ -97,7 +151,8 @@ def run_child(data: Path, out: Path, budget_mb: int) -> tuple[dict, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000, 5_000_000])
+    ap.add_argument("--records", type=int, nargs="*", default=[1_000_000, 5_000_000], help="seed records (none: skip)")
+    ap.add_argument("--conversations", type=int, default=100_000, help="Hermes conversations (0: skip)")
     ap.add_argument("--budget-mb", type=int, default=512, help="data.memory_budget_mb for prep")
     ap.add_argument("--keep", default=None, help="write into this dir instead of a temp dir")
     args = ap.parse_args(argv)
@@ -105,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.keep) if args.keep else Path(tmp_ctx.name)
     root.mkdir(parents=True, exist_ok=True)
     ok = True
-    for i, n in enumerate(args.records):
+    for i, n in enumerate(args.records or []):
         data = root / f"trajectories-{n}.jsonl"
         t = time.perf_counter()
         write_records(data, n)
@@ -118,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             f"prep {n:,}: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
             f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
             f"{s['split']['grpo_prompts']:,} GRPO / {s['split']['heldout_prompts']:,} held-out prompts; "
-            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB ({rss * 2**30 / size:.2f}x the input; "
+            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB, heap {res['anon_kb'] / 2**20:.2f} GiB "
+            f"({rss * 2**30 / size:.2f}x the input; "
             f"{s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
             flush=True,
         )
@@ -141,8 +197,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x")
             del ds
         data.unlink()
+    if args.conversations:
+        bench_conversations(root, args.conversations, args.budget_mb)
     tmp_ctx.cleanup()
     return 0 if ok else 1
+
+
+def bench_conversations(root: Path, n: int, budget_mb: int) -> None:
+    """One line: prep on n Hermes conversations (conversations/s, peak RSS) beside load_dataset('json')."""
+    data = root / f"hermes-{n}.jsonl"
+    t = time.perf_counter()
+    write_conversations(data, n)
+    size = data.stat().st_size
+    took = time.perf_counter() - t
+    print(f"wrote {n:,} Hermes conversations, {size / 2**20:.1f} MiB ({size / n / 1024:.1f} KiB each) in {took:.1f} s")
+    res, rss = run_child(data, root / f"prep-hermes-{n}", budget_mb)
+    t_prep, s = res["seconds"], res["summary"]
+    k, conv = s["counts"], s["conversations"]
+    import datasets
+
+    datasets.disable_progress_bars()
+    t = time.perf_counter()
+    ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache-conv"))
+    t_hf = time.perf_counter() - t
+    print(
+        f"prep {n:,} Hermes conversations: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
+        f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; {n / t_prep:,.0f} conversations/s, "
+        f"{conv['tool_calls']['total']:,} tool calls; peak RSS {rss:.2f} GiB, of it heap {res['anon_kb'] / 2**20:.2f} "
+        f"GiB (the rest: mapped Arrow files; input {size / 2**30:.2f} GiB, {s['memory']['partitions']} partitions, "
+        f"budget {budget_mb} MiB) | datasets.load_dataset('json'): "
+        f"{t_hf:.1f} s for {len(ds):,} rows ({n / t_hf:,.0f}/s); ratio prep / load_dataset {t_prep / t_hf:.2f}x",
+        flush=True,
+    )
+    del ds
+    data.unlink()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ def pytest_configure(config):
 
 
 # The files whose tests run longest (pytest --durations), started first: `make test` hands whole files to its
-# pytest-xdist workers in this order (--dist loadfile, so each file's module and session fixtures are built
-# once), and a long file started last would leave one core idle at the end.
+# pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder: each file's module and session
+# fixtures built once, and xdist's own reorder, by number of tests, off), and a long file started last would
+# leave one core idle at the end.
 LONGEST_FIRST = (
     "test_live_round.py",
     "test_round.py",
@@ -30,11 +31,57 @@ LONGEST_FIRST = (
     "test_prep.py",
     "test_serve.py",
 )
+# Files whose tests never load the embedded tiny policy. On a fresh clone the policy is not built yet (3-4
+# minutes): the first worker starts its build in the background, these files run meanwhile, and the first test
+# that needs the policy waits on the build's lock (hermes_lab.policy.model.build_tiny_policy), so it is built
+# once whatever this list says; a file listed here by mistake only waits.
+POLICY_FREE = (
+    "test_ab.py",
+    "test_ab_plan.py",
+    "test_api.py",
+    "test_architecture.py",
+    "test_browser_conversations.py",
+    "test_conversations.py",
+    "test_doctor.py",
+    "test_inspect.py",
+    "test_jsonl.py",
+    "test_notebooks.py",
+    "test_prep_fuzz.py",
+    "test_redaction.py",
+    "test_rewards.py",
+    "test_tasks.py",
+)
+_POLICY_BUILD: list = []
+
+
+def _policy_built() -> bool:
+    from pathlib import Path
+
+    from hermes_lab.policy.model import tiny_dir
+
+    return (tiny_dir(Path(__file__).resolve().parents[1] / "runs", 0) / "build.json").exists()
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    key = lambda item: rank.get(item.path.name, len(rank))  # noqa: E731
+    if _policy_built() or all(item.path.name in POLICY_FREE for item in items):
+        items.sort(key=key)  # stable: the rest keep their order
+        return
+    items.sort(key=lambda item: (item.path.name not in POLICY_FREE, key(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":  # one builder: the first worker, or plain pytest
+        import subprocess
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the workers hold the other core(s)
+        cmd = [sys.executable, "-m", "hermes_lab.policy.model"]
+        _POLICY_BUILD.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_unconfigure(config):
+    for proc in _POLICY_BUILD:  # a session that ends first (a -k selection) does not leave it running
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait()
 
 
 @pytest.fixture(autouse=True)
@@ -73,11 +120,40 @@ def fake_openai(monkeypatch):
     server.stop()
 
 
+_MLFLOW_TEMPLATE: list = []
+
+
+def mlflow_db(dest) -> str:
+    """A new, empty SQLite MLflow store at ``dest`` (a file path); returns its tracking URI.
+
+    Creating a store runs MLflow's schema migrations (~50 of them: 3 s of CPU on a quiet machine, far more on a
+    loaded one), and the suite creates one for most tests that log. So each test process migrates one store, once,
+    and every test gets a byte copy of it: still a real store of its own, as the code under test would find it."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not _MLFLOW_TEMPLATE:
+        from mlflow.tracking import MlflowClient
+
+        tmp = tempfile.mkdtemp(prefix="hermes-lab-mlflow-template-")
+        atexit.register(shutil.rmtree, tmp, True)
+        db = Path(tmp) / "mlflow.db"
+        MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # creates and migrates the schema
+        _MLFLOW_TEMPLATE.append(db)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_MLFLOW_TEMPLATE[0], dest)
+    return f"sqlite:///{dest}"
+
+
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch):
     """A real SQLite MLflow store with the 'hermes-lab' experiment; artifacts under tmp_path (never ./mlruns)."""
     import mlflow
 
+    mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())

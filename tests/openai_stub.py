@@ -6,6 +6,14 @@ written in two pieces, so a reader must reassemble events split across reads; a 
 "perfect" policy), anything else gets "OK"; ``reply`` fixes the reply (a bad policy). ``api_key``:
 require that Bearer key (401 otherwise); ``fail``: answer 500. Every request is recorded (path,
 lower-cased headers, JSON body).
+
+``agent=True`` makes it a scripted tool-using model for agents that send ``tools`` (the Hermes Agent
+fixtures, tests/fixtures/hermes/make_fixtures.py): to a user turn it answers with the tool calls of the
+first ``plans`` entry whose key occurs in the conversation's first user message (default: one call of
+``terminal``, else of the first offered tool), to tool results with a text that quotes them; a first
+message holding ``loop_key`` gets tool calls after every result too (an agent that never finishes). Each
+answer carries ``reasoning_content``. Tool calls stream as OpenAI's do: ``delta.tool_calls`` with an index,
+the arguments in two pieces.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ class OpenAIStub:
     def __init__(self, models: tuple[str, ...] = ("up-model",), api_key: str | None = None):
         self.models, self.api_key, self.fail = list(models), api_key, False
         self.reply: str | None = None  # a fixed reply instead of the right answer (a bad arm)
+        self.agent = False  # scripted tool calls for an agent (see the module docstring)
+        self.plans: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # first-user-message key -> tool calls
+        self.loop_key = "never finish"  # a first user message holding this: tools after every result
         self.requests: list[dict[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -87,29 +98,44 @@ class OpenAIStub:
         user = next((m.get("content", "") for m in reversed(body["messages"]) if m.get("role") == "user"), "")
         task = T.parse_prompt(user) if isinstance(user, str) else None
         reply = self.reply if self.reply is not None else (task.answer if task else "OK")
-        usage = {"prompt_tokens": len(user), "completion_tokens": len(reply), "total_tokens": len(user) + len(reply)}
+        calls: list[dict[str, Any]] = []
+        reasoning = ""
+        if self.agent and body.get("tools"):
+            reply, calls, reasoning = self._agent_turn(body)
+        n_in = len(str(user))
+        usage = {"prompt_tokens": n_in, "completion_tokens": len(reply), "total_tokens": n_in + len(reply)}
         base = {"id": "cmpl-stub", "created": int(time.time()), "model": body["model"]}
+        finish = "tool_calls" if calls else "stop"
         if not body.get("stream"):
-            msg = {"role": "assistant", "content": reply}
+            msg: dict[str, Any] = {"role": "assistant", "content": (reply or None) if calls else reply}
+            if calls:
+                msg["tool_calls"] = calls
+            if reasoning:
+                msg["reasoning_content"] = reasoning
             return web.json_response(
                 {
                     **base,
                     "object": "chat.completion",
-                    "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+                    "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
                     "usage": usage,
                 }
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        pieces = [{"role": "assistant", "content": ""}] + [
-            {"content": reply[i : i + 2]} for i in range(0, len(reply), 2)
-        ]
+        pieces: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        pieces += [{"reasoning_content": reasoning[i : i + 16]} for i in range(0, len(reasoning), 16)]
+        pieces += [{"content": reply[i : i + 2]} for i in range(0, len(reply), 2)]
+        for k, c in enumerate(calls):  # name first, the arguments in two pieces: a reader must join them
+            args = c["function"]["arguments"]
+            head = {"index": k, "id": c["id"], "type": "function", "function": {"name": c["function"]["name"]}}
+            pieces.append({"tool_calls": [{**head, "function": {**head["function"], "arguments": args[:5]}}]})
+            pieces.append({"tool_calls": [{"index": k, "function": {"arguments": args[5:]}}]})
         events = [
             {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
             for d in pieces
         ]
         events.append(
-            {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
         )
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
@@ -121,3 +147,32 @@ class OpenAIStub:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _agent_turn(self, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]], str]:
+        """(text, tool calls, reasoning) of the scripted agent model for this request."""
+        msgs = body["messages"]
+        first = next((str(m.get("content") or "") for m in msgs if m.get("role") == "user"), "")
+        offered = [t["function"]["name"] for t in body["tools"] if t.get("type") == "function"]
+        plan = next((p for k, p in self.plans.items() if k in first), None)
+        if plan is None:
+            tool = "terminal" if "terminal" in offered else offered[0] if offered else None
+            plan = [(tool, {"command": "echo hello from the fixture"})] if tool else []
+        results = []
+        for m in reversed(msgs):  # the results of the last tool turn
+            if m.get("role") != "tool":
+                break
+            results.insert(0, str(m.get("content") or ""))
+        n_turn = sum(1 for m in msgs if m.get("role") == "assistant")
+        if (not results or self.loop_key in first) and plan:
+            calls = [
+                {
+                    "id": f"call_{n_turn}_{k}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args)},
+                }
+                for k, (name, args) in enumerate(plan)
+            ]
+            names = ", ".join(name for name, _ in plan)
+            return "", calls, f"The user asks: {first[:60]}. I will call {names} first."
+        quoted = " | ".join(r[:200] for r in results) or "nothing"
+        return f"Done. The tools returned: {quoted}", [], "I have the tool results; time to answer."

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import mlflow_db
 
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import plan as ab_plan
@@ -101,7 +102,7 @@ def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, mon
     from hermes_lab.core import tracking
     from tests.test_ab_run import FakePolicy
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     ev = tmp_path / "round-01" / "train" / "eval.json"

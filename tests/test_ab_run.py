@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mlflow_db
 
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import report as ab_report
@@ -230,7 +231,7 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
     """The CLI path (policies patched to fakes) logs params, metrics, report and plots to a real MLflow store."""
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_db(tmp_path / "mlflow.db"))
     fakes = {"B": FakePolicy(0.45, "B"), "C": FakePolicy(0.75, "C")}
     monkeypatch.setattr(ab_run, "load_arm", lambda spec, cfg, cache: fakes[spec])
     params = tmp_path / "p.yaml"
@@ -316,7 +317,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     from hermes_lab.policy.model import build_tiny_policy
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)  # an earlier test may have pointed this process elsewhere
     cfg_path = tmp_path / "params.yaml"
@@ -349,7 +350,7 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
     """notebook_run on a round that already has ab_report.json: no policy is loaded, plots are redrawn."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     cfg = _cfg(tmp_path)

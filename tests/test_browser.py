@@ -12,6 +12,7 @@ installs them when it runs as root with apt-get); without them the tests skip an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,25 +56,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A project copy with one round's trajectories and review queue, served by `hermes-lab lab`."""
-    from test_paths import write_trajectories
-
-    from hermes_lab.config.schema import load_config
-    from hermes_lab.data import prep
+@contextlib.contextmanager
+def serve_lab(tmp: Path, fill: Callable[[Path, Path], Path]) -> Iterator[dict]:
+    """A project copy under ``tmp`` whose round-01 ``fill(proj, round_dir)`` prepares (it returns the review
+    queue), served by `hermes-lab lab` as `make lab` starts it; stopped (SIGTERM, then SIGKILL) on exit."""
     from hermes_lab.policy.model import build_tiny_policy
 
-    tmp = tmp_path_factory.mktemp("lab")
     proj = tmp / "proj"
     for d in ("params", "notebooks"):
         shutil.copytree(REPO / d, proj / d)
     (proj / "runs").mkdir()
     (proj / "runs" / "policies").symlink_to(build_tiny_policy(REPO / "runs", 0, quiet=True).parent.resolve())
     round_dir = proj / "runs" / "round-01"
-    write_trajectories(round_dir / "trajectories.jsonl", n=600)
-    cfg = load_config(proj / "params" / "embedded.yaml", {"round.runs_dir": str(proj / "runs")})
-    prep.run_prep([round_dir / "trajectories.jsonl"], round_dir / "prep", cfg, make_plots=False)
+    queue = fill(proj, round_dir)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("HERMES_LAB_ROOT", "MLFLOW_TRACKING_URI")}
     # the test's own Jupyter state: no user settings, workspaces or runtime files are read or written
@@ -90,22 +86,44 @@ def lab(tmp_path_factory):
     server = subprocess.Popen(cmd, cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
-            break
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                pytest.fail(f"JupyterLab did not start: {log.read()[-3000:]}")
-            time.sleep(0.5)
-    yield {"url": url, "proj": proj, "log": log, "queue": round_dir / "prep" / "review_queue.jsonl"}
-    os.killpg(server.pid, signal.SIGTERM)  # jupyter shuts its kernels down on SIGTERM
     try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-    log.close()
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    log.seek(0)
+                    pytest.fail(f"JupyterLab did not start: {log.read()[-3000:]}")
+                time.sleep(0.5)
+        yield {"url": url, "proj": proj, "log": log, "queue": queue}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # jupyter shuts its kernels down on SIGTERM
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def _seed_round(proj: Path, round_dir: Path) -> Path:
+    """600 seed trajectories through prep: the round's review queue."""
+    from test_paths import write_trajectories
+
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.data import prep
+
+    write_trajectories(round_dir / "trajectories.jsonl", n=600)
+    cfg = load_config(proj / "params" / "embedded.yaml", {"round.runs_dir": str(proj / "runs")})
+    prep.run_prep([round_dir / "trajectories.jsonl"], round_dir / "prep", cfg, make_plots=False)
+    return round_dir / "prep" / "review_queue.jsonl"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A project copy with one round's trajectories and review queue, served by `hermes-lab lab`."""
+    with serve_lab(tmp_path_factory.mktemp("lab"), _seed_round) as info:
+        yield info
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 def run_cli(*args: str, unset: tuple[str, ...] = (), extra_env: dict[str, str] | None = None):
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(extra_env or {})
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 
 
 # ------------------------------------------------------------------------------------- the user's file
@@ -67,7 +67,7 @@ def test_embedded_loads_without_env(monkeypatch):
     cfg = load_config(EMBEDDED_YAML)
     assert cfg.model.base_model == "embedded:tiny"
     assert cfg.round.simulated_clock is True
-    assert cfg.reward.weights == [1.0, 0.25]
+    assert cfg.reward.types == ["system", "tests", "comparison"] and cfg.reward.weights == [1.0, 1.0, 0.25]
 
 
 def test_overrides_apply_and_are_checked(user_env):
@@ -319,7 +319,7 @@ def test_every_problem_is_listed_not_just_the_first(tmp_path):
 
 def test_choices_and_bounds_come_from_the_fields():
     helps = field_help()
-    assert "Choices: request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
+    assert "Choices: conversation, request, user." in helps["ab.unit"] and "(>= 2)" in helps["grpo.group_size"]
     from hermes_lab.config.schema import trl_choices
 
     trl = trl_choices("loss_type")  # read from the installed TRL's GRPOConfig, not a copy of it

@@ -22,6 +22,14 @@ def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
         assert T.split_of(r["prompt"]) == "train"  # held-out tasks stay held out
     assert len({r["request_id"] for r in rows}) == 520
     assert {r["family"] for r in rows} == set(T.FAMILIES)
+    # a code task's record carries its hidden tests, as a user's code task would; the others carry none
+    from hermes_lab.sandbox.specs import parse_tests
+
+    code = [r for r in rows if r["family"] == "code"]
+    assert code and all(
+        parse_tests(r, r["prompt"]) == parse_tests({"tests": T.tests_of(T.parse_prompt(r["prompt"]))}) for r in code
+    )
+    assert all("tests" not in r for r in rows if r["family"] != "code")
     passed = sum(r["reward"] >= 3 for r in rows) / len(rows)
     assert res["pass_rate"] == round(passed, 4)
     assert 0.05 < passed < 0.95  # sampled at temperature 0.9: a mix of passes and failures
@@ -60,6 +68,8 @@ def test_samples_per_task_logs_each_prompt_as_a_group(tmp_path):
     assert res["records"] == len(rows) == 160
     groups = [rows[i : i + 4] for i in range(0, 160, 4)]
     assert all(len({r["prompt"] for r in g}) == 1 for g in groups)  # neighbours: one prompt, four samples
-    assert len({g[0]["prompt"] for g in groups}) == 40 and len({r["request_id"] for r in rows}) == 160
+    # the 40 tasks in order (two draws of a small family, e.g. tool's 48 level-1 prompts, may coincide)
+    want = [t.prompt for t in T.generate_tasks(40, split="train", seed=3)]
+    assert [g[0]["prompt"] for g in groups] == want and len({r["request_id"] for r in rows}) == 160
     # sampled, not copied: some prompt's group holds different responses
     assert any(len({r["response"] for r in g}) > 1 for g in groups)

@@ -157,6 +157,11 @@ def test_better_candidate_is_promoted_through_every_stage(tmp_path, perfect, bad
     # the gateway decided on ab-run's regression-adjusted rule (embedded prompts: family:level cells, tasks)
     assert rep["stages"][0]["sequential"]["adjusted"] and rep["covariates"]["cells"] > 1
     assert rep["mode"] == "live" and rep["time_scale"] == SCALE and any("--time-scale 10" in r for r in rep["reasons"])
+    # single-turn traffic: every request a conversation of one turn, counted per arm in the report
+    conv = rep["conversations"]
+    assert conv["baseline"]["conversations"] + conv["candidate"]["conversations"] == rep["requests_logged"]
+    assert conv["baseline"]["turns_per_conversation"] == conv["candidate"]["turns_per_conversation"] == 1.0
+    assert conv["candidate"]["tool_call_rate"] == 0.0 and conv["candidate"]["conversations"] > 0
     assert {Path(p).name for p in rep["plots"]} == {"ab_scores.png", "ab_sequence.png", "ab_breakdown.png"}
     assert all(Path(p).stat().st_size > 1000 for p in rep["plots"])
     out = gw.output()

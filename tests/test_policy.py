@@ -58,7 +58,9 @@ def test_packed_teacher_batch_has_the_padded_batch_loss():
         # the same rows without position ids: one long causal sequence per row, examples see each other
         leaky = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
     assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
-    assert not torch.allclose(packed, leaky, atol=1e-3)
+    # an untrained model attends weakly: the leak moves the loss by ~6e-4 with v10's teacher mix, still 60x the
+    # 1e-5 to which the packed and padded losses agree
+    assert not torch.allclose(packed, leaky, atol=1e-4)
 
 
 @pytest.fixture(scope="session")

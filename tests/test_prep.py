@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.state import FlywheelState, SimulatedClock
@@ -356,7 +357,7 @@ def test_cooldown_override_is_recorded_in_summary_and_mlflow(tmp_path, cfg, smal
 
     from hermes_lab.core import tracking
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "art").as_uri())
@@ -480,7 +481,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     import mlflow
     import papermill as pm
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "art").as_uri())
@@ -838,7 +839,7 @@ def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
 
 
 def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
-    from hermes_lab.data.distill import gain_by_family
+    from hermes_lab.data.selection import gain_by_family
 
     rep = {
         "by_family": {

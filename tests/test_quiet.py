@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core import quiet
@@ -110,7 +111,7 @@ def test_train_cli_with_a_remote_judge_prints_no_http_lines(fake_openai, tmp_pat
     (tmp_path / "runs" / "policies").symlink_to(REPO / "runs" / "policies")
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     write_trajectories(tmp_path / "t.jsonl", n=600)
-    env = {**os.environ, "TAOTOKEN_API_KEY": KEY, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env = {**os.environ, "TAOTOKEN_API_KEY": KEY, "MLFLOW_TRACKING_URI": mlflow_db(tmp_path / "mlflow.db")}
     env.setdefault("OMP_NUM_THREADS", "1")  # a 0.3M-parameter policy: two contended threads are 10x slower than one
     cmd = [sys.executable, "-m", "hermes_lab.train", "--config", str(tmp_path / "p.yaml"), "--data"]
     cmd += [str(tmp_path / "t.jsonl"), "--output", str(tmp_path / "out"), "--max-steps", "1", "--no-eval"]

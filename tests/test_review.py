@@ -326,7 +326,7 @@ def test_gate_awaiting_blocked_pass(tmp_path, capsys):
     res = review.review_gate(q, store, cfg)
     assert res.status == "blocked" and res.agreement == pytest.approx(0.7) and res.n_labels == 40
     assert "fix the reward model before training the policy" in res.message.lower()
-    assert set(res.per_family) == {"upper", "reverse", "sort", "tool", "add"}
+    assert set(res.per_family) == {"upper", "reverse", "sort", "tool", "add", "code"}
     assert sum(f["n"] for f in res.per_family.values()) == 40
     assert res.ci[0] < 0.7 < res.ci[1] < 0.9 and not res.simulated and "Wilson 95% CI" in res.message
     assert review.main(["--queue", str(q), "--labels", str(store)]) == 4

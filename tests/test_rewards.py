@@ -55,13 +55,13 @@ def user_module(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- registry
 def test_registry_names_and_default_functions():
-    assert set(R.REGISTRY) == {"system", "comparison"}
+    assert set(R.REGISTRY) == {"system", "comparison", "tests"}
     assert list(R.REGISTRY) == list(REWARD_TYPES)  # config checks reward.types against the names it declares
     funcs, weights = R.get_reward_funcs(cfg_with())
     assert [f.__name__ for f in funcs] == ["system", "comparison"]  # TRL logs rewards/<name>/mean
     assert weights == [1.0, 1.0]
     funcs, weights = R.get_reward_funcs(load_config(ROOT / "params" / "embedded.yaml"))
-    assert [f.__name__ for f in funcs] == ["system", "comparison"] and weights == [1.0, 0.25]
+    assert [f.__name__ for f in funcs] == ["system", "tests", "comparison"] and weights == [1.0, 1.0, 0.25]
 
 
 def test_unknown_reward_name_lists_valid_names():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import mlflow_db
 
 from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.policy.model import build_tiny_policy
@@ -29,6 +30,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     tiny = build_tiny_policy(REPO / "runs", seed=0)
     os.symlink(tiny, runs / "policies" / tiny.name)  # built once per machine, reused
     cfg["round"]["runs_dir"] = str(runs)
+    mlflow_db(runs / "mlflow.db")  # the store the round would create, without migrating it once more
     cfg["execute"]["num_tasks"] = 250  # ~8% exact duplicates: still >= min_samples new samples
     cfg["execute"]["samples_per_task"] = 1  # 250 logged samples, as many tasks
     cfg["data"]["min_samples"] = 200  # the gate at the scale of these rounds (the runner, not the volume, is tested)
@@ -101,6 +103,7 @@ def _free_port() -> int:
 @pytest.fixture
 def mlflow_server(tmp_path):
     port = _free_port()
+    mlflow_db(tmp_path / "server.db")  # migrated already: the server starts in seconds
     srv = subprocess.Popen(
         [
             sys.executable,

@@ -85,8 +85,8 @@ class Gateway:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
+            try:  # a graceful stop flushes the log and the MLflow traces: a loaded machine needs more than 30 s
+                self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
@@ -252,10 +252,11 @@ def test_feedback_experiment_and_refusals(mixed):
     )
     big = {"model": "hermes", "messages": [{"role": "user", "content": "x" * 70_000}]}
     assert h.post("/v1/chat/completions", json=big).status_code == 413
-    other = h.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
-    assert other.status_code == 404 and "hermes" in other.json()["error"]["message"]
     assert h.post("/v1/chat/completions", content=b"{oops").status_code == 400
     assert len(mixed.records()) == n
+    # any model name is served by the experiment (serve.models empty): an agent keeps its own
+    other = h.post("/v1/chat/completions", json={**body, "model": "gpt-4o"})
+    assert other.status_code == 200 and mixed.records()[-1]["requested_model"] == "gpt-4o"
     assert httpx.get(mixed.url + "/healthz", trust_env=False).status_code == 200  # no key needed
 
 

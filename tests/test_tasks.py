@@ -195,7 +195,7 @@ def test_parse_prompt_rejects_foreign(prompt):
 
 # ---------------------------------------------------------------------------------------------- verifier
 def test_verifier_exact_padded_near_garbage_empty():
-    for t in generate_tasks(50, split="any", seed=2):
+    for t in generate_tasks(50, split="any", seed=2, families=[f for f in FAMILIES if f != "code"]):
         assert verify(t.prompt, t.answer) == 5.0
         assert verify(t.prompt, f"  {t.answer}\n\t") == 5.0
         near = t.answer + "."
@@ -215,7 +215,7 @@ def test_score_respects_scale():
 def test_partial_credit_never_reaches_success():
     rng = random.Random(0)
     alphabet = string.ascii_letters + string.digits + "()+. '"
-    ts = generate_tasks(100, split="any", seed=9)
+    ts = generate_tasks(100, split="any", seed=9, families=[f for f in FAMILIES if f != "code"])
     for i in range(3000):
         t = ts[i % len(ts)]
         k = rng.randint(1, 12)
@@ -252,3 +252,61 @@ def test_corrupt_reaches_every_kind():
     assert any(len(o) == 5 and sorted(o) != sorted("abcd") for o in outs)  # duplicate
     assert any(len(o) == 4 and sorted(o) == sorted("abcd") for o in outs)  # swap
     assert any(len(o) == 4 and sorted(o) != sorted("abcd") for o in outs)  # replace
+
+
+# -------------------------------------------------------------------------------------------- code family
+def _stepwise(x: int, ops: str) -> int:
+    """What the spec says, one operation at a time (no operator precedence involved)."""
+    for op in ops.split():
+        sym, k = ("**", 2) if op == "^2" else (("//", int(op[2:])) if op.startswith("//") else (op[0], int(op[1:])))
+        x = {"+": x + k, "-": x - k, "*": x * k, "%": x % k, "//": x // k, "**": x**k}[sym]
+    return x
+
+
+def test_code_answers_respect_python_precedence_and_variants_are_the_same_function():
+    from hermes_lab.tasks import code
+
+    assert [make_task("code", x).answer for x in ("+3", "+3 *2", "*2 +3", "*2 +3 ^2", "-1 %4 //2")] == [
+        "x+3",
+        "(x+3)*2",
+        "x*2+3",
+        "(x*2+3)**2",
+        "(x-1)%4//2",
+    ]
+    rng = random.Random(0)
+    variants = 0
+    for t in generate_tasks(600, split="any", seed=4, families=["code"]):
+        x = tasks.input_of(t)
+        v = code.variant(x, rng)
+        variants += v != t.answer
+        for i in range(-9, 21):
+            assert code.value(t.answer, i) == code.value(v, i) == _stepwise(i, x), (t.prompt, v, i)
+    assert variants > 100  # the teacher writes other correct forms: only tests can grade them
+
+
+@pytest.mark.parametrize("prompt", ["py +0=", "py ^3=", "py +1 +2 +3 +4=", "py x=", "py //1=", "py *1="])
+def test_code_prompts_outside_the_family_are_foreign(prompt):
+    assert parse_prompt(prompt) is None
+
+
+def test_code_family_is_verified_by_its_hidden_tests_in_the_sandbox():
+    from hermes_lab.tasks import code
+
+    t = make_task("code", "+3 *2")
+    spec = tasks.tests_of(t)
+    assert spec["kind"] == "assert" and spec["prefix"] == "def f(x):\n    return " and len(spec["tests"]) == 3
+    responses = [
+        "(x+3)*2",  # the canonical answer
+        "2*(x+3)",  # another correct form: a string comparison would call it wrong
+        " x*2+6 ",
+        "(x+3)*2.",  # a float equal to the int: the tests pass, so it passes
+        "x+3*2",  # precedence slip: wrong everywhere but by chance
+        "(x+3)*2 ok",  # syntax error
+        "'(x+3)*2'",  # a string, not a number
+        "",
+    ]
+    scores = tasks.score_tasks([t] * len(responses), responses)
+    assert scores[:4] == [5.0, 5.0, 5.0, 5.0]
+    assert all(0 <= s < SUCCESS for s in scores[4:]) and scores[5] == scores[6] == scores[7] == 0.0
+    assert [verify(t.prompt, r) for r in responses[:2]] == scores[:2]
+    assert code.runner().stats.cache_hits >= 2  # verify ran the same (code, tests) again: cached

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import mlflow_db
 
 from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.tasks import suite as T
@@ -266,7 +267,7 @@ def test_cli_unknown_reward_is_a_config_error_before_loading_the_model(tmp_path)
     # a base model that does not exist: reaching it would fail differently (and, for real models, slowly)
     text = (
         EMBEDDED_YAML.read_text()
-        .replace("types: [system, comparison]", "types: [system, bleu]")
+        .replace("types: [system, tests, comparison]", "types: [system, tests, bleu]")
         .replace("base_model: embedded:tiny", f"base_model: {tmp_path / 'no-such-model'}")
     )
     assert "bleu" in text and "no-such-model" in text
@@ -292,7 +293,8 @@ def tiny_policy() -> Path:
 
 @pytest.fixture(scope="session")
 def prompt_set(tmp_path_factory) -> Path:
-    """A small saved GRPO dataset (prompt, reference, ref_reward) like prep writes, half the references wrong."""
+    """A small saved GRPO dataset (prompt, reference, ref_reward, tests) like prep writes, half the references
+    wrong; the code family's prompts carry their tests (JSON), the others none."""
     import random
 
     from datasets import Dataset
@@ -305,6 +307,7 @@ def prompt_set(tmp_path_factory) -> Path:
             "prompt": [t.prompt for t in ts],
             "reference": refs,
             "ref_reward": [T.verify(t.prompt, r) for t, r in zip(ts, refs)],
+            "tests": [json.dumps(T.tests_of(t)) if t.family == "code" else None for t in ts],
         }
     )
     path = tmp_path_factory.mktemp("data") / "grpo_dataset"
@@ -337,7 +340,7 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
     from hermes_lab.train.grpo import train
 
     tmp = tmp_path_factory.mktemp("train_a")
-    uri = f"sqlite:///{tmp}/mlflow.db"
+    uri = mlflow_db(tmp / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.setenv("TAOTOKEN_API_KEY", KEY)  # set, as on the user's machine: it must reach no param or file
@@ -384,12 +387,21 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the identity: no drift yet
 
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert {s["reward_fn"] for s in samples} == {"system", "comparison"}
+    assert {s["reward_fn"] for s in samples} == {"system", "tests", "comparison"}
+    # the code family's completions are the tests reward's (run in the sandbox), every other one the verifier's
+    for s in samples:
+        code = T.family_of(s["prompt"]) == "code"
+        if s["reward_fn"] in ("system", "tests"):
+            assert (s["reward"] is None) == (code == (s["reward_fn"] == "system")), s
     assert all(T.parse_prompt(s["prompt"]) is not None for s in samples)
     sample_steps = {s["step"] for s in samples}  # the step numbers of train_log.jsonl and MLflow
     assert sample_steps <= {1, 2, 3, 4} and 4 in sample_steps
     health = json.loads((out / "health.json").read_text())
     assert health["steps"] == 4 and health["flagged_prompts"] == []
+    sandbox = health["sandbox"]  # the tests reward's completions by kind, and what isolated them
+    n_code = sum(1 for s in samples if s["reward_fn"] == "tests" and s["reward"] is not None)
+    assert sandbox["completions"] >= n_code > 0 and sum(sandbox["by_kind"].values()) == sandbox["completions"]
+    assert sandbox["isolation"]["executor"] == "local" and sandbox["sandbox_errors"] == 0
     meta = json.loads((out / "run.json").read_text())
     assert meta["mlflow_run_id"] == res.mlflow_run_id and meta["start_adapter"] is None
     assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["max_steps"] == 4
@@ -415,6 +427,11 @@ def test_train_embedded_mlflow(trained):
         assert sorted(m.step for m in hist) == [1, 2, 3, 4], metric
     rewards = {m.step: m.value for m in client.get_metric_history(run_id, "train/reward")}
     assert rewards == {r["step"]: pytest.approx(r["reward"]) for r in _step_rows(trained.out)}
+    # the tests reward's completions by kind, cumulative per step (the last step's counts are health.json's)
+    kinds = json.loads((trained.out / "health.json").read_text())["sandbox"]["by_kind"]
+    for kind in ("passed", "failed", "compile_error", "timeout", "crash"):
+        hist = sorted(client.get_metric_history(run_id, f"train/tests_{kind}"), key=lambda m: m.step)
+        assert [m.step for m in hist] == [1, 2, 3, 4] and hist[-1].value == kinds.get(kind, 0), kind
     params, g = run.data.params, trained.cfg.grpo
     assert params["grpo.kl_coefficient"] == str(g.kl_coefficient) and params["trl.beta"] == str(g.kl_coefficient)
     assert float(params["trl.beta"]) > 0  # KL on: TRL keeps a reference
@@ -449,7 +466,7 @@ def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
     # KL is measured against the start adapter, not the bare base: zero before the first update, although
     # the start adapter has drifted from the base (run (a)'s last step measured that drift)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert _step_rows(trained.out)[-1]["kl"] > 1e-4
+    assert _step_rows(trained.out)[-1]["kl"] > 1e-5  # ten times the tolerance of the zero above
     assert json.loads((tmp_path / "train_b" / "run.json").read_text())["start_adapter"] == str(start)
     run = mlflow_store.MlflowClient().get_run(res.mlflow_run_id)
     assert run.data.params["train.start_adapter"] == str(start)
@@ -510,7 +527,12 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(
         EMBEDDED_YAML,
-        {"grpo.max_steps": 3, "reward.types": ["system", f"{mod}:flaky"], "round.runs_dir": str(ROOT / "runs")},
+        {
+            "grpo.max_steps": 3,
+            "reward.types": ["system", f"{mod}:flaky"],
+            "reward.weights": [1.0, 1.0],  # the embedded file weighs its three types
+            "round.runs_dir": str(ROOT / "runs"),
+        },
     )
     with pytest.raises(RewardError, match="reward 'flaky' returned nan.*poisons the GRPO advantage"):
         train(cfg, prompt_set, tmp_path / "train_d", evaluate_heldout=False)
@@ -571,7 +593,7 @@ def test_a_killed_training_resumes_from_its_last_checkpoint(tiny_policy, prompt_
 
     from hermes_lab.train.state import RESUME_FILE, last_checkpoint
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db(tmp_path / "mlflow.db")
     mlflow.set_tracking_uri(uri)
     mlflow.create_experiment("hermes-lab", artifact_location=(tmp_path / "mlartifacts").as_uri())
     out = tmp_path / "out"
@@ -638,7 +660,7 @@ def test_torchrun_two_processes_on_cpu(tiny_policy, prompt_set, tmp_path):
         os.environ,
         CUDA_VISIBLE_DEVICES="",
         OMP_NUM_THREADS="1",
-        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db",
+        MLFLOW_TRACKING_URI=mlflow_db(tmp_path / "mlflow.db"),
         TAOTOKEN_API_KEY=KEY,
     )
     import mlflow

@@ -4,7 +4,9 @@ Reads environment variables (their names are options: TAOTOKEN_BASE_URL, TAOTOKE
 HERMES_REWARD_MODEL, HERMES_POLICY_MODEL by default) and, with --params, a config YAML whose model.base_url /
 reward.base_url and model ids are then checked instead. Sends GET {base}/v1/models with
 "Authorization: Bearer <key>", exactly the user's curl (and, with --chat, a one-word chat per model).
-Writes nothing. Prints one table row per check (PASS / WARN / FAIL / SKIP with a one-line explanation)
+With --params naming a config whose reward.types has ``tests``, also checks the sandbox (``sandbox.*``): what
+isolates a run on this machine, or that the SandboxFusion service runs a program. Writes nothing. Prints one
+table row per check (PASS / WARN / FAIL / SKIP with a one-line explanation)
 and exits 1 when any check fails. The key is never printed (only a short fingerprint).
 
     hermes-lab doctor
@@ -97,6 +99,8 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
         if model:
             t.models.append((where, model))
 
+    if "tests" in cfg.reward.types:
+        checks.append(_sandbox_check(cfg))
     m, r = cfg.model, cfg.reward
     if m.base_url:
         add(
@@ -134,6 +138,32 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
             )
         )
     return list(found.values())
+
+
+def _sandbox_check(cfg: object) -> Check:
+    """The tests reward's sandbox: what isolates a run here (local), or one run through the service (fusion)."""
+    from hermes_lab.rewards.tests import SandboxUnavailable, executor_of
+    from hermes_lab.sandbox.executor import Limits, RunRequest
+
+    try:
+        ex = executor_of(cfg)  # type: ignore[arg-type]
+    except (SandboxUnavailable, ValueError) as e:
+        return Check("sandbox", FAIL, str(e))
+    try:
+        rep = ex.describe()
+        if rep["executor"] == "fusion":
+            r = ex.run_one(RunRequest("print(6 * 7)"), Limits(timeout_s=10))
+            if r.status != "ok" or r.stdout.strip() != "42":
+                return Check("sandbox", FAIL, f"{rep['url']}/run_code: {r.status} {r.detail}".strip())
+            return Check("sandbox", PASS, f"{rep['url']}/run_code ran a program ({rep['network']})")
+        if "error" in rep:
+            return Check("sandbox", FAIL, rep["error"])
+        what = f"namespaces {rep.get('namespaces')}, runs as {rep.get('user')}, network {rep.get('network')}"
+        if not str(rep.get("namespaces", "none")).startswith(("user", "net")):
+            return Check("sandbox", WARN, f"local sandbox without namespaces: {what}")
+        return Check("sandbox", PASS, f"local sandbox: {what}")
+    finally:
+        ex.close()
 
 
 def _variables_check(names: list[str], base_url_env: str) -> Check:

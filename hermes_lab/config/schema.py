@@ -3,7 +3,7 @@
 Reads one YAML file (``params/*.yaml``); writes nothing. Every stage module takes a ``HermesConfig``.
 
 The user's file (model / lora / grpo / reward / data) is accepted exactly as docs/SPEC.md shows it. The
-workbench adds optional sections (execute / review / validate / ab / round / serve, declared in
+workbench adds optional sections (execute / conversations / review / validate / ab / round / serve, declared in
 hermes_lab.config.sections with their bounds) whose defaults fit the embedded task suite, so the user's file
 alone is a complete config.
 
@@ -39,11 +39,15 @@ import yaml
 
 from hermes_lab.config.sections import (
     ABSection,
+    ConversationsSection,
     ExecuteSection,
     ReviewSection,
     RoundSection,
+    SandboxSection,
     ServeSection,
     ValidateSection,
+    conversations_problems,
+    sandbox_problems,
     serve_problems,
 )
 from hermes_lab.core import paths
@@ -59,6 +63,8 @@ REWARD_TYPES: dict[str, str] = {
     "system": "system feedback, 'the tests pass' (reward.system: the embedded verifiers or 'module:function')",
     "comparison": "comparison feedback: the completion judged against the logged reference (reward.model's judge, "
     "or the local one)",
+    "tests": "system feedback from execution: the completion's code runs against its task's tests in the sandbox "
+    "(sandbox.*); the share passed on reward.scale (reward.tests_score); rows without tests score None",
 }
 
 
@@ -148,8 +154,8 @@ class RewardSection:
     api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the judge's key.")
     types: list[str] = _f(
         ["system", "comparison"],
-        "Reward functions: system (tests pass / verifier), "
-        "comparison (judge vs the reference response), or 'module:function'.",
+        "Reward functions: system (tests pass / verifier), comparison (judge vs the reference response), "
+        "tests (the task's tests run on the completion's code), or 'module:function'.",
     )
     weights: list[float] | None = _f(None, "One weight per entry of types (default: all 1).")
     system: str = _f("verifier", "System feedback: 'verifier' (embedded task verifiers) or 'module:function'.")
@@ -167,6 +173,16 @@ class RewardSection:
         le=1,
     )
     judge_failure_window: int = _f(200, "Judged samples over which max_judge_failure_rate is measured.", ge=1)
+    tests_score: Literal["share", "all"] = _f(
+        "share",
+        "The tests reward: share (scale x the share of tests passed) or all (scale when every test passes, else "
+        "0). Compile errors, timeouts, crashes, memory and output limits score 0 either way.",
+    )
+    code_from: Literal["auto", "fenced", "whole"] = _f(
+        "auto",
+        "The tests reward: the code of a completion. fenced: its last ```python block (none: scores 0, no_code); "
+        "whole: the completion as it is; auto: the fenced block if there is one, else the whole completion.",
+    )
 
 
 @dataclass
@@ -222,11 +238,18 @@ class HermesConfig:
     reward: RewardSection = field(default_factory=RewardSection, metadata={"help": "Reward functions."})
     data: DataSection = field(default_factory=DataSection, metadata={"help": "Data gates and distillation."})
     execute: ExecuteSection = field(default_factory=ExecuteSection, metadata={"help": "Execute step."})
+    conversations: ConversationsSection = field(
+        default_factory=ConversationsSection,
+        metadata={"help": "Agent conversations in prep: input shapes and the rewards of logs that carry none."},
+    )
     review: ReviewSection = field(default_factory=ReviewSection, metadata={"help": "Human review gate."})
     validate: ValidateSection = field(default_factory=ValidateSection, metadata={"help": "Regression gate."})
     ab: ABSection = field(default_factory=ABSection, metadata={"help": "A/B test and rollout."})
     round: RoundSection = field(default_factory=RoundSection, metadata={"help": "Round orchestration."})
     serve: ServeSection = field(default_factory=ServeSection, metadata={"help": "Live A/B gateway (hermes-lab serve)."})
+    sandbox: SandboxSection = field(
+        default_factory=SandboxSection, metadata={"help": "Where and under which limits the tests reward runs code."}
+    )
     source: str | None = field(default=None, metadata={"help": "File this config was read from."})
     explicit: frozenset[str] = field(
         default=frozenset(), metadata={"help": "Dotted keys set by the file or overrides."}, repr=False
@@ -356,6 +379,8 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     if not cfg.round.registered_model.strip() or "'" in cfg.round.registered_model:
         errs.append("round.registered_model must be a non-empty name without quotes")
     errs += serve_problems(cfg.serve)
+    errs += conversations_problems(cfg.conversations)
+    errs += sandbox_problems(cfg.sandbox)
     if a.plan_power > 0 and a.mode == "live":
         warns.append(
             "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
@@ -433,7 +458,12 @@ def load_config(
 
     s = cfg.serve
     register_secret_env(
-        cfg.model.api_key_env, cfg.reward.api_key_env, s.api_key_env, s.baseline_key_env, s.candidate_key_env
+        cfg.model.api_key_env,
+        cfg.reward.api_key_env,
+        s.api_key_env,
+        s.baseline_key_env,
+        s.candidate_key_env,
+        cfg.sandbox.api_key_env,
     )
     _resolve_paths(cfg)
     return cfg
@@ -442,6 +472,7 @@ def load_config(
 def _resolve_paths(cfg: HermesConfig) -> None:
     """Path-valued fields -> absolute, against the project root: one runs/ whatever the cwd (paths.py)."""
     cfg.round.runs_dir = str(paths.resolve(cfg.round.runs_dir))
+    cfg.conversations.feedback = [str(paths.resolve(f)) for f in cfg.conversations.feedback]
     if cfg.model.adapter and paths.is_local_spec(cfg.model.adapter):
         cfg.model.adapter = str(paths.resolve(cfg.model.adapter))
     cfg.model.base_model = paths.resolve_spec(cfg.model.base_model)

@@ -1,4 +1,5 @@
-"""The workbench's own config sections: execute, review, validate, ab, round and serve (the live gateway).
+"""The workbench's own config sections: execute, conversations, review, validate, ab, round, serve (the gateway),
+sandbox.
 
 Part of the config layer: ``hermes_lab.config.schema`` holds the user's sections (model / lora / grpo / reward /
 data, accepted exactly as docs/SPEC.md shows them), ``HermesConfig``, the loader and the cross-field checks
@@ -44,6 +45,62 @@ class ExecuteSection:
         "",
         "execute.source live: the gateway log dir (requests.jsonl, feedback.jsonl). Empty: the previous round's "
         "live experiment, runs/live/round-<NN-1>.",
+    )
+
+
+@dataclass
+class ConversationsSection:
+    format: Literal["auto", "seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state"] = _f(
+        "auto",
+        "Shape of prep's inputs (hermes-lab prep --format). auto: per input, a folder of session_*.json is "
+        "hermes_session, a SQLite file hermes_state, JSONL by its first line ('conversations': Hermes ShareGPT "
+        "trajectories, 'messages': OpenAI chat, else the seed's {prompt, response, reward, task_id}).",
+    )
+    reward: Literal["outcome", "judge"] = _f(
+        "outcome",
+        "Reward of a conversation whose log has none and no feedback joined: outcome (the rules below) or "
+        "judge (the comparison judge, reward.model or the local one, scores its final answer against the best "
+        "outcome-scored conversation of the same task; a task with no other conversation keeps the outcome "
+        "reward). Every record says which source set its reward (reward_source).",
+    )
+    feedback: list[str] = _f(
+        [],
+        "JSONL files of later feedback, {conversation_id, reward (0..reward.scale), source?} a line (the latest "
+        "line of an id wins): joined into conversations by id before any rule (reward_source feedback:<source>).",
+    )
+    completed_reward: float = _f(
+        1.0,
+        "Outcome rule: share of reward.scale for a completed conversation without tool errors (Hermes: "
+        "completed true; other logs: ends on a text answer).",
+        ge=0,
+        le=1,
+    )
+    partial_reward: float = _f(
+        0.4,
+        "Outcome rule: share of reward.scale for a partial conversation (Hermes's partial flag, or one that "
+        "ends on a tool call or result, or was cut off), and the floor of a completed one with tool errors.",
+        ge=0,
+        le=1,
+    )
+    failed_reward: float = _f(
+        0.0,
+        "Outcome rule: share of reward.scale for a failed conversation (Hermes: completed false, not partial; "
+        "failed_trajectories.jsonl), and the floor of a partial one with tool errors.",
+        ge=0,
+        le=1,
+    )
+    tool_error_penalty: float = _f(
+        0.1,
+        "Outcome rule: share of reward.scale taken off per tool error (Hermes's rule: a result with a "
+        "non-null 'error' or success false, or text starting 'error:'; or its logged tool_error_counts).",
+        ge=0,
+        le=1,
+    )
+    max_message_chars: int = _f(
+        1_000_000,
+        "A conversation holding a message (a tool result, most often) longer than this many characters is "
+        "rejected as 'message too long': no training context holds it. Raise it for long tool outputs.",
+        ge=1000,
     )
 
 
@@ -240,7 +297,9 @@ class ABSection:
         "still inconclusive then: the rollout stops at 'keep observing'.",
         ge=0,
     )
-    min_per_arm: int = _f(30, "Units (requests, or users when unit is user) each arm needs before any decision.", ge=2)
+    min_per_arm: int = _f(
+        30, "Units (conversations, requests, or users: ab.unit) each arm needs before any decision.", ge=2
+    )
     guardrail_alpha: float = _f(
         0.01,
         "Error level of each guardrail's always-valid one-sided bound (error rate, p95 latency): a guardrail "
@@ -248,10 +307,13 @@ class ABSection:
         gt=0,
         lt=1,
     )
-    unit: Literal["request", "user"] = _f(
-        "request",
-        "Randomisation unit: request, or user (requests of one user share an arm). Decisions count units: "
-        "SRM, min_per_arm and the always-valid bounds use one observation per unit.",
+    unit: Literal["conversation", "request", "user"] = _f(
+        "conversation",
+        "Randomisation unit: conversation (every turn of an agent's conversation goes to the arm of its first "
+        "turn; a single-turn request is a conversation of one turn), request (each request on its own), or user "
+        "(requests of one user share an arm). Decisions count units: SRM, min_per_arm and the always-valid "
+        "bounds use one observation per unit. The simulated ab-run's traffic is single-turn: conversation and "
+        "request are the same there.",
     )
     num_users: int = _f(2000, "Simulated user pool when unit is user.", ge=1)
     task_split: Literal["heldout", "any", "train"] = _f(
@@ -360,11 +422,104 @@ class ServeSection:
         gt=0,
         le=1e6,
     )
+    models: list[str] = _f(
+        [],
+        "Model names the gateway accepts besides public_model (others get 404 model_not_found). Empty: any "
+        "model name a client asks for is served by the experiment (an agent keeps its own model name).",
+    )
+    conversation_idle_s: float = _f(
+        900.0,
+        "A conversation whose last answer had no tool call ends when no new turn follows within this many "
+        "seconds (or when feedback closes it); a later request that continues it opens a new conversation.",
+        gt=0,
+        le=7 * 86400,
+    )
+    conversation_tool_wait_s: float = _f(
+        3600.0,
+        "A conversation whose last answer asked for tool calls waits this long for their results before it "
+        "ends (tools may run long).",
+        gt=0,
+        le=7 * 86400,
+    )
+    max_conversations: int = _f(
+        200_000,
+        "Open conversations the gateway tracks at most (memory bound); the longest idle ends first.",
+        ge=100,
+    )
+    conversation_from_user: bool = _f(
+        False,
+        "The OpenAI 'user' field (or X-Hermes-User) names the conversation, when a client sends one per "
+        "conversation. An X-Hermes-Conversation header or metadata.conversation_id always does.",
+    )
     fallback: Literal["none", "baseline"] = _f(
         "none",
         "baseline: a failed candidate call (upstream error, timeout, 5xx) is answered by the baseline and "
         "still counted as a candidate error. none: the client gets the error.",
     )
+
+
+def conversations_problems(c: ConversationsSection) -> list[str]:
+    """The outcome rules must order failed <= partial <= completed: a failed run never outscores a finished one."""
+    if not c.failed_reward <= c.partial_reward <= c.completed_reward:
+        return [
+            "conversations: the outcome rewards must satisfy failed_reward <= partial_reward <= completed_reward, got "
+            f"{c.failed_reward:g}, {c.partial_reward:g}, {c.completed_reward:g}"
+        ]
+    empty = [i for i, f in enumerate(c.feedback) if not str(f).strip()]
+    return [f"conversations.feedback: empty file name at entry {i}" for i in empty]
+
+
+@dataclass
+class SandboxSection:
+    executor: Literal["local", "fusion"] = _f(
+        "local",
+        "Where the tests reward runs completions' code. local: this machine, no extra service (one process per "
+        "run; namespaces, read-only mounts, rlimits, no privileges, an audit hook: hermes_lab.sandbox.launcher). "
+        "fusion: a sandbox service speaking SandboxFusion's POST /run_code API at sandbox.url.",
+    )
+    url: str = _f("", "executor fusion: the service's http(s) root (e.g. http://sandbox:8080; /run_code is appended).")
+    api_key_env: str = _f(
+        "", "executor fusion: NAME of an env var holding a key sent as 'Authorization: Bearer' (empty: none)."
+    )
+    workers: int = _f(0, "Programs run at once (0: one per CPU core; fusion: concurrent requests, 0 means 8).", ge=0)
+    timeout_s: float = _f(
+        4.0, "Wall-clock limit of one run (all of a completion's tests; one stdin/stdout case).", gt=0, le=600
+    )
+    cpu_s: float = _f(4.0, "CPU-seconds limit of one run (RLIMIT_CPU; local executor).", gt=0, le=600)
+    memory_mb: int = _f(512, "Address-space limit of one run, MiB (RLIMIT_AS; fusion: memory_limit_MB).", ge=32)
+    file_mb: int = _f(16, "Largest file a run may write, MiB (RLIMIT_FSIZE; also its private /tmp's size).", ge=1)
+    max_processes: int = _f(
+        16, "Processes and threads a run may start (RLIMIT_NPROC above the sandbox user's count).", ge=1, le=4096
+    )
+    max_output_kb: int = _f(
+        1024, "Output a run may print, KiB (stdout and stderr each); past it the run is stopped.", ge=1
+    )
+    cache_size: int = _f(
+        100_000, "Completions whose results are kept by (code, tests) hash; duplicates run once.", ge=0
+    )
+    require_isolation: bool = _f(
+        False,
+        "local executor: stop with an error when the kernel allows no namespaces here (then only rlimits and the "
+        "audit hook stand between a completion and the network and the disk). false: go on, and say so.",
+    )
+    max_error_rate: float = _f(
+        0.2,
+        "Training stops when more than this share of the last 200 scored completions met a sandbox error (the "
+        "executor failed, not the completion: scored None, counted in health.json).",
+        ge=0,
+        le=1,
+    )
+
+
+def sandbox_problems(s: SandboxSection) -> list[str]:
+    out = []
+    if s.executor == "fusion" and not s.url.startswith(("http://", "https://")):
+        out.append(
+            f"sandbox.url must be the http(s) root of a run_code server when sandbox.executor is fusion, got {s.url!r}"
+        )
+    if s.api_key_env and not _ENV_NAME.match(s.api_key_env):  # never echo it: it may be the key
+        out.append("sandbox.api_key_env must be the NAME of an environment variable, not the key itself")
+    return out
 
 
 def serve_problems(s: ServeSection) -> list[str]:
@@ -374,6 +529,14 @@ def serve_problems(s: ServeSection) -> list[str]:
     for key in ("host", "public_model", "feedback_source"):
         if not getattr(s, key).strip():
             out.append(f"serve.{key} must not be empty")
+    bad = [m for m in s.models if not isinstance(m, str) or not m.strip()]
+    if bad:
+        out.append("serve.models: every entry must be a non-empty model name")
+    if s.conversation_tool_wait_s < s.conversation_idle_s:
+        out.append(
+            f"serve.conversation_tool_wait_s ({s.conversation_tool_wait_s:g}) must be >= serve.conversation_idle_s "
+            f"({s.conversation_idle_s:g}): a conversation waiting for tool results is never ended sooner"
+        )
     if "/" in s.experiment or s.experiment in {".", ".."}:
         out.append(f"serve.experiment must be a plain name (it is a folder under runs/live/), got {s.experiment!r}")
     for key in ("api_key_env", "baseline_key_env", "candidate_key_env"):

@@ -4,14 +4,20 @@ outlier report and the human review sample, in bounded memory.
 Reads what ``hermes_lab.data.ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
 negative, review rank; indexed by the record's seq number, its order of acceptance) and the text spill,
 partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldout_dataset/``,
-``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl``, and the selection report behind
-``selection.json`` and its plot (contents in ``hermes_lab.data.prep``'s docstring).
+``conversations/``, ``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl`` (contents in
+``hermes_lab.data.prep``'s docstring); ``data.select`` weighs the prompt rows (``hermes_lab.data.selection``).
+
+A conversation (a record that came in as one, ``hermes_lab.data.conversation``) joins the prompt tables as its
+projection (first user message, final answer) and keeps its whole record: a row of ``conversations/`` with
+its split (the prompt tables' rule: its task_id's, or held out with its prompt) and reward, and, when the
+review sample picks it, a review item holding its messages and tools (the label is the conversation's).
 
 How the memory stays bounded: a prompt's records all sit in one partition, so the per-prompt rows are built
 one partition at a time; rows keep the seq of their prompt's first record, and the datasets are written in
 that order (the order the whole input would give). The outliers (in input order) and the review sample (in
 seeded-hash order) go through ``SortedSpill``: lines bucketed on disk by key range, each bucket sorted in
-memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column).
+memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column). A partition's
+conversations are parsed a batch at a time (a parsed record weighs ~5x its text).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.data.conversation import dataset_row, dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id
+from hermes_lab.data.selection import Selection
 from hermes_lab.tasks import suite as tasks
 
 ROW_BATCH = 65536
@@ -118,18 +126,36 @@ def review_selection(cols: dict[str, Any], fam_names: list[str], cfg: Any) -> tu
     return picked, info
 
 
-def _review_line(prompt: str, response: str, task_id: str, family: str, reward: float, scale: float, thr: float) -> str:
+def _review_line(
+    prompt: str,
+    response: str,
+    task_id: str,
+    family: str,
+    reward: float,
+    scale: float,
+    thr: float,
+    conv: dict[str, Any] | None = None,
+) -> str:
+    """A review item; for a conversation (``conv``) its id is the conversation's and it carries the
+    messages, tools, conversation_id and reward_source the widget shows."""
     band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
+    if conv is not None:  # a conversation: its id names the review item, the person labels it whole
+        rid, label = hashlib.sha1(review_key(task_id, conv["conversation_id"])).hexdigest()[:12], None
+    else:
+        rid = review_id(task_id, prompt, response)
+        label = tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None
     rec = {
-        "review_id": review_id(task_id, prompt, response),
+        "review_id": rid,
         "task_id": task_id,
         "family": family,
         "prompt": prompt,
         "response": response,
         "reward": reward,
         "reward_band": band,
-        "simulated_label": tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None,
+        "simulated_label": label,
     }
+    if conv is not None:
+        rec.update({k: conv[k] for k in ("conversation_id", "reward_source", "messages", "tools", "outcome")})
     return json.dumps(rec)  # ASCII escapes: readers that splitlines() must not split on U+2028
 
 
@@ -153,6 +179,7 @@ class _Prompt:
         "s1",
         "sq",
         "task_id",
+        "tests",
         "total",
     )
 
@@ -165,6 +192,7 @@ class _Prompt:
             reward,
         )
         self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
+        self.tests: str | None = None  # the task's tests (normalised JSON) from the first record that has them
         # the group: every sample of the prompt, duplicate lines included (the policy gave that answer again)
         self.ns, self.n_pass, self.s1, self.sq, self.rmin, self.rmax = 0, 0, 0.0, 0.0, reward, reward
 
@@ -182,7 +210,8 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
 
     gs = list(groups.values())
     outcome = [g.outcome() for g in gs]
-    std = [math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
+    # equal rewards: exactly 0 (the sums' cancellation leaves ~1e-8 for e.g. three rewards of 1.6667)
+    std = [0.0 if g.rmax == g.rmin else math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
     if held:
         weight = [sel.neg_w if g.neg_source is not None else 1 for g in gs]
         reason = ["heldout"] * len(gs)
@@ -195,6 +224,7 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
             "task_id": pa.array([g.task_id for g in gs], pa.string()),
             "family": pa.array([g.family for g in gs], pa.string()),
             "reference": pa.array([g.reference for g in gs], pa.string()),
+            "tests": pa.array([g.tests for g in gs], pa.string()),  # the tests reward's column (None: no tests)
             "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
             "n_logged": pa.array([g.n for g in gs], pa.int64()),
             "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
@@ -217,211 +247,12 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
     )
 
 
-# ------------------------------------------------------------------------------------------ selection
-UNIFORM = ("all_pass", "all_fail")  # zero-signal groups: every sample passed, or every one failed
-OUTCOMES = ("mixed", "single", "all_fail", "all_pass")
+def _conv_batch(rows: list[dict[str, Any]]) -> Any:
+    """Rows of the conversations dataset (``dataset_row``s plus their seq) as one Arrow record batch."""
+    import pyarrow as pa
 
-
-class Selection:
-    """``data.select`` over the GRPO prompts. While the partitions are built: each prompt's base weight
-    (negatives ``negative_weight``; under ``mixed``, mixed prompts ``mixed_weight``) and the tallies; once
-    every prompt is counted (``plan``): how many uniform-outcome prompts the ``uniform_share`` cap keeps,
-    as a threshold on a seeded hash rank of the prompt, so that the rows kept do not depend on the
-    partitioning; ``finish`` applies it to a table (left-out rows stay in the dataset with weight 0)."""
-
-    def __init__(self, cfg: Any):
-        d = cfg.data
-        self.mode, self.mixed_w, self.neg_w, self.share = d.select, d.mixed_weight, d.negative_weight, d.uniform_share
-        self.seed_key = f"{d.seed}:".encode()
-        # (family, source, outcome) -> [prompts, base weight, zero-std prompts, left out]
-        self.cells: dict[tuple[str, str, str], list[int]] = {}
-        self.ranks = array("Q")  # of the prompts the cap applies to (uniform outcome, not negative)
-        self.threshold = (1 << 64) - 1
-        self.cap: dict[str, Any] = {}
-
-    def capped(self, g: _Prompt, outcome: str) -> bool:
-        return self.mode == "mixed" and outcome in UNIFORM and g.neg_source is None
-
-    def base_weight(self, g: _Prompt, outcome: str) -> int:
-        w = self.neg_w if g.neg_source is not None else 1
-        return max(w, self.mixed_w) if self.mode == "mixed" and outcome == "mixed" else w
-
-    def reason(self, g: _Prompt, outcome: str) -> str:
-        if g.neg_source is not None:
-            return "negative"
-        return outcome if self.mode == "mixed" else "all"
-
-    def rank(self, prompt: str) -> int:
-        return int.from_bytes(hashlib.blake2b(self.seed_key + prompt.encode(), digest_size=8).digest(), "little")
-
-    def count(self, groups: dict[str, _Prompt]) -> None:
-        for p, g in groups.items():
-            o = g.outcome()
-            cell = self.cells.setdefault((g.family, "negative" if g.neg_source else "input", o), [0, 0, 0, 0])
-            cell[0] += 1
-            cell[1] += self.base_weight(g, o)
-            cell[2] += g.ns >= 2 and g.rmax == g.rmin
-            if self.capped(g, o):
-                self.ranks.append(self.rank(p))
-
-    def plan(self) -> None:
-        """The cap: kept uniform prompts <= share / (1 - share) x the weight of everything else."""
-        import numpy as np
-
-        n_cap = len(self.ranks)
-        other = sum(c[1] for (_, src, o), c in self.cells.items() if not (src == "input" and o in UNIFORM))
-        if self.mode != "mixed" or n_cap == 0:
-            keep, note = n_cap, "no cap" if self.mode != "mixed" else "no uniform-outcome prompts"
-        elif other == 0:  # nothing else to train on: leaving them out would leave an empty prompt set
-            keep, note = n_cap, "every prompt has a uniform outcome: all kept (an empty prompt set trains nothing)"
-        elif self.share >= 1:
-            keep, note = n_cap, "data.uniform_share is 1: all kept"
-        else:
-            keep = min(n_cap, int(self.share / (1 - self.share) * other))
-            note = f"kept <= {self.share:g} / (1 - {self.share:g}) x {other} (the weight of the other prompts)"
-        if keep < n_cap:
-            ranks = np.sort(np.frombuffer(self.ranks, dtype=np.uint64))
-            self.threshold = int(ranks[keep - 1]) if keep else -1
-        self.cap = {"uniform_prompts": n_cap, "kept": keep, "left_out": n_cap - keep, "rule": note}
-
-    def finish(self, table: Any, spill: SortedSpill | None) -> Any:
-        """The table with the cap applied (weight 0, selected false, selection 'left_out'); the left-out
-        rows are listed in ``spill`` (keyed by first_seq) and tallied in the cells."""
-        import numpy as np
-        import pyarrow as pa
-
-        if spill is None or self.threshold >= (1 << 64) - 1:
-            return table.drop_columns(["select_rank"])
-        outcome = np.asarray(table.column("outcome").to_pylist(), dtype=object)
-        capped = np.isin(outcome, UNIFORM) & ~table.column("is_negative").to_numpy(zero_copy_only=False)
-        rank = table.column("select_rank").to_numpy()
-        out = capped & ((rank > self.threshold) if self.threshold >= 0 else True)
-        keep = pa.array(~out)
-        for row in table.filter(pa.array(out)).to_pylist():
-            self.cells[(row["family"], "input", row["outcome"])][3] += 1
-            what = "passed" if row["outcome"] == "all_pass" else "failed"
-            rec = {k: row[k] for k in ("prompt", "task_id", "family", "outcome", "n_samples", "n_pass")}
-            rec["reason"] = (
-                f"all {row['n_samples']} logged samples {what} (a zero-signal GRPO group); uniform-outcome prompts "
-                f"beyond data.uniform_share={self.share:g} of the set are left out (kept: lowest seeded hash)"
-            )
-            spill.add(row["first_seq"], json.dumps(rec))
-        table = table.set_column(table.schema.get_field_index("selected"), "selected", keep)
-        w = np.where(out, 0, table.column("weight").to_numpy())
-        table = table.set_column(table.schema.get_field_index("weight"), "weight", pa.array(w, pa.int64()))
-        sel = np.where(out, "left_out", np.asarray(table.column("selection").to_pylist(), dtype=object))
-        table = table.set_column(table.schema.get_field_index("selection"), "selection", pa.array(sel, pa.string()))
-        return table.drop_columns(["select_rank"])
-
-
-def selection_report(sel: Selection, cfg: Any, heldout_prompts: int) -> dict[str, Any]:
-    """selection.json: what the GRPO prompt set holds per family and per source (new data, negatives), by
-    group outcome, and the weight share each class carries into training (after the cap)."""
-
-    def tally(cells: list[tuple[tuple[str, str, str], list[int]]]) -> dict[str, Any]:
-        t: dict[str, Any] = {"available": sum(c[0] for _, c in cells)}
-        for o in OUTCOMES:
-            t[o] = sum(c[0] for k, c in cells if k[2] == o)
-        t["zero_std"] = sum(c[2] for _, c in cells)
-        t["negative"] = sum(c[0] for k, c in cells if k[1] == "negative")
-        t["left_out"] = sum(c[3] for _, c in cells)
-        t["selected"] = t["available"] - t["left_out"]
-        t["weight"] = sum(c[1] - c[3] for _, c in cells)
-        return t
-
-    items = list(sel.cells.items())
-    total = tally(items)
-    grouped = sum(c[0] for k, c in items if k[2] != "single")
-    w_all = max(1, total["weight"])
-    share = {o: 0 for o in ("mixed", "single", "uniform", "negative")}
-    for (_, src, o), c in items:
-        share["negative" if src == "negative" else "uniform" if o in UNIFORM else o] += c[1] - c[3]
-    total["frac_reward_zero_std"] = round(total["zero_std"] / grouped, 4) if grouped else None
-    total["weight_share"] = {k: round(v / w_all, 4) for k, v in share.items()}
-    fams = sorted({k[0] for k in sel.cells}, key=lambda f: -sum(c[0] for k, c in items if k[0] == f))
-    by_family = {f: tally([(k, c) for k, c in items if k[0] == f]) for f in fams}
-    for t in by_family.values():
-        t["weight_share"] = round(t["weight"] / w_all, 4)
-    return {
-        "select": sel.mode,
-        "grouping": "prompt text: every logged sample of a prompt (any task_id, any input file) is one group",
-        "pass": f"reward >= reward.success_threshold ({cfg.reward.success_threshold:g})",
-        "outcomes": {
-            "mixed": "some samples pass, some fail: the groups GRPO learns from",
-            "all_pass": "every sample passed (a zero-signal group for the verifier)",
-            "all_fail": "every sample failed",
-            "single": "one sample: the outcome of a group is unknown, kept at weight 1",
-        },
-        "zero_std": "prompts with >= 2 samples whose rewards are all equal (TRL's frac_reward_zero_std, per prompt)",
-        "weights": {"mixed": sel.mixed_w if sel.mode == "mixed" else 1, "negative": sel.neg_w, "other": 1},
-        "uniform_share": sel.share,
-        "cap": sel.cap,
-        "totals": total,
-        "by_source": {src: tally([(k, c) for k, c in items if k[1] == src]) for src in ("input", "negative")},
-        "by_family": by_family,
-        "heldout_prompts": heldout_prompts,
-        "gain_report": "gain_by_family(selection.json, train/eval.json): weight share beside held-out gain",
-    }
-
-
-def selection_metrics(rep: dict[str, Any]) -> dict[str, Any]:
-    """The report's key numbers as prep/select_* metrics."""
-    t = rep["totals"]
-    out = {f"select_{k}": t[k] for k in (*OUTCOMES, "zero_std", "left_out", "selected", "weight")}
-    out["select_frac_reward_zero_std"] = t["frac_reward_zero_std"]
-    out |= {f"select_share_{k}": v for k, v in t["weight_share"].items()}
-    return out
-
-
-def gain_by_family(rep: dict[str, Any], ev: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Which data drove a round's gain: per family, its share of the training weight (selection.json) beside
-    its held-out pass rates before / after (train's eval.json, ``policy.evaluate``'s per_family). A joint
-    view, not a causal split: families train together and transfer. Families only one side knows get None."""
-    before, after = (ev.get(k, {}).get("per_family", {}) for k in ("before", "after"))
-    out = {}
-    fams = rep["by_family"]
-    for f in sorted(set(fams) | set(after), key=lambda f: (f not in fams, -fams.get(f, {}).get("weight", 0), f)):
-        t, b, a = fams.get(f, {}), before.get(f, {}), after.get(f, {})
-        gain = round(100 * (a["pass_rate"] - b["pass_rate"]), 1) if "pass_rate" in a and "pass_rate" in b else None
-        keys = ("weight_share", "mixed", "left_out")
-        out[f] = {
-            **{k: t.get(k) for k in keys},
-            "before": b.get("pass_rate"),
-            "after": a.get("pass_rate"),
-            "gain": gain,
-        }
-    return out
-
-
-def plot_selection(rep: dict[str, Any], path: Path) -> Path:
-    """Per family (12 largest): prompts by group outcome (left out hatched), and the weight share each
-    family carries into training."""
-    from matplotlib.figure import Figure
-
-    from hermes_lab.core import tracking
-    from hermes_lab.core.jsonl import plot_label
-
-    fams = list(rep["by_family"])[:12][::-1]
-    fig = Figure(figsize=(9, 0.5 * max(4, len(fams)) + 1.2))
-    ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [2, 1]})
-    colors = {"mixed": "tab:green", "single": "tab:gray", "all_fail": "tab:red", "all_pass": "tab:blue"}
-    y = list(range(len(fams)))
-    left = [0.0] * len(fams)
-    for o in OUTCOMES:
-        n = [rep["by_family"][f][o] for f in fams]
-        ax.barh(y, n, left=left, color=colors[o], label=o.replace("_", "-"))
-        left = [a + b for a, b in zip(left, n)]
-    out = [rep["by_family"][f]["left_out"] for f in fams]
-    ax.barh(y, out, left=[a - b for a, b in zip(left, out)], fill=False, hatch="//", label="left out")
-    ax.set(yticks=y, yticklabels=[plot_label(f) for f in fams], xlabel="GRPO prompts")
-    ax.set_title(f"Prompts by group outcome (data.select: {rep['select']})", fontsize=10)
-    if fams:
-        ax.legend(fontsize=8, loc="lower right")
-    ax2.barh(y, [100 * rep["by_family"][f]["weight_share"] for f in fams], color="tab:purple")
-    ax2.set(xlabel="% of training weight")
-    sh = rep["totals"]["weight_share"]
-    ax2.set_title(" ".join(f"{k} {100 * v:.0f}%" for k, v in sh.items() if v) or "no GRPO prompts", fontsize=8)
-    return tracking.log_figure(fig, path)
+    schema = dataset_schema().append(pa.field("seq", pa.int64()))
+    return pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))
 
 
 def _tid_hash(task_id: str | None) -> int:
@@ -441,6 +272,9 @@ class Distill:
         self.tids: dict[str, Any] = {"grpo_dataset": array("Q"), "heldout_dataset": array("Q")}
         self.n_negative_grpo = 0
         self.sel = Selection(cfg)
+        self.conversations: list[Any] = []  # per partition: an Arrow table (one partition) or file of rows
+        self.conv_batch_bytes = (cfg.data.memory_budget_mb << 20) // 32  # record text parsed at once
+        self.conv_split = {"train": 0, "heldout": 0}
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
         import pyarrow as pa
@@ -464,6 +298,9 @@ class Distill:
         held_all = c["held"][seq_all]
         held_prompts = set(table.column("prompt").filter(pa.array(held_all)).to_pylist())
         groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
+        conv_rows: list[dict[str, Any]] = []
+        conv_batches: list[Any] = []
+        conv_bytes = 0
         for batch in table.to_batches(max_chunksize=ROW_BATCH):
             sq = batch.column(0).to_numpy()
             cols = zip(
@@ -471,6 +308,7 @@ class Distill:
                 batch.column(1).to_pylist(),
                 batch.column(2).to_pylist(),
                 batch.column(3).to_pylist(),
+                batch.column("tests").to_pylist(),
                 c["reward"][sq].tolist(),
                 c["held"][sq].tolist(),
                 c["negative"][sq].tolist(),
@@ -479,8 +317,9 @@ class Distill:
                 self.is_out[sq].tolist(),
                 self.picked[sq].tolist(),
                 c["copies"][sq].tolist(),
+                batch.column("conv").to_pylist(),
             )
-            for seq, p, resp, tid, r, held, neg, fid, origin, out, pick, dup in cols:
+            for seq, p, resp, tid, tests_json, r, held, neg, fid, origin, out, pick, dup, conv_text in cols:
                 fam = self.fam_names[fid]
                 h = held or p in held_prompts
                 self.moved += h and not held
@@ -491,6 +330,8 @@ class Distill:
                     g.reference, g.ref_reward = resp, r
                 if g.task_id is None and held:
                     g.task_id = tid
+                if g.tests is None and tests_json is not None:
+                    g.tests = tests_json
                 g.n += 1
                 g.total += r
                 k = 1 + dup
@@ -511,10 +352,33 @@ class Distill:
                     z = round((r - med) / sigma, 3)
                     rec = {"file": files[fidx]["file"], "line": line, "task_id": tid, "reward": r, "z": z}
                     outliers.add(seq, json.dumps(rec))
+                conv = None
+                if conv_text is not None:  # a conversation: its row of conversations/, in its split
+                    conv = record_of(conv_text)
+                    split = "heldout" if h else "train"
+                    self.conv_split[split] += 1
+                    conv_rows.append(dataset_row(conv, split) | {"seq": seq})
+                    conv_bytes += len(conv_text)
+                    if conv_bytes >= self.conv_batch_bytes:  # parsed records weigh ~5x their text: Arrow them
+                        conv_batches.append(_conv_batch(conv_rows))
+                        conv_rows, conv_bytes = [], 0
                 if pick:
                     key = int(c["rank"][seq]) << LINE_BITS | seq
-                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr))
+                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr, conv))
         self.sel.count(groups[0])
+        if conv_rows:
+            conv_batches.append(_conv_batch(conv_rows))
+            del conv_rows
+        if conv_batches:
+            t = pa.Table.from_batches(conv_batches)
+            del conv_batches
+            if len(self.ing.part_paths) == 1:
+                self.conversations.append(t)
+            else:
+                f = self.ing.tmp / f"conversations-{len(self.conversations):04d}.arrow"
+                with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
+                    writer.write_table(t)
+                self.conversations.append(f)
         for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
             if not grp:
                 continue
@@ -586,9 +450,32 @@ class Distill:
                 order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
                 ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
                 del ds, pieces
+            paths["conversations"] = self._save_conversations(out / "conversations")
         finally:
             if bars:
                 datasets.enable_progress_bars()
         left.write_sorted(tmp / "left_out.jsonl")
         os.replace(tmp / "left_out.jsonl", paths["left_out"])
         return paths
+
+    def _save_conversations(self, path: Path) -> Path:
+        """``conversations/``: every accepted conversation in acceptance order (empty, schema only, for seed
+        input: those records are the prompt sets' one-turn rows)."""
+        import datasets
+        import numpy as np
+        import pyarrow as pa
+
+        shutil.rmtree(path, ignore_errors=True)
+        parts = self.conversations
+        if not parts or not isinstance(parts[0], Path):  # one partition: in memory, ordered by seq
+            schema = dataset_schema().append(pa.field("seq", pa.int64()))
+            table = parts[0] if parts else schema.empty_table()
+            order = np.argsort(table.column("seq").to_numpy(), kind="stable")
+            datasets.Dataset(table.take(order).drop_columns(["seq"])).save_to_disk(str(path))
+            return path
+        # several: memory-mapped Arrow files, one ordered pass (save_to_disk batches it), as for the prompt sets
+        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in parts])
+        order = np.argsort(np.asarray(ds.data.column("seq")), kind="stable")
+        ds.select(order).remove_columns(["seq"]).save_to_disk(str(path))
+        del ds
+        return path

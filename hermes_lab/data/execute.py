@@ -6,7 +6,10 @@ in the user's format, one record a line::
     {"prompt": ..., "response": ..., "reward": 4.2, "task_id": "t-001",
      "family": ..., "request_id": ..., "timestamp": ..., "policy": ...}
 
-The reward is system feedback from the task verifiers (0..5). On a real deployment these logs come from
+The reward is system feedback from the task verifiers (0..5). A code-family record also carries its task's
+hidden tests (``"tests": {"kind": "assert", ...}``, ``hermes_lab.sandbox.specs``), as a user's code task
+would: prep keeps them with the prompt and the tests reward runs them on every GRPO sample. On a real
+deployment these logs come from
 production: with ``execute.source: live`` the round's trajectories are the gateway's log of the previous
 round's live A/B, joined with the agent's feedback (``hermes_lab.live.round``); on the embedded default
 this stage is where every round's data comes from (later rounds also feed the A/B traffic logs of the
@@ -77,9 +80,9 @@ def execute(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     passed = 0
+    rewards = T.score_tasks(tasks_, responses, cfg.reward.scale)  # code: its tests run in the sandbox
     with open(tmp, "w", encoding="utf-8") as f:
-        for i, (t, r) in enumerate(zip(tasks_, responses)):
-            reward = T.score(t.answer, r, cfg.reward.scale)
+        for i, (t, r, reward) in enumerate(zip(tasks_, responses, rewards)):
             passed += reward >= cfg.reward.success_threshold
             rec = {
                 "prompt": t.prompt,
@@ -91,6 +94,8 @@ def execute(
                 "timestamp": (start + timedelta(seconds=i)).isoformat(),
                 "policy": adapter or cfg.model.base_model,
             }
+            if t.family == "code":
+                rec["tests"] = T.tests_of(t)
             f.write(json.dumps(rec) + "\n")
     os.replace(tmp, out)  # a half-written file never looks like a finished execution log
     n = len(tasks_)

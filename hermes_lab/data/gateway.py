@@ -3,11 +3,22 @@ their feedback into trajectories that prep ingests like any other execution log.
 
 Stages: execute (``execute.source: live``) and prep (``hermes-lab prep --input LOGDIR``). ``hermes-lab serve``
 writes the log dir (``runs/live/<experiment>/``: ``requests.jsonl``, ``feedback.jsonl``, ``experiment.json``;
-``hermes_lab.live.log`` writes them); this module reads it. ``gateway_trajectories`` joins each request with
-its feedback (the latest of ``serve.feedback_source``) into ``<name>.trajectories.jsonl``; answered requests
-without feedback are kept aside (``<name>.unrewarded.jsonl``) and counted, and reach GRPO data only with
-``serve.score_unrewarded: judge``. Every request is accounted for: requests = errors + answered; answered =
-rewarded + judged + unrewarded.
+``tools.jsonl``; ``hermes_lab.live.log`` writes them); this module reads it. ``gateway_trajectories`` splits the
+log by conversation (``conversation_id``; a log from before conversations: one per request):
+
+- a single-turn chat (one request, no tools, no tool call: the embedded tasks' traffic) is joined with its
+  feedback (the latest of ``serve.feedback_source``) into ``<name>.trajectories.jsonl`` as before; answered
+  ones without feedback are kept aside (``<name>.unrewarded.jsonl``) and counted, and reach GRPO data only
+  with ``serve.score_unrewarded: judge``. requests = errors + answered; answered = rewarded + judged +
+  unrewarded.
+- every other conversation (several turns, tools offered or called) is reassembled whole into
+  ``<name>.conversations.jsonl``, one OpenAI-shaped line per conversation that prep's conversation reader
+  turns into the canonical record (``hermes_lab.data.conversation``): the turns' new messages and answers in
+  order (a failed turn's are left out: its retry re-sends them; a turn that re-sends an earlier point of the
+  conversation replaces what followed it), the tools from ``tools.jsonl``, the feedback on the conversation
+  (by its id or any of its request ids) as the reward (``feedback:<source>``), else none (prep's outcome
+  rules decide), and per turn its request id, arm, latency, usage, finish reason and status in
+  ``meta.turns``. turns = failed turns + answered turns.
 
 A live round's data (``execute.source: live``): ``runs/round-NN/trajectories.jsonl`` is the gateway log
 ``execute.live_dir`` (empty: the live experiment of the previous round, ``runs/live/round-<NN-1>``) joined with
@@ -31,7 +42,7 @@ import orjson
 
 from hermes_lab.config.schema import ConfigError, HermesConfig
 
-REQUESTS, FEEDBACK, EXPERIMENT = "requests.jsonl", "feedback.jsonl", "experiment.json"
+REQUESTS, FEEDBACK, EXPERIMENT, TOOLS = "requests.jsonl", "feedback.jsonl", "experiment.json", "tools.jsonl"
 
 
 def read_jsonl(path: str | os.PathLike[str], bad: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -98,15 +109,96 @@ def _judge(cfg: Any, rows: list[dict[str, Any]], best: dict[str, tuple[float, st
     return scores
 
 
-def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
-    """Join a gateway log dir into ``<out_dir>/<name>.trajectories.jsonl`` (+ ``.unrewarded.jsonl``).
+def _single_turn(rec: dict[str, Any]) -> bool:
+    """A request that is a whole chat of its own: no tools, no tool call, no earlier turn, one user message."""
+    if rec.get("tools_hash") or rec.get("tool_calls") or rec.get("history") or rec.get("turn"):
+        return False
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list):
+        return True
+    roles = [m.get("role") if isinstance(m, dict) else None for m in msgs]
+    return roles.count("user") <= 1 and all(r in ("system", "user") for r in roles)
 
-    Every request is accounted for: requests = errors + answered; answered = rewarded + judged + unrewarded.
+
+def _answer(rec: dict[str, Any]) -> dict[str, Any]:
+    """A turn's logged answer as the assistant message the client got."""
+    calls = rec.get("tool_calls") if isinstance(rec.get("tool_calls"), list) else None
+    text = rec.get("response") if isinstance(rec.get("response"), str) else ""
+    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    if isinstance(rec.get("reasoning"), str) and rec["reasoning"]:
+        msg["reasoning"] = rec["reasoning"]
+    return msg
+
+
+def conversation_line(
+    cid: str, turns: list[tuple[int, dict[str, Any]]], tools: dict[str, Any], fb: dict[str, Any] | None, where: str
+) -> dict[str, Any]:
+    """One conversation of the log, reassembled from its turns ((line, record), in log order) as an OpenAI-shaped
+    line for prep's reader."""
+    turns = sorted(turns, key=lambda x: (int(x[1].get("turn") or 0), x[0]))
+    msgs: list[Any] = []
+    meta_turns, th, failed = [], None, 0
+    for lineno, rec in turns:
+        ok = rec.get("status") == "ok"
+        meta_turns.append(
+            {
+                "turn": rec.get("turn"),
+                "request_id": rec.get("request_id"),
+                "line": lineno,
+                **{
+                    k: rec.get(k)
+                    for k in ("arm", "model", "status", "latency_ms", "ttft_ms", "usage", "finish_reason", "stream")
+                },
+                "switched": bool(rec.get("switched")),
+                "tool_calls": len(rec["tool_calls"]) if isinstance(rec.get("tool_calls"), list) else 0,
+            }
+        )
+        if not ok:  # its new messages come again with the retry
+            failed += 1
+            continue
+        new = rec.get("messages") if isinstance(rec.get("messages"), list) else []
+        h = int(rec.get("history") or 0)
+        msgs = (msgs[:h] if h <= len(msgs) else msgs) + new + [_answer(rec)]
+        th = rec.get("tools_hash") or th
+    first, last = turns[0][1], turns[-1][1]
+    end = "error" if last.get("status") != "ok" else None
+    line: dict[str, Any] = {
+        "conversation_id": cid,
+        "messages": msgs,
+        "tools": tools.get(th, []) if th else [],
+        "model": first.get("model"),
+        "started_at": first.get("timestamp"),
+        "task_id": next((r.get("task_id") for _, r in turns if r.get("task_id")), None),
+        "api_calls": len(turns),
+        "meta": {
+            "gateway_log": where,
+            "arm": first.get("arm"),
+            "switched": any(t["switched"] for t in meta_turns),
+            "failed_turns": failed,
+            "turns": meta_turns,
+        },
+    }
+    if end:
+        line["end_reason"] = end
+    if fb is not None:
+        line.update(reward=fb.get("reward"), reward_source=f"feedback:{fb.get('source', 'system')}")
+    return line
+
+
+def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], cfg: Any) -> dict[str, Any]:
+    """Join a gateway log dir into ``<out_dir>/<name>.trajectories.jsonl`` (+ ``.unrewarded.jsonl``) and
+    ``<name>.conversations.jsonl`` (the module docstring says which request goes where).
+
+    Every request is accounted for: requests = errors + answered (single-turn) + conversation turns;
+    answered = rewarded + judged + unrewarded; conversations = with feedback + without (prep's outcome rules).
     """
     src, out = Path(log_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = cfg.serve.feedback_source
     fb: dict[str, dict[str, Any]] = {}
+    fb_conv: dict[str, dict[str, Any]] = {}
     bad_fb: list[int] = []
     counts = dict.fromkeys(("feedback_lines", "feedback_other_source", "feedback_unknown_request"), 0)
     for _, rec in read_jsonl(src / FEEDBACK, bad_fb):
@@ -115,18 +207,35 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
             counts["feedback_other_source"] += 1
             continue
         fb[str(rec.get("request_id"))] = rec  # file order: the latest wins
+        if isinstance(rec.get("conversation_id"), str):
+            fb_conv[rec["conversation_id"]] = rec
+    # pass 1: which conversations are single-turn chats (the trajectories' fast path)
+    shape: dict[str, bool] = {}
+    for _, rec in read_jsonl(src / REQUESTS):
+        cid = rec.get("conversation_id")
+        if isinstance(cid, str):
+            shape[cid] = cid not in shape and _single_turn(rec)
+    tools = {str(r.get("tools_hash")): r.get("tools") for _, r in read_jsonl(src / TOOLS)}
     name = src.name or "gateway"
     traj, unrew = out / f"{name}.trajectories.jsonl", out / f"{name}.unrewarded.jsonl"
+    convf = out / f"{name}.conversations.jsonl"
     c = dict.fromkeys(("requests", "errors", "answered", "rewarded", "judged", "unrewarded"), 0)
+    cc = dict.fromkeys(("conversations", "conversation_turns", "failed_turns", "with_feedback"), 0)
     seen: set[str] = set()
     pending: list[dict[str, Any]] = []
     best: dict[str, tuple[float, str]] = {}
     bad_req: list[int] = []
+    convs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     with open(traj, "wb") as ft:
         for lineno, rec in read_jsonl(src / REQUESTS, bad_req):
             c["requests"] += 1
             rid = str(rec.get("request_id"))
             seen.add(rid)
+            cid = rec.get("conversation_id")
+            if isinstance(cid, str) and not shape.get(cid, True):
+                convs.setdefault(cid, []).append((lineno, rec))
+                seen.add(cid)
+                continue
             if rec.get("status") != "ok":
                 c["errors"] += 1
                 continue
@@ -142,7 +251,7 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                 "messages": rec.get("messages"),
                 "gateway_log": f"{src / REQUESTS}:{lineno}",
             }
-            f = fb.get(rid)
+            f = fb.get(rid) or (fb_conv.get(cid) if isinstance(cid, str) else None)
             if f is None:
                 pending.append(row)
                 continue
@@ -161,12 +270,27 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                     c["judged"] += 1
                     row.update(reward=s, reward_source="judge")
                     ft.write(orjson.dumps(row) + b"\n")
-    counts["feedback_unknown_request"] = sum(1 for rid in fb if rid not in seen)
+    with open(convf, "wb") as fc:
+        for cid, turns in convs.items():
+            f = fb_conv.get(cid) or next(
+                (fb[str(r.get("request_id"))] for _, r in turns if str(r.get("request_id")) in fb), None
+            )
+            line = conversation_line(cid, turns, tools, f, f"{src / REQUESTS}")
+            cc["conversations"] += 1
+            cc["conversation_turns"] += len(turns)
+            cc["failed_turns"] += line["meta"]["failed_turns"]
+            cc["with_feedback"] += f is not None
+            fc.write(orjson.dumps(line) + b"\n")
+    counts["feedback_unknown_request"] = sum(
+        1 for rid, r in fb.items() if rid not in seen and r.get("conversation_id") not in seen
+    )
     return {
         "log_dir": str(src),
         "trajectories": str(traj),
         "unrewarded_file": str(unrew),
+        "conversations_file": str(convf),
         **c,
+        **cc,
         **counts,
         "torn_lines": {"requests": len(bad_req), "feedback": len(bad_fb)},
         "feedback_source": source,
@@ -182,7 +306,10 @@ def expand_inputs(inputs: list[Any], out_dir: str | os.PathLike[str], cfg: Any) 
         if Path(p).is_dir() and (Path(p) / REQUESTS).is_file():
             info = gateway_trajectories(p, Path(out_dir) / "gateway", cfg)
             joined[str(p)] = info
-            files.append(info["trajectories"])
+            if info["answered"] or not info["conversations"]:
+                files.append(info["trajectories"])
+            if info["conversations"]:
+                files.append(info["conversations_file"])
         else:
             files.append(p)
     return files, joined
@@ -190,11 +317,18 @@ def expand_inputs(inputs: list[Any], out_dir: str | os.PathLike[str], cfg: Any) 
 
 def describe_gateway(info: dict[str, Any]) -> str:
     """One line accounting for every request of a joined gateway log dir."""
-    return (
+    line = (
         f"gateway {info['log_dir']}: {info['requests']} requests = {info['errors']} errors + {info['answered']} "
-        f"answered; answered = {info['rewarded']} rewarded + {info['judged']} judged + {info['unrewarded']} "
-        f"unrewarded (kept in {info['unrewarded_file']})"
+        f"answered + {info.get('conversation_turns', 0)} conversation turns; answered = {info['rewarded']} rewarded "
+        f"+ {info['judged']} judged + {info['unrewarded']} unrewarded (kept in {info['unrewarded_file']})"
     )
+    if info.get("conversations"):
+        line += (
+            f"; {info['conversations']} conversations ({info['conversation_turns']} turns, {info['failed_turns']} "
+            f"failed), {info['with_feedback']} with feedback, the rest rewarded by the outcome rules "
+            f"({info['conversations_file']})"
+        )
+    return line
 
 
 # ------------------------------------------------------------------------------- a live round's data

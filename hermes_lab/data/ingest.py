@@ -1,22 +1,32 @@
 """Distill stage, part 1 (``hermes_lab.data.prep``): read every line of every input, validate it, dedupe it, spill it.
 
-Reads the trajectory files prep was given (``.jsonl`` or ``.jsonl.gz``, read transparently; never written,
-truncated or moved). Writes into prep's output dir, through temp files renamed into place at the end:
-``accepted.jsonl``, ``negatives.jsonl``, ``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.data.prep``);
-and, in a temp dir prep removes, the accepted records' text partitioned by prompt (Arrow IPC streams) for
-``hermes_lab.data.distill``.
+Reads the inputs prep was given (``.jsonl`` or ``.jsonl.gz``, read transparently; Hermes session files and
+``state.db`` through ``hermes_lab.data.readers``; never written, truncated or moved). Writes into prep's output
+dir, through temp files renamed into place at the end: ``accepted.jsonl``, ``negatives.jsonl``,
+``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.data.prep``); and, in a temp dir prep removes, the
+accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.data.distill``.
+
+Two paths, chosen per input (``hermes_lab.data.readers.detect`` or ``conversations.format``): the seed's
+``{prompt, response, reward, task_id}`` lines take the fast path below, unchanged; every other shape becomes a
+canonical conversation record (``hermes_lab.data.conversation``), is rewarded (its log's reward, else feedback
+joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and is deduped
+three ways, each a ``DigestIndex``: exact (what was said, call ids and reasoning included), near (the exchange
+up to whitespace, case, reasoning, call ids, system prompt and tool schemas: a run's trajectory line and its
+session snapshot) and by conversation_id (a run and its compressed copy). Its projection for the prompt tables is
+(first user message, final answer); the whole record rides along in the spill for the conversations
+dataset and the review queue.
 
 Memory is bounded: lines are validated in batches (at most ``BATCH_LINES`` lines or a sixteenth of
 ``data.memory_budget_mb``), duplicates are found through a 16-byte blake2b digest of (prompt, response,
 task_id) held in sorted numpy runs (``DigestIndex``), and what is kept for the whole input is a handful of
 fixed-size fields per accepted record (reward, origin, family id, split, review hash, duplicate count: ~64 bytes).
 
-Validation, every field of every line (a bad line is a reject with its number and reason, never a
-traceback): valid UTF-8; JSON with no NaN/Infinity, no number that overflows a double or that Python
-refuses to convert (an integer of more than 4300 digits), no key twice in one object (parsers disagree on
-which value wins), no lone surrogate escape in any string or key, not nested beyond Python's recursion
-limit; an object with prompt (non-empty string), response (string), reward (a number in 0..scale, not a
-bool), task_id (non-empty string, or an integer, kept as text), family (a string or null, optional).
+Validation, every field of every line: ``hermes_lab.data.lines`` (JSON, the seed record) and
+``hermes_lab.data.readers`` / ``hermes_lab.data.conversation`` (every other shape); a bad line is a reject with
+its number and reason, never a traceback. A line (a seed record, or a conversation of a JSONL format) may carry
+its task's tests (``hermes_lab.data.lines.record_tests``): tests that do not parse reject the line ("bad
+tests"), tests that do ride along, normalised, for the tests reward (the partitions' ``tests`` column; a
+conversation's record holds them as ``tests``, absent without any).
 
 Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
@@ -26,233 +36,65 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import math
 import os
+import sqlite3
 import zlib
 from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hermes_lab.data import readers
+from hermes_lab.data.conversation import (
+    Invalid,
+    content_digest,
+    final_answer,
+    record_text,
+    review_key,
+    task_prompt_of,
+)
+from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
+    BOM,
+    REQUIRED,
+    Bad,
+    DigestIndex,
+    check_record,
+    decode,
+    estimated_size,
+    is_gzip,
+    record_tests,
+    review_id,
+    review_rank,
+    split_of,
+)
+from hermes_lab.data.outcomes import JudgeQueue, assign_reward, load_feedback
 from hermes_lab.tasks import suite as tasks
 
-BOM = b"\xef\xbb\xbf"
-REQUIRED = ("prompt", "response", "reward", "task_id")
 RAW_KEEP = 4096  # bytes of a too-long line kept in rejects.jsonl
 PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on
 BATCH_LINES = 16384  # lines validated before one vectorised duplicate lookup
 LINE_BITS = 40  # origin = file index << 40 | line number
 SINKS = ("accepted", "negatives", "duplicates", "rejects")
 _CACHE_MAX = 200_000  # entries of the per-prompt family / per-task split caches before they are cleared
-
-
-class Bad(ValueError):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
-
-
-# ------------------------------------------------------------------------------------------ decoding
-def _no_constants(name: str) -> Any:
-    raise Bad("NaN/Infinity not allowed", f"{name} is not valid JSON")
-
-
-def _float(text: str) -> float:
-    v = float(text)
-    if math.isinf(v):  # 1e400: Python reads inf, Arrow and the loss cannot use it, other parsers refuse it
-        raise Bad("number out of range", f"{text[:40]} overflows a 64-bit float")
-    return v
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise Bad("duplicate key", f"key {dup[:40]!r} appears twice in one object (parsers disagree on which wins)")
-    return d
-
-
-# one decoder (json.loads(**kw) would build one per call), called through its C scanner: JSONDecoder.decode
-# adds two Python frames per line for the whitespace handling done here
-_DECODER = json.JSONDecoder(parse_constant=_no_constants, parse_float=_float, object_pairs_hook=_pairs)
-_SCAN = json.scanner.make_scanner(_DECODER)
-_WS = json.decoder.WHITESPACE.match
-
-
-def _kind(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
-
-
-def _lone_surrogate(obj: Any) -> str | None:
-    """The top-level field holding a string (or key) with a lone surrogate, else None. Iterative: no depth limit."""
-    for top, value in obj.items() if isinstance(obj, dict) else [("(top level)", obj)]:
-        stack = [top, value]
-        while stack:
-            v = stack.pop()
-            if isinstance(v, str):
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    return top
-            elif isinstance(v, dict):
-                stack.extend(v.keys())
-                stack.extend(v.values())
-            elif isinstance(v, list):
-                stack.extend(v)
-    return None
-
-
-def decode(text: str) -> Any:
-    """The JSON value of one line; Bad (reason, detail) for anything the checks above refuse."""
-    try:
-        try:
-            obj, end = _SCAN(text, _WS(text, 0).end())
-        except StopIteration as err:
-            raise json.JSONDecodeError("Expecting value", text, err.value) from None
-        end = _WS(text, end).end()
-        if end != len(text):
-            raise json.JSONDecodeError("Extra data", text, end)
-    except json.JSONDecodeError as e:
-        raise Bad("malformed JSON", f"{e.msg} at column {e.colno}") from None
-    except RecursionError:
-        raise Bad("malformed JSON", "nested too deeply") from None
-    except ValueError as e:  # not Bad: int() refusing a 4300+ digit integer
-        if isinstance(e, Bad):
-            raise
-        raise Bad("number out of range", str(e)[:120]) from None
-    if ("\\ud" in text or "\\uD" in text) and (field := _lone_surrogate(obj)) is not None:
-        # "\ud800" escapes decode to lone surrogates: UTF-8 writers, Arrow and most parsers refuse them
-        raise Bad("invalid Unicode", f"lone surrogate escape in {field}")
-    return obj
-
-
-def check_record(obj: Any, scale: float) -> tuple[str, str, float, str, str | None]:
-    """(prompt, response, reward, task_id, family field) of a valid record, else raises Bad."""
-    if type(obj) is not dict:
-        raise Bad("not a JSON object", f"got a JSON {_kind(obj)}")
-    for k in REQUIRED:
-        if k not in obj:
-            raise Bad(f"missing field '{k}'", f"required: {', '.join(REQUIRED)}; present: {', '.join(list(obj)[:12])}")
-    prompt, response, reward, task_id = obj["prompt"], obj["response"], obj["reward"], obj["task_id"]
-    if type(prompt) is not str:
-        raise Bad("prompt not a string", f"prompt is a JSON {_kind(prompt)}")
-    if not prompt.strip():
-        raise Bad("empty prompt")
-    if type(response) is not str:
-        raise Bad("response not a string", f"response is a JSON {_kind(response)}")
-    if type(reward) is not float and type(reward) is not int:  # bool is not a reward; neither is "4.2"
-        raise Bad("reward not a number", f"reward is a JSON {_kind(reward)}: {str(reward)[:40]}")
-    if not 0 <= reward <= scale:
-        raise Bad("reward out of range", f"reward {str(reward)[:40]} outside 0..{scale:g}")
-    if type(task_id) is int:  # numeric ids are common in exports; the split hashes the text
-        task_id = str(task_id)
-    elif type(task_id) is not str or not task_id.strip():
-        raise Bad("bad task_id", f"task_id must be a non-empty string, got {json.dumps(task_id)[:40]}")
-    fam = obj.get("family")
-    if fam is not None and type(fam) is not str:
-        raise Bad("bad family", f"family must be a string or null, got a JSON {_kind(fam)}")
-    return prompt, response, float(reward), task_id, fam or None
-
-
-# ------------------------------------------------------------------------------------------- reading
-def estimated_size(path: Path) -> int:
-    """Bytes of text in a file: its size, or for gzip the larger of 4x the size and the ISIZE trailer."""
-    size = path.stat().st_size
-    if not is_gzip(path):
-        return size
-    try:
-        with open(path, "rb") as f:
-            f.seek(-4, os.SEEK_END)
-            isize = int.from_bytes(f.read(4), "little")
-    except OSError:
-        isize = 0
-    return max(isize, 4 * size)
-
-
-def is_gzip(path: Path) -> bool:
-    if path.name.endswith(".gz"):
-        return True
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def split_of(task_id: str, fraction: float, cache: dict[str, bool]) -> bool:
-    """True when the task_id is held out: first 8 hex of sha1(task_id) / 0xFFFFFFFF < fraction."""
-    held = cache.get(task_id)
-    if held is None:
-        if len(cache) > _CACHE_MAX:
-            cache.clear()
-        held = int(hashlib.sha1(task_id.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
-        cache[task_id] = held
-    return held
-
-
-def review_id(task_id: str, prompt: str, response: str, joined: bytes | None = None) -> str:
-    """The review id of a record: sha1 of task_id + prompt + response (``joined``: those bytes, if at hand)."""
-    return hashlib.sha1(joined if joined is not None else (task_id + prompt + response).encode()).hexdigest()[:12]
-
-
-def review_rank(seed: int | Any, rid: str) -> int:
-    """The review sample's seeded hash rank of a record: the first 8 bytes of sha1(f"{seed}:{rid}").
-    ``seed`` may be ``hashlib.sha1(f"{seed}:".encode())``, copied instead of rehashing the prefix."""
-    h = hashlib.sha1(f"{seed}:".encode()) if isinstance(seed, int) else seed.copy()
-    h.update(rid.encode())
-    return int.from_bytes(h.digest()[:8], "big")
-
-
-# ------------------------------------------------------------------------------------ duplicate index
-class DigestIndex:
-    """Set of 16-byte digests with the seq of their first record, in sorted numpy runs (24 bytes each).
-
-    Runs merge like a binary counter (a run merges into the previous one once it is at least half its
-    size), so every digest is merged O(log n) times and lookups search O(log n) runs."""
-
-    def __init__(self) -> None:
-        import numpy as np
-
-        self.np = np
-        self.runs: list[tuple[Any, Any, Any]] = []  # (hi sorted, lo, origin)
-
-    def lookup(self, hi: Any, lo: Any) -> Any:
-        np = self.np
-        found = np.full(len(hi), -1, dtype=np.int64)
-        for rhi, rlo, rorig in self.runs:
-            pos = np.searchsorted(rhi, hi)
-            pos_c = np.minimum(pos, len(rhi) - 1)
-            same_hi = (pos < len(rhi)) & (rhi[pos_c] == hi)
-            hit = same_hi & (rlo[pos_c] == lo)
-            found[hit] = rorig[pos_c[hit]]
-            for j in np.flatnonzero(same_hi & ~hit).tolist():  # 64-bit prefix shared by another digest: rare
-                k = int(pos[j]) + 1
-                while k < len(rhi) and rhi[k] == hi[j]:
-                    if rlo[k] == lo[j]:
-                        found[j] = rorig[k]
-                        break
-                    k += 1
-        return found
-
-    def add(self, hi: Any, lo: Any, origin: Any) -> None:
-        np = self.np
-        if not len(hi):
-            return
-        run = (hi, lo, origin)
-        while self.runs and len(self.runs[-1][0]) <= 2 * len(run[0]):
-            prev = self.runs.pop()
-            run = tuple(np.concatenate([a, b]) for a, b in zip(prev, run))  # type: ignore[assignment]
-        order = np.argsort(run[0], kind="stable")  # timsort: two sorted runs merge in linear time
-        self.runs.append(tuple(a[order] for a in run))  # type: ignore[arg-type]
-
-    def __len__(self) -> int:
-        return sum(len(r[0]) for r in self.runs)
+DETECT_LINES = 100  # lines auto-detection reads at most, for the first JSON object
 
 
 # ------------------------------------------------------------------------------------------- ingest
 class Ingest:
     """Streams every line of every file into the four JSONL sinks, the fixed-size columns and the spill."""
 
-    def __init__(self, tmp: Path, scale: float, cap: int, budget_bytes: int, n_parts: int, cfg: Any):
-        """``tmp``: where the sinks are written before ``commit`` moves them, and the spill lives."""
+    def __init__(
+        self,
+        tmp: Path,
+        scale: float,
+        cap: int,
+        budget_bytes: int,
+        n_parts: int,
+        cfg: Any,
+        feedback_files: list[Path] | None = None,
+    ):
+        """``tmp``: where the sinks are written before ``commit`` moves them, and the spill lives;
+        ``feedback_files``: JSONL of later rewards joined into conversations by conversation_id."""
         import pyarrow as pa
 
         self.pa, self.tmp = pa, tmp
@@ -277,8 +119,21 @@ class Ingest:
         self._split_cache: dict[str, bool] = {}
         self.tmp_sinks = {n: tmp / f"{n}.jsonl" for n in SINKS}
         self.sinks = {n: open(p, "w", encoding="utf-8", newline="\n") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
+        # the conversations: their own near-duplicate index, their stats (accepted ones, in seq order), rewards
+        self.conv_cfg, self.feedback, self.feedback_info = cfg.conversations, *load_feedback(feedback_files, scale)
+        self.near_index, self.id_index = DigestIndex(), DigestIndex()
+        self.conv_cols = {k: array("q") for k in ("seq", "turns", "tool_calls", "tool_errors", "source")}
+        self.reward_sources: dict[str, int] = {}
+        self.judge = JudgeQueue(tmp, cfg) if cfg.conversations.reward == "judge" else None
         self.schema = pa.schema(
-            [("seq", pa.int64()), ("prompt", pa.string()), ("response", pa.string()), ("task_id", pa.string())]
+            [
+                ("seq", pa.int64()),
+                ("prompt", pa.string()),
+                ("response", pa.string()),
+                ("task_id", pa.string()),
+                ("conv", pa.string()),  # the canonical record (JSON) of a conversation; null for a seed line
+                ("tests", pa.string()),  # the task's tests (``TestSpec.to_json``); null without any
+            ]
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
         self._writers = [pa.ipc.new_stream(str(p), self.schema) for p in self.part_paths]
@@ -315,27 +170,59 @@ class Ingest:
         return f"{self.files[origin >> LINE_BITS]['file']}:{origin & ((1 << LINE_BITS) - 1)}"
 
     # ------------------------------------------------------------------------------------- rejects
-    def _reject(self, st: dict[str, Any], lineno: int, reason: str, detail: str, raw: bytes, **extra: Any) -> None:
+    def _reject(
+        self, st: dict[str, Any], lineno: int | None, reason: str, detail: str, raw: bytes | str, **extra: Any
+    ) -> None:
+        """A rejected line (or session: ``lineno`` None, ``extra`` names the session and its file)."""
         st["rejected"] += 1
         st["by_reason"][reason] += 1
         if len(st["first_errors"]) < 5:
-            st["first_errors"].append(f"line {lineno}: {reason}" + (f" ({detail})" if detail else ""))
+            at = f"line {lineno}" if lineno is not None else f"session {extra.get('session') or extra.get('file')}"
+            st["first_errors"].append(f"{at}: {reason}" + (f" ({detail})" if detail else ""))
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", errors="backslashreplace")
         rec = {
             "file": st["file"],
             "line": lineno,
             "reason": reason,
             "detail": detail,
-            "raw": raw.decode("utf-8", errors="backslashreplace"),
+            "raw": raw,
             **extra,
         }
         self.sinks["rejects"].write(json.dumps(rec) + "\n")
 
     # ---------------------------------------------------------------------------------------- scan
-    def scan(self, path: Path, role: str, round_no: int | None) -> dict[str, Any]:
+    def detect(self, path: Path) -> str:
+        """An input's format (``hermes_lab.data.readers.detect``) from what it is and its first JSON line."""
+        fmt = readers.detect(path)
+        if fmt != "seed":  # a folder, a SQLite store, a session file
+            return fmt
+        first = None
+        with open(path, "rb") as raw_f:
+            f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
+            for _ in range(DETECT_LINES):  # the first line that is a JSON object (a torn first line says nothing)
+                try:
+                    raw = f.readline(self.cap + 1)
+                except (OSError, EOFError, zlib.error):  # the scan reports it
+                    break
+                if not raw:
+                    break
+                try:
+                    obj = decode(raw.strip().removeprefix(BOM).decode("utf-8"))
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if isinstance(obj, dict):
+                    first = obj
+                    break
+        return readers.detect(path, first)
+
+    def scan(self, path: Path, role: str, round_no: int | None, fmt: str = "auto") -> dict[str, Any]:
         from tqdm import tqdm
 
+        fmt = self.detect(path) if fmt == "auto" else fmt
         st: dict[str, Any] = {
             "file": str(path),
+            "format": fmt,
             "role": role,
             "round": round_no,
             "lines": 0,
@@ -349,6 +236,10 @@ class Ingest:
         }
         fidx = len(self.files)
         self.files.append(st)
+        if fmt not in readers.JSONL_FORMATS:  # session files, state.db: whole records, not lines
+            return self._scan_records(path, st, fidx, role, fmt)
+        conv = None if fmt == "seed" else fmt
+        max_chars = self.conv_cfg.max_message_chars
         size = path.stat().st_size
         bar = tqdm(
             total=size,
@@ -413,9 +304,22 @@ class Ingest:
                     continue
                 try:
                     obj = decode(text)
-                    prompt, response, reward, task_id, fam = check_record(obj, scale)
+                    if conv is None:
+                        prompt, response, reward, task_id, fam = check_record(obj, scale)
+                        tests_json = record_tests(obj, prompt)
+                    else:
+                        rec = readers.parse_line(obj, conv, st["file"], lineno, scale, max_chars)
+                        if (conv_tests := record_tests(obj, task_prompt_of(rec["messages"]))) is not None:
+                            rec["tests"] = conv_tests
                 except Bad as e:
-                    self._reject(st, lineno, e.reason, e.detail, line)
+                    cut = e.reason == "message too long"  # keep its first 4 KiB, as for a line too long
+                    self._reject(st, lineno, e.reason, e.detail, line[:RAW_KEEP] if cut else line, **_cut(cut))
+                    continue
+                if conv is not None:
+                    pending_bytes += self._add_conv(st, fidx, role, round_no, lineno, rec, text, pending)
+                    if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
+                        self._flush_conv(st, fidx, role, pending)
+                        pending, pending_bytes = [], 0
                     continue
                 out_text = text
                 if role == "negative":
@@ -428,12 +332,14 @@ class Ingest:
                 joined = (task_id + prompt + response).encode()  # the review id's bytes too
                 h = hashlib.blake2b(f"{len(task_id)},{len(prompt)},".encode(), digest_size=16)
                 h.update(joined)  # unambiguous: the lengths say where task_id and prompt end
-                pending.append((lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest()))
+                pending.append(
+                    (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest(), tests_json)
+                )
                 pending_bytes += len(text) + len(joined) + (len(out_text) if out_text is not text else 0)
                 if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
                     self._flush(st, fidx, role, pending)
                     pending, pending_bytes = [], 0
-        self._flush(st, fidx, role, pending)
+        (self._flush if conv is None else self._flush_conv)(st, fidx, role, pending)
         if not bar.disable:
             bar.update(max(0, size - last_pos))
         bar.close()
@@ -468,12 +374,25 @@ class Ingest:
         negative = role == "negative"
         families, fam_cache, split_cache, holdout = self.families, self._fam_cache, self._split_cache, self.holdout
         seed_hash, sha1 = hashlib.sha1(f"{self.seed}:".encode()), hashlib.sha1
-        parts: list[tuple[list[int], list[str], list[str], list[str]]] = [([], [], [], []) for _ in range(self.n_parts)]
+        # seq, prompt, response, task_id, conv (none on this path: a null column), tests
+        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
         k_parts = self.n_parts
         seq, text_bytes = self.n, 0
         dups = 0
         # the hot loop of prep: the helpers (split_of, review_id, review_rank) are inlined here
-        for j, (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, digest) in enumerate(pending):
+        for j, (
+            lineno,
+            text,
+            out_text,
+            prompt,
+            response,
+            reward,
+            task_id,
+            fam,
+            joined,
+            digest,
+            tests_json,
+        ) in enumerate(pending):
             o = found[j]
             if o < 0:
                 o = first_in_batch.get(digest, -1)
@@ -517,25 +436,234 @@ class Ingest:
             part[1].append(prompt)
             part[2].append(response)
             part[3].append(task_id)
+            part[5].append(tests_json)
             seq += 1
             text_bytes += len(joined)
         self.n, self.text_bytes = seq, self.text_bytes + text_bytes
         if new_rows:
             idx = np.asarray(new_rows, dtype=np.int64)
             self.index.add(keys[idx, 0].copy(), keys[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
-        pa = self.pa
-        for w, (seqs, ps, rs, ts) in zip(self._writers, parts):
-            if seqs:
-                w.write_batch(
-                    pa.record_batch(
-                        [
-                            pa.array(seqs, pa.int64()),
-                            pa.array(ps, pa.string()),
-                            pa.array(rs, pa.string()),
-                            pa.array(ts, pa.string()),
-                        ],
-                        schema=self.schema,
-                    )
-                )
+        self._write_parts(parts)
         st["accepted"] += len(new_rows)
         st["duplicates"] += dups
+
+    def _write_parts(self, parts: list[tuple[list[Any], ...]]) -> None:
+        """A batch's rows into the partitions: per partition the lists (seq, prompt, response, task_id, conv,
+        tests); conv empty for seed lines (a null column)."""
+        pa = self.pa
+        for w, (seqs, ps, rs, ts, convs, tests) in zip(self._writers, parts):
+            if seqs:
+                conv = pa.array(convs, pa.string()) if convs else pa.nulls(len(seqs), pa.string())
+                cols = [pa.array(seqs, pa.int64()), pa.array(ps, pa.string()), pa.array(rs, pa.string())]
+                cols += [pa.array(ts, pa.string()), conv, pa.array(tests, pa.string())]
+                w.write_batch(pa.record_batch(cols, schema=self.schema))
+
+    # ------------------------------------------------------------------------------- conversations
+    def _add_conv(
+        self,
+        st: dict[str, Any],
+        fidx: int,
+        role: str,
+        round_no: int | None,
+        lineno: int | None,
+        rec: dict[str, Any],
+        raw: str,
+        pending: list[tuple[Any, ...]],
+    ) -> int:
+        """Reward a record (or queue it for the judge), then add it to the batch; the bytes it holds."""
+        if role == "negative":
+            rec["negative"] = {"file": st["file"], "round": round_no}
+        if not assign_reward(rec, self.feedback, self.conv_cfg, self.scale):
+            self.judge.defer(fidx, role, lineno, rec, raw)  # type: ignore[union-attr]
+            return 0
+        if self.judge is not None:
+            self.judge.offer(rec, rec["reward"])
+        item = _conv_item(lineno, rec)
+        pending.append(item)
+        return 2 * len(item[1]) + len(item[2]) + len(item[3])
+
+    def _scan_records(self, path: Path, st: dict[str, Any], fidx: int, role: str, fmt: str) -> dict[str, Any]:
+        """A session folder / file or a state.db: each conversation is one record (its line: its ordinal)."""
+        pending: list[tuple[Any, ...]] = []
+        pending_bytes = n = 0
+        records = readers.iter_records(path, fmt, self.conv_cfg.max_message_chars, self.cap)
+        while True:
+            try:
+                n_rec, sid, file, raw, rec = next(records)
+            except StopIteration:
+                break
+            except sqlite3.Error as e:  # not a SQLite store after all, or a damaged one: what was read is kept
+                n += 1
+                detail = f"{type(e).__name__}: {e}"[:200]
+                self._reject(st, None, "unreadable SQLite store", detail, "", file=str(path), session=None)
+                break
+            n += 1
+            if isinstance(rec, Invalid):
+                cut = len(raw) > RAW_KEEP and rec.reason in ("message too long", "line too long")
+                kept = raw[:RAW_KEEP] if cut else raw
+                self._reject(st, None, rec.reason, rec.detail, kept, file=file, session=sid, **_cut(cut))
+                continue
+            pending_bytes += self._add_conv(st, fidx, role, st["round"], n_rec, rec, raw, pending)
+            if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
+                self._flush_conv(st, fidx, role, pending)
+                pending, pending_bytes = [], 0
+        self._flush_conv(st, fidx, role, pending)
+        st.update(lines=n, read=n)
+        return st
+
+    def finish(self) -> dict[str, Any]:
+        """After every input: the judge's queue scored and ingested (each under its own file and line);
+        what the feedback join did."""
+        judged = 0
+        for batch in self.judge.drain() if self.judge is not None else []:
+            judged += len(batch)
+            by_file: dict[int, list[tuple[Any, ...]]] = {}
+            for fidx, _role, lineno, rec, _raw in batch:
+                by_file.setdefault(fidx, []).append(_conv_item(lineno, rec))
+            for fidx, items in by_file.items():
+                st = self.files[fidx]
+                self._flush_conv(st, fidx, st["role"], items)
+        return {**self.feedback_info, "matched": self.feedback_info.get("matched", 0), "judge_queue": judged}
+
+    def _flush_conv(self, st: dict[str, Any], fidx: int, role: str, pending: list[tuple[Any, ...]]) -> None:
+        """The conversations' batch: exact then near duplicate lookups, then the sinks, columns and spill."""
+        if not pending:
+            return
+        import numpy as np
+
+        # exact content, near content, conversation id: the first that was seen before makes a duplicate
+        kinds = (("exact", self.index, 6), ("near", self.near_index, 7), ("id", self.id_index, 8))
+        keys = [np.frombuffer(b"".join(p[col] for p in pending), dtype=np.uint64).reshape(-1, 2) for *_, col in kinds]
+        found = [ix.lookup(k[:, 0], k[:, 1]).tolist() for (_, ix, _), k in zip(kinds, keys)]
+        first: list[dict[bytes, int]] = [{}, {}, {}]  # within this batch
+        new_rows: list[int] = []
+        new_seqs: list[int] = []
+        enc = json.encoder.encode_basestring_ascii
+        sink = self.sinks["negatives" if role == "negative" else "accepted"]
+        c, cc = self.cols, self.conv_cols
+        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
+        seq, dups, sha1 = self.n, 0, hashlib.sha1
+        seed_hash = hashlib.sha1(f"{self.seed}:".encode())
+        for j, item in enumerate(pending):
+            lineno, text, prompt, response, rec, key = item[:6]
+            o, kind = -1, ""
+            for k, (name, _, col) in enumerate(kinds):
+                o = found[k][j] if found[k][j] >= 0 else first[k].get(item[col], -1)
+                if o >= 0:
+                    kind = name
+                    break
+            if o >= 0:
+                dups += 1
+                c["copies"][o] += 1
+                where = enc(self.origin_str(c["origin"][o]))
+                line = "null" if lineno is None else lineno
+                self.sinks["duplicates"].write(
+                    f'{{"file": {enc(st["file"])}, "line": {line}, "duplicate_of": {where}, "kind": "{kind}", '
+                    f'"conversation_id": {enc(rec["conversation_id"])}, "raw": {enc(text)}}}\n'
+                )
+                continue
+            for k, (*_, col) in enumerate(kinds):
+                first[k][item[col]] = seq
+            new_rows.append(j)
+            new_seqs.append(seq)
+            sink.write(text + "\n")
+            fam = rec["family"]
+            fid = self.families.get(fam)
+            if fid is None:
+                fid = self.families[fam] = len(self.families)
+            c["reward"].append(rec["reward"])
+            c["origin"].append(fidx << LINE_BITS | (lineno or 0))
+            c["copies"].append(0)
+            c["family"].append(fid)
+            c["held"].append(split_of(rec["task_id"], self.holdout, self._split_cache))
+            c["negative"].append(role == "negative")
+            if role == "negative":
+                c["rank"].append(0)
+            else:
+                h = seed_hash.copy()
+                h.update(sha1(key).hexdigest()[:12].encode())
+                c["rank"].append(int.from_bytes(h.digest()[:8], "big"))
+            o = rec["outcome"]
+            src = rec["reward_source"].split(":", 1)[0]
+            sid = self.reward_sources.setdefault(src, len(self.reward_sources))
+            for k, v in (
+                ("seq", seq),
+                ("turns", o["turns"]),
+                ("tool_calls", o["tool_calls"]),
+                ("tool_errors", o["tool_errors"]),
+                ("source", sid),
+            ):
+                cc[k].append(v)
+            if rec["conversation_id"] in self.feedback:
+                self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
+            part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
+            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text, rec.get("tests"))):
+                col.append(v)
+            seq += 1
+            self.text_bytes += len(prompt) + len(response) + len(text)
+        self.n = seq
+        if new_rows:
+            idx = np.asarray(new_rows, dtype=np.int64)
+            for (_, ix, _), k in zip(kinds, keys):
+                ix.add(k[idx, 0].copy(), k[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
+        self._write_parts(parts)
+        st["accepted"] += len(new_rows)
+        st["duplicates"] += dups
+
+    def conversation_stats(self) -> dict[str, Any]:
+        """The accepted conversations' numbers for summary.json and MLflow: turns, tool calls and errors per
+        conversation, and how many conversations (and seed lines) each reward source set, with its mean."""
+        import numpy as np
+
+        cc = {
+            k: np.frombuffer(v, dtype=np.int64) if len(v) else np.zeros(0, np.int64) for k, v in self.conv_cols.items()
+        }
+        n = len(cc["seq"])
+        rewards = self.columns()["reward"]
+        names = list(self.reward_sources)
+        by_source: dict[str, dict[str, Any]] = {}
+        for i, name in enumerate(names):
+            sel = cc["seq"][cc["source"] == i]
+            by_source[name] = {"conversations": int(len(sel)), "mean_reward": round(float(rewards[sel].mean()), 4)}
+        seed_n = self.n - n
+        if seed_n:
+            mask = np.ones(self.n, dtype=bool)
+            mask[cc["seq"]] = False
+            log = by_source.setdefault("log", {"conversations": 0, "mean_reward": 0.0})
+            log["seed_records"] = int(seed_n)
+            log["mean_reward_seed"] = round(float(rewards[mask].mean()), 4)
+
+        def dist(x: Any) -> dict[str, Any]:
+            if not len(x):
+                return {"total": 0, "mean": None, "median": None, "max": None}
+            return {
+                "total": int(x.sum()),
+                "mean": round(float(x.mean()), 3),
+                "median": float(np.median(x)),
+                "max": int(x.max()),
+            }
+
+        return {
+            "conversations": n,
+            "seed_records": int(seed_n),
+            "turns": dist(cc["turns"]),
+            "tool_calls": dist(cc["tool_calls"]),
+            "tool_errors": dist(cc["tool_errors"]),
+            "with_tool_errors": int((cc["tool_errors"] > 0).sum()),
+            "reward_sources": by_source,
+            "arrays": cc,
+        }
+
+
+def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
+    """A conversation in a batch: (line, record text, prompt, response, record, review key, exact digest,
+    near digest, id digest)."""
+    msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
+    text, key = record_text(rec), review_key(rec["task_id"], cid)
+    digests = content_digest(msgs, tools), content_digest(msgs, tools, near=True)
+    cid_digest = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), rec, key, *digests, cid_digest)
+
+
+def _cut(cut: bool) -> dict[str, Any]:
+    return {"raw_truncated": True} if cut else {}

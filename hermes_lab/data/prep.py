@@ -1,23 +1,36 @@
 """Distill stage: ingest execution logs, validate every line, distill them into GRPO data, apply the gates.
 
 Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
-``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), the
-trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``) and
-the state's last training time. Inputs are only ever read. Writes into the output dir
-(``runs/round-NN/prep/`` by convention), each file through a temp file renamed into place:
+``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), or agent
+conversations in any shape ``hermes_lab.data.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
+trajectories, session files or folder, state.db; detected per input or ``--format``), the
+trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``),
+feedback files (``--feedback``, ``conversations.feedback``) and the state's last training time. Inputs are
+only ever read. Writes into the output dir (``runs/round-NN/prep/`` by convention), each file through a temp
+file renamed into place:
 
-  accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped)
+  accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped);
+                      a conversation as its canonical record (hermes_lab.data.conversation), reward included
   negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
-  rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}
+                      (a conversation also says its kind, exact, near or id, and its conversation_id)
+  rejects.jsonl       every invalid line: {file, line (1-based), reason, detail, raw}; a session or state.db
+                      conversation: line null, its session (id) and file
   outliers.jsonl      rewards the robust z-score flags (kept unchanged, see below)
-  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight
+  grpo_dataset/       HF dataset (save_to_disk): one row per unique training prompt, its group outcome, a weight,
+                      and its tests (JSON, null without: the tests reward's column, hermes_lab.sandbox.specs)
   left_out.jsonl      GRPO prompts data.select left out (weight 0; still in grpo_dataset): prompt, outcome, reason
   selection.json      what went into training: prompts and weight per family / source / group outcome
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
+  conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
+                      (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
+                      (hermes_lab.data.conversation.dataset_schema). A conversation's row in the prompt sets is
+                      its (first user message, final answer), and the tests its line carried (null without)
   review_queue.jsonl  the stratified human spot-check sample
-  plots/*.png         reward distribution per family, rejects by reason, selection by family
-  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically)
+  plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
+                      (turns, tool calls and errors per conversation, reward by source) when there are any
+  summary.json        counts, gate verdicts ({name, passed, detail}), paths (written atomically); "conversations":
+                      turns, tool calls, tool errors, conversations and mean reward by reward source, feedback
   verdict.json        the gates in the round runner's format (hermes_lab.round.stages), stop: "skipped: data gate"
 
 Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + rejected + duplicates``
@@ -34,7 +47,7 @@ z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond
 reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
 seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
 (1 otherwise); ``data.select: mixed`` weighs prompts by their group outcome, every logged sample of a prompt
-text being one group (``hermes_lab.data.distill.Selection``); ``expand_by_weight(ds)`` repeats the rows.
+text being one group (``hermes_lab.data.selection.Selection``); ``expand_by_weight(ds)`` repeats the rows.
 Free text that becomes an identifier (a family in a plot label or a metric name) is made safe where it is
 used (``hermes_lab.core.jsonl.safe_name``); the data keeps it.
 
@@ -64,20 +77,22 @@ from typing import Any
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
 from hermes_lab.core import tracking
-from hermes_lab.core.jsonl import plot_label, write_json_atomic
+from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
 from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.data.outcomes import plot_conversations
+from hermes_lab.data.readers import SESSION_GLOB
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 OUTPUT_FILES = (
     *(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue", "left_out")),
     *("summary.json", "verdict.json", "selection.json"),
 )
-OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "plots")
+OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "conversations", "plots")
 
 
 class PrepError(Exception):
@@ -117,7 +132,11 @@ def resolve_inputs(
     (prep would replace it: ``--input D/accepted.jsonl --output D``)."""
     ins = [Path(p) for p in inputs]
     for p in ins:
-        if not p.is_file():
+        if p.is_dir() and not any(p.glob(SESSION_GLOB)):
+            raise PrepError(
+                f"input folder {p} holds no Hermes session files ({SESSION_GLOB}) and is no gateway log dir"
+            )
+        if not p.is_file() and not p.is_dir():
             raise PrepError(f"input file not found (or not a regular file): {p}")
     negs = [
         (Path(p), _round_of(str(p), state, i), "state.negative_files")
@@ -268,6 +287,7 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
     )
     tracking.log_metrics("prep", summary["counts"])
     tracking.log_metrics("prep", summary.get("selection") or {})
+    tracking.log_metrics("prep", conversation_metrics(summary.get("conversations") or {}))
     tracking.set_tags(
         {
             "prep.status": summary["status"],
@@ -278,6 +298,19 @@ def _log_mlflow(summary: dict[str, Any], paths: dict[str, Path]) -> None:
     for name in ("summary", "review_queue", "selection"):
         if name in paths:
             tracking.log_artifact(paths[name], "prep")
+
+
+def conversation_metrics(conv: dict[str, Any]) -> dict[str, Any]:
+    """prep/conv_* metrics: turns, tool calls and errors per conversation, conversations by reward source."""
+    if not conv.get("conversations"):
+        return {}
+    out: dict[str, Any] = {"conv_count": conv["conversations"], "conv_with_tool_errors": conv["with_tool_errors"]}
+    for k in ("turns", "tool_calls", "tool_errors"):
+        out[f"conv_{k}_mean"], out[f"conv_{k}_total"] = conv[k]["mean"], conv[k]["total"]
+    for name, v in conv["reward_sources"].items():
+        out[f"conv_reward_source_{safe_name(name)}"] = v["conversations"]
+        out[f"conv_reward_mean_{safe_name(name)}"] = v["mean_reward"]
+    return out
 
 
 def _write_summary(summary: dict[str, Any], paths: dict[str, Path]) -> None:
@@ -302,8 +335,12 @@ def run_prep(
     negatives: list[str | Path] | None = None,
     *,
     make_plots: bool = True,
+    fmt: str | None = None,
+    feedback: list[str | Path] | None = None,
 ) -> PrepResult:
-    """Ingest, validate, distill and gate. Raises PrepError (bad input) or GateRefused, after writing summary.json."""
+    """Ingest, validate, distill and gate. Raises PrepError (bad input) or GateRefused, after writing summary.json.
+    ``fmt``: the inputs' shape (default ``conversations.format``, auto: detected per input); ``feedback``:
+    feedback files joined into conversations by id, besides ``conversations.feedback``."""
     t0 = time.perf_counter()
     if override_cooldown and not override_reason.strip():
         raise PrepError("--override-cooldown needs a --reason (it is recorded in MLflow and summary.json)")
@@ -317,6 +354,11 @@ def run_prep(
     in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
     out.mkdir(parents=True, exist_ok=True)
     paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
+    fmt = fmt or cfg.conversations.format
+    fb_files = [Path(f) for f in [*cfg.conversations.feedback, *(feedback or [])]]
+    for f in fb_files:
+        if not f.is_file():
+            raise PrepError(f"feedback file not found: {f}")
     tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # sinks in progress and spills; removed whatever happens
     try:
         ing = Ingest(
@@ -326,16 +368,22 @@ def run_prep(
             cfg.data.memory_budget_mb << 20,
             _partitions([*in_files, *(p for p, _, _ in neg_files)], cfg.data.memory_budget_mb << 20),
             cfg,
+            fb_files,
         )
         try:
-            files = [ing.scan(p, "input", None) for p in in_files]
-            files += [ing.scan(p, "negative", r) for p, r, _ in neg_files]
+            files = [ing.scan(p, "input", None, fmt) for p in in_files]
+            files += [ing.scan(p, "negative", r, fmt) for p, r, _ in neg_files]
+            feedback_info = ing.finish()  # the judge's queue, once every reference is known
         finally:
             ing.close()
         ing.commit(paths)
         t_ingest = time.perf_counter()
         summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
         summary["gateway"] = gateway
+        conv = ing.conversation_stats()
+        arrays = conv.pop("arrays")
+        summary["conversations"] = conv | {"feedback": feedback_info}
+        summary["counts"]["conversations"] = conv["conversations"]
         too_bad = [f for f in files if f["read"] and f["rejected"] / f["read"] > cfg.data.max_bad_fraction]
         if too_bad:
             summary["status"] = "bad_input"
@@ -348,7 +396,7 @@ def run_prep(
                 for f in too_bad
             ]
             raise PrepError(" | ".join(msgs) + f". Every rejected line is in {paths['rejects']}")
-        _distill(ing, cfg, summary, paths, out, tmp, make_plots)
+        _distill(ing, cfg, summary, paths, out, tmp, make_plots, arrays)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     t_distill = time.perf_counter()
@@ -411,12 +459,19 @@ def _base_summary(
 
 
 def _distill(
-    ing: Ingest, cfg: HermesConfig, summary: dict[str, Any], paths: dict[str, Path], out: Path, tmp: Path, plots: bool
+    ing: Ingest,
+    cfg: HermesConfig,
+    summary: dict[str, Any],
+    paths: dict[str, Path],
+    out: Path,
+    tmp: Path,
+    plots: bool,
+    conv_arrays: dict[str, Any],
 ) -> None:
     """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
     import numpy as np
 
-    from hermes_lab.data import distill as pd
+    from hermes_lab.data import selection as ps
     from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
 
     cols, fam_names = ing.columns(), ing.family_names()
@@ -438,23 +493,33 @@ def _distill(
     )
     paths.update(distill.save(out))
     summary["split"] = distill.split_summary()
-    rep = pd.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
+    rep = ps.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
     rep["left_out_file"] = str(paths["left_out"])
     paths["selection"] = write_json_atomic(out / "selection.json", rep)
-    summary["selection"] = pd.selection_metrics(rep)
+    summary["selection"] = ps.selection_metrics(rep)
     if plots:
-        paths["plot_selection"] = pd.plot_selection(rep, out / "plots" / "selection_by_family.png")
+        paths["plot_selection"] = ps.plot_selection(rep, out / "plots" / "selection_by_family.png")
     fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
     summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
+    summary["conversations"]["split"] = distill.conv_split
     if plots:
         by_reason = Counter(summary["by_reason"])
         paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
+        if summary["conversations"]["conversations"]:
+            paths["plot_conversations"] = plot_conversations(
+                conv_arrays, ing.reward_sources, rewards, float(cfg.reward.scale), out / "plots" / "conversations.png"
+            )
 
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--input", nargs="+", required=True, metavar="FILE", help="trajectories JSONL file(s) or gateway log dir(s)"
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="trajectories or conversations: JSONL (.gz) files, Hermes session folders or files, a Hermes state.db, "
+        "gateway log dirs",
     )
     parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
     parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
@@ -485,6 +550,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train despite the cooldown (needs --reason; recorded in MLflow and summary.json)",
     )
     parser.add_argument("--reason", default="", metavar="TEXT", help="why the cooldown is overridden")
+    parser.add_argument(
+        "--format",
+        default=None,
+        choices=("auto", "seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state"),
+        help="the inputs' shape (default: conversations.format, auto = detected per input)",
+    )
+    parser.add_argument(
+        "--feedback",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="feedback JSONL ({conversation_id, reward, source?}) joined into conversations by id",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -514,6 +592,8 @@ def run_cli(args: argparse.Namespace) -> int:
             override_cooldown=args.override_cooldown,
             override_reason=args.reason,
             negatives=args.negatives,
+            fmt=args.format,
+            feedback=args.feedback,
         )
     except GateRefused as e:
         for info in (e.result.summary.get("gateway") or {}).values():
@@ -531,6 +611,8 @@ def run_cli(args: argparse.Namespace) -> int:
     )
     for info in (res.summary.get("gateway") or {}).values():
         print(describe_gateway(info))
+    if res.summary["conversations"]["conversations"]:
+        print(describe_conversations(res.summary["conversations"], res.paths["conversations"]))
     sel = res.summary["selection"]
     print(
         f"prep: selection ({cfg.data.select}): {sel['select_mixed']} mixed, {sel['select_all_fail']} all-fail, "
@@ -540,6 +622,17 @@ def run_cli(args: argparse.Namespace) -> int:
     if k["rejected"]:
         print(f"prep: rejected lines are in {res.paths['rejects']}: {res.summary['by_reason']}", file=sys.stderr)
     return 0
+
+
+def describe_conversations(conv: dict[str, Any], path: Path) -> str:
+    """One line: the conversations, their turns, tool calls and errors, and which source set their rewards."""
+    src = ", ".join(f"{k} {v['conversations']}" for k, v in conv["reward_sources"].items() if v["conversations"])
+    sp = conv.get("split", {})
+    return (
+        f"prep: {conv['conversations']} conversations ({sp.get('train', 0)} train, {sp.get('heldout', 0)} held out): "
+        f"{conv['turns']['mean']} assistant turns, {conv['tool_calls']['mean']} tool calls, "
+        f"{conv['tool_errors']['total']} tool errors in all; rewards from {src} -> {path}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

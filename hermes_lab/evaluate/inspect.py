@@ -412,10 +412,12 @@ def inspect_run(
     df = load_curves(train_dir, run_id=run_id, runs_dir=runs_dir)
     others = load_comparisons(list(compare or []), runs_dir=runs_dir)
     diags = diagnose_with_config(df, cfg)
-    from hermes_lab.train.state import judge_diagnostic  # the API judge's failure share, from health.json
+    from hermes_lab.train.state import judge_diagnostic, sandbox_diagnostic  # from health.json
 
     if (judge := judge_diagnostic(train_dir, cfg.reward.max_judge_failure_rate)) is not None:
         diags.append(judge)
+    if (sandbox := sandbox_diagnostic(train_dir)) is not None:
+        diags.append(sandbox)
     out_dir = Path(out_dir)
     plots = plot_curves(df, out_dir / "plots", compare=others, diagnostics=diags, close=close)
     report = {

@@ -307,7 +307,7 @@ def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg:
     )
     del pol
     gc.collect()
-    scores = [float(T.score(t.answer, r)) for t, r in zip(items, responses)]
+    scores = T.score_tasks(items, responses)  # the code family's hidden tests run in the sandbox, in parallel
 
     def stats(vs: list[float]) -> dict[str, Any]:
         return {

@@ -139,16 +139,50 @@ class Answer:
     usage: dict[str, Any] | None = None
     error: str | None = None
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
 
 
 @dataclass
 class Chunk:
-    """One SSE event of a stream: ``raw`` is forwarded as is (b'' = dropped), the rest is logged."""
+    """One SSE event of a stream: ``raw`` is forwarded as is (b'' = dropped), the rest is logged.
+    ``calls``: the event's ``delta.tool_calls`` (pieces: index, id, name, arguments), assembled by
+    ``CallAssembler``; ``reasoning``: its ``reasoning_content`` / ``reasoning`` piece."""
 
     raw: bytes
     text: str = ""
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
+    calls: list[Any] | None = None
+    reasoning: str = ""
+
+
+class CallAssembler:
+    """Tool calls from a stream's deltas: the first piece of a call (by ``index``) brings its id and name,
+    later pieces append to its arguments, as OpenAI streams them."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, pieces: list[Any]) -> None:
+        for k, p in enumerate(pieces):
+            if not isinstance(p, dict):
+                continue
+            i = p.get("index") if isinstance(p.get("index"), int) else k
+            c = self.calls.get(i)
+            if c is None:
+                c = self.calls[i] = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            if isinstance(p.get("id"), str) and p["id"]:
+                c["id"] = p["id"]
+            fn = p.get("function")
+            if isinstance(fn, dict):
+                if isinstance(fn.get("name"), str) and fn["name"] and not c["function"]["name"]:
+                    c["function"]["name"] = fn["name"]
+                if isinstance(fn.get("arguments"), str):
+                    c["function"]["arguments"] += fn["arguments"]
+
+    def result(self) -> list[dict[str, Any]] | None:
+        return [self.calls[i] for i in sorted(self.calls)] or None
 
 
 def read_completion(status: int, body: bytes, content_type: str) -> Answer:
@@ -158,13 +192,24 @@ def read_completion(status: int, body: bytes, content_type: str) -> Answer:
     try:
         obj = orjson.loads(body)
         choice = obj["choices"][0]
-        text = (choice.get("message") or {}).get("content") or ""
+        msg = choice.get("message") or {}
+        text = msg.get("content") or ""
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         head = body[:300].decode("utf-8", "replace")
         raise UpstreamError(
             f"Error reading choices: upstream body is not a chat completion ({content_type}): {head!r}"
         ) from None
-    return Answer(200, body, text=text, usage=obj.get("usage"), finish_reason=choice.get("finish_reason"))
+    calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+    reasoning = (msg.get("reasoning_content") or msg.get("reasoning")) if isinstance(msg, dict) else None
+    return Answer(
+        200,
+        body,
+        text=text if isinstance(text, str) else "",
+        usage=obj.get("usage"),
+        finish_reason=choice.get("finish_reason"),
+        tool_calls=calls if isinstance(calls, list) and calls else None,
+        reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
+    )
 
 
 def parse_event(raw: bytes) -> tuple[str | None, Any]:
@@ -190,13 +235,41 @@ def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
     if not choices:
         return Chunk(raw if client_wants_usage or not usage else b"", usage=usage)
     c0 = choices[0] if isinstance(choices[0], dict) else {}
-    text = (c0.get("delta") or {}).get("content") or ""
-    return Chunk(raw, text=text, usage=usage, finish_reason=c0.get("finish_reason"))
+    d = c0.get("delta") or {}
+    text = d.get("content") or ""
+    calls = d.get("tool_calls")
+    r = d.get("reasoning_content") or d.get("reasoning") or ""
+    return Chunk(
+        raw,
+        text=text if isinstance(text, str) else "",
+        usage=usage,
+        finish_reason=c0.get("finish_reason"),
+        calls=calls if isinstance(calls, list) else None,
+        reasoning=r if isinstance(r, str) else "",
+    )
+
+
+def flatten_messages(messages: list[Any]) -> str:
+    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
+    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
+    so training on the logged prompt trains on what the policy saw."""
+    parts = []
+    for m in messages:
+        m = m if isinstance(m, dict) else {}
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: keep the text ones
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+        parts.append((str(m.get("role", "user")), c if isinstance(c, str) else ""))
+    if len(parts) == 1 and parts[0][0] == "user":
+        return parts[0][1]
+    return "\n".join(f"{r}: {c}" for r, c in parts) + "\nassistant:"
 
 
 # ---------------------------------------------------------------------------------------- upstreams
 class UpstreamArm:
     """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""
+
+    needs_prompt = False  # the upstream gets the messages; the flattened prompt is not built for it
 
     def __init__(self, spec: ArmSpec, cfg: HermesConfig):
         self.spec, self.name, self.served_model = spec, spec.name, spec.model
@@ -410,6 +483,8 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
 
 class LocalArm:
     """A policy in this process, answered in OpenAI's chat.completion / chunk format."""
+
+    needs_prompt = True  # it generates from the flattened prompt
 
     def __init__(self, spec: ArmSpec, policy: Any, worker: GenerationWorker, cfg: HermesConfig):
         self.spec, self.name, self.policy, self.worker = spec, spec.name, policy, worker

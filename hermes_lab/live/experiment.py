@@ -224,7 +224,7 @@ class LiveRollout:
     # ------------------------------------------------------------------------------------------ looks
     def columns(self, stage: int, known_by: float) -> dict[str, Any]:
         cols = self.tally.columns(stage, known_by)
-        if self.cfg.ab.unit != "user":
+        if self.cfg.ab.unit == "request":
             cols.pop("unit")
         return cols
 

@@ -2,24 +2,30 @@
 
 Stage: validate (live A/B on real traffic). Reads the two arms (``hermes_lab.live.arms``: an upstream
 OpenAI-compatible server or a policy served in-process). Writes its log dir (default
-``runs/live/<experiment>/``; ``hermes_lab.live.log``): requests.jsonl, feedback.jsonl, experiment.json.
+``runs/live/<experiment>/``; ``hermes_lab.live.log``): requests.jsonl, tools.jsonl, feedback.jsonl, experiment.json.
 
     hermes-lab serve --params params/embedded.yaml --baseline embedded:tiny --candidate latest
     make serve                                  # the same on the embedded default
     hermes-lab agent --url http://127.0.0.1:8700 --requests 500     # drive it like a real agent
 
-Endpoints: ``GET /healthz``, ``GET /v1/models`` (the one public model, ``serve.public_model``),
-``POST /v1/chat/completions`` (non-streaming and ``stream: true``: SSE chunks passed through as they
-arrive), ``POST /v1/feedback`` (``{"request_id", "reward", "source"?, "detail"?}``: 202; 404 unknown id;
-422 bad body or reward outside 0..reward.scale), ``GET /v1/experiment`` (stage, ratio, counts, the
-decision of ``hermes_lab.ab.stats`` on the requests with feedback, the latest look's delta and interval).
+Endpoints: ``GET /healthz``, ``GET /v1/models``, ``POST /v1/chat/completions`` (non-streaming and ``stream:
+true``: SSE chunks passed through as they arrive; any model name is served unless ``serve.models`` lists the
+accepted ones), ``POST /v1/feedback`` (``{"conversation_id" | "request_id", "reward", "source"?, "detail"?,
+"close"?}``: it scores the whole conversation; 202; 404 unknown id; 422 bad body or reward outside
+0..reward.scale), ``GET /v1/conversations/{id}`` (a conversation's turns, arm, state, reward; a request id
+finds its conversation), ``GET /v1/experiment`` (stage, ratio, counts, per-arm conversation statistics, the
+decision of ``hermes_lab.ab.stats``, the latest look's delta and interval).
 
 Routing is the user's ABRouter bucket (``hermes_lab.ab.stats.bucket``, md5 of the unit id, ``ab.salt``) on the
-unit: the ``X-Request-ID`` header with ``ab.unit: request`` (generated when absent), the OpenAI ``user``
-field or an ``X-Hermes-User`` header with ``ab.unit: user`` (a request with neither is its own unit).
-Every answer carries ``X-Request-ID`` and ``X-Hermes-Arm``. A request's record is durable
-(``serve.durability``) before the last byte of its answer goes out, so a kill -9 loses no answered
-request; a restart on the same dir continues the experiment.
+unit. ``ab.unit: conversation``: a conversation's first turn is routed on its id (``hermes_lab.live.conversations``
+links every later turn to it: an explicit id, else the message prefix), and every later turn goes to the same
+arm; after a roll back (share 0) a candidate conversation's next turns go to the baseline, ``switched`` in the
+log. ``ab.unit: request``: the ``X-Request-ID`` header (generated when absent); ``ab.unit: user``: the OpenAI
+``user`` field or an ``X-Hermes-User`` header (a request with neither is its own unit). Every answer carries
+``X-Request-ID``, ``X-Hermes-Conversation`` and ``X-Hermes-Arm``. A request's record (the turn's new messages,
+the answer whole: text, tool calls assembled from the stream, reasoning, usage) is durable
+(``serve.durability``) before the last byte of its answer goes out, so a kill -9 loses no answered request; a
+restart on the same dir continues the experiment.
 
 Security: binds 127.0.0.1 unless told otherwise; ``serve.api_key_env`` names the env var holding an
 optional gateway key (Bearer); bodies over ``serve.max_body_bytes`` get 413; the client's Authorization
@@ -50,7 +56,8 @@ from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, HermesConfig
 from hermes_lab.live import experiment as X
 from hermes_lab.live import log as L
-from hermes_lab.live.arms import ARMS, Answer, ArmSpec, UpstreamError, build_arms
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, CallAssembler, UpstreamError, build_arms, flatten_messages
+from hermes_lab.live.conversations import Link, Tracker, tool_errors
 
 log = logging.getLogger("hermes_lab.serve")
 ARM_HEADER = {0: b"baseline", 1: b"candidate"}
@@ -74,22 +81,6 @@ class _Refused(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
-
-
-def flatten_messages(messages: list[Any]) -> str:
-    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
-    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
-    so training on the logged prompt trains on what the policy saw."""
-    parts = []
-    for m in messages:
-        m = m if isinstance(m, dict) else {}
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: keep the text ones
-            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
-        parts.append((str(m.get("role", "user")), c if isinstance(c, str) else ""))
-    if len(parts) == 1 and parts[0][0] == "user":
-        return parts[0][1]
-    return "\n".join(f"{r}: {c}" for r, c in parts) + "\nassistant:"
 
 
 def default_experiment(specs: dict[str, ArmSpec]) -> str:
@@ -116,7 +107,10 @@ class Gateway:
         self.log_dir = Path(log_dir or s.log_dir or Path(cfg.round.runs_dir) / "live" / self.name)
         self.stages, ratio = X.live_stages(cfg, self.log_dir, ratio)  # errors name the ab.* key
         self.public = s.public_model
-        self.unit_request, self.salt = cfg.ab.unit == "request", cfg.ab.salt
+        self.accepted = {self.public, *s.models} if s.models else None  # None: any model name is served
+        self.unit, self.salt = cfg.ab.unit, cfg.ab.salt
+        self.from_user = s.conversation_from_user
+        self.convs = Tracker(s.conversation_idle_s, s.conversation_tool_wait_s, s.max_conversations)
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
         self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
@@ -131,14 +125,18 @@ class Gateway:
             if not key:
                 raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
             self._auth = f"Bearer {key}".encode()
-        covs = cfg.ab.covariates if cfg.ab.unit == "request" else ()  # the adjusted rule needs request units
+        # the adjusted rule needs one reward row per unit: a request, or a conversation (its first turn's row)
+        covs = cfg.ab.covariates if cfg.ab.unit in ("request", "conversation") else ()
         self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source, covariates=covs)
+        for cid, arm, turns, msgs, age in L.open_conversations(self.log_dir, s.conversation_tool_wait_s):
+            if cid not in self.tally.conv_reward:  # a scored conversation was closed by its feedback
+                self.convs.restore(cid, arm, turns, msgs, age)
         # the staged rollout on the (scaled) wall clock: it owns stage and ratio, the gateway routes with them
         self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
         self.clock = self.rollout.clock
         self._looks: asyncio.Task | None = None
         self.rejected = 0
-        self.req_log = self.fb_log = None
+        self.req_log = self.fb_log = self.tools_log = None
         self.traces: Any = None
         self._decision: tuple[Any, dict[str, Any]] = (None, {})
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -150,6 +148,7 @@ class Gateway:
         s = self.cfg.serve
         self.req_log = L.LogWriter(self.log_dir / L.REQUESTS, s.durability, s.fsync_ms)
         self.fb_log = L.LogWriter(self.log_dir / L.FEEDBACK, s.durability, s.fsync_ms)
+        self.tools_log = L.ToolsLog(self.log_dir, s.durability, s.fsync_ms)
         for a in self.arms.values():
             await a.start()
         # the decision's scipy/statsmodels imports take seconds: done now, off the loop, not at the first look
@@ -174,7 +173,7 @@ class Gateway:
             await asyncio.gather(self._looks, return_exceptions=True)
         for a in self.arms.values():
             await a.close()
-        for w in (self.req_log, self.fb_log):
+        for w in (self.req_log, self.fb_log, self.tools_log):
             if w is not None:
                 w.close()
         if self.worker is not None:
@@ -213,7 +212,7 @@ class Gateway:
         return _Raw(error_body(str(e), e.kind, e.code), e.status, extra)
 
     def _record(
-        self, rid: str, unit: str, arm: int, prompt: str, payload: dict[str, Any], task_id: Any, t_start: float
+        self, rid: str, unit: str, arm: int, payload: dict[str, Any], task_id: Any, t_start: float, turn: dict[str, Any]
     ) -> dict[str, Any]:
         now = time.time()
         return {
@@ -235,13 +234,20 @@ class Gateway:
             "usage": None,
             "stream": False,
             "finish_reason": None,
-            "prompt": prompt,
-            "messages": payload.get("messages"),
+            "prompt": None,
             "response": "",
+            "tool_calls": None,
+            "reasoning": None,
             "task_id": task_id if isinstance(task_id, str) and task_id else None,
+            "requested_model": payload.get("model"),
+            **turn,
         }
 
-    async def _commit(self, rec: dict[str, Any], wait: bool = True) -> None:
+    async def _commit(self, rec: dict[str, Any], wait: bool = True, link: tuple[Any, Link, int] | None = None) -> None:
+        if link is not None and rec["status"] == "ok":  # a continuation can link from now on
+            conv, lk, n = link
+            answer = {"role": "assistant", "content": rec["response"], "tool_calls": rec["tool_calls"]}
+            self.convs.answered(conv, lk.hasher, n, answer)
         line = orjson.dumps(rec) + b"\n"
         if wait:
             await self.req_log.append(line)
@@ -251,7 +257,14 @@ class Gateway:
         if self.traces is not None:
             self.traces.request(rec)
         if self._debug:
-            log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], rec["http_status"])
+            log.debug(
+                "request_id=%s conversation=%s turn=%s arm=%s status=%s",
+                rec["request_id"],
+                rec["conversation_id"],
+                rec["turn"],
+                rec["arm"],
+                rec["http_status"],
+            )
 
     # --------------------------------------------------------------------------------- endpoints
     async def healthz(self, request: Request) -> Response:
@@ -262,7 +275,8 @@ class Gateway:
             await self._body(request)
         except _Refused as e:
             return self._refuse(e)
-        data = [{"id": self.public, "object": "model", "created": int(self.t0), "owned_by": "hermes-lab"}]
+        names = [self.public, *sorted((self.accepted or set()) - {self.public})]
+        data = [{"id": n, "object": "model", "created": int(self.t0), "owned_by": "hermes-lab"} for n in names]
         return _Raw(orjson.dumps({"object": "list", "data": data}), 200, [])
 
     async def chat_asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -270,6 +284,31 @@ class Gateway:
         middleware layers (measured: benchmarks/bench_gateway.py); its responses are Starlette's."""
         response = await self.chat(dict(scope["headers"]), receive)
         await response(scope, receive, send)
+
+    def _explicit(self, hdr: dict[bytes, bytes], payload: dict[str, Any]) -> str | None:
+        """The conversation id the client named: X-Hermes-Conversation, metadata.conversation_id, or (with
+        serve.conversation_from_user) its user."""
+        raw = hdr.get(b"x-hermes-conversation")
+        cid: Any = raw.decode("latin-1") if raw else None
+        if cid is None:
+            md = payload.get("metadata")
+            cid = md.get("conversation_id") if isinstance(md, dict) else None
+        if cid is None and self.from_user:
+            cid = payload.get("user") or hdr.get(b"x-hermes-user", b"").decode("latin-1") or None
+        if cid is None:
+            return None
+        if not isinstance(cid, str) or not _RID.match(cid):
+            raise _Refused(400, "conversation id: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_conversation_id")
+        return cid
+
+    def _route(self, rid: str, cid: str, payload: dict[str, Any], hdr: dict[bytes, bytes]) -> str:
+        """The randomisation unit of a new conversation's first turn (ab.unit)."""
+        if self.unit == "conversation":
+            return cid
+        if self.unit == "request":
+            return rid
+        user = payload.get("user") or payload.get("safety_identifier") or hdr.get(b"x-hermes-user", b"").decode()
+        return str(user or rid)
 
     async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Response:
         t_start = time.perf_counter()
@@ -286,35 +325,62 @@ class Gateway:
             messages = payload.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise _Refused(400, "'messages' must be a non-empty list", "invalid_messages")
-            if payload.get("model") != self.public:
+            if self.accepted is not None and payload.get("model") not in self.accepted:
                 raise _Refused(
                     404,
-                    f"The model {payload.get('model')!r} does not exist; ask for {self.public!r}",
+                    f"The model {payload.get('model')!r} does not exist; ask for one of {sorted(self.accepted)}",
                     "model_not_found",
                 )
+            explicit = self._explicit(hdr, payload)
         except orjson.JSONDecodeError as e:
             return self._refuse(_Refused(400, f"the body is not valid JSON: {e}", "invalid_json"), rid)
         except _Refused as e:
             return self._refuse(e, rid)
-        if self.unit_request:
-            unit = rid
-        else:
-            user = payload.get("user") or payload.get("safety_identifier") or hdr.get(b"x-hermes-user", b"").decode()
-            unit = str(user or rid)
-        arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
+        # the conversation: one digest pass over the parsed messages, one dict lookup
+        link = self.convs.link(messages, explicit)
+        conv, switched = link.conv, False
+        if conv is None:
+            cid = explicit or rid
+            unit = self._route(rid, cid, payload, hdr)
+            arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
+            conv = self.convs.open_new(cid, arm, explicit is not None)
+        elif self.unit == "conversation":
+            unit, arm = conv.id, conv.arm
+            if arm == 1 and self.ratio <= 0:  # rolled back: the candidate's running conversations go to the baseline
+                arm, switched, conv.switched = 0, True, True
+        else:  # request / user units: every turn routed on its own unit
+            unit = self._route(rid, conv.id, payload, hdr)
+            arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
+        turn = conv.turns
+        self.convs.started(conv)
+        new = messages[link.history :] if link.history <= len(messages) else messages
         md = payload.get("metadata")
         task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
-        prompt = flatten_messages(messages)
+        arm_obj = self.arms[ARMS[arm]]
+        prompt = flatten_messages(messages) if (arm_obj.needs_prompt or not link.history) else ""
+        info = {
+            "conversation_id": conv.id,
+            "turn": turn,
+            "history": link.history,
+            "messages": new,
+            "tools_hash": self.tools_log.add(payload.get("tools")),
+            "tool_errors": tool_errors(new),
+            "switched": switched,
+        }
         headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]
-        rec = self._record(rid, unit, arm, prompt, payload, task_id, t_start)
+        headers.append((b"x-hermes-conversation", conv.id.encode()))
+        rec = self._record(rid, unit, arm, payload, task_id, t_start, info)
+        if not link.history:
+            rec["prompt"] = prompt  # a conversation's opening (a single-turn request: its whole prompt)
+        ctx = (conv, link, len(messages))
         if payload.get("stream") is True:
-            return await self._stream(payload, prompt, rid, arm, rec, headers, t_start)
-        ans = await self._call(self.arms[ARMS[arm]].complete, payload, prompt, rid)
+            return await self._stream(payload, prompt, rid, arm, rec, headers, t_start, ctx)
+        ans = await self._call(arm_obj.complete, payload, prompt, rid)
         self._finish(rec, ans, t_start)
         if arm == 1 and self.fallback and rec["status"] != "ok":
             ans = await self._call(self.arms["baseline"].complete, payload, prompt, rid)
             self._fell_back(rec, ans.status, ans.error, t_start, headers)
-        await self._commit(rec)
+        await self._commit(rec, link=ctx)
         return _Raw(ans.body, ans.status, headers)
 
     def _fell_back(
@@ -347,6 +413,8 @@ class Gateway:
             usage=ans.usage,
             finish_reason=ans.finish_reason,
             response=ans.text,
+            tool_calls=ans.tool_calls,
+            reasoning=ans.reasoning,
             latency_ms=round((time.perf_counter() - t_start) * 1000, 3),
             t_done=round(self.clock(), 3),
         )
@@ -360,6 +428,7 @@ class Gateway:
         rec: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         t_start: float,
+        ctx: tuple[Any, Link, int],
     ) -> Response:
         rec["stream"] = True
         opened = await self._call(self.arms[ARMS[arm]].stream, payload, prompt, rid)
@@ -377,20 +446,28 @@ class Gateway:
                 return _Raw(err.body, err.status, headers)
 
         async def body() -> Any:
-            text, usage, finish, ttft, error, done = [], None, None, None, None, False
+            text, thought, usage, finish, ttft, error, done = [], [], None, None, None, None, False
+            calls = CallAssembler()
+
+            def answer(status: int, err: str | None) -> Answer:
+                return Answer(status, b"", "".join(text), usage, err, finish, calls.result(), "".join(thought) or None)
+
             try:
                 async for ch in events:
-                    if ch.text and ttft is None:
+                    if ttft is None and (ch.text or ch.calls or ch.reasoning):
                         ttft = round((time.perf_counter() - t_start) * 1000, 3)
                     text.append(ch.text)
+                    if ch.calls:
+                        calls.add(ch.calls)
+                    if ch.reasoning:
+                        thought.append(ch.reasoning)
                     usage, finish = ch.usage or usage, ch.finish_reason or finish
                     if ch.raw:
                         yield ch.raw
             except UpstreamError as e:
                 error = str(e)
             except BaseException:  # the client went away (cancelled): record what it got, without waiting
-                ans = Answer(499, b"", "".join(text), usage, "client disconnected", finish)
-                self._finish(rec, ans, t_start)
+                self._finish(rec, answer(499, "client disconnected"), t_start)
                 rec["ttft_ms"] = ttft
                 await self._commit(rec, wait=False)
                 done = True
@@ -400,10 +477,9 @@ class Gateway:
                     rec["fallback"].update(http_status=200 if error is None else 502, error=error)
                     rec.update(latency_ms=round((time.perf_counter() - t_start) * 1000, 3), t_done=self.clock())
                 elif not done:
-                    ans = Answer(200 if error is None else 502, b"", "".join(text), usage, error, finish)
-                    self._finish(rec, ans, t_start)
+                    self._finish(rec, answer(200 if error is None else 502, error), t_start)
                     rec["ttft_ms"] = ttft
-            await self._commit(rec)  # durable before the last byte ([DONE]) goes out
+            await self._commit(rec, link=ctx)  # durable (and linkable) before the last byte ([DONE]) goes out
             if error is None:
                 yield b"data: [DONE]\n\n"
             else:
@@ -419,34 +495,69 @@ class Gateway:
                 fb = orjson.loads(body)
             except orjson.JSONDecodeError as e:
                 raise _Refused(422, f"the body is not valid JSON: {e}", "invalid_json") from None
-            if not isinstance(fb, dict) or not isinstance(fb.get("request_id"), str):
-                raise _Refused(422, "the body must be an object with a string 'request_id'", "invalid_body")
+            ids = ("conversation_id", "request_id")
+            if not isinstance(fb, dict) or not any(isinstance(fb.get(k), str) for k in ids):
+                raise _Refused(
+                    422, "the body must be an object with a string 'conversation_id' or 'request_id'", "invalid_body"
+                )
             r = fb.get("reward")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= self.scale:
                 raise _Refused(422, f"'reward' must be a number in 0..{self.scale:g} (reward.scale)", "invalid_reward")
             src = fb.get("source", "system")
             if not isinstance(src, str) or not src:
                 raise _Refused(422, "'source' must be a non-empty string", "invalid_source")
-            i = self.tally.index.get(fb["request_id"])
-            if i is None:
-                raise _Refused(404, f"unknown request_id {fb['request_id'][:128]!r}", "unknown_request_id")
+            close = fb.get("close", True)
+            if not isinstance(close, bool):
+                raise _Refused(422, "'close' must be true or false", "invalid_close")
+            rid = fb.get("request_id") if isinstance(fb.get("request_id"), str) else None
+            cid = fb.get("conversation_id") if isinstance(fb.get("conversation_id"), str) else None
+            if cid is not None and cid not in self.tally.conv_rows:
+                raise _Refused(404, f"unknown conversation_id {cid[:128]!r}", "unknown_conversation_id")
+            if rid is not None:
+                of = self.tally.conversation_of(rid)
+                if of is None:
+                    raise _Refused(404, f"unknown request_id {rid[:128]!r}", "unknown_request_id")
+                if cid is not None and of != cid:
+                    msg = f"request {rid[:128]!r} is not a turn of conversation {cid[:128]!r}"
+                    raise _Refused(422, msg, "conversation_mismatch")
+                cid = of
         except _Refused as e:
             return self._refuse(e)
         now = time.time()
+        first = self.tally.conv_rows[cid][0]
         rec = {
-            "request_id": fb["request_id"],
+            "conversation_id": cid,
+            "request_id": rid if rid is not None else self.tally.turn["rid"][first],
             "reward": float(r),
             "source": src,
             "detail": fb.get("detail"),
-            "arm": ARMS[self.tally.cols["arm"][i]],
+            "arm": ARMS[self.tally.cols["arm"][first]],
             "t": round(self.clock(now), 3),
             "timestamp": L.now_iso(now),
         }
         await self.fb_log.append(orjson.dumps(rec) + b"\n")
         self.tally.add_feedback(rec)
+        if close:  # the conversation is scored: a later turn continuing it opens a new one
+            self.convs.close(cid)
         if self.traces is not None:
             self.traces.feedback(rec)
-        return _Raw(orjson.dumps({"status": "accepted", "request_id": rec["request_id"]}), 202, [])
+        out = {"status": "accepted", "conversation_id": cid, "request_id": rec["request_id"]}
+        return _Raw(orjson.dumps(out), 202, [])
+
+    async def conversation(self, request: Request) -> Response:
+        """GET /v1/conversations/{id}: its turns (request ids, arm, status, tool calls, ...), state and reward;
+        a request id finds its conversation too."""
+        try:
+            await self._body(request)
+        except _Refused as e:
+            return self._refuse(e)
+        key = request.path_params["cid"]
+        cid = key if key in self.tally.conv_rows else self.tally.conversation_of(key)
+        got = self.tally.conversation(cid) if cid is not None else None
+        if got is None:
+            return _Raw(error_body(f"unknown conversation {key[:128]!r}", code="unknown_conversation_id"), 404, [])
+        got["state"] = "scored" if got["reward"] is not None else self.convs.state(cid)
+        return _Raw(orjson.dumps(got), 200, [])
 
     async def experiment(self, request: Request) -> Response:
         try:
@@ -486,6 +597,8 @@ class Gateway:
             "n_candidate": t.n[1],
             "errors": {"baseline": t.errors[0], "candidate": t.errors[1]},
             "feedback": {"baseline": t.feedback[0], "candidate": t.feedback[1]},
+            "conversations": t.conversation_stats(),
+            "open_conversations": len(self.convs.open),
             "rejected": self.rejected,
             **dec,
         }
@@ -506,6 +619,7 @@ def build_app(gw: Gateway) -> Any:
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/v1/feedback", gw.feedback, methods=["POST"]),
         Route("/v1/experiment", gw.experiment, methods=["GET"]),
+        Route("/v1/conversations/{cid:path}", gw.conversation, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
 

@@ -2,11 +2,20 @@
 
 Stage: validate (live A/B). ``hermes-lab serve`` writes, in its log dir (``runs/live/<experiment>/``):
 
-  requests.jsonl    one record per request, in the trajectories format (prompt, response, task_id) plus
-                    request_id, unit, arm, model, stage, ratio, t (arrival, s since the experiment start on
-                    its clock: wall seconds x serve.time_scale), t_done (answer complete), timestamp,
-                    status, http_status, error, fallback, latency_ms, ttft_ms, usage, stream, messages
-  feedback.jsonl    one record per POST /v1/feedback: request_id, reward, source, detail, arm, t, timestamp
+  requests.jsonl    one record per request (a turn of a conversation): request_id, unit, arm, model, stage,
+                    ratio, t (arrival, s since the experiment start on its clock: wall seconds x
+                    serve.time_scale), t_done (answer complete), timestamp, status, http_status, error,
+                    fallback, latency_ms, ttft_ms, usage, stream, task_id, requested_model; the conversation:
+                    conversation_id, turn (0, 1, ...), history (how many of the request's messages earlier
+                    turns logged: the conversation so far, their messages and answers), messages (only the
+                    new ones: messages[history:]), tools_hash (its schemas in tools.jsonl), tool_errors (of
+                    the new tool results), switched (a candidate conversation's turn the baseline answered
+                    after a roll back); the answer, whole whether streamed or not: response (text),
+                    tool_calls (assembled from the stream's deltas), reasoning, finish_reason, usage;
+                    prompt (the flattened opening of a conversation's first turn, null later)
+  tools.jsonl       one line per distinct tool-schema list the agents sent: tools_hash, tools
+  feedback.jsonl    one record per POST /v1/feedback: conversation_id, request_id (when it named one), reward,
+                    source, detail, arm, t, timestamp; it scores the whole conversation
   experiment.json   the experiment's mutable state (arms, stages, current stage and ratio, stage starts,
                     every look's decision, restarts), written atomically (``hermes_lab.core.jsonl.write_json_atomic``)
   ab_report.json    the live rollout's report (``hermes_lab.live.report``), with plots/*.png
@@ -21,6 +30,7 @@ reader (and counted); the next writer starts on a fresh line. Reading a log dir 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import threading
@@ -34,7 +44,7 @@ import orjson
 
 from hermes_lab.ab.covariates import Encoder
 from hermes_lab.core.jsonl import write_json_atomic
-from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, read_jsonl  # the log's format is data's
+from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -141,6 +151,52 @@ def load_experiment(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
 
 
+class ToolsLog:
+    """tools.jsonl: each distinct tool-schema list the agents sent, once, under its hash (a request's record
+    names the hash; an agent sends the same ~7 KB of schemas with every turn). A restart knows the hashes."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], durability: str = "write", fsync_ms: float = 100.0):
+        self.seen = {str(r.get("tools_hash")) for _, r in read_jsonl(Path(log_dir) / TOOLS)}
+        self.writer = LogWriter(Path(log_dir) / TOOLS, durability, fsync_ms)
+
+    def add(self, tools: Any) -> str | None:
+        if not tools:
+            return None
+        raw = orjson.dumps(tools)
+        th = hashlib.blake2b(raw, digest_size=8).hexdigest()
+        if th not in self.seen:
+            self.seen.add(th)
+            self.writer.append_nowait(b'{"tools_hash":"' + th.encode() + b'","tools":' + raw + b"}\n")
+        return th
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_conversations(log_dir: str | os.PathLike[str], within_s: float) -> list[tuple[str, int, int, list, float]]:
+    """Conversations of the log whose last turn is less than ``within_s`` old, reassembled (the log keeps
+    only each turn's new messages): (id, arm of the first turn, turns, messages with the last answer, age s)."""
+    from hermes_lab.data.gateway import conversation_line
+
+    now = time.time()
+    turns: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for lineno, rec in read_jsonl(Path(log_dir) / REQUESTS):
+        cid = rec.get("conversation_id")
+        if isinstance(cid, str):
+            turns.setdefault(cid, []).append((lineno, rec))
+    out = []
+    for cid, ts in turns.items():
+        try:
+            age = now - datetime.fromisoformat(str(ts[-1][1].get("timestamp"))).timestamp()
+        except ValueError:
+            continue
+        if age < within_s and ts[-1][1].get("status") == "ok":
+            line = conversation_line(cid, ts, {}, None, "")
+            arm = 1 if ts[0][1].get("arm") == "candidate" else 0
+            out.append((cid, arm, len(ts), line["messages"], age))
+    return out
+
+
 def save_experiment(log_dir: str | os.PathLike[str], state: dict[str, Any]) -> Path:
     state["updated"] = datetime.now(timezone.utc).isoformat()
     return write_json_atomic(Path(log_dir) / EXPERIMENT, state)
@@ -151,7 +207,11 @@ class Tally:
 
     Built from requests.jsonl + feedback.jsonl at start (a restarted gateway continues the same counts),
     then kept current by the gateway. A request's reward is its latest feedback of ``source`` ('any': of
-    any source); a failed request counts as reward 0 (as ab-run scores an empty answer). Times are the
+    any source). Rewards are per conversation: feedback (by the conversation's id or any of its request ids)
+    is carried by the conversation's first turn, its later turns have none (NaN: they count in the error and
+    latency guardrails, not in the reward's numbers), so the reward's statistics count conversations; a
+    single-turn request is a conversation of one turn, as before. A failed first turn counts as reward 0 (as
+    ab-run scores an empty answer). Times are the
     experiment clock's (seconds since the start, ``serve.time_scale`` included): ``t`` when the request
     arrived, ``t_done`` when its answer was complete, ``t_fb`` when its first counted feedback arrived (a
     failed request: its ``t_done``), so that ``columns(known_by=T)`` is what a look at T could know.
@@ -164,8 +224,13 @@ class Tally:
         self.cov: list[tuple[int, int]] = []
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
-            k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit")
+            k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit", "conv")
         }
+        # per turn, for the conversation statistics and GET /v1/conversations/{id}
+        self.turn: dict[str, list[Any]] = {k: [] for k in ("rid", "turn", "calls", "tool_errors", "tokens", "finish")}
+        self.conv_rows: dict[str, list[int]] = {}  # conversation id -> its rows, in arrival order
+        self.conv_ids: list[str] = []  # conversation code -> id
+        self.conv_reward: dict[str, tuple[float, str]] = {}
         self.reward: list[float] = []
         self.family: list[int] = []  # filled by from_dir(families=True) only (the report's per-family rows)
         self.units: dict[str, int] = {}
@@ -189,23 +254,118 @@ class Tally:
         c["error"].append(err)
         c["latency_ms"].append(float(rec.get("latency_ms") or 0.0))
         c["unit"].append(self.units.setdefault(str(rec.get("unit")), len(self.units)))
-        self.reward.append(0.0 if err else math.nan)
-        if self.covariates:
+        cid = str(rec.get("conversation_id") or rec.get("request_id"))  # logs from before conversations: one each
+        rows = self.conv_rows.get(cid)
+        if rows is None:
+            rows = self.conv_rows[cid] = []
+            self.conv_ids.append(cid)
+        c["conv"].append(cid)
+        rows.append(len(self.reward))
+        u, tc = rec.get("usage"), rec.get("tool_calls")
+        tr = self.turn
+        tr["rid"].append(str(rec.get("request_id")))
+        tr["turn"].append(int(rec.get("turn") or 0))
+        tr["calls"].append(len(tc) if isinstance(tc, list) else 0)
+        tr["tool_errors"].append(int(rec.get("tool_errors") or 0))
+        tr["tokens"].append(int(u.get("total_tokens") or 0) if isinstance(u, dict) else 0)
+        tr["finish"].append(rec.get("finish_reason"))
+        if self.covariates:  # one row per request, kept aligned with the reward's rows
             self.cov.append(self.covariates.row(rec)[:2])  # (cell, task): no history on live traffic
+        if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
+            c["t_fb"][-1] = math.inf
+            self.reward.append(math.nan)
+        else:
+            self.reward.append(0.0 if err else math.nan)
         self.n[arm] += 1
         self.errors[arm] += err
 
+    def conversation_of(self, request_id: str) -> str | None:
+        i = self.index.get(request_id)
+        return None if i is None else self.cols["conv"][i]
+
     def add_feedback(self, rec: dict[str, Any]) -> bool:
-        """Apply one feedback record; False when its request is unknown."""
-        i = self.index.get(str(rec.get("request_id")))
-        if i is None:
-            return False
-        if self.source in ("any", rec.get("source", "system")) and not self.cols["error"][i]:
+        """Apply one feedback record to its conversation (every turn), or to its request (a log from before
+        conversations); False when neither is known."""
+        cid = rec.get("conversation_id")
+        if not (isinstance(cid, str) and cid in self.conv_rows):
+            j = self.index.get(str(rec.get("request_id")))
+            if j is None:
+                return False
+            cid = self.cols["conv"][j]
+        if self.source not in ("any", rec.get("source", "system")):
+            return True
+        t = float(rec.get("t") or 0.0)
+        self.conv_reward[cid] = (float(rec["reward"]), t)
+        i = self.conv_rows[cid][0]
+        if not self.cols["error"][i]:
             if math.isnan(self.reward[i]):  # the first counted feedback: the reward is known from then on
                 self.feedback[self.cols["arm"][i]] += 1
-                self.cols["t_fb"][i] = float(rec.get("t") or 0.0)
+                self.cols["t_fb"][i] = t
             self.reward[i] = float(rec["reward"])  # file order: the latest feedback wins
         return True
+
+    def conversation_stats(self) -> dict[str, Any]:
+        """Per arm (the arm of a conversation's first turn): conversations, turns per conversation, tool-call rate
+        (turns answered with tool calls), tool calls, tool errors, tokens, latency, conversations with feedback,
+        switched after a roll back."""
+        import numpy as np
+
+        n = len(self.reward)
+        if not n:
+            return {}
+        codes = {cid: k for k, cid in enumerate(self.conv_ids)}
+        conv = np.fromiter((codes[c] for c in self.cols["conv"][:n]), np.int64, n)
+        first = np.asarray([self.cols["arm"][rows[0]] for rows in self.conv_rows.values()], np.int64)
+        conv_arm = first[conv]
+        calls = np.asarray(self.turn["calls"][:n], np.int64)
+        lat = np.asarray(self.cols["latency_ms"][:n], np.float64)
+        rewarded = np.asarray([not math.isnan(self.reward[rows[0]]) for rows in self.conv_rows.values()])
+        out: dict[str, Any] = {}
+        for a, name in ((0, "baseline"), (1, "candidate")):
+            m = conv_arm == a
+            nc = int((first == a).sum())
+            out[name] = {
+                "conversations": nc,
+                "turns": int(m.sum()),
+                "turns_per_conversation": round(float(m.sum()) / nc, 3) if nc else None,
+                "tool_call_rate": round(float((calls[m] > 0).mean()), 4) if m.any() else None,
+                "tool_calls": int(calls[m].sum()),
+                "tool_errors": int(np.asarray(self.turn["tool_errors"][:n])[m].sum()),
+                "tokens": int(np.asarray(self.turn["tokens"][:n])[m].sum()),
+                "latency_ms_p50": round(float(np.median(lat[m])), 3) if m.any() else None,
+                "rewarded_conversations": int(rewarded[first == a].sum()),
+                "errors": int(np.asarray(self.cols["error"][:n], bool)[m].sum()),
+            }
+        return out
+
+    def conversation(self, cid: str) -> dict[str, Any] | None:
+        """A conversation's turns as the log has them (GET /v1/conversations/{id})."""
+        rows = self.conv_rows.get(cid)
+        if rows is None:
+            return None
+        c, tr = self.cols, self.turn
+        turns = [
+            {
+                "turn": tr["turn"][i],
+                "request_id": tr["rid"][i],
+                "arm": "candidate" if c["arm"][i] else "baseline",
+                "status": "error" if c["error"][i] else "ok",
+                "finish_reason": tr["finish"][i],
+                "tool_calls": tr["calls"][i],
+                "tool_errors": tr["tool_errors"][i],
+                "tokens": tr["tokens"][i],
+                "latency_ms": c["latency_ms"][i],
+                "t": c["t"][i],
+            }
+            for i in rows
+        ]
+        r = self.conv_reward.get(cid)
+        return {
+            "conversation_id": cid,
+            "arm": turns[0]["arm"],
+            "turns": turns,
+            "reward": None if r is None else r[0],
+        }
 
     @classmethod
     def from_dir(
@@ -243,7 +403,7 @@ class Tally:
 
         n = len(self.reward)  # a snapshot: the event loop may append while a thread analyses
         r = np.asarray(self.reward[:n], np.float64)
-        cols = {k: np.asarray(v[:n]) for k, v in self.cols.items()}
+        cols = {k: np.asarray(v[:n]) for k, v in self.cols.items() if k != "conv"}
         keep = np.ones(n, bool) if stage is None else cols["stage"] == stage
         if known_by is not None:
             keep &= cols["t_done"] <= known_by

@@ -72,7 +72,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     parts = [tally.columns(s.index, until) for s, until in todo]
     keys = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit", *(("cell", "task") if covs else ()))
     cols = {k: np.concatenate([p[k] for p in parts]) if parts else tally.columns(-1)[k] for k in keys}
-    if a.unit != "user":
+    if a.unit == "request":
         cols.pop("unit")
     analysis = ab_analysis.analyse_log(cols, [s for s, _ in todo], st, FAM_NAMES, {s.index: u for s, u in todo})
     K = float(state.get("time_scale", 1.0))
@@ -116,6 +116,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
         restarts=state.get("restarts", 0),
         requests_logged=tally.n[0] + tally.n[1],
         covariates=tally.covariates.describe() if tally.covariates else None,
+        conversations=tally.conversation_stats(),
         unrewarded_note="requests without feedback by a look: out of the reward's numbers, in the error and "
         "latency guardrails and SRM; failed requests: errors of their arm, reward 0",
     )
@@ -151,5 +152,10 @@ def report_cli(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> int:
 
     rep, _ = write_live_report(cfg, log_dir)
     print(summary(rep))
+    for arm, c in (rep.get("conversations") or {}).items():
+        print(
+            f"{arm:9s} {c['conversations']} conversations, {c['turns_per_conversation']} turns each, tool-call rate "
+            f"{c['tool_call_rate']}, {c['tool_errors']} tool errors, {c['tokens']} tokens, p50 {c['latency_ms_p50']} ms"
+        )
     print(f"status: {rep['status']}   report: {Path(log_dir) / REPORT}   plots: {len(rep['plots'])}")
     return 0

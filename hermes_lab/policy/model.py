@@ -39,7 +39,7 @@ from typing import Any
 
 from hermes_lab.tasks import suite as T
 
-TINY_VERSION = 9  # bump when the recipe changes: a new cache dir is built (6: packed batches, 8: graded levels)
+TINY_VERSION = 10  # bump when the recipe changes: a new cache dir (6: packed batches, 8: graded levels, 10: code)
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 NOISE = 0.65  # share of teacher answers that are corrupted (9 in 10 of them format slips)
 TINY_STEPS = 900
@@ -49,8 +49,8 @@ TINY_BATCH = 128
 # stalled near that ceiling by round 3. At 3e-3 greedy is ~92%, so the headroom above the sampled pass rate
 # is the noisy teacher's slips, which GRPO can unlearn round after round.
 TINY_LR = 3e-3
-# teacher examples per family per draw: the families of longer answers (reverse, add, tool) twice
-TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2}
+# teacher examples per family per draw: the families of longer answers (reverse, add, tool, code) twice
+TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2}
 PACK_WIDTH = 64  # tokens per packed row: about 3.5 examples; the longest example is 37
 
 
@@ -143,7 +143,9 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH
             if T.split_of(t.prompt) == "train":
                 break
         prompts.append(t.prompt)
-        answers.append(T.corrupt(t.answer, rng) if rng.random() < NOISE else t.answer)
+        # code: the teacher writes any correct form (x*x or x**2), so only the tests can tell right from wrong
+        answer = T.teacher_answer(t, rng)
+        answers.append(T.corrupt(answer, rng) if rng.random() < NOISE else answer)
     # one batched call each: the fast tokenizer's per-call overhead was a tenth of a step
     p_all = tok(prompts, add_special_tokens=False)["input_ids"]
     a_all = [a + [tok.eos_token_id] for a in tok(answers, add_special_tokens=False)["input_ids"]]
@@ -355,18 +357,17 @@ def evaluate(
     threshold: float = 3.0,
 ) -> dict[str, Any]:
     """Sampled pass rate and mean reward, overall, per family and per level (pass: verifier score >=
-    threshold); ``passes``: every sample's outcome ("1"/"0", task by task), for paired comparisons of two
-    policies on the same tasks (``paired_gain``)."""
+    threshold; the code family: its hidden tests all pass, run in the sandbox); ``passes``: every sample's
+    outcome ("1"/"0", task by task), for paired comparisons of two policies on the same tasks (``paired_gain``)."""
     prompts = [t.prompt for t in tasks for _ in range(samples_per_task)]
     answers = [t for t in tasks for _ in range(samples_per_task)]
     responses = policy.generate(prompts, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     per: dict[str, list[float]] = {}
     per_level: dict[str, list[float]] = {}
-    scores = []
-    for t, r in zip(answers, responses):
-        scores.append(T.score(t.answer, r))
-        per.setdefault(t.family, []).append(scores[-1])
-        per_level.setdefault(f"{t.family}:{t.level}", []).append(scores[-1])
+    scores = T.score_tasks(answers, responses)
+    for t, v in zip(answers, scores):
+        per.setdefault(t.family, []).append(v)
+        per_level.setdefault(f"{t.family}:{t.level}", []).append(v)
     allv = [v for vs in per.values() for v in vs]
 
     def stats(vs: list[float]) -> dict[str, Any]:

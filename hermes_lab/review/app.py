@@ -2,7 +2,11 @@
 
 Stage: human review, between prep and train; ``hermes_lab.review.gate`` holds the label store it writes to and
 the gate that reads the labels. One queue item at a time (prompt and response; the reward model's score
-is never shown while labelling), labelled 0..scale or pass/fail, with skip and undo.
+is never shown while labelling), labelled 0..scale or pass/fail, with skip and undo. A conversation (an
+agent's multi-turn, tool-calling log: the item carries ``messages``) is shown as a person reads one: each
+message under its role, reasoning and the system prompt folded, each tool call as its name and arguments,
+tool results folded when long; the label is the conversation's (its review id). Everything shown is model
+or tool output and is HTML-escaped.
 
 Reads   runs/<round>/prep/review_queue.jsonl  (prep's sample, through review.load_queue)
         runs/review/labels.jsonl              (to resume at the reviewer's next unlabelled item)
@@ -68,6 +72,63 @@ def _pre(text: str) -> str:
     )
 
 
+FOLD_CHARS = 600  # tool results (and answers) longer than this are folded, their first line as the summary
+
+
+def _fold(summary: str, body: str, open_: bool = False) -> str:
+    return (
+        f"<details{' open' if open_ else ''}><summary>{summary}</summary>"
+        f'<pre style="white-space:pre-wrap;margin:0">{html.escape(body)}</pre></details>'
+    )
+
+
+def _text_block(text: str) -> str:
+    if len(text) <= FOLD_CHARS:
+        return f'<pre style="white-space:pre-wrap;margin:0">{html.escape(text)}</pre>'
+    head = html.escape(text[:120].split("\n")[0])
+    return _fold(f"{head} ... ({len(text):,} characters)", text)
+
+
+ROLE_STYLE = {
+    "system": "#666",
+    "user": "#1f5fa8",
+    "assistant": "#2e7d32",
+    "tool": "#8a5a00",
+}
+
+
+def conversation_html(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """A conversation as a person reads it: one block per message under its role; the system prompt and
+    reasoning folded; each tool call as name(arguments); a long tool result folded. All text escaped."""
+    names = ", ".join(html.escape(str((t.get("function") or {}).get("name"))) for t in tools or [])
+    out = ['<div class="hermes-conversation" style="max-height:32em;overflow:auto">']
+    if names:
+        out.append(f"<div><i>tools offered:</i> <code>{names}</code></div>")
+    for i, m in enumerate(messages):
+        role = str(m.get("role"))
+        color = ROLE_STYLE.get(role, "#000")
+        label = html.escape(role if role != "tool" else f"tool · {m.get('name') or ''}")
+        body = []
+        content = m.get("content") or ""
+        if role == "system":
+            body.append(_fold(f"system prompt ({len(content):,} characters)", content))
+        else:
+            if m.get("reasoning"):
+                body.append(_fold("reasoning", str(m["reasoning"])))
+            if content:
+                body.append(_text_block(str(content)))
+            for c in m.get("tool_calls") or []:
+                fn = c.get("function") or {}
+                call = f"{fn.get('name')}({fn.get('arguments')})"
+                body.append(f'<div class="tool-call">&#8594; call <code>{html.escape(call)}</code></div>')
+        out.append(
+            f'<div class="msg msg-{html.escape(role)}" style="border-left:3px solid {color};padding:2px 8px;'
+            f'margin:4px 0"><b style="color:{color}">{i + 1}. {label}</b>{"".join(body) or " <i>(empty)</i>"}</div>'
+        )
+    out.append("</div>")
+    return "".join(out)
+
+
 class ReviewApp:
     """ipywidgets labeller. ``display(app.widget)``; ``app.buttons`` maps 0..scale (score mode) or
     "pass"/"fail" to their Buttons. The reward model's score is never shown while labelling."""
@@ -130,13 +191,14 @@ class ReviewApp:
         self.progress = w.IntProgress(min=0, max=max(1, len(self.items)), description="Labelled")
         self.progress_label = w.Label()
         self.header, self.prompt_html, self.response_html, self.status = w.HTML(), w.HTML(), w.HTML(), w.HTML()
+        self.prompt_label, self.response_label = w.HTML("<b>Prompt</b>"), w.HTML("<b>Response</b>")
         self.widget = w.VBox(
             [
                 w.HBox([self.reviewer_box, self.progress, self.progress_label]),
                 self.header,
-                w.HTML("<b>Prompt</b>"),
+                self.prompt_label,
                 self.prompt_html,
-                w.HTML("<b>Response</b>"),
+                self.response_label,
                 self.response_html,
                 w.HBox(list(self.buttons.values()) + [self.skip_button, self.undo_button]),
                 w.HBox([self.keys, self.note]),
@@ -243,11 +305,22 @@ class ReviewApp:
                 else "<b>Type your reviewer id above to start.</b>"
             )
             self.prompt_html.value = self.response_html.value = ""
+            self.prompt_label.value = self.response_label.value = ""
             return
         it = self.items[self.index]
         self.header.value = (
             f"<b>Item {self.index + 1} of {n}</b> · family <code>{html.escape(str(it['family']))}"
             f"</code> · task <code>{html.escape(str(it['task_id']))}</code>"
         )
+        msgs = it.get("messages")
+        if isinstance(msgs, list) and msgs:  # a conversation: the label is for all of it
+            turns = sum(1 for m in msgs if isinstance(m, dict) and m.get("role") == "assistant")
+            cid = html.escape(str(it.get("conversation_id") or it["review_id"]))
+            self.prompt_label.value = f"<b>Conversation</b> <code>{cid}</code> · {len(msgs)} messages, {turns} turns"
+            self.prompt_html.value = conversation_html(msgs, it.get("tools"))
+            self.response_label.value = "<b>Label the whole conversation</b> (did the agent do the task well?)"
+            self.response_html.value = ""
+            return
+        self.prompt_label.value, self.response_label.value = "<b>Prompt</b>", "<b>Response</b>"
         self.prompt_html.value = _pre(str(it["prompt"]))
         self.response_html.value = _pre(str(it["response"]))

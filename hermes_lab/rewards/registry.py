@@ -6,9 +6,12 @@ judge caches its answers under ``runs/cache/judge.jsonl``.
 Every reward lies on the user's 0..scale range (reward.scale, 5 by default):
 
 - ``system``: system feedback, "the tests pass". ``reward.system: verifier`` uses the embedded task
-  verifiers (``hermes_lab.tasks.suite.verify``); ``reward.system: "pkg.module:function"`` plugs in the user's
-  own checker with the same signature. A prompt the verifier does not know scores None, which TRL
-  treats as "not applicable" for that function rather than as zero.
+  verifiers (``hermes_lab.tasks.suite.score_tasks``; the code family's runs its hidden tests in the sandbox);
+  ``reward.system: "pkg.module:function"`` plugs in the user's own checker with the same signature. A prompt the
+  verifier does not know scores None, which TRL treats as "not applicable" for that function rather than as
+  zero. With ``tests`` in ``reward.types`` too, a row that carries tests is the tests reward's alone (the
+  verifier scores it None), so no completion is rewarded twice for the same tests.
+- ``tests``: the task's tests run on the completion's code in the sandbox (``hermes_lab.rewards.tests``).
 - ``comparison``: comparison feedback, the completion judged against the logged reference response
   (the best response prep found for that prompt). With ``reward.model`` set to a model id it asks an
   OpenAI-compatible judge (``hermes_lab.llm.judge.ApiJudge``: batched, concurrent, retried, cached); with no
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.tasks import suite as T
 
 RewardFn = Callable[..., list[float | None]]
@@ -76,11 +80,19 @@ def make_system_reward(cfg: HermesConfig) -> RewardFn:
 
         return system
 
+    defer = "tests" in cfg.reward.types
+
     def system(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float | None]:
-        out: list[float | None] = []
-        for p, c in zip(prompts, completions):
-            t = T.parse_prompt(_text(p))
-            out.append(None if t is None else T.score(t.answer, _text(c), scale))
+        rows = kw.get("tests") if defer else None
+        known = [
+            (i, t)
+            for i, p in enumerate(prompts)
+            if (t := T.parse_prompt(_text(p))) is not None and not (rows is not None and rows[i])
+        ]
+        scores = T.score_tasks([t for _, t in known], [_text(completions[i]) for i, _ in known], scale)
+        out: list[float | None] = [None] * len(prompts)
+        for (i, _), v in zip(known, scores):
+            out[i] = v
         return out
 
     return system
@@ -134,6 +146,7 @@ def make_comparison_reward(cfg: HermesConfig) -> RewardFn:
 REGISTRY: dict[str, Callable[[HermesConfig], RewardFn]] = {
     "system": make_system_reward,
     "comparison": make_comparison_reward,
+    "tests": make_tests_reward,
 }
 
 
@@ -256,12 +269,18 @@ def _guard(fn: RewardFn, name: str, samples: SampleLog | None) -> RewardFn:
 
     guarded.__name__ = name  # TRL logs rewards/<__name__>/mean
     guarded.judge_stats = getattr(fn, "judge_stats", None)  # type: ignore[attr-defined]
+    guarded.sandbox = getattr(fn, "sandbox", None)  # type: ignore[attr-defined]
     return guarded
 
 
 def judge_faults(funcs: list[RewardFn]) -> JudgeFaults | None:
     """The judge-fault counter of a config's reward functions (None without an API judge)."""
     return next((f.judge_stats for f in funcs if getattr(f, "judge_stats", None) is not None), None)
+
+
+def sandbox_tally(funcs: list[RewardFn]) -> Any:
+    """The tests reward's ``SandboxTally`` among a config's reward functions (None without a tests reward)."""
+    return next((f.sandbox for f in funcs if getattr(f, "sandbox", None) is not None), None)
 
 
 def get_reward_funcs(cfg: HermesConfig, samples: SampleLog | None = None) -> tuple[list[RewardFn], list[float]]:

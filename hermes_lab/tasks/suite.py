@@ -9,6 +9,7 @@ Reads and writes nothing; ``execute`` and the rewards call it. Families, easiest
 | sort      | ``sort 3142=``     | ``1234``        | list transformation          | 1-3: 3, 4, 5 digits          |
 | tool      | ``tool time rome=``| ``time(rome)``  | tool-call-like formatting    | 1: one city, 2: two cities   |
 | add       | ``add 12+7=``      | ``19``          | small arithmetic             | 1-3: 0, 1 or 2 two-digit operands |
+| code      | ``py +3 *2=``      | ``(x+3)*2``     | code checked by hidden tests | 1-3: 1, 2 or 3 operations    |
 
 Levels (``Task.level``) grade each family by length or operand size, so that mastering one level makes the
 next reachable: a policy that sorts 4 digits gets 5 right now and then, which is a mixed GRPO group to
@@ -21,6 +22,11 @@ Reward (0..5, the user's scale), computed from the prompt alone so any response 
 - otherwise partial credit ``2.5 * similarity`` (difflib ratio between response and answer), so a
   near miss scores more than garbage but never reaches the success threshold 3: success (>= 3) means
   exactly "passed", which keeps pass rate, success rate and the A/B success share the same thing.
+- The code family (``hermes_lab.tasks.code``) is the exception that proves it: its response is code, run
+  against the task's hidden tests in the local sandbox. 5.0 when every test passes, else ``2.5 * share`` of
+  tests passed (a compile error, a timeout or a crash: 0). Any expression the tests accept passes, not only
+  the canonical answer. ``score_tasks`` scores many responses at once (the sandbox runs them in parallel and
+  runs a repeated response once); ``tests_of`` is the spec a trajectory record carries for the tests reward.
 
 Task ids are ``<family>-<8 hex of sha1(prompt)>``: stable across runs, machines and seeds. The split is
 by prompt hash too (``heldout`` when the hash falls in the last 15%), so held-out prompts never appear
@@ -34,13 +40,16 @@ import hashlib
 import random
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from hermes_lab.tasks import code as C
 
 SCALE = 5.0
-FAMILIES = ("upper", "reverse", "sort", "tool", "add")
-DIFFICULTY = {"upper": 1, "reverse": 2, "sort": 2, "tool": 3, "add": 3}
+FAMILIES = ("upper", "reverse", "sort", "tool", "add", "code")
+DIFFICULTY = {"upper": 1, "reverse": 2, "sort": 2, "tool": 3, "add": 3, "code": 3}
 HELDOUT_SHARE = 15  # percent of the prompt space held out for evaluation
 
-LEVELS = {"upper": 3, "reverse": 3, "sort": 3, "tool": 2, "add": 3}  # levels per family, 1 = easiest
+LEVELS = {"upper": 3, "reverse": 3, "sort": 3, "tool": 2, "add": 3, "code": C.LEVELS}  # per family, 1 = easiest
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _TOOLS = ("time", "weather", "news", "map")
@@ -48,8 +57,8 @@ _CITIES = ("rome", "oslo", "lima", "paris", "tokyo", "cairo", "delhi", "quito", 
 # level 2 of tool (two cities): short names only, so the answer fits the 16-token completion
 _SHORT_TOOLS, _SHORT_CITIES = ("time", "news", "map"), ("rome", "oslo", "lima", "bern")
 _LENGTHS = {1: (3, 3), 2: (4, 4), 3: (5, 5)}  # letters / digits per level of upper, reverse, sort
-_PREFIX = {"upper": "up", "reverse": "rev", "sort": "sort", "tool": "tool", "add": "add"}
-_PARSE = re.compile(r"^(up|rev|sort|tool|add) (.+)=$")
+_PREFIX = {"upper": "up", "reverse": "rev", "sort": "sort", "tool": "tool", "add": "add", "code": "py"}
+_PARSE = re.compile(r"^(up|rev|sort|tool|add|py) (.+)=$")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,8 @@ def _make_input(family: str, rng: random.Random, level: int | None = None) -> st
         big = set(rng.sample((0, 1), level - 1))
         a, b = (rng.randint(10, 49) if i in big else rng.randint(0, 9) for i in (0, 1))
         return f"{a}+{b}"
+    if family == "code":
+        return C.make_input(rng, level)
     raise KeyError(family)
 
 
@@ -96,6 +107,8 @@ def level_of(family: str, x: str) -> int:
         lvl = next((k for k, (lo, hi) in _LENGTHS.items() if len(x) <= hi), 3)
     elif family == "tool":
         lvl = 1 if len(x.split()) <= 2 else 2
+    elif family == "code":
+        lvl = C.level_of(x)
     else:
         lvl = 1 + sum(len(op.strip().lstrip("-")) >= 2 for op in x.split("+"))
     return max(1, min(lvl, LEVELS[family]))
@@ -116,6 +129,10 @@ def _solve(family: str, x: str) -> str:
     if family == "add":
         a, b = x.split("+")
         return str(int(a) + int(b))
+    if family == "code":
+        if not C.valid(x):
+            raise ValueError(f"not a code task input: {x!r}")
+        return C.solve(x)
     raise KeyError(family)
 
 
@@ -174,8 +191,39 @@ def generate_tasks(
     return out
 
 
+def input_of(t: Task) -> str:
+    """The task's input: the prompt without its family word and the trailing '='."""
+    return t.prompt.split(" ", 1)[1][:-1]
+
+
+def tests_of(t: Task) -> dict[str, Any] | None:
+    """The hidden tests of a code task as a trajectory record carries them (``TestSpec.to_dict``); None for
+    the other families, whose verifier is the comparison with the answer."""
+    return C.spec(input_of(t)).to_dict() if t.family == "code" else None
+
+
+def teacher_answer(t: Task, rng: random.Random) -> str:
+    """A correct answer as the tiny policy's teacher writes it: for code, another correct form half the time."""
+    return C.variant(input_of(t), rng) if t.family == "code" and rng.random() < 0.5 else t.answer
+
+
+def score_tasks(tasks: list[Task], responses: list[str], scale: float = SCALE) -> list[float]:
+    """Verifier rewards of many responses (one per task): code tasks through the sandbox, in parallel."""
+    out = [0.0] * len(tasks)
+    code_at = [i for i, t in enumerate(tasks) if t.family == "code"]
+    for i, t in enumerate(tasks):
+        if t.family != "code":
+            out[i] = score(t.answer, responses[i], scale)
+    if code_at:
+        outcomes = C.run_tests([responses[i] for i in code_at], [input_of(tasks[i]) for i in code_at])
+        for i, o in zip(code_at, outcomes):
+            out[i] = float(scale) if o.kind == "passed" else round(0.5 * scale * o.share, 4)
+    return out
+
+
 def score(answer: str, response: str, scale: float = SCALE) -> float:
-    """Verifier reward on 0..scale: ``scale`` when it passes, else 0.5*scale*similarity (< 3 on 5)."""
+    """Verifier reward on 0..scale: ``scale`` when it passes, else 0.5*scale*similarity (< 3 on 5).
+    (Not for the code family, whose answer is one of many that pass: ``score_tasks``.)"""
     resp = (response or "").strip()
     if resp == answer:
         return float(scale)
@@ -188,7 +236,7 @@ def score(answer: str, response: str, scale: float = SCALE) -> float:
 def verify(prompt: str, response: str, scale: float = SCALE) -> float:
     """Reward for any response to one of our prompts; 0 for a prompt we do not know."""
     t = parse_prompt(prompt)
-    return 0.0 if t is None else score(t.answer, response, scale)
+    return 0.0 if t is None else score_tasks([t], [response], scale)[0]
 
 
 def family_of(prompt: str) -> str | None:

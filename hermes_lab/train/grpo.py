@@ -4,9 +4,11 @@ Reads the GRPO prompt set (a prep output dir ``runs/round-NN/prep/``, a saved ``
 trajectories JSONL, which is run through prep first) and writes under ``--output`` (``runs/round-NN/train/``):
 ``adapter/`` (LoRA adapter + tokenizer), ``train_log.jsonl`` (every TRL log line), ``samples.jsonl``
 (completions with their rewards), ``config.yaml`` (resolved, no secrets), ``health.json`` (guard
-verdicts, the API judge's requests and failures), ``eval.json`` (held-out pass rate before/after),
-``run.json`` (MLflow run id, base, adapter) and ``trl/`` (checkpoints every ``grpo.save_steps`` steps:
-``--resume`` continues from the last one, see ``hermes_lab.train.state``). JSON files are written atomically.
+verdicts, the API judge's requests and failures, the tests reward's completions by kind: compile_error,
+timeout, crash... and what the sandbox isolates, also ``train/tests_<kind>`` in MLflow), ``eval.json``
+(held-out pass rate before/after), ``run.json`` (MLflow run id, base, adapter) and ``trl/`` (checkpoints
+every ``grpo.save_steps`` steps: ``--resume`` continues from the last one, see ``hermes_lab.train.state``). JSON
+files are written atomically.
 ``verdict.json`` (the training_health gate for the round runner; written on a NaN stop too).
 
     python -m hermes_lab.train --config params/hermes_grpo_lora.yaml --data runs/round-01/prep \
@@ -135,7 +137,9 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
 
 
 # ------------------------------------------------------------------------------------------ callback
-def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool, judge: Any = None) -> Any:
+def make_callback(
+    cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool, judge: Any = None, sandbox: Any = None
+) -> Any:
     """TRL log line -> train_log.jsonl + ``train/<TRL name>`` MLflow metrics + health guards (+ the judge's
     failure counts).
 
@@ -171,6 +175,8 @@ def make_callback(cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool
             if judge is not None and "loss" in logs:  # cumulative, so a curve shows when the judge faltered
                 logs["judge_failures"] = judge.failures  # -> train/judge_failures in MLflow
                 logs["judge_failure_rate"] = round(judge.rate, 4)
+            if sandbox is not None and "loss" in logs:  # cumulative completions by kind: train/tests_timeout...
+                logs.update(sandbox.metrics())
             loss = logs.get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 raise TrainingHealthError(
@@ -305,8 +311,8 @@ def train(
     args = GRPOConfig(**gkw)
     if is_main:
         dump_config(cfg, out / "config.yaml")
-    judge = rewards.judge_faults(funcs)
-    callback = make_callback(cfg, log_path, samples, is_main, judge)
+    judge, sandbox = rewards.judge_faults(funcs), rewards.sandbox_tally(funcs)
+    callback = make_callback(cfg, log_path, samples, is_main, judge, sandbox)
     run_id = None
     ctx = mlflow_run(saved.get("mlflow_run_id"), parent_run_id, runs_dir, cfg) if is_main else contextlib.nullcontext()
     # TRL and PEFT read a property transformers 5 deprecated (a FutureWarning per run): hidden, see quiet.py
@@ -342,7 +348,8 @@ def train(
             trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
         except Exception as e:
             if is_main:  # a stopped run still says why, and how many judgements failed
-                h = health_report("stopped", callback.warnings, flagged, trainer.state.global_step, resumed_from, judge)
+                step = trainer.state.global_step
+                h = health_report("stopped", callback.warnings, flagged, step, resumed_from, judge, sandbox)
                 write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
                 if isinstance(e, TrainingHealthError):  # the round runner reads this verdict: a gate stop, not a crash
                     write_verdict(out, "train", [gate("training_health", False, str(e))], STOP_HEALTH)
@@ -359,7 +366,7 @@ def train(
             trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
             tok.save_pretrained(str(adapter_dir))
             _write_jsonl(out / "samples.jsonl", list(samples.rows))
-            h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge)
+            h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge, sandbox)
             write_json_atomic(out / "health.json", h)
             if evaluate_heldout:
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)

@@ -160,8 +160,10 @@ def health_report(
     steps: int,
     resumed_from: int | None,
     judge: Any,
+    sandbox: Any = None,
 ) -> dict[str, Any]:
-    """health.json: ``status`` completed or stopped; the judge's counts (None without an API judge)."""
+    """health.json: ``status`` completed or stopped; the judge's counts (None without an API judge); the tests
+    reward's completions by kind, runs and isolation (``sandbox``, None without a tests reward)."""
     j = judge.to_dict() if judge is not None else None
     h: dict[str, Any] = {
         "status": status,
@@ -173,8 +175,39 @@ def health_report(
         "judge_failures": j["judge_failures"] if j else 0,
         "judge_failure_rate": j["judge_failure_rate"] if j else 0.0,
         "judge": j,
+        "sandbox": sandbox.to_dict() if sandbox is not None else None,
     }
     return h
+
+
+def sandbox_diagnostic(train_dir: str | Path) -> dict[str, Any] | None:
+    """The inspect stage's entry for the tests reward (rule ``sandbox``), from health.json; None without one.
+    warn: the sandbox failed on some completions, or the kernel gave it no namespaces here (network not cut off)."""
+    try:
+        health = json.loads((Path(train_dir) / "health.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    s = health.get("sandbox") if isinstance(health, dict) else None
+    if not isinstance(s, dict):
+        return None
+    n, errors = int(s.get("completions", 0)), int(s.get("sandbox_errors", 0))
+    iso = s.get("isolation") or {}
+    weak = iso.get("executor") == "local" and not str(iso.get("namespaces", "none")).startswith(("user", "net"))
+    kinds = ", ".join(f"{k} {v}" for k, v in (s.get("by_kind") or {}).items())
+    msg = f"{n} completions ran against their tests ({kinds or 'none'}); {s.get('executions', 0)} runs"
+    advice = ""
+    if errors:
+        advice = f"{errors} sandbox errors (scored None): check sandbox.executor / sandbox.url (hermes-lab doctor)"
+    if weak:
+        advice += ("; " if advice else "") + f"the local sandbox has no namespaces here ({iso.get('namespaces')})"
+    return {
+        "rule": "sandbox",
+        "severity": "warn" if errors or weak else "ok",
+        "step": None,
+        "value": errors / n if n else 0.0,
+        "message": msg,
+        "advice": advice,
+    }
 
 
 def judge_diagnostic(train_dir: str | Path, max_rate: float) -> dict[str, Any] | None:

@@ -1,0 +1,186 @@
+"""Benchmark: the sandbox's throughput, and the tests reward's share of a GRPO step on the code family.
+
+1. Executions per second: ``--n`` completions (1,000 by default) x 3 tests each (the embedded code family's
+   hidden asserts; every completion distinct, so the cache never answers), scored by the tests machinery
+   (``TestRunner``: compile check, harness, one run per completion) on the local executor, ``--workers``
+   runs at once (default 2: this project's machine). Four arms in one run, so the ratios are measured under
+   the same load:
+   - ``sandbox``: the local executor as training uses it: runs forked from one pre-started launcher (the
+     fork server), each with namespaces, mounts, rlimits, no privileges and the audit hook;
+   - ``rlimits only``: the same fork server, no namespaces and no audit hook (what isolation costs);
+   - ``per-run launcher``: full isolation, one launcher interpreter started per run (what the fork server saves);
+   - ``bare python``: one ``python -S -c`` per program, no sandbox at all.
+2. A GRPO step's time on the code family: the tiny policy (built once under runs/policies/) trains
+   ``--steps`` steps on code-family prompts only, with ``reward.types: [tests]``; the tests reward is timed
+   around each call, the step by TRL's own ``step_time`` (generation, rewards, forward and backward).
+
+Not a test: run it by hand or via ``make bench``.
+
+    .venv/bin/python benchmarks/bench_sandbox.py [--n 1000] [--workers 2] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def completions(n: int) -> tuple[list[str], list]:
+    """n distinct (completion, spec) pairs from the code family: right, another right form, or a slip."""
+    from hermes_lab.tasks import code as C
+    from hermes_lab.tasks import suite as T
+
+    rng = random.Random(0)
+    seen: set[tuple[str, str]] = set()
+    codes, specs = [], []
+    for t in T.generate_tasks(20 * n, split="any", seed=1, families=["code"]):
+        x = T.input_of(t)
+        c = rng.choice([t.answer, C.variant(x, rng), T.corrupt(t.answer, rng)])
+        if (c, x) in seen:
+            continue
+        seen.add((c, x))
+        codes.append(c)
+        specs.append(C.spec(x))
+        if len(codes) == n:
+            break
+    return codes, specs
+
+
+def bare_runs(programs: list[str], workers: int) -> None:
+    py = os.path.realpath(sys.executable)
+
+    def one(p: str) -> None:
+        subprocess.run([py, "-S", "-s", "-B", "-c", p], capture_output=True, timeout=30)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, programs))
+
+
+def throughput(n: int, workers: int) -> dict[str, float]:
+    from hermes_lab.sandbox.local import LocalExecutor
+    from hermes_lab.sandbox.specs import TestRunner, build_program
+    from hermes_lab.tasks.code import LIMITS
+
+    codes, specs = completions(n)
+    programs = [build_program(c, s, "HERMES-bench") for c, s in zip(codes, specs)]
+    arms = {
+        "sandbox": LocalExecutor(workers=workers),
+        "rlimits only": LocalExecutor(workers=workers, isolate=False, guard=False),
+        "per-run launcher": LocalExecutor(workers=workers, forkserver=False),
+    }
+    print(arms["sandbox"].describe())
+    secs: dict[str, float] = {}
+    kinds: dict[str, int] = {}
+    for name in ["sandbox", "rlimits only", "per-run launcher", "bare python"]:
+        t0 = time.perf_counter()
+        if name == "bare python":
+            bare_runs(programs, workers)
+        else:
+            runner = TestRunner(arms[name], LIMITS, cache_size=0)
+            out = runner.score(list(codes), list(specs))
+            if name == "sandbox":
+                for o in out:
+                    kinds[o.kind] = kinds.get(o.kind, 0) + 1
+        secs[name] = time.perf_counter() - t0
+        print(f"  {name:16s} {n} completions x 3 tests in {secs[name]:6.1f} s: {n / secs[name]:6.1f} completions/s")
+    for ex in arms.values():
+        ex.close()
+    print(f"  outcomes (sandbox arm): {kinds}")
+    return secs
+
+
+def grpo_share(steps: int) -> tuple[float, float, int]:
+    """(mean step time, mean tests-reward time per step, steps) of a short training on the code family."""
+    import datasets
+    from datasets import Dataset
+
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.rewards import registry as R
+    from hermes_lab.tasks import suite as T
+    from hermes_lab.train.grpo import train
+
+    spent: list[float] = []
+    make = R.REGISTRY["tests"]
+
+    def timed_factory(cfg):  # the real tests reward, timed around each call TRL makes
+        fn = make(cfg)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.append(time.perf_counter() - t0)
+
+        timed.__name__, timed.sandbox = fn.__name__, fn.sandbox
+        return timed
+
+    R.REGISTRY["tests"] = timed_factory
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        ts = T.generate_tasks(200, split="train", seed=0, families=["code"])
+        data = Path(tmp) / "grpo_dataset"
+        Dataset.from_dict(
+            {"prompt": [t.prompt for t in ts], "tests": [json.dumps(T.tests_of(t)) for t in ts]}
+        ).save_to_disk(str(data))
+        cfg = load_config(
+            ROOT / "params" / "embedded.yaml",
+            {
+                "grpo.max_steps": steps,
+                "reward.types": ["tests"],
+                "reward.weights": [1.0],
+                "round.runs_dir": str(ROOT / "runs"),
+            },
+        )
+        with (
+            open(Path(tmp) / "train.log", "w") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            train(cfg, data, Path(tmp) / "train", evaluate_heldout=False)  # TRL's per-step lines: not ours to print
+        rows = [json.loads(x) for x in (Path(tmp) / "train" / "train_log.jsonl").read_text().splitlines()]
+        step_times = [r["step_time"] for r in rows if "step_time" in r]
+        health = json.loads((Path(tmp) / "train" / "health.json").read_text())
+    R.REGISTRY["tests"] = make
+    print(f"  sandbox in training: {health['sandbox']['by_kind']}, {health['sandbox']['executions']} runs")
+    return sum(step_times) / len(step_times), sum(spent) / len(spent), len(step_times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=1000, help="completions (x 3 tests each)")
+    p.add_argument("--workers", type=int, default=2, help="runs at once (this project's machine has 2 cores)")
+    p.add_argument("--steps", type=int, default=8, help="GRPO steps on the code family (0: skip)")
+    a = p.parse_args()
+    print(f"== sandbox throughput: {a.n} completions x 3 tests, {a.workers} workers")
+    secs = throughput(a.n, a.workers)
+    s, r, p, b = (secs[k] for k in ("sandbox", "rlimits only", "per-run launcher", "bare python"))
+    print(
+        f"sandbox: {3 * a.n / s:.0f} test executions/s ({a.n / s:.0f} programs/s) on {a.workers} workers; "
+        f"{p / s:.1f}x the per-run launcher, {b / s:.1f}x a bare python -c per program; "
+        f"isolation costs {s / r:.2f}x the rlimits-only fork server"
+    )
+    if a.steps:
+        print(f"== a GRPO step on the code family ({a.steps} steps, the tiny policy, reward.types: [tests])")
+        step, reward, n = grpo_share(a.steps)
+        print(
+            f"GRPO step {step:.2f} s, of which the tests reward {reward:.2f} s: "
+            f"{reward / step:.0%} of the step ({n} steps)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
