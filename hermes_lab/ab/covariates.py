@@ -217,9 +217,11 @@ class Encoder:
 
 
 def encoder(cfg: Any, history: Iterable[str | Path] = ()) -> Encoder | None:
-    """The request rows' covariates (``ab.covariates``, request units only), the history read from ``history``."""
+    """The request rows' covariates (``ab.covariates``), the history read from ``history``. Request and
+    conversation units only: each has one reward row (a conversation's is its first turn); a user's many rows
+    are not independent units."""
     kinds = cfg.ab.covariates
-    if not kinds or cfg.ab.unit != "request":
+    if not kinds or cfg.ab.unit == "user":
         return None
     hist = load_history(history, cfg.reward.scale, kinds) if "history" in kinds and history else None
     enc = Encoder(kinds, hist)

@@ -360,8 +360,8 @@ def look_path(
     ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
     units). The rows of each group must be in time order. A NaN reward (a live request without feedback
     yet) is left out of the reward's statistics and counts in the guardrails, SRM and ``min_per_arm``.
-    Covariates (the columns of ``hermes_lab.ab.adjust.COLUMNS``, request units): the reward's CS is the
-    regression-adjusted one (``lo``/``hi``); ``lo_plain``/``hi_plain`` keep the unadjusted CS beside it.
+    Covariates (the columns of ``hermes_lab.ab.adjust.COLUMNS``, request and conversation units): the reward's
+    CS is the regression-adjusted one (``lo``/``hi``); ``lo_plain``/``hi_plain`` keep the unadjusted CS beside it.
     ``planned_n``: the requests the bets are tuned to be sharpest at (``Stage.tune_n``); it never affects
     validity. Guardrails, both on bounded unit observations: error indicator; latency above
     ``max_latency_ratio`` x the baseline's p95 of the earlier looks (the p95-ratio guardrail as an exceedance
@@ -406,7 +406,7 @@ def look_path(
     un_r = us["nk"][0] if "nk" in us else un  # units with a reward
     lo, hi = ab_cs.fan_cs(un_r, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
     lo_plain, hi_plain, var_ratio = lo, hi, np.full(n_groups, np.nan)
-    if unit is None and ab_adjust.has_covariates(cols):  # request units with covariates: the adjusted CS decides
+    if _one_reward_per_unit(unit, g, X[0]) and ab_adjust.has_covariates(cols):  # the adjusted CS decides
         cov = {k: None if cols.get(k) is None else np.asarray(cols[k])[keep] for k in ab_adjust.COLUMNS}
         adj = ab_adjust.adjusted_cs(
             win, arm[keep], X[0], cov, ratio, n_star, st.alpha / 2, st.alpha / 2, g, n_groups, L
@@ -451,6 +451,17 @@ def look_path(
         "enough": enough,
         "planned_units": n_star[:, -1],
     }
+
+
+def _one_reward_per_unit(unit: np.ndarray | None, g: np.ndarray | None, y: np.ndarray) -> bool:
+    """Request units, or units with at most one reward row each (a conversation's reward is on its first turn,
+    the row it enters with): the adjusted CS, written for one row per unit, then holds for the units as they
+    are. A user's many rewarded rows are not independent: those keep the plain, unit-level CS."""
+    if unit is None:
+        return True
+    ok = np.isfinite(y)
+    k = unit[ok] + (0 if g is None else g[ok] * (int(unit.max()) + 1))
+    return bool(np.unique(k).size == k.size)
 
 
 def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:

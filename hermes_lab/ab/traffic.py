@@ -121,7 +121,8 @@ class RequestLog:
 
     def columns(self, since: int = 0) -> dict[str, np.ndarray]:
         """Typed columns of the rows from ``since`` on (unit codes only for user-level randomisation;
-        covariate columns only for request units, which the adjustment is for)."""
+        covariate columns only for request and conversation units (one reward row each), which the adjustment
+        is for)."""
         part = {k: np.asarray(v[since:]) for k, v in self.cols.items()}
         if self.unit != "user":
             part["unit"] = None

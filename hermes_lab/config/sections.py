@@ -256,14 +256,15 @@ class ABSection:
     )
     covariates: list[Literal["family_level", "opening_turn", "task", "history"]] = _f(
         ["family_level", "opening_turn", "task", "history"],
-        "Regression adjustment of the sequential rule (request units; hermes_lab.ab.adjust): what is known about "
-        "a request before it is routed and predicts its reward, so the confidence sequence can leave that "
-        "variance out. family_level: the embedded task's family and level. opening_turn: a conversation's "
-        "opening turn (system prompt, number of tools, length of the first user message). task: the prompt "
-        "itself (a conversation's first user message), whose mean the rule learns from the stage's earlier "
-        "requests. history: the cell's and the task's mean reward in earlier logs (this round's execution log "
-        "and ab.history_rounds rounds' A/B logs). Fitted on earlier looks only, so the guarantee holds; a "
-        "request without any keeps the plain estimate. Empty: no adjustment.",
+        "Regression adjustment of the sequential rule (request and conversation units, not user; "
+        "hermes_lab.ab.adjust): what is known about a request before it is routed and predicts its reward, so"
+        " the confidence sequence can leave that variance out. family_level: the embedded task's family and "
+        "level. opening_turn: a conversation's opening turn (system prompt, number of tools, length of the "
+        "first user message). task: the prompt itself (a conversation's first user message), whose mean the "
+        "rule learns from the stage's earlier requests. history: the cell's and the task's mean reward in "
+        "earlier logs (this round's execution log and ab.history_rounds rounds' A/B logs). Fitted on earlier "
+        "looks only, so the guarantee holds; a request without any keeps the plain estimate. Empty: no "
+        "adjustment.",
     )
     history_rounds: int = _f(
         3, "ab.covariates history: how many earlier rounds' A/B request logs give the prior (0: none).", ge=0, le=100

@@ -219,7 +219,7 @@ class Tally:
 
     def __init__(self, source: str = "system", covariates: Sequence[str] = ()):
         self.source = source
-        # the requests' covariate codes (ab.covariates, request units): the adjusted rule of ab-run, live too
+        # the requests' covariate codes (ab.covariates, request and conversation units): ab-run's adjusted rule
         self.covariates = Encoder(covariates) if covariates else None
         self.cov: list[tuple[int, int]] = []
         self.index: dict[str, int] = {}
@@ -376,7 +376,7 @@ class Tally:
         covariates: Sequence[str] = (),
     ) -> Tally:
         """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower);
-        ``covariates``: ``ab.covariates`` (request units), each request's cell and task codes."""
+        ``covariates``: ``ab.covariates`` (request and conversation units), each request's cell and task codes."""
         t = cls(source, covariates)
         bad: list[int] = []
         if families:

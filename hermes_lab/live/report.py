@@ -66,7 +66,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     a = cfg.ab
     stage_list = [list(map(float, s)) for s in state["stages"]]
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
-    covs = a.covariates if a.unit == "request" else ()  # the gateway's own decision rule, covariates and all
+    covs = a.covariates if a.unit != "user" else ()  # the gateway's own decision rule, covariates and all
     tally = L.Tally.from_dir(log_dir, cfg.serve.feedback_source, families=True, covariates=covs)
     todo = stages_to_report(state, plan)
     parts = [tally.columns(s.index, until) for s, until in todo]
