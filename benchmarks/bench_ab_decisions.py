@@ -18,7 +18,7 @@ Scenarios (each with an identical candidate, A/A, and a stated effect):
 - small arm: 5% then 30% at 0.1 requests/s (~36 candidate requests by the first stage's planned end);
 - rare + small: 3% pass, 0/5 scores, 0.1 requests/s at 10%;
 - latency only: rewards identical, candidate latency x2 (a p95 ratio of ~2): the guardrail must roll back;
-- embedded mix: the embedded suite's 14 family:level cells of a late round (``EMBEDDED``: measured shares,
+- embedded mix: the embedded suite's 17 family:level cells of a late round (``EMBEDDED``: measured shares,
   partial credit, prompt pools and spreads; pass rates moved to a ~82% champion), +3 points of pass rate, at
   the rate ``make flywheel`` plans within (params/embedded.yaml's ``ab.plan_max_rate``). ``--eval`` takes
   the cells' pass rates and partial credit from a real round's train/eval.json instead (its "before": e.g.
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
@@ -67,7 +68,13 @@ MIX_RULES = {
     "sequential": "ours, adjusted",
     "sequential_held": "adjusted, held continued",  # round.on_held: continue, once: the next round's budget too
 }
-FLYWHEEL_RATE = 1.5  # params/embedded.yaml's ab.plan_max_rate: the budget `make flywheel` plans within
+# params/embedded.yaml's ab.plan_max_rate: the budget `make flywheel` plans within (read, not copied: --rate
+# tries another)
+FLYWHEEL_RATE = float(
+    yaml.safe_load((Path(__file__).resolve().parents[1] / "params" / "embedded.yaml").read_text())["ab"][
+        "plan_max_rate"
+    ]
+)
 REPEATED = 3000  # a cell with at most this many held-out prompts repeats them within a stage at that rate
 EXEC_LOG = 1080  # samples in a round's execution log (the baseline's; `make round` logs ~1081): the cells' history
 
@@ -93,22 +100,29 @@ class Cell:
 # round 1's candidate at 53.9%), and each cell's pool of held-out prompts (distinct prompts among 32400 drawn by
 # ab-run's traffic: tool and small sums repeat, words do not; large pools by capture-recapture). Only the pass
 # rates are moved: the measured ones (right-hand comment), shifted on the logit scale by one constant to the
-# late round's 81.7%, keeping their order and spread; a late champion's cells differ at least this much.
+# late round's 81.7%, keeping their order and spread; a late champion's cells differ at least this much. The code
+# family came with policy v10: its three cells are measured the same way on v10's round 1 and take the same
+# shift; the shares are the six families' round-robin (tool's two levels 1/12 each, the others' 1/18); the mix
+# is then at 83.2%.
 EMBEDDED = (
-    Cell("add:1", 0.0670, 0.713, 0.204, 18, 0.000),  # measured 0.381
-    Cell("add:2", 0.0670, 0.771, 0.277, 110, 0.234),  # measured 0.455
-    Cell("add:3", 0.0660, 0.711, 0.243, 220, 0.248),  # measured 0.379
-    Cell("reverse:1", 0.0670, 0.837, 0.375, 2609, 0.000),  # measured 0.560
-    Cell("reverse:2", 0.0670, 0.885, 0.394, 69969, 0.000),  # measured 0.657
-    Cell("reverse:3", 0.0660, 0.846, 0.410, 10**6, 0.000),  # measured 0.576
-    Cell("sort:1", 0.0670, 0.806, 0.359, 149, 0.163),  # measured 0.507
-    Cell("sort:2", 0.0670, 0.853, 0.396, 1520, 0.000),  # measured 0.590
-    Cell("sort:3", 0.0660, 0.833, 0.397, 14823, 0.000),  # measured 0.553
-    Cell("tool:1", 0.1000, 0.737, 0.442, 7, 0.206),  # measured 0.410
-    Cell("tool:2", 0.1000, 0.927, 0.476, 3, 0.037),  # measured 0.760
-    Cell("upper:1", 0.0670, 0.860, 0.368, 2560, 0.060),  # measured 0.605
-    Cell("upper:2", 0.0670, 0.841, 0.387, 67890, 0.073),  # measured 0.567
-    Cell("upper:3", 0.0660, 0.801, 0.415, 10**6, 0.000),  # measured 0.500
+    Cell("add:1", 1 / 18, 0.713, 0.204, 18, 0.000),  # measured 0.381
+    Cell("add:2", 1 / 18, 0.771, 0.277, 110, 0.234),  # measured 0.455
+    Cell("add:3", 1 / 18, 0.711, 0.243, 220, 0.248),  # measured 0.379
+    Cell("reverse:1", 1 / 18, 0.837, 0.375, 2609, 0.000),  # measured 0.560
+    Cell("reverse:2", 1 / 18, 0.885, 0.394, 69969, 0.000),  # measured 0.657
+    Cell("reverse:3", 1 / 18, 0.846, 0.410, 10**6, 0.000),  # measured 0.576
+    Cell("sort:1", 1 / 18, 0.806, 0.359, 149, 0.163),  # measured 0.507
+    Cell("sort:2", 1 / 18, 0.853, 0.396, 1520, 0.000),  # measured 0.590
+    Cell("sort:3", 1 / 18, 0.833, 0.397, 14823, 0.000),  # measured 0.553
+    Cell("tool:1", 1 / 12, 0.737, 0.442, 7, 0.206),  # measured 0.410
+    Cell("tool:2", 1 / 12, 0.927, 0.476, 3, 0.037),  # measured 0.760
+    Cell("upper:1", 1 / 18, 0.860, 0.368, 2560, 0.060),  # measured 0.605
+    Cell("upper:2", 1 / 18, 0.841, 0.387, 67890, 0.073),  # measured 0.567
+    Cell("upper:3", 1 / 18, 0.801, 0.415, 10**6, 0.000),  # measured 0.500
+    # the code family (policy v10, since): measured on v10's round-1 candidate (README's 55.4% round), same shift
+    Cell("code:1", 1 / 18, 0.895, 0.000, 4, 0.215),  # measured 0.679
+    Cell("code:2", 1 / 18, 0.905, 0.012, 260, 0.000),  # measured 0.702
+    Cell("code:3", 1 / 18, 0.915, 0.014, 3900, 0.037),  # measured 0.727
 )
 # A skewed-difficulty mix: most traffic easy, a hard minority (live traffic's long tail of hard prompts).
 SKEWED = (
@@ -365,11 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=500, help="simulated rollouts per scenario and candidate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    p.add_argument(
+        "--rate", type=float, default=FLYWHEEL_RATE, help="the two mixes' request rate (default: the flywheel's)"
+    )
     p.add_argument("--eval", default="", help="a round's train/eval.json: the embedded mix's cells from its baseline")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     st, rng, router = ab.Settings(), np.random.default_rng(args.seed), Router(args.reps)
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    chosen = [dataclasses.replace(s, rate=args.rate) if s.mix else s for s in chosen]
     if args.eval:
         mix = cells_from_eval(args.eval)
         chosen = [dataclasses.replace(s, mix=mix) if s.mix is EMBEDDED else s for s in chosen]
