@@ -202,6 +202,15 @@ def test_look_path_decides_on_the_adjusted_cs_and_keeps_the_plain_one():
     by_user = {**cols, **cov, "unit": np.arange(len(y)) // 3}
     users = ab.look_path(by_user, looks, p, stage.tune_n, ab.Settings(), g, reps)
     assert np.isnan(users["var_ratio"]).all()  # user units: the plain CS (covariates are per request)
+    # conversation units: one reward row each (the first turn's; later turns' rewards are NaN): adjusted
+    conv_unit = np.arange(len(y))
+    later = {"t": t + 1e-3, "arm": cols["arm"], "reward": np.full(len(y), np.nan), "error": cols["error"]}
+    later |= {"latency_ms": cols["latency_ms"], "unit": conv_unit, "cell": cov["cell"], "task": cov["task"]}
+    first = {**cols, **cov, "unit": conv_unit}
+    order = np.argsort(np.repeat(g, 2), kind="stable")  # each group's rows together, each turn after its first
+    both = {k: np.stack([first[k], later[k]], 1).reshape(-1)[order] for k in first}
+    convs = ab.look_path(both, looks, p, stage.tune_n, ab.Settings(), np.repeat(g, 2)[order], reps)
+    assert np.isfinite(convs["var_ratio"]).all() and np.allclose(convs["var_ratio"], adj["var_ratio"])
 
 
 # ------------------------------------------------------------------------------------- the keys

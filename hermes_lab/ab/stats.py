@@ -457,7 +457,7 @@ def _one_reward_per_unit(unit: np.ndarray | None, g: np.ndarray | None, y: np.nd
     """Request units, or units with at most one reward row each (a conversation's reward is on its first turn,
     the row it enters with): the adjusted CS, written for one row per unit, then holds for the units as they
     are. A user's many rewarded rows are not independent: those keep the plain, unit-level CS."""
-    if unit is None:
+    if unit is None or not unit.size:
         return True
     ok = np.isfinite(y)
     k = unit[ok] + (0 if g is None else g[ok] * (int(unit.max()) + 1))
