@@ -58,9 +58,10 @@ _POLICY_BUILD: list = []
 def _policy_built() -> bool:
     from pathlib import Path
 
-    from hermes_lab.policy.model import tiny_dir
+    from hermes_lab.policy.model import cached_build, tiny_dir
 
-    return (tiny_dir(Path(__file__).resolve().parents[1] / "runs", 0) / "build.json").exists()
+    tiny = tiny_dir(Path(__file__).resolve().parents[1] / "runs", 0)
+    return (tiny / "build.json").exists() or cached_build(tiny.name) is not None  # a copy takes seconds
 
 
 def pytest_collection_modifyitems(config, items):

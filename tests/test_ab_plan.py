@@ -70,7 +70,11 @@ def test_larger_effect_needs_fewer_requests_and_the_cap_is_reported_when_it_bind
     capped = _plan(_cfg(plan_effect=10, plan_max_rate=small.rate / 3))
     assert capped.capped and capped.rate == pytest.approx(small.rate / 3)
     assert capped.power < 0.6  # the power the cap reaches, simulated at the cap
-    assert "capped by ab.plan_max_rate" in capped.line() and "capped" not in small.line()
+    # the round's output names the underpowered plan: what the target needs, what the budget allows
+    line = capped.line()
+    assert line.startswith("ab: UNDERPOWERED plan") and "UNDERPOWERED" not in small.line()
+    assert f"needs ~{capped.needed_requests()} requests" in line and f"allows {capped.stages[0]['requests']}" in line
+    assert 0.7 < capped.needed_rate / small.rate < 1.6  # the approximation, calibrated at the cap: about right
     m = ab_plan.plan_metrics(capped.as_dict())
     assert m["plan_capped"] == 1.0 and m["plan_power"] == capped.power and m["plan_rate"] == capped.rate
 

@@ -119,6 +119,23 @@ def test_tally_columns_know_what_a_look_could_know():
     assert t.columns(known_by=8.5)["reward"][0] == 2.0 and t.feedback == [1, 1]
 
 
+def test_tally_gives_the_covariates_of_ab_run_in_time_order(log_dir):
+    """ab.covariates on live traffic: each request's cell (family:level, or a conversation's opening turn) and
+    task codes, so the gateway's looks decide on the same regression-adjusted rule as ab-run."""
+    from hermes_lab.ab import covariates
+
+    t = L.Tally.from_dir(log_dir, covariates=covariates.KINDS)
+    cols = t.columns()
+    assert cols["cell"].tolist() == [0, 1, 0, -1, 0]  # up:1 (a, c, e share it), rev:1, then no embedded task
+    assert cols["task"].tolist() == [0, 1, 0, 2, 3]  # the same prompt 'up cat=' is one task; d's prompt its own
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "fix it"}]
+    t.add_request(req("f", "fix it", "ok", messages=conv, t=2.0))
+    t.add_request(req("g", "run it", "ok", messages=[*conv, {"role": "assistant", "content": "ok"}], t=3.0))
+    late = t.columns()
+    assert late["cell"][-2] == late["cell"][-1] == 2 and late["task"][-2] == late["task"][-1] == 4  # opening turn
+    assert "cell" not in L.Tally.from_dir(log_dir).columns()  # no covariates configured: the plain rule
+
+
 @pytest.mark.parametrize("durability", ["fsync", "write"])
 def test_log_writer_group_commit_and_torn_tail(tmp_path, durability):
     p = tmp_path / "requests.jsonl"

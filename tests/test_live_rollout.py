@@ -154,6 +154,8 @@ def test_better_candidate_is_promoted_through_every_stage(tmp_path, perfect, bad
     assert rep["decision"] == "promote" and rep["promoted"] and rep["final_ratio"] == 1.0
     assert rep["delta"] > 3 and rep["p_value"] < 1e-6 and rep["significant"] is True
     assert [s["sequential_decision"] for s in rep["stages"]] == ["widen", "widen"]
+    # the gateway decided on ab-run's regression-adjusted rule (embedded prompts: family:level cells, tasks)
+    assert rep["stages"][0]["sequential"]["adjusted"] and rep["covariates"]["cells"] > 1
     assert rep["mode"] == "live" and rep["time_scale"] == SCALE and any("--time-scale 10" in r for r in rep["reasons"])
     # single-turn traffic: every request a conversation of one turn, counted per arm in the report
     conv = rep["conversations"]

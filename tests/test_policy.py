@@ -29,13 +29,38 @@ def test_tokenizer_round_trip_through_autotokenizer(tmp_path):
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= names
 
 
-def test_build_is_deterministic_by_seed(tmp_path):
+def test_build_is_deterministic_by_seed_and_kept_in_the_machine_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HERMES_LAB_CACHE", str(tmp_path / "cache"))
     a = P.build_tiny_policy(tmp_path / "a", seed=3, steps=5, quiet=True)
+    entry = tmp_path / "cache" / "policies" / f"{a.name}-{P.recipe_key()}"
+    assert P.cached_build(a.name) == entry
+    assert sorted(p.name for p in entry.iterdir()) == sorted(p.name for p in a.iterdir())
+    monkeypatch.setenv("HERMES_LAB_CACHE", "off")  # b and c are built, not copied: "off" neither reads nor writes
+    assert P.cache_dir() is None and P.cached_build(a.name) is None
     b = P.build_tiny_policy(tmp_path / "b", seed=3, steps=5, quiet=True)
     c = P.build_tiny_policy(tmp_path / "c", seed=4, steps=5, quiet=True)
     wa, wb, wc = ((d / "model.safetensors").read_bytes() for d in (a, b, c))
     assert wa == wb
     assert wa != wc
+    assert not (tmp_path / "cache" / "policies" / f"{c.name}-{P.recipe_key()}").exists()
+
+    # another clone on the same machine: copied from the cache, byte for byte, never built
+    monkeypatch.setenv("HERMES_LAB_CACHE", str(tmp_path / "cache"))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built, though the cache had it")
+
+    monkeypatch.setattr(P, "_tiny_model", no_build)
+    d = P.build_tiny_policy(tmp_path / "d", seed=3, steps=5, quiet=True)
+    for f in a.iterdir():
+        assert (d / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not list(d.parent.glob("*.tmp*"))  # copied through a temp dir and a rename
+    # an edited recipe (another key) or --force never gets the old copy
+    with pytest.raises(AssertionError, match="built, though"):
+        P.build_tiny_policy(tmp_path / "d", seed=3, steps=5, quiet=True, force=True)
+    monkeypatch.setattr(P, "recipe_key", lambda: "edited")
+    with pytest.raises(AssertionError, match="built, though"):
+        P.build_tiny_policy(tmp_path / "e", seed=3, steps=5, quiet=True)
 
 
 def test_packed_teacher_batch_has_the_padded_batch_loss():

@@ -324,3 +324,76 @@ def test_a_round_skipped_at_the_data_gate_hands_its_samples_to_the_next(tmp_path
     # once round 3 trained, round 4 starts afresh from round 3's log
     verdict.write_verdict(runs / "round-03" / "prep", "prep", [], stop=None)
     assert [p.name for p in stages.fresh_data(runs, 4)] == ["trajectories.jsonl"]
+
+
+HELD_NB = HEAD + (
+    "import json\n"
+    "out = Path(round_dir) / 'decide'\n"
+    "out.mkdir(parents=True, exist_ok=True)\n"
+    "(out / 'continue_from.txt').write_text(continue_from)\n"
+    "if continue_from:  # the continued experiment decides\n"
+    "    cand = {'decision': 'promote', 'promoted': True, 'rolled_back': False}\n"
+    "else:  # the first one reaches its hard end undecided\n"
+    "    held = {'stage': 0, 'ratio': 0.1, 'cs': [-0.05, 0.2], 'units_baseline': 900, 'units_candidate': 100}\n"
+    "    cand = {'decision': 'keep observing', 'promoted': False, 'rolled_back': False, 'held': held}\n"
+    "line = 'ab: UNDERPOWERED plan: needs ~4200 requests in stage 0 (10% candidate) ..., the budget allows 2100'\n"
+    "plan = None if continue_from else {'underpowered': True, 'line': line, 'power': 0.6, 'power_target': 0.95}\n"
+    "write_verdict(out, 'decide', [gate('decision', cand['promoted'], cand['decision'])], candidate=cand, plan=plan)\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_held", ["continue", "new"])
+def test_a_held_candidate_has_its_own_status_and_the_next_round_may_continue_its_experiment(
+    params, mlflow_store, tmp_path, on_held, capsys
+):
+    from hermes_lab.round import compare
+
+    """An A/B undecided at its hard end is 'candidate held: undecided' with the interval it reached; with
+    round.on_held continue the next round runs only the continuing stages on that candidate (no data gate,
+    no training), and its promotion moves the champion to the held round's adapter."""
+    data = yaml.safe_load(params.read_text())
+    data["round"]["on_held"] = on_held
+    params.write_text(yaml.safe_dump(data))
+    gate_, fit, _ = fake_stages(tmp_path)
+    decide = Stage(
+        "decide",
+        notebook(tmp_path / "held.ipynb", {"continue_from": ""}, HELD_NB),
+        "hermes_lab.ab.run",
+        verdict="decide/verdict.json",
+        gates=("decision",),
+        params=lambda ctx: {"continue_from": (ctx.continues or {}).get("ab_dir", "")},
+        notebook_params=(*stages.ROUND_PARAMS, "continue_from"),
+        on_continue=True,
+    )
+    registry = (gate_, fit, decide)
+    r1, r2 = R.flywheel(str(params), 2, stages=registry, quiet=True)
+    for r in (r1, r2):  # what the round and the flywheel print (quiet: no embedded policy to report on)
+        R.print_summary(r.summary)
+    compare.print_flywheel([r1.summary, r2.summary])
+    out = capsys.readouterr().out
+    runs = tmp_path / "runs"
+    assert r1.status == "candidate held: undecided" and r1.summary["held"]["cs"] == [-0.05, 0.2]
+    assert "held: stage 0 (10%) reached its hard end undecided, delta in [-0.050, +0.200]" in out
+    # the round's output names the underpowered plan (ab.plan_power could not be reached within the budget)
+    assert r1.summary["ab_plan"].startswith("ab: UNDERPOWERED plan: needs ~4200 requests")
+    assert "\n  ab: UNDERPOWERED plan: needs ~4200 requests" in out and "the budget allows 2100" in out
+    if on_held == "new":  # a new candidate: round 2 trains again and its experiment starts afresh
+        assert r1.summary["held"]["next"] == "new" and r2.summary["continues"] is None
+        assert (runs / "round-02" / "fit").is_dir() and r2.status == "candidate held: undecided"
+        assert "rejected 0" in out and "held 2" in out
+        return
+    assert r1.summary["held"]["next"] == "continue" and "the next round continues this experiment" in out
+    assert r2.summary["continues"] == 1 and r2.status == "promoted"
+    assert (runs / "round-02" / "decide" / "continue_from.txt").read_text() == str(runs / "round-01" / "decide")
+    assert not (runs / "round-02" / "gate").exists() and not (runs / "round-02" / "fit").exists()
+    assert list(r2.summary["timings_s"]) == ["decide"]
+    for g in r2.summary["gates"][:3]:  # the data gates and the training did not run, and say why
+        assert g["passed"] is None and "continues round 01's held A/B" in g["detail"]
+    state = _state(tmp_path)
+    assert state.champion_adapter == str(runs / "round-01" / "fit" / "adapter") and state.held is None
+    assert r2.summary["pass_rate"] == 0.6  # the held round's candidate, now the champion
+    assert "rose in 1 of 2 rounds; held 1" in out and "(continues round 01)" in out
+    # a continued experiment is not continued twice, and the next round is a normal one again
+    (r3,) = R.flywheel(str(params), 1, stages=registry, quiet=True)
+    assert r3.summary["continues"] is None and (runs / "round-03" / "fit").is_dir()

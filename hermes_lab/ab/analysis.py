@@ -203,11 +203,15 @@ def analyse_stage(
         "errors_baseline": int(err[~cand].sum()),
         "errors_candidate": int(err[cand].sum()),
     }
+    adjusted = bool(np.isfinite(S["var_ratio"]))
     out["sequential"] = {
         "cs_lower": _scalar(S["lo"][last]),
         "cs_upper": _scalar(S["hi"][last]),
         "method": "finite-sample betting confidence sequence (Fan's inequality on AIPW pseudo-outcomes of "
-        "unit observations), valid at every look; see hermes_lab.ab.cs",
+        "unit observations), valid at every look; see hermes_lab.ab.cs"
+        + (", regression-adjusted by covariates fixed before assignment (hermes_lab.ab.adjust)" if adjusted else ""),
+        "adjusted": adjusted,
+        **_adjustment(S, last),
         "alpha": st.alpha,
         "units_baseline": int(S["units_b"][last]),
         "units_candidate": int(S["units_c"][last]),
@@ -224,6 +228,8 @@ def analyse_stage(
                 "delta": _scalar(S["delta"][k]),
                 "cs_lower": _scalar(S["lo"][k]),
                 "cs_upper": _scalar(S["hi"][k]),
+                "cs_lower_plain": _scalar(S["lo_plain"][k]),
+                "cs_upper_plain": _scalar(S["hi_plain"][k]),
                 "p_value": _scalar(S["welch_p"][k]),
                 "sequential": DECISIONS[int(C["sequential"][k])],
                 "user": DECISIONS[int(C["user"][k])],
@@ -238,6 +244,21 @@ def analyse_stage(
             if fm["n"][f].sum():
                 out["per_family"][name] = _breakdown(fm, f, st)
     return out
+
+
+def _adjustment(S: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    """What the regression adjustment bought at look ``i``: the plain CS beside the adjusted one, their widths'
+    ratio, and the pseudo-outcomes' variance ratio (adjusted / plain; 1 - it is the variance reduction)."""
+    lo, hi, lp, hp = (float(S[k][i]) for k in ("lo", "hi", "lo_plain", "hi_plain"))
+    vr = _scalar(S["var_ratio"])
+    width = (hi - lo) / (hp - lp) if all(map(math.isfinite, (lo, hi, lp, hp))) and hp > lp else None
+    return {
+        "cs_lower_plain": _scalar(lp),
+        "cs_upper_plain": _scalar(hp),
+        "width_ratio": _scalar(width) if width is not None else None,
+        "variance_ratio": vr,
+        "variance_reduction": None if vr is None else 1 - vr,
+    }
 
 
 def stratify(items: Sequence[dict[str, Any]], alpha: float = 0.05) -> dict[str, Any]:

@@ -149,16 +149,20 @@ def _pseudo_sums(n: np.ndarray, S: np.ndarray, Q: np.ndarray, p: float) -> dict[
     }
 
 
+def _ranges(g: Any, h: Any, p: float, upper: bool) -> tuple[Any, Any]:
+    """How far a pseudo-outcome (predictions g, h) can lie beyond any d in [-1, 1] on the side bet against:
+    (candidate U1, baseline U0). Below d for the lower bound, above it for the upper one."""
+    d = g - h
+    if upper:
+        return (1 - g) / p + d + 1, h / (1 - p) + d + 1
+    return g / p - d + 1, (1 - h) / (1 - p) - d + 1
+
+
 def _side(
     ps: dict[str, np.ndarray], n: np.ndarray, p: float, n_star: Any, alpha: float, upper: bool, running: bool
 ) -> np.ndarray:
     """One side of the CS at every look: the lower bound (upper=False) or the upper bound, in [-1, 1]."""
-    g, h = ps["g"], ps["h"]
-    d = g - h
-    if upper:  # bet on psi below d: the range that matters is how far psi can lie above d (d >= -1)
-        U1, U0 = (1 - g) / p + d + 1, h / (1 - p) + d + 1
-    else:  # bet on psi above d (d <= 1): how far psi can lie below
-        U1, U0 = g / p - d + 1, (1 - h) / (1 - p) - d + 1
+    U1, U0 = _ranges(ps["g"], ps["h"], p, upper)
     L = math.log(1 / alpha)
     lam = np.sqrt(2 * L / (np.maximum(n_star, 1.0) * ps["v"]))
     lam = np.minimum(lam, BET_CAP / np.maximum(U1, U0))
@@ -168,6 +172,12 @@ def _side(
     A = -np.cumsum(c1 * n1 + c0 * n0, -1)
     B = np.cumsum(-sgn * lam * (n1 + n0) + 2 * (c1 * ps["P1"] + c0 * ps["P0"]), -1)
     C = np.cumsum(sgn * lam * (ps["P1"] + ps["P0"]) - (c1 * ps["Q1"] + c0 * ps["Q0"]), -1)
+    return _solve(A, B, C, L, upper, running)
+
+
+def _solve(A: np.ndarray, B: np.ndarray, C: np.ndarray, L: float, upper: bool, running: bool) -> np.ndarray:
+    """The CS endpoint at every look from the cumulative coefficients of log M(x) = A x^2 + B x + C (A < 0):
+    the root of log M = L on the side bet on, in [-1, 1]; the running intersection when ``running``."""
     edge = 1.0 if upper else -1.0  # the far end of the feasible range [-1, 1]
     excluded = A * edge**2 + B * edge + C >= L  # concave: {log M >= L} is an interval; it holds the edge
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -56,6 +56,30 @@ def _clean(o: Any) -> Any:
     return o.item() if isinstance(o, (np.integer, np.bool_)) else str(o) if isinstance(o, Path) else o
 
 
+def held_info(
+    chosen: dict[str, Any], stopped_by: str | None, last: dict[str, Any], st: ab.Settings
+) -> dict[str, Any] | None:
+    """The honest end of an undecided rollout: the stage that reached its hard end without a decision, the
+    interval its confidence sequence reached there, and its units; None when the rollout decided (or a hold,
+    a --duration cut ended it: those are not 'undecided at the hard end')."""
+    if chosen["decision"] != "keep observing" or stopped_by != "keep observing" or not last:
+        return None
+    q = last["sequential"]
+    lo, hi = q.get("cs_lower"), q.get("cs_upper")
+    span = "n/a" if lo is None or hi is None else f"[{lo:+.3f}, {hi:+.3f}]"
+    return {
+        "stage": last["index"],
+        "ratio": last["ratio"],
+        "until": last["sequential_look"]["t"],
+        "cs": [lo, hi],
+        "delta": last.get("delta"),
+        "units_baseline": q.get("units_baseline"),
+        "units_candidate": q.get("units_candidate"),
+        "reason": f"stage {last['index']} ({last['ratio']:.0%}) reached its hard end undecided: the "
+        f"{1 - st.alpha:.0%} confidence sequence for delta ended at {span} (reward scale), which contains 0",
+    }
+
+
 def build_report(
     cfg: HermesConfig, analysis: dict[str, Any], stage_list: list[list[float]], st: ab.Settings, facts: RunFacts
 ) -> dict[str, Any]:
@@ -76,6 +100,9 @@ def build_report(
             f"--duration {facts.duration:g} s ended the rollout in stage {last['index']} "
             f"(ratio {last['ratio']:g}); promotion waits for the stage's planned end",
         )
+    held = held_info(chosen, facts.stopped_by, last, st)
+    if held:
+        reasons.append(held["reason"])
     # "promote" only once traffic reached 100%; a stage that passed without that only widened (issue #14)
     if chosen["decision"] == "promote":
         reasons.append("promoted to 100%")
@@ -103,6 +130,7 @@ def build_report(
         "promoted": bool(chosen.get("promoted", False)),
         "rolled_back": chosen["decision"] == "roll back",
         "negative": chosen["decision"] == "roll back",  # the round's data is marked negative for the next one
+        "held": held,  # a stage that reached its hard end undecided: where, and the interval it reached
         "decisions": {"sequential": ours["decision"], "user": users["decision"]},
         "user_rule": {
             "rollout": users,
@@ -194,8 +222,11 @@ def plot_sequence(report: dict[str, Any]) -> Any:
         d = np.array([nan(x["delta"]) for x in looks], float)
         lo = np.array([nan(x["cs_lower"]) for x in looks], float)
         hi = np.array([nan(x["cs_upper"]) for x in looks], float)
-        ax.plot(h, d, "o-", ms=3, label=f"stage {s['index']} ({s['ratio']:.0%}): {s['sequential_decision']}")
+        line = ax.plot(h, d, "o-", ms=3, label=f"stage {s['index']} ({s['ratio']:.0%}): {s['sequential_decision']}")
         ax.fill_between(h, lo, hi, alpha=0.2)
+        if s["sequential"].get("adjusted"):  # the plain CS the adjustment narrowed, dashed
+            for key in ("cs_lower_plain", "cs_upper_plain"):
+                ax.plot(h, np.array([nan(x.get(key)) for x in looks], float), "--", lw=0.8, color=line[0].get_color())
         ax.axvline(s["planned_end"] / 3600, color="grey", ls=":", lw=1)
     ax.axhline(0, color="black", lw=0.8)
     clock = (  # a live rollout's axis is its experiment clock (the wall clock x serve.time_scale)
@@ -205,8 +236,11 @@ def plot_sequence(report: dict[str, Any]) -> Any:
     )
     ax.set_xlabel(f"{clock} (dotted: planned stage ends)")
     ax.set_ylabel("delta (candidate - baseline)")
+    adjusted = any(s["sequential"].get("adjusted") for s in report["stages"])
     ax.set_title(
-        f"delta and its {1 - report['config']['alpha']:.0%} confidence sequence; decision: {report['decision']}"
+        f"delta and its {1 - report['config']['alpha']:.0%} confidence sequence"
+        + (" (regression-adjusted; dashed: plain)" if adjusted else "")
+        + f"; decision: {report['decision']}"
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -290,17 +324,22 @@ def log_to_mlflow(cfg: HermesConfig, report: dict[str, Any], output: Path, log_p
     }
     for s in report["stages"]:
         i = s["index"]
+        q = s["sequential"]
         m.update(
             {
                 f"stage{i}_delta": s["delta"],
                 f"stage{i}_p_value": s["p_value"],
-                f"stage{i}_cs_lower": s["sequential"]["cs_lower"],
-                f"stage{i}_cs_upper": s["sequential"]["cs_upper"],
+                f"stage{i}_cs_lower": q["cs_lower"],
+                f"stage{i}_cs_upper": q["cs_upper"],
                 f"stage{i}_n_candidate": s["n_candidate"],
                 f"stage{i}_n_baseline": s["n_baseline"],
                 f"stage{i}_srm_p": s["srm"]["p_value"],
             }
         )
+        if q.get("adjusted"):  # what the regression adjustment bought: the plain CS beside the adjusted one
+            m[f"stage{i}_cs_lower_plain"], m[f"stage{i}_cs_upper_plain"] = q["cs_lower_plain"], q["cs_upper_plain"]
+            m[f"stage{i}_width_ratio"] = q["width_ratio"]
+            m[f"stage{i}_variance_reduction"] = q["variance_reduction"]
     tracking.log_metrics("ab", m)
     tracking.set_tags({"ab.decision": report["decision"], "ab.user_decision": report["decisions"]["user"]})
     tracking.log_artifact(output, "ab")
@@ -312,14 +351,16 @@ def write_ab_verdict(report: dict[str, Any], out_dir: str | Path) -> Path:
     """ab/verdict.json for the round runner: the ab_decision gate (passed: promoted to 100%) and the outcome."""
     promoted = report.get("promoted") is True
     detail = f"{report['decision']} (candidate share reached {report['final_ratio']:.0%})"
-    keys = ("decision", "promoted", "rolled_back", "final_ratio", "delta", "p_value", "significant")
+    keys = ("decision", "promoted", "rolled_back", "final_ratio", "delta", "p_value", "significant", "held")
     outcome = {k: report.get(k) for k in keys}
+    outcome["continued"] = report.get("continued")  # a round that continued an earlier round's held A/B
     gates = [gate("ab_decision", promoted, detail)]
     return write_verdict(out_dir, "ab", gates, candidate=outcome, plan=report.get("plan"))  # plan: ab_plan's
 
 
 def stage_table(report: dict[str, Any]) -> Any:
-    """One row per stage: the user's fields, the CS, SRM, guardrails, both rules' decisions."""
+    """One row per stage: the user's fields, the CS (and the plain CS the regression adjustment narrowed, its
+    width ratio and variance reduction), SRM, guardrails, both rules' decisions."""
     import pandas as pd
 
     return pd.DataFrame(
@@ -335,6 +376,10 @@ def stage_table(report: dict[str, Any]) -> Any:
                 "p_value": s["p_value"],
                 "cs_lower": s["sequential"]["cs_lower"],
                 "cs_upper": s["sequential"]["cs_upper"],
+                "cs_lower_plain": s["sequential"].get("cs_lower_plain"),
+                "cs_upper_plain": s["sequential"].get("cs_upper_plain"),
+                "cs_width_ratio": s["sequential"].get("width_ratio"),
+                "variance_reduction": s["sequential"].get("variance_reduction"),
                 "candidate_success": s["candidate_success"],
                 "candidate_success_ci": s["candidate_success_ci"],
                 "mann_whitney_p": s["mann_whitney"]["p_value"],
@@ -346,6 +391,32 @@ def stage_table(report: dict[str, Any]) -> Any:
             for s in report["stages"]
         ]
     ).set_index("stage")
+
+
+def adjustment_table(report: dict[str, Any]) -> Any:
+    """One row per stage: the regression-adjusted CS and the plain one at the stage's last look, the width
+    ratio and the pseudo-outcomes' variance reduction (empty columns when the stage was not adjusted)."""
+    import pandas as pd
+
+    rows = []
+    for s in report["stages"]:
+        q = s["sequential"]
+        rows.append(
+            {
+                "stage": s["index"],
+                "ratio": s["ratio"],
+                "adjusted": bool(q.get("adjusted")),
+                "cs_lower": q["cs_lower"],
+                "cs_upper": q["cs_upper"],
+                "cs_lower_plain": q.get("cs_lower_plain"),
+                "cs_upper_plain": q.get("cs_upper_plain"),
+                "width_ratio": q.get("width_ratio"),
+                "variance_reduction": q.get("variance_reduction"),
+                "decision": s["sequential_decision"],
+            }
+        )
+    cov = report.get("covariates") or {}
+    return pd.DataFrame(rows).set_index("stage").rename_axis(f"stage (covariates: {cov.get('kinds') or 'none'})")
 
 
 def family_table(report: dict[str, Any]) -> Any:
@@ -376,4 +447,29 @@ def summary(report: dict[str, Any]) -> str:
         f"  (n = {report['n_baseline']} baseline / {report['n_candidate']} candidate)",
     ]
     lines += [f"  - {r}" for r in report["reasons"]]
+    lines += [f"  {x}" for x in adjustment_lines(report)]
     return "\n".join(lines)
+
+
+def adjustment_lines(report: dict[str, Any]) -> list[str]:
+    """One line per stage on what the regression adjustment bought (none when it was off)."""
+    out = []
+    for s in report.get("stages") or []:
+        q = s.get("sequential") or {}
+        if not q.get("adjusted"):
+            continue
+        plain = (q.get("cs_lower_plain"), q.get("cs_upper_plain"))
+        width, red = q.get("width_ratio"), q.get("variance_reduction")
+        narrow = None if width is None else round(100 * (1 - width))
+        cut = None if red is None else round(100 * red)
+        out.append(
+            f"stage {s['index']}: regression-adjusted CS [{_f(q.get('cs_lower'))}, {_f(q.get('cs_upper'))}], "
+            f"plain [{_f(plain[0])}, {_f(plain[1])}]"
+            + ("" if narrow is None else f": {narrow}% narrower" if narrow > 0 else ": no narrower")
+            + ("" if cut is None else f", variance {cut}% lower" if cut > 0 else ", variance not reduced")
+        )
+    return out
+
+
+def _f(v: Any) -> str:
+    return "n/a" if v is None else f"{v:+.3f}"

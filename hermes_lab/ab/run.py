@@ -19,7 +19,11 @@ The report, plots, MLflow record and verdict are built by ``hermes_lab.ab.report
 Traffic runs on a simulated clock: arrival times are drawn (Poisson at ``ab.request_rate``, or with
 ``ab.plan_power`` at the rate ``hermes_lab.ab.plan`` plans for the gain to detect; report key "plan"), nothing
 sleeps, so docs/SPEC.md's 10%/2 h -> 30%/4 h -> 100% rollout takes as long as generating its responses. The
-requests of one look window are generated per arm in one batched call. Statistics: ``hermes_lab.ab.stats``.
+requests of one look window are generated per arm in one batched call (the traffic and the request log:
+``hermes_lab.ab.traffic``). Statistics: ``hermes_lab.ab.stats``; with ``ab.covariates`` every request carries
+its covariates (``hermes_lab.ab.covariates``, with ``--history`` logs as their prior) and the sequential rule
+is regression-adjusted (``hermes_lab.ab.adjust``). ``--continue-from`` carries an earlier run's undecided
+experiment on (``hermes_lab.ab.held``; ``round.on_held: continue`` in a round).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -41,8 +45,10 @@ from typing import Any
 import numpy as np
 
 from hermes_lab.ab import analysis as ab_analysis
+from hermes_lab.ab import covariates as ab_cov
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
+from hermes_lab.ab.held import load_held
 from hermes_lab.ab.report import (
     REPORT_NAME,
     RunFacts,
@@ -52,76 +58,17 @@ from hermes_lab.ab.report import (
     summary,
     write_ab_verdict,
 )
+from hermes_lab.ab.traffic import FAM_INDEX, FAM_NAMES, LOG_NAME, RequestLog, Traffic, read_log
 from hermes_lab.config.schema import HermesConfig, ab_stages, load_config
-from hermes_lab.core.jsonl import iter_objects, write_json_atomic
+from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.policy.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
 from hermes_lab.tasks import suite as T
 
 log = logging.getLogger("hermes_lab.ab")
 EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the simulated clock's start (SimulatedClock's default)
-LOG_NAME = "requests.jsonl"
-COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
-FAM_INDEX = {f: i for i, f in enumerate(T.FAMILIES)}
-FAM_NAMES = [*T.FAMILIES, "other"]
 
 
 # -------------------------------------------------------------------------------------------- inputs
-class Traffic:
-    """Requests in time order: (t, request_id, unit, prompt, task_id). Simulated or replayed."""
-
-    def __init__(self, t: np.ndarray, ids: list[str], units: list[str], prompts: list[str], task_ids: list[str]):
-        t = np.round(t, 3)  # ms resolution, as logged: windows and the log's re-analysis see the same times
-        self.t, self.ids, self.units, self.prompts, self.task_ids = t, ids, units, prompts, task_ids
-
-    @classmethod
-    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int) -> Traffic:
-        a = cfg.ab
-        rng = np.random.default_rng([seed, 7])
-        n_guess = int(a.request_rate * horizon * 1.2 + 50)
-        t = np.cumsum(rng.exponential(1 / a.request_rate, n_guess))
-        while t[-1] < horizon:  # rare: Poisson ran long
-            t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1 / a.request_rate, n_guess))])
-        t = t[t <= horizon]
-        tasks = T.generate_tasks(len(t), split=a.task_split, seed=seed, families=cfg.execute.families or None)
-        # shuffle so the families' round-robin order does not line up with look windows
-        tasks = [tasks[i] for i in rng.permutation(len(tasks))]
-        ids = [f"req-{seed}-{i:08d}" for i in range(len(t))]
-        if a.unit == "user":  # a few heavy users, many light ones (Zipf-like), as real traffic has
-            w = 1 / np.arange(1, a.num_users + 1) ** 0.8
-            units = [f"user-{seed}-{k:06d}" for k in rng.choice(a.num_users, len(t), p=w / w.sum())]
-        else:
-            units = ids
-        return cls(t, ids, units, [x.prompt for x in tasks], [x.task_id for x in tasks])
-
-    @classmethod
-    def replay(cls, path: str | Path, rate: float, seed: int) -> Traffic:
-        """A request log (JSONL with prompt; optional request_id, unit, t seconds, timestamp ISO, task_id)."""
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"replay log not found: {p}")
-        rows = []
-        for i, r in iter_objects(p):
-            if not isinstance(r.get("prompt"), str):
-                raise ValueError(f"{p}:{i}: each line needs a string 'prompt'")
-            rows.append((i, r))
-        if not rows:
-            raise ValueError(f"{p}: no requests to replay")
-        if all("t" in r for _, r in rows):
-            t = np.array([float(r["t"]) for _, r in rows])
-        elif all("timestamp" in r for _, r in rows):
-            ts = [datetime.fromisoformat(str(r["timestamp"]).replace("Z", "+00:00")) for _, r in rows]
-            t = np.array([(x - ts[0]).total_seconds() for x in ts])
-        else:  # no times in the log: arrivals at the configured rate
-            t = np.cumsum(np.random.default_rng([seed, 7]).exponential(1 / rate, len(rows)))
-        order = np.argsort(t, kind="stable")
-        t, rows = t[order] - t.min(), [rows[k] for k in order]  # the replay starts with the log's first request
-        ids = [str(r.get("request_id", f"replay-{i}")) for i, r in rows]
-        units = [str(r.get("unit", rid)) for (_, r), rid in zip(rows, ids)]
-        tasks = [T.parse_prompt(r["prompt"]) for _, r in rows]
-        task_ids = [str(r.get("task_id") or (x.task_id if x else "")) for (_, r), x in zip(rows, tasks)]
-        return cls(t, ids, units, [r["prompt"] for _, r in rows], task_ids)
-
-
 def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
     """A policy object (anything with .generate) as is; a spec string (hermes_lab.policy.arms: model, adapter or
     train output dir, hub id, embedded:tiny, champion), an ArmSpec or a (base, adapter) pair through
@@ -162,26 +109,6 @@ class Arms:
 
     policies: dict[int, Any]
     names: dict[int, str]
-
-
-@dataclass
-class RequestLog:
-    """Where served requests go: the JSONL request log, and the analysis columns built alongside it."""
-
-    file: Any
-    unit: str = "request"
-    cols: dict[str, list] = field(default_factory=lambda: {k: [] for k in COLUMNS})
-    unit_codes: dict[str, int] = field(default_factory=dict)
-
-    def rows(self) -> int:
-        return len(self.cols["t"])
-
-    def columns(self, since: int = 0) -> dict[str, np.ndarray]:
-        """Typed columns of the rows from ``since`` on (unit codes only for user-level randomisation)."""
-        part = {k: np.asarray(v[since:]) for k, v in self.cols.items()}
-        if self.unit != "user":
-            part["unit"] = None
-        return _cols(part)
 
 
 @dataclass
@@ -251,6 +178,8 @@ class Server:
             lines.append(json.dumps(rec))
             if debug:
                 log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], status)
+            if sink.covariates:
+                sink.cov_rows.append(sink.covariates.row(rec))
             for key, val in (
                 ("t", t),
                 ("stage", stg.index),
@@ -266,9 +195,15 @@ class Server:
 
 
 def rollout(
-    server: Server, plan: list[ab.Stage], horizon: float, st: ab.Settings, sink: RequestLog
+    server: Server,
+    plan: list[ab.Stage],
+    horizon: float,
+    st: ab.Settings,
+    sink: RequestLog,
+    first: ab.Stage | None = None,
 ) -> tuple[list[ab.Stage], dict[int, float], str | None]:
-    """Serve the traffic stage by stage, deciding at every look: (stages run, each one's end, what stopped it)."""
+    """Serve the traffic stage by stage, deciding at every look: (stages run, each one's end, what stopped it).
+    ``first``: a continued stage (its kept rows already in ``sink``), served from its old hard end on."""
     from tqdm.auto import tqdm
 
     traffic, a = server.traffic, server.cfg.ab
@@ -283,11 +218,16 @@ def rollout(
     )
     # the steps between looks and stages are hermes_lab.ab.rollout's, which the live gateway shares
     stg: ab.Stage | None = ab_rollout.start_stage(plan[0], 0.0) if plan and horizon > 0 else None
+    since = -np.inf
+    if first is not None:  # looks before the old hard end were taken by the held round: none acted
+        stg, since = first, first.hard_end - first.continued
     while stg is not None:
         stages_run.append(stg)
         router = ab.ABRouter(server.arms.names[0], server.arms.names[1], stg.ratio, a.salt)
-        lo_row = sink.rows()
+        lo_row = 0 if stg is first else sink.rows()
         for look in stg.look_times(min(stg.hard_end, horizon)):
+            if look <= since:
+                continue
             hi = int(np.searchsorted(traffic.t, look, side="right"))
             idx, pos = list(range(pos, hi)), hi
             if idx:
@@ -317,6 +257,8 @@ def run_ab(
     score_fn: Callable[[list[str], list[str]], list[float]] | None = None,
     plots: bool = True,
     plan_eval: str | Path | None = None,
+    history: Sequence[str | Path] = (),
+    continue_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the staged rollout and write the report, its verdict, the request log and the plots; returns the
     report.
@@ -325,8 +267,13 @@ def run_ab(
     simulated seconds (0: every stage, with extensions). ``score_fn(prompts, responses)``: the reward
     (default: the round's system reward, ``rewards.score_responses``: the task verifiers). ``plan_eval``:
     train's eval.json, the held-out gain ``ab.plan_power`` sizes the simulated traffic for (``ab_plan``).
+    ``history``: logs with rewards from before this experiment, the ``ab.covariates`` history prior
+    (``hermes_lab.ab.covariates.round_history`` gives a round's). ``continue_from``: an earlier round's ``ab/``
+    whose rollout ended undecided at a stage's hard end: continue that experiment (``hermes_lab.ab.held``; its
+    settings, plan and history replace this run's).
     """
     wall0 = time.time()
+    held = load_held(continue_from) if continue_from else None  # HeldError names the folder, before any load
     cache: dict[str, Any] = {}
     pols = {}
     for arm, spec, flag in ((0, baseline, "--baseline"), (1, candidate, "--candidate")):
@@ -334,7 +281,10 @@ def run_ab(
             pols[arm] = load_arm(spec, cfg, cache)
         except ArmError as e:
             raise e.with_flag(flag) from None
-    stage_list = ab_stages(cfg, ratio)
+    if held is not None:  # the held experiment's own settings, rate and history: the same sequence, carried on
+        cfg = copy.copy(cfg)
+        cfg.ab, history = held.ab, held.history
+    stage_list = held.stage_list if held is not None else ab_stages(cfg, ratio)
     st = ab.Settings.from_config(cfg)
     sized = None
     if cfg.ab.plan_power > 0 and not replay:  # a replayed log keeps its own arrival times
@@ -347,6 +297,11 @@ def run_ab(
     a = cfg.ab
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
     full = sum(s.seconds * (1 + s.max_extension) for s in plan)
+    start = 0.0
+    if held is not None:  # from the held stage's old hard end: its added time, then the stages after it
+        plan = [held.stage if s.index == held.stage.index else s for s in plan if s.index >= held.stage.index]
+        start = held.stage.hard_end - held.stage.continued
+        full = held.stage.hard_end + sum(s.seconds * (1 + s.max_extension) for s in plan[1:])
     horizon = min(duration, full) if duration and duration > 0 else full
     output = Path(output)
     log_dir = Path(log_dir) if log_dir else output.parent
@@ -359,7 +314,7 @@ def run_ab(
     log_path = log_dir / LOG_NAME
     if replay and Path(replay).resolve() == log_path.resolve():
         raise ValueError(f"--replay {replay} is where this run writes its request log: pass another --log-dir")
-    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed)
+    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed, start)
     if replay:
         horizon = min(horizon, float(traffic.t[-1]))
     log.info(
@@ -369,9 +324,12 @@ def run_ab(
         len(traffic.t),
     )
     server = Server(cfg, traffic, arms, score_fn, seed, np.random.default_rng([seed, 11]))
+    enc = ab_cov.encoder(cfg, history)
     with log_path.open("w", encoding="utf-8") as logf:
-        sink = RequestLog(logf, a.unit)
-        stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink)
+        sink = RequestLog(logf, a.unit, covariates=enc)
+        if held is not None:
+            sink.keep(held.rows)
+        stages_run, stage_until, stopped_by = rollout(server, plan, horizon, st, sink, held.stage if held else None)
     arr = sink.columns()
     analysis = ab_analysis.analyse_log(arr, stages_run, st, FAM_NAMES, stage_until)
     facts = RunFacts(
@@ -386,7 +344,16 @@ def run_ab(
         time.time() - wall0,
     )
     report = build_report(cfg, analysis, stage_list, st, facts)
-    report["plan"] = sized.as_dict() if sized else None
+    report["plan"] = {**sized.as_dict(), "line": sized.line(), "underpowered": sized.underpowered} if sized else None
+    report["covariates"] = enc.describe() if enc else None
+    if held is not None:
+        report["plan"], report["continued"] = None, held.describe()  # the plan was the held round's
+        report["reasons"].insert(
+            0,
+            f"continues the experiment held in {held.source} (stage {held.stage.index} at "
+            f"{held.stage.ratio:.0%}, its {len(held.rows)} requests kept): another {held.added:g} s from "
+            f"t = {start:g} s, the same bets, covariates and history",
+        )
     pngs = make_plots(arr, report, log_dir / "plots", FAM_NAMES) if plots else []
     report["plots"] = [str(p) for p in pngs]
     write_json_atomic(output, report)
@@ -416,43 +383,6 @@ def _takes_batch_size(policy: Any) -> bool:
         return False
 
 
-def _cols(c: dict[str, Any]) -> dict[str, Any]:
-    """Typed columns for hermes_lab.ab.stats (a list-built dict or one read back from a log)."""
-    out = {
-        "t": np.asarray(c["t"], np.float64),
-        "stage": np.asarray(c["stage"], np.int64),
-        "arm": np.asarray(c["arm"], np.int8),
-        "reward": np.asarray(c["reward"], np.float64),
-        "error": np.asarray(c["error"], bool),
-        "latency_ms": np.asarray(c["latency_ms"], np.float64),
-        "family": np.asarray(c["family"], np.int64),
-    }
-    if c.get("unit") is not None:
-        out["unit"] = np.asarray(c["unit"], np.int64)
-    return out
-
-
-def read_log(path: str | Path) -> tuple[dict[str, np.ndarray], list[str]]:
-    """A request log written by run_ab, as analysis columns (and the family names)."""
-    import pandas as pd
-
-    df = pd.read_json(path, lines=True)
-    fams = list(T.FAMILIES) + ["other"]
-    cols = _cols(
-        {
-            "t": df["t"],
-            "stage": df["stage"],
-            "arm": (df["arm"] == "candidate").astype(int),
-            "reward": df["reward"],
-            "error": df["status"] != "ok",
-            "latency_ms": df["latency_ms"],
-            "family": df["family"].map({f: i for i, f in enumerate(fams)}).fillna(len(fams) - 1),
-            "unit": pd.factorize(df["unit"])[0],
-        }
-    )
-    return cols, fams
-
-
 # ------------------------------------------------------------------------------------ notebook helpers
 def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", candidate: str = "") -> tuple[Any, Any]:
     """The notebook's arms. Empty baseline: arms.resolve_baseline, the policy the regression gate
@@ -477,6 +407,7 @@ def notebook_run(
     candidate: str = "",
     duration: float = 0,
     seed: int = 0,
+    continue_from: str = "",
 ) -> dict[str, Any]:
     """What 40_ab_analysis.ipynb does with a simulated A/B (``ab.mode: simulated``; live:
     ``hermes_lab.live.round.notebook_run``): reuse round_dir/ab/ab_report.json if it exists (its verdict is
@@ -496,7 +427,18 @@ def notebook_run(
         else:
             b, c = resolve_arms(cfg, round_dir, baseline, candidate)
             ev = Path(round_dir) / "train" / "eval.json"  # this round's held-out gain: what ab.plan_power sizes for
-            report = run_ab(cfg, b, c, duration=duration, output=report_path, seed=seed, plan_eval=ev)
+            hist = ab_cov.round_history(round_dir, cfg.ab.history_rounds)  # the covariates' prior
+            report = run_ab(
+                cfg,
+                b,
+                c,
+                duration=duration,
+                output=report_path,
+                seed=seed,
+                plan_eval=ev,
+                history=hist,
+                continue_from=continue_from or None,  # round.on_held continue: an earlier round's held A/B
+            )
             cols, fams = read_log(out / LOG_NAME)
             paths = [Path(p) for p in report["plots"]]
     return {"report": report, "cols": cols, "families": fams, "plots": paths, "report_path": report_path}
@@ -527,6 +469,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan-eval", default=None, help="train's eval.json: the held-out gain ab.plan_power sizes the traffic for"
     )
+    p.add_argument(
+        "--history",
+        default="",
+        help="comma-separated logs with rewards from before this A/B (trajectories, earlier A/B request logs): "
+        "the prior of the ab.covariates adjustment",
+    )
+    p.add_argument(
+        "--continue-from",
+        default=None,
+        help="an earlier run's A/B folder (ab_report.json, requests.jsonl) whose rollout ended undecided at a "
+        "stage's hard end: continue that experiment (its settings, rate, kept requests and covariates) for "
+        "another stage length instead of starting a new one",
+    )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument(
@@ -552,6 +507,8 @@ def run_cli(args: argparse.Namespace) -> int:
         replay=args.replay,
         seed=args.seed,
         plan_eval=args.plan_eval,
+        history=[h for h in args.history.split(",") if h],
+        continue_from=args.continue_from,
     )
     if args.no_mlflow:
         report = run_ab(cfg, args.baseline, args.candidate, **kw)

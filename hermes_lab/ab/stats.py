@@ -24,6 +24,10 @@ What gates the rollout by default (``ab.rule: sequential``) and why:
   sample size for bounded rewards (a betting CS on inverse-propensity pseudo-outcomes; method, proof and
   the packages considered in ``hermes_lab.ab.cs``). It replaced an asymptotic normal-mixture CS whose A/A
   error exceeded 5% with rare successes and a small arm.
+- With covariates known before assignment (``ab.covariates``: the task's family and level, the prompt, its
+  earlier outcomes; ``hermes_lab.ab.covariates``) the pseudo-outcomes are regression-adjusted by an outcome
+  model fitted on earlier looks only (``hermes_lab.ab.adjust``): the same guarantee, a narrower CS, so a
+  few points' gain is decided within the budget. Request units only; users keep the plain CS.
 - Decision at a look: failing guardrail (error rate more than ``max_error_rate`` above baseline, or p95
   latency ratio above ``max_latency_ratio``, each also shown by a one-sided always-valid bound at
   ``guardrail_alpha``) -> roll back; sample ratio mismatch on unit counts (anytime-valid p < srm_alpha)
@@ -51,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from hermes_lab.ab import adjust as ab_adjust
 from hermes_lab.ab import cs as ab_cs
 
 # Decisions at a look / of a stage. A stage that passes *widens* traffic to the next stage; the rollout is
@@ -194,6 +199,7 @@ class Stage:
     max_extension: float = 1.0
     look_every: float = 900.0
     planned_n: float = 0.0  # expected requests in the planned length; tunes where the CS is tightest
+    continued: float = 0.0  # seconds a later round added after the hard end (round.on_held: continue)
 
     @property
     def planned_end(self) -> float:
@@ -201,7 +207,8 @@ class Stage:
 
     @property
     def hard_end(self) -> float:
-        return self.start + self.seconds * (1 + self.max_extension)
+        """The last look. A continued stage keeps its bets (``tune_n``) and its earlier looks: only its end moves."""
+        return self.start + self.seconds * (1 + self.max_extension) + self.continued
 
     @property
     def tune_n(self) -> float:
@@ -213,10 +220,10 @@ class Stage:
         """Grid looks, the planned end always among them; cut at ``until`` (which becomes the last look)."""
         grid = (
             self.start
-            + np.arange(1, int(np.ceil(self.seconds * (1 + self.max_extension) / self.look_every)) + 1)
-            * self.look_every
+            + np.arange(1, int(np.ceil((self.hard_end - self.start) / self.look_every)) + 1) * self.look_every
         )
-        grid = np.unique(np.append(np.minimum(grid, self.hard_end), self.planned_end))
+        ends = [self.planned_end, self.hard_end - self.continued]  # a continued stage keeps its old last look
+        grid = np.unique(np.append(np.minimum(grid, self.hard_end), ends))
         if until is not None and until < self.hard_end:
             grid = np.append(grid[grid < until], until)
         return grid
@@ -353,6 +360,8 @@ def look_path(
     ``cols``: t, arm, reward, error, latency_ms and optionally unit (codes; None or absent: requests are the
     units). The rows of each group must be in time order. A NaN reward (a live request without feedback
     yet) is left out of the reward's statistics and counts in the guardrails, SRM and ``min_per_arm``.
+    Covariates (the columns of ``hermes_lab.ab.adjust.COLUMNS``, request and conversation units): the reward's
+    CS is the regression-adjusted one (``lo``/``hi``); ``lo_plain``/``hi_plain`` keep the unadjusted CS beside it.
     ``planned_n``: the requests the bets are tuned to be sharpest at (``Stage.tune_n``); it never affects
     validity. Guardrails, both on bounded unit observations: error indicator; latency above
     ``max_latency_ratio`` x the baseline's p95 of the earlier looks (the p95-ratio guardrail as an exceedance
@@ -396,6 +405,15 @@ def look_path(
         cu = np.cumsum(np.bincount(fk, minlength=n_groups * L * 2).reshape(n_groups, L, 2), axis=1).astype(float)
     un_r = us["nk"][0] if "nk" in us else un  # units with a reward
     lo, hi = ab_cs.fan_cs(un_r, us["S"][0], us["Q"][0], ratio, n_star, st.alpha / 2, st.alpha / 2)
+    lo_plain, hi_plain, var_ratio = lo, hi, np.full(n_groups, np.nan)
+    if _one_reward_per_unit(unit, g, X[0]) and ab_adjust.has_covariates(cols):  # the adjusted CS decides
+        cov = {k: None if cols.get(k) is None else np.asarray(cols[k])[keep] for k in ab_adjust.COLUMNS}
+        adj = ab_adjust.adjusted_cs(
+            win, arm[keep], X[0], cov, ratio, n_star, st.alpha / 2, st.alpha / 2, g, n_groups, L
+        )
+        lo, hi = adj["lo"], adj["hi"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            var_ratio = adj["var"] / adj["var_plain"]
     err_lo, _ = ab_cs.fan_cs(un, us["S"][1], us["Q"][1], ratio, n_star, st.guardrail_alpha, None)
     lat_lo, _ = ab_cs.fan_cs(un, us["S"][2], us["Q"][2], ratio, n_star, st.guardrail_alpha, None)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -419,6 +437,9 @@ def look_path(
         "delta": mean[..., 1] - mean[..., 0],
         "lo": np.where(enough, lo * st.scale, -np.inf),
         "hi": np.where(enough, hi * st.scale, np.inf),
+        "lo_plain": np.where(enough, lo_plain * st.scale, -np.inf),  # the unadjusted CS (the same when no
+        "hi_plain": np.where(enough, hi_plain * st.scale, np.inf),  # covariates): what adjustment narrowed
+        "var_ratio": var_ratio,  # per group: Var(adjusted pseudo-outcome) / Var(plain); NaN: not adjusted
         "welch_p": np.where(np.isfinite(welch), welch, 1.0),
         "err_b": err[..., 0],
         "err_c": err[..., 1],
@@ -430,6 +451,17 @@ def look_path(
         "enough": enough,
         "planned_units": n_star[:, -1],
     }
+
+
+def _one_reward_per_unit(unit: np.ndarray | None, g: np.ndarray | None, y: np.ndarray) -> bool:
+    """Request units, or units with at most one reward row each (a conversation's reward is on its first turn,
+    the row it enters with): the adjusted CS, written for one row per unit, then holds for the units as they
+    are. A user's many rewarded rows are not independent: those keep the plain, unit-level CS."""
+    if unit is None or not unit.size:
+        return True
+    ok = np.isfinite(y)
+    k = unit[ok] + (0 if g is None else g[ok] * (int(unit.max()) + 1))
+    return bool(np.unique(k).size == k.size)
 
 
 def rule_codes(S: dict[str, np.ndarray], st: Settings) -> dict[str, np.ndarray]:

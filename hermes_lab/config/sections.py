@@ -260,6 +260,21 @@ class ABSection:
         "stage lengths responses). When it binds the plan reports the power it reaches.",
         gt=0,
     )
+    covariates: list[Literal["family_level", "opening_turn", "task", "history"]] = _f(
+        ["family_level", "opening_turn", "task", "history"],
+        "Regression adjustment of the sequential rule (request and conversation units, not user; "
+        "hermes_lab.ab.adjust): what is known about a request before it is routed and predicts its reward, so"
+        " the confidence sequence can leave that variance out. family_level: the embedded task's family and "
+        "level. opening_turn: a conversation's opening turn (system prompt, number of tools, length of the "
+        "first user message). task: the prompt itself (a conversation's first user message), whose mean the "
+        "rule learns from the stage's earlier requests. history: the cell's and the task's mean reward in "
+        "earlier logs (this round's execution log and ab.history_rounds rounds' A/B logs). Fitted on earlier "
+        "looks only, so the guarantee holds; a request without any keeps the plain estimate. Empty: no "
+        "adjustment.",
+    )
+    history_rounds: int = _f(
+        3, "ab.covariates history: how many earlier rounds' A/B request logs give the prior (0: none).", ge=0, le=100
+    )
     salt: str = _f("", "Per-experiment salt for the router (empty: the user's bucket formula bit for bit).")
     alpha: float = _f(0.05, "Significance level.", gt=0, lt=1)
     srm_alpha: float = _f(0.001, "Sample-ratio-mismatch threshold: below it, hold.", gt=0, lt=1)
@@ -324,6 +339,14 @@ class RoundSection:
     simulated_clock: bool = _f(False, "Use a simulated clock (embedded flywheel: cooldown without waiting a day).")
     experiment: str = _f("hermes-lab", "MLflow experiment name.")
     registered_model: str = _f("hermes-policy", "MLflow registered model holding the 'champion' alias.")
+    on_held: Literal["new", "continue"] = _f(
+        "new",
+        "A candidate whose A/B stage reached its hard end undecided ('candidate held: undecided'). new: the next "
+        "round trains a new candidate from the champion. continue: the next round continues that experiment "
+        "instead (the same candidate, its stage's data kept, its confidence sequence carried on for another "
+        "stage length with extension; no training, so no cooldown). A continued experiment that ends undecided "
+        "again is not continued twice.",
+    )
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

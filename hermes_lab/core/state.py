@@ -63,6 +63,7 @@ class FlywheelState:
     last_round: int = 0
     simulated_now: str | None = None  # the simulated clock, when the flywheel uses one
     history: list[dict[str, Any]] = field(default_factory=list)
+    held: dict[str, Any] | None = None  # a candidate held undecided, for the next round to continue (round.on_held)
     progress: dict[str, Any] | None = None  # the unfinished round (round, completed stages, status, ...)
 
     @classmethod

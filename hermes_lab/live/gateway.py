@@ -125,7 +125,9 @@ class Gateway:
             if not key:
                 raise ConfigError(f"serve.api_key_env names {s.api_key_env}, which is not set: export the gateway key")
             self._auth = f"Bearer {key}".encode()
-        self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source)
+        # the adjusted rule needs one reward row per unit: a request, or a conversation (its first turn's row)
+        covs = cfg.ab.covariates if cfg.ab.unit != "user" else ()
+        self.tally = L.Tally.from_dir(self.log_dir, s.feedback_source, covariates=covs)
         for cid, arm, turns, msgs, age in L.open_conversations(self.log_dir, s.conversation_tool_wait_s):
             if cid not in self.tally.conv_reward:  # a scored conversation was closed by its feedback
                 self.convs.restore(cid, arm, turns, msgs, age)

@@ -35,12 +35,14 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from hermes_lab.ab.covariates import Encoder
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
 
@@ -215,8 +217,11 @@ class Tally:
     failed request: its ``t_done``), so that ``columns(known_by=T)`` is what a look at T could know.
     """
 
-    def __init__(self, source: str = "system"):
+    def __init__(self, source: str = "system", covariates: Sequence[str] = ()):
         self.source = source
+        # the requests' covariate codes (ab.covariates, request and conversation units): ab-run's adjusted rule
+        self.covariates = Encoder(covariates) if covariates else None
+        self.cov: list[tuple[int, int]] = []
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
             k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit", "conv")
@@ -264,6 +269,8 @@ class Tally:
         tr["tool_errors"].append(int(rec.get("tool_errors") or 0))
         tr["tokens"].append(int(u.get("total_tokens") or 0) if isinstance(u, dict) else 0)
         tr["finish"].append(rec.get("finish_reason"))
+        if self.covariates:  # one row per request, kept aligned with the reward's rows
+            self.cov.append(self.covariates.row(rec)[:2])  # (cell, task): no history on live traffic
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
@@ -361,9 +368,16 @@ class Tally:
         }
 
     @classmethod
-    def from_dir(cls, log_dir: str | os.PathLike[str], source: str = "system", families: bool = False) -> Tally:
-        """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower)."""
-        t = cls(source)
+    def from_dir(
+        cls,
+        log_dir: str | os.PathLike[str],
+        source: str = "system",
+        families: bool = False,
+        covariates: Sequence[str] = (),
+    ) -> Tally:
+        """The tally of a log dir; ``families``: also each request's task family (its prompt's; slower);
+        ``covariates``: ``ab.covariates`` (request and conversation units), each request's cell and task codes."""
+        t = cls(source, covariates)
         bad: list[int] = []
         if families:
             from hermes_lab.tasks import suite as T
@@ -398,6 +412,9 @@ class Tally:
         order = order[np.argsort(cols["t"][order], kind="stable")]  # time order (answers finish out of order)
         out = {k: v[order] for k, v in cols.items()}
         fam = np.asarray(self.family[:n], np.int64)[order] if len(self.family) >= n else np.zeros(len(order), np.int64)
+        if self.covariates:
+            cov = np.asarray(self.cov[:n], np.int64).reshape(-1, 2)[order]
+            out["cell"], out["task"] = cov[:, 0], cov[:, 1]
         out.update(
             t=out["t"].astype(np.float64),
             stage=out["stage"].astype(np.int64),

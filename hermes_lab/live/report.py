@@ -66,10 +66,11 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
     a = cfg.ab
     stage_list = [list(map(float, s)) for s in state["stages"]]
     plan = ab.plan_stages(stage_list, a.request_rate, a.look_every, a.max_extension)
-    tally = L.Tally.from_dir(log_dir, cfg.serve.feedback_source, families=True)
+    covs = a.covariates if a.unit != "user" else ()  # the gateway's own decision rule, covariates and all
+    tally = L.Tally.from_dir(log_dir, cfg.serve.feedback_source, families=True, covariates=covs)
     todo = stages_to_report(state, plan)
     parts = [tally.columns(s.index, until) for s, until in todo]
-    keys = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
+    keys = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit", *(("cell", "task") if covs else ()))
     cols = {k: np.concatenate([p[k] for p in parts]) if parts else tally.columns(-1)[k] for k in keys}
     if a.unit == "request":
         cols.pop("unit")
@@ -114,6 +115,7 @@ def build_live_report(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> tup
         ended=ended,
         restarts=state.get("restarts", 0),
         requests_logged=tally.n[0] + tally.n[1],
+        covariates=tally.covariates.describe() if tally.covariates else None,
         conversations=tally.conversation_stats(),
         unrewarded_note="requests without feedback by a look: out of the reward's numbers, in the error and "
         "latency guardrails and SRM; failed requests: errors of their arm, reward 0",

@@ -1,7 +1,10 @@
 """The policy: load any causal LM (hub id, local path, LoRA adapter) or build the embedded tiny one.
 
 Stage: foundation. Writes ``runs/policies/tiny-s<seed>-v<version>/`` (model, tokenizer, build.json with
-the base policy's sampled pass rate) once per seed, then reuses it.
+the base policy's sampled pass rate) once per seed, then reuses it. The build is deterministic, so a copy is
+also kept in the machine's cache (``$HERMES_LAB_CACHE``, default ``~/.cache/hermes-lab/policies/``, keyed by
+the recipe's source and the torch/transformers versions, the way the hub cache keys a model by revision):
+another clone or worktree on the same machine copies it in seconds instead of building for minutes.
 
     hermes-lab build-policy --runs-dir runs --seed 0
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -57,6 +62,7 @@ TINY_LR = 3e-3
 TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2, "agent": 1}
 # tokens per packed row: an agent episode is ~130 tokens (at most 169), a string example 17.5 on average
 PACK_WIDTH = 176
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
@@ -115,6 +121,61 @@ def tiny_dir(runs_dir: str | os.PathLike[str], seed: int) -> Path:
     from hermes_lab.core.paths import resolve
 
     return resolve(runs_dir) / "policies" / f"tiny-s{seed}-v{TINY_VERSION}"  # relative: the project's runs/
+
+
+def cache_dir() -> Path | None:
+    """The machine's policy cache: ``$HERMES_LAB_CACHE`` ("off" or empty: none), else
+    ``$XDG_CACHE_HOME/hermes-lab``, else ``~/.cache/hermes-lab``; policies live in its ``policies/``."""
+    env = os.environ.get("HERMES_LAB_CACHE")
+    if env is not None:
+        return None if env.strip() in ("", "off", "0") else Path(env).expanduser() / "policies"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hermes-lab" / "policies"
+
+
+def recipe_key() -> str:
+    """What a build's bytes depend on besides its seed and steps: this module, the chat template it renders the
+    agent family with (policy.chat) and the task suite it is taught (their source, so an edit without a version
+    bump is never served a stale copy) and the torch and transformers versions (their kernels round
+    differently)."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    chat = Path(__file__).with_name("chat.py")
+    for f in [Path(__file__), chat, *sorted((Path(T.__file__).parent).glob("*.py"))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for dist in ("torch", "transformers", "tokenizers"):
+        h.update(f"{dist}=={version(dist)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _copy_in(src: Path, out: Path) -> None:
+    """Copy a complete policy dir to ``out`` through a temp dir and a rename: a reader never sees half a copy."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def cached_build(name: str) -> Path | None:
+    """The machine cache's complete copy of the policy dir ``name`` (``tiny-s0-v11``) for this recipe, if any."""
+    root = cache_dir()
+    entry = None if root is None else root / f"{name}-{recipe_key()}"
+    return entry if entry is not None and (entry / "build.json").is_file() else None
+
+
+def _store(out: Path) -> None:
+    """Keep a copy of a fresh build in the machine's cache; a cache that cannot be written costs nothing."""
+    root = cache_dir()
+    if root is None:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _lock(root / f".{out.name}.lock"):
+            _copy_in(out, root / f"{out.name}-{recipe_key()}")
+    except OSError as e:
+        log.debug("policy cache %s not written: %s", root, e)
 
 
 @contextmanager
@@ -229,12 +290,18 @@ def build_tiny_policy(
 ) -> Path:
     """Build (or reuse) the embedded tiny base policy; returns its directory.
 
-    ``steps`` other than the recipe's builds a separate, smaller policy (tests of determinism)."""
+    Reuses ``runs/policies/`` first, then the machine's cache (``cache_dir``); ``force`` builds anew either
+    way. ``steps`` other than the recipe's builds a separate, smaller policy (tests of determinism)."""
     out = tiny_dir(runs_dir, seed)
     if steps != TINY_STEPS:
         out = out.with_name(out.name + f"-steps{steps}")
     with _lock(out.parent / f".{out.name}.lock"):
         if (out / "build.json").exists() and not force:
+            return out
+        hit = None if force else cached_build(out.name)
+        if hit is not None:
+            _copy_in(hit, out)
+            log.info("tiny policy: %s copied from the cache %s", out.name, hit)
             return out
         import torch
         from tqdm.auto import tqdm
@@ -289,6 +356,7 @@ def build_tiny_policy(
         (tmp / "build.json").write_text(json.dumps(report, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
+        _store(out)
         return out
 
 
@@ -464,7 +532,7 @@ def describe_gain(ev: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", default=None, help="where runs/policies/ lives (default: the project's runs/)")
     p.add_argument("--seed", type=int, default=0, help="build seed (the build is deterministic by seed)")
-    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--force", action="store_true", help="rebuild even if built (runs/policies/ or the machine's cache)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -107,6 +107,11 @@ def _in_flight(n: int, rd: Path, prog: dict[str, Any], stages: Sequence[Stage]) 
     verdicts = {s.name: read_verdict(rd / s.verdict) if s.verdict else None for s in stages}
     completed = list(prog.get("completed") or [])
     done = [v for s in stages if s.name in completed and (v := verdicts[s.name])]
+    cont = prog.get("continues")
+    if cont:  # a round continuing a held A/B: the candidate's eval is the held round's
+        done = [
+            v for s in stages if s.starts_cooldown and (v := read_verdict(Path(cont["round_dir"]) / s.verdict))
+        ] + done
     cand = next((v["candidate"] for v in reversed(done) if v.get("candidate")), None)
     ev = next((v["eval"] for v in reversed(done) if v.get("eval")), None)
     if ev is None and "train" in completed:  # a verdict written before eval was part of it
@@ -119,7 +124,13 @@ def _in_flight(n: int, rd: Path, prog: dict[str, Any], stages: Sequence[Stage]) 
         status = stopped["status"]
     elif cand is not None:
         status = (
-            "promoted" if promoted else "rolled back" if cand.get("rolled_back") else f"candidate held ({decision})"
+            "promoted"
+            if promoted
+            else "rolled back"
+            if cand.get("rolled_back")
+            else "candidate held: undecided"
+            if cand.get("held")
+            else f"candidate held ({decision})"
         )
     elif prog.get("status") == "failed":
         status = f"failed at {pending}" if pending else "failed"
@@ -249,11 +260,17 @@ def print_flywheel(summaries: list[dict[str, Any]]) -> None:
             start = ev["before"]["pass_rate"]
         gain = f"  candidate {ev['after']['pass_rate']:.1%}: {describe_gain(ev)}" if ev.get("after") else ""
         rises += bool(s.get("promoted") and ev.get("after") and ev["after"]["pass_rate"] > ev["before"]["pass_rate"])
-        print(f"  round {s['round']:02d}  {s['status']:28s} {'' if pr is None else f'{pr:.1%}'}{gain}")
+        cont = f" (continues round {s['continues']:02d})" if s.get("continues") else ""
+        print(f"  round {s['round']:02d}  {s['status'] + cont:28s} {'' if pr is None else f'{pr:.1%}'}{gain}")
+    kinds = [status_kind(s.get("status")) for s in summaries]
+    held, rejected = kinds.count("held"), kinds.count("rolled back") + kinds.count("stopped")
     last = next((s["pass_rate"] for s in reversed(summaries) if s.get("pass_rate") is not None), None)
     if start is not None and last is not None:
         total = f"{start:.1%} -> {last:.1%} ({100 * (last - start):+.1f} points)"
-        print(f"  champion {total}, rose in {rises} of {len(summaries)} rounds")
+        print(
+            f"  champion {total}, rose in {rises} of {len(summaries)} rounds; held {held} (the A/B did not "
+            f"decide), rejected {rejected} (rolled back, or stopped by a gate)"
+        )
 
 
 def data_gain(round_dir: str | Path) -> Any:

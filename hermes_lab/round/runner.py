@@ -46,6 +46,7 @@ from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
 from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 
 NOTEBOOKS = PACKAGE_REPO / "notebooks"  # the stage notebooks of this checkout
+STATUS_UNDECIDED = "candidate held: undecided"  # the A/B reached a stage's hard end without a decision
 OK_STATUSES = ("promoted", "rolled back", "completed", *WAITING, "candidate held", "skipped")
 
 
@@ -251,18 +252,33 @@ def run_round(
             prog["status"] = "running"
             prog.pop("stopped_at", None)  # a resumed round reruns the stage that stopped it
         else:
+            held = state.held if cfg.round.on_held == "continue" else None
+            state.held = None  # continued now, or not to be (round.on_held: new): never twice
+            params = {
+                "round.params": params_path,
+                "round.number": n,
+                "round.champion": state.champion_adapter or "base",
+            }
             run_id = tracking.start_round_run(
-                f"round-{n:02d}",
-                {"round.params": params_path, "round.number": n, "round.champion": state.champion_adapter or "base"},
+                f"round-{n:02d}", params | ({"round.continues": held["round"]} if held else {})
             )
             prog = {"round": n, "parent_run_id": run_id, "completed": [], "timings": {}, "status": "running"}
             prog["params"] = params_path
+            if held:
+                prog["continues"] = held
         state.progress = prog
         _commit(state, runs, rd, prog)  # stage notebooks read the simulated clock and the negatives from it
         ctx = RoundContext(cfg, params_path, rd, n, prog["parent_run_id"], state)
         status = "completed"
+        cont = prog.get("continues")
+        if cont and not quiet:
+            print(
+                f"[round {n:02d}] continues round {cont['round']:02d}'s held A/B (round.on_held: continue): "
+                f"its candidate and data, no new training",
+                flush=True,
+            )
         for stage in stages:
-            if stage.name in prog["completed"]:
+            if stage.name in prog["completed"] or (cont and not stage.on_continue):
                 continue
             t0 = time.time()
             if not quiet:
@@ -342,6 +358,8 @@ def _gates(stages: Sequence[Stage], verdicts: dict[str, Any], prog: dict[str, An
                 continue
             if s.name in ran:
                 why = f"not reported: {s.name} wrote no '{name}' verdict in {s.verdict}"
+            elif prog.get("continues") and not s.on_continue:
+                why = f"not run: this round continues round {prog['continues']['round']:02d}'s held A/B"
             elif stopped:
                 why = f"not run: the round stopped at {stopped['stage']} ({stopped['status']})"
             else:
@@ -363,6 +381,10 @@ def _finish(
     resumed round redoes it from the same files and the state of the last commit."""
     verdicts = {s.name: read_verdict(rd / s.verdict) if s.verdict else None for s in stages}
     done = [v for s in stages if s.name in prog["completed"] and (v := verdicts[s.name])]
+    cont = prog.get("continues")
+    if cont:  # the candidate and its held-out eval are the held round's
+        train_verdicts = [read_verdict(Path(cont["round_dir"]) / s.verdict) for s in stages if s.starts_cooldown]
+        done = [v for v in train_verdicts if v] + done
     cand = next((v["candidate"] for v in reversed(done) if v.get("candidate")), None)
     trained = next((v for v in reversed(done) if v.get("adapter")), None)
     ev = next((v["eval"] for v in reversed(done) if v.get("eval")), None)
@@ -370,8 +392,27 @@ def _finish(
     promoted = bool(cand and cand.get("promoted") is True)
     rolled_back = bool(cand and cand.get("rolled_back"))
     decision = cand.get("decision") if cand else None
+    held = (cand or {}).get("held")
     if status == "completed" and cand is not None:
-        status = "promoted" if promoted else "rolled back" if rolled_back else f"candidate held ({decision})"
+        status = (
+            "promoted"
+            if promoted
+            else "rolled back"
+            if rolled_back
+            else STATUS_UNDECIDED
+            if held
+            else f"candidate held ({decision})"
+        )
+    if held:  # the honest end: undecided at a stage's hard end; continued by the next round, or not
+        nxt = cfg.round.on_held == "continue" and not cont and trained is not None and status == STATUS_UNDECIDED
+        held = {**held, "next": "continue" if nxt else "new"}
+        if nxt:
+            state.held = {
+                "round": n,
+                "round_dir": str(rd),
+                "ab_dir": str(_candidate_dir(stages, verdicts, rd)),
+                "adapter": str(trained["adapter"]),  # type: ignore[index]
+            }
     trained_any = any(s.starts_cooldown and s.name in prog["completed"] for s in stages)
     if promoted and trained is not None:
         state.champion_adapter = str(trained["adapter"])
@@ -401,9 +442,27 @@ def _finish(
         "ab": {k: cand.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
         if cand
         else None,
+        "held": held,
+        "continues": cont["round"] if cont else None,
+        "ab_plan": _plan_warning(next((v["plan"] for v in done if v.get("plan")), None)),
     }
     write_json_atomic(rd / "summary.json", summary)
     return summary
+
+
+def _candidate_dir(stages: Sequence[Stage], verdicts: dict[str, Any], rd: Path) -> Path:
+    """The folder of the stage whose verdict gave the candidate's outcome (the A/B's: ``runs/round-NN/ab``)."""
+    s = next(s for s in reversed(stages) if s.verdict and (verdicts.get(s.name) or {}).get("candidate"))
+    return (rd / s.verdict).parent  # type: ignore[operator]
+
+
+def _plan_warning(plan: dict[str, Any] | None) -> str | None:
+    """The A/B plan's line when it was underpowered (the budget cannot reach the planned power), else None."""
+    if not plan or not plan.get("underpowered"):
+        return None
+    return plan.get("line") or (
+        f"underpowered A/B plan: power {plan.get('power')} < {plan.get('power_target')} at ab.plan_max_rate"
+    )
 
 
 def _register_champion(cfg: HermesConfig, rd: Path, run_id: str | None) -> None:
@@ -451,6 +510,24 @@ def _log_round(prog: dict[str, Any], rd: Path, summary: dict[str, Any]) -> None:
 
 def print_summary(s: dict[str, Any]) -> None:
     print(f"\nround {s['round']:02d}: {s['status']}  (decision: {s['decision']}, {s['total_s']} s)")
+    if s.get("continues"):
+        print(f"  continued round {s['continues']:02d}'s held A/B (its candidate, its kept requests)")
+    if s.get("ab_plan"):
+        print(f"  {s['ab_plan']}")
+    if s.get("held"):
+        h = s["held"]
+        lo, hi = h.get("cs") or (None, None)
+        span = "n/a" if lo is None or hi is None else f"[{lo:+.3f}, {hi:+.3f}]"
+        nxt = (
+            "the next round continues this experiment (round.on_held: continue)"
+            if h.get("next") == "continue"
+            else "the next round trains a new candidate from the champion"
+        )
+        print(
+            f"  held: stage {h['stage']} ({h['ratio']:.0%}) reached its hard end undecided, delta in {span} "
+            f"(confidence sequence, reward scale; {h.get('units_candidate')} candidate / "
+            f"{h.get('units_baseline')} baseline units); {nxt}"
+        )
     for g in s["gates"]:
         mark = {True: "PASS", False: "STOP", None: "----"}[g["passed"]]
         print(f"  {mark}  {g['gate']:18s} {str(g['detail'])[:110]}")

@@ -58,6 +58,11 @@ class RoundContext:
     def round_dir_of(self, n: int) -> Path:
         return self.runs_dir / f"round-{n:02d}"
 
+    @property
+    def continues(self) -> dict[str, Any] | None:
+        """The held experiment this round continues (``round.on_held: continue``), or None."""
+        return (self.state.progress or {}).get("continues")
+
 
 def _no_params(ctx: RoundContext) -> dict[str, Any]:
     return {}
@@ -81,6 +86,7 @@ class Stage:
     data_outputs: tuple[str, ...] = ()  # the round's execution data it writes: negatives on a rollback
     starts_cooldown: bool = False  # completing it is a training: the cooldown counts from here
     consumes_negatives: bool = False  # completing it has used state.negative_files
+    on_continue: bool = False  # runs in a round that continues a held A/B (round.on_held: continue); others skip
 
 
 # -------------------------------------------------------------------------------- parameter builders
@@ -91,8 +97,9 @@ def _execute_params(ctx: RoundContext) -> dict[str, Any]:
 def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
     """A round's new samples: everything logged since the last round that reached training. That is its own
     execution log and the previous round's A/B traffic (the execution logs of both policies), and, while
-    the rounds before stopped at the data gate (too few samples, or the cooldown), their logs as well:
-    samples pile up until they trigger a training, none is dropped by a skipped round."""
+    the rounds before stopped at the data gate (too few samples, or the cooldown) or only continued a held
+    A/B (``round.on_held: continue``), their logs as well: samples pile up until they trigger a training,
+    none is dropped by a skipped round."""
     runs = Path(runs_dir)
     out = [runs / f"round-{round_no:02d}" / "trajectories.jsonl"]
     if (runs / f"round-{round_no:02d}" / "agent_episodes.jsonl").exists():  # execute.agent_tasks: conversations
@@ -102,11 +109,23 @@ def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
         if (prev / "ab" / "requests.jsonl").exists():
             out.append(prev / "ab" / "requests.jsonl")
         verdict = read_verdict(prev / "prep" / VERDICT_NAME)
+        if _continued_only(prev):  # it ran no prep: what came before it is still fresh
+            continue
         if not verdict or verdict.get("stop") != STOP_DATA:  # round k trained on what came before it
             break
         if (prev / "trajectories.jsonl").exists():
             out.append(prev / "trajectories.jsonl")
     return out
+
+
+def _continued_only(round_dir: Path) -> bool:
+    """Whether a round only continued an earlier round's held A/B (its summary says which)."""
+    import json
+
+    try:
+        return bool(json.loads((round_dir / "summary.json").read_text(encoding="utf-8")).get("continues"))
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False
 
 
 def _prep_params(ctx: RoundContext) -> dict[str, Any]:
@@ -134,6 +153,9 @@ def _validate_params(ctx: RoundContext) -> dict[str, Any]:
 
 
 def _ab_params(ctx: RoundContext) -> dict[str, Any]:
+    held = ctx.continues
+    if held:  # the held round's candidate and A/B, carried on (hermes_lab.ab.held)
+        return {"baseline": "", "candidate": held["adapter"], "seed": ctx.round_no, "continue_from": held["ab_dir"]}
     return {"baseline": "", "candidate": str(ctx.round_dir / "train" / "adapter"), "seed": ctx.round_no}
 
 
@@ -214,13 +236,14 @@ STAGES: tuple[Stage, ...] = (
         gates=("ab_decision",),
         stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live.round)
         params=_ab_params,
-        notebook_params=(*ROUND_PARAMS, "baseline", "candidate", "duration", "seed"),
+        notebook_params=(*ROUND_PARAMS, "baseline", "candidate", "duration", "seed", "continue_from"),
         command="ab-run",
         help="Run the staged A/B rollout and write ab_report.json.",
         data_outputs=("ab/requests.jsonl", "ab/live_trajectories.jsonl"),  # simulated / live traffic
+        on_continue=True,
     ),
     # last, so that its table includes this round
-    Stage("compare", "50_round_compare.ipynb", "hermes_lab.round.compare"),
+    Stage("compare", "50_round_compare.ipynb", "hermes_lab.round.compare", on_continue=True),
 )
 
 
