@@ -18,6 +18,11 @@ Reads:
   20-point "regression". Without prep's set, every task is generated.
 - the candidate adapter (``<round_dir>/train/adapter``, base from ``train/run.json``) and the baseline
   adapter (explicit, else the champion in ``runs/state.json``, else ``model.adapter``, else none).
+- when the round trains the embedded agent family (``grpo.environment`` is ``hermes_lab.tasks.agent:TimeEnv``),
+  ``validate.eval_tasks_per_family`` generated held-out agent tasks, each played as a whole episode (tool call,
+  tool result, answer) ``validate.samples_per_task`` times per arm with the same seeds and tool results: the
+  family ``agent`` of the gate, paired like the others. A user's own environment has no held-out tasks the
+  gate knows of: it is not evaluated here (train's episode metrics and the live A/B judge it).
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
 and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
@@ -46,6 +51,7 @@ import numpy as np
 from hermes_lab.core.jsonl import safe_name, write_json_atomic
 from hermes_lab.core.verdict import STOP_REGRESSION, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, ArmError, resolve_adapter, resolve_baseline
+from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -279,11 +285,23 @@ def compare(baseline: dict[str, Any], candidate: dict[str, Any], cfg: Any) -> di
 EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets the same torch seed in each
 
 
-def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg: Any) -> dict[str, Any]:
+def agent_tasks(cfg: Any) -> list[A.AgentTask]:
+    """The agent family's held-out tasks for the gate: none unless the round trains the embedded agent family."""
+    if cfg.grpo.environment != A.ENVIRONMENT:
+        return []
+    return A.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
+
+
+def evaluate_arm(
+    base_model: str, adapter: str | None, tasks: list[T.Task], cfg: Any, agent: list[A.AgentTask] | None = None
+) -> dict[str, Any]:
     """One arm's per-item scores on the regression set, with the gate's sampling settings, and their pass
     rates overall and per family. Both arms get the same prompts in the same order, the same seed and the
     same batch layout, so each (task, sample) pair is sampled with the same random numbers in both: the
-    pairs the gate compares. The model is freed afterwards so the two arms never sit in memory together."""
+    pairs the gate compares. ``agent`` tasks are played as whole episodes (``policy.episodes``), each
+    ``validate.samples_per_task`` times, also with the same seeds and tool results in both arms. The model is
+    freed afterwards so the two arms never sit in memory together."""
+    from hermes_lab.policy import episodes as E
     from hermes_lab.policy import model as P
 
     if adapter and not Path(adapter, "adapter_config.json").is_file():
@@ -305,9 +323,13 @@ def evaluate_arm(base_model: str, adapter: str | None, tasks: list[T.Task], cfg:
         seed=v.seed,
         batch_size=EVAL_BATCH,
     )
+    plays = [t for t in agent or [] for _ in range(v.samples_per_task)]
+    episodes = E.run_episodes(pol, plays, temperature=v.temperature, seed=v.seed, max_turns=cfg.grpo.max_turns)
     del pol
     gc.collect()
     scores = T.score_tasks(items, responses)  # the code family's hidden tests run in the sandbox, in parallel
+    scores += [e.reward for e in episodes]
+    items = [*items, *plays]
 
     def stats(vs: list[float]) -> dict[str, Any]:
         return {
@@ -348,8 +370,11 @@ def regression_gate(
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
     v = cfg.validate
-    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg)
-    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg)
+    agent = agent_tasks(cfg)
+    if agent and task_note is not None:
+        task_note = {**task_note, "agent_episodes": len(agent) * v.samples_per_task}
+    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg, agent)
+    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg, agent)
     report = compare(baseline, candidate, cfg)
     report = {
         "passed": report.pop("passed"),

@@ -28,6 +28,7 @@ from typing import Any
 from hermes_lab.tasks import suite as T
 
 FAMILY = "agent"
+ENVIRONMENT = "hermes_lab.tasks.agent:TimeEnv"  # grpo.environment for this family: validate and train evaluate it
 TOOL = "time"
 SCALE = T.SCALE
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -48,6 +48,7 @@ from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
+from hermes_lab.tasks import agent as A
 from hermes_lab.train import episodes as EP
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
@@ -400,7 +401,9 @@ def train(
                 result.episodes = ep.episodes
             if evaluate_heldout:
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
-                if cfg.grpo.environment:  # the agent family's held-out episodes, before and after
+                # the embedded agent family's held-out episodes, before and after (a user's environment has no
+                # held-out tasks known here: its episode metrics are in train_log.jsonl)
+                if cfg.grpo.environment == A.ENVIRONMENT:
                     result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir)
                 write_json_atomic(out / "eval.json", result.eval)
             result.seconds = round(time.time() - t0, 1)
