@@ -538,6 +538,10 @@ def print_summary(s: dict[str, Any]) -> None:
         e = s["eval"]
         b, a = e["before"]["pass_rate"], e["after"]["pass_rate"]
         print(f"  held-out sampled pass rate: {b:.1%} -> {a:.1%}, {describe_gain(e)}")
+        if e.get("agent"):  # the embedded agent family, trained episode-level (train/eval.json's agent)
+            ag = e["agent"]
+            b, a = ag["before"]["episode_success"], ag["after"]["episode_success"]
+            print(f"  held-out agent episode success: {b:.1%} -> {a:.1%}, {describe_gain(ag)}")
 
 
 # ------------------------------------------------------------------------------------------ flywheel

@@ -659,6 +659,10 @@ def run_cli(args: argparse.Namespace) -> int:
 
         b, a = res.eval["before"]["pass_rate"], res.eval["after"]["pass_rate"]
         print(f"held-out sampled pass rate: {b:.1%} -> {a:.1%} ({P.describe_gain(res.eval)})")
+        if res.eval.get("agent"):
+            ag = res.eval["agent"]
+            b, a = ag["before"]["episode_success"], ag["after"]["episode_success"]
+            print(f"held-out agent episode success: {b:.1%} -> {a:.1%} ({P.describe_gain(ag)})")
     return 0
 
 
