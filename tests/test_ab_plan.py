@@ -141,3 +141,22 @@ def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, mon
         plots=False,
     )
     assert rep0["plan"] is None and rep0["config"]["request_rate"] == 0.25
+
+
+def test_the_agent_family_is_one_more_cell_of_the_plan_when_the_traffic_has_it(tmp_path):
+    from hermes_lab.tasks import agent as A
+
+    ev = tmp_path / "eval.json"
+    levels = {
+        "add:1": {"n": 60, "pass_rate": 0.2, "mean_reward": 1.5},
+        "add:2": {"n": 40, "pass_rate": 0.1, "mean_reward": 1.0},
+        "upper:1": {"n": 100, "pass_rate": 0.5, "mean_reward": 3.0},
+    }
+    agent = {"before": {"episode_success": 0.44, "mean_reward": 2.5, "n": 200}}
+    ev.write_text(json.dumps({"before": {"pass_rate": 0.3, "per_level": levels}, "agent": agent}))
+    plain = ab_plan.plan_arms(_cfg(), ev, 0.3, 0.03)
+    over = {**SHORT, "grpo.environment": A.ENVIRONMENT, "execute.agent_tasks": 64}
+    arms = ab_plan.plan_arms(load_config(None, overrides=over), ev, 0.3, 0.03)
+    assert plain.cells == 3 and arms.cells == 4
+    assert arms.weight[-1] == pytest.approx(1 / 3) and arms.pass_b[-1] == pytest.approx(0.44)  # a family's share
+    assert arms.weight[:3] == pytest.approx(plain.weight * 2 / 3)

@@ -309,6 +309,50 @@ def test_real_tiny_policy_through_the_command_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_agent_family_is_served_as_whole_episodes(tmp_path):
+    """With the embedded agent family in the round, a share of the simulated traffic is agent episodes: each arm
+    plays the conversation (tool call, tool result, answer) and the episode's reward is the request's."""
+    from hermes_lab.policy.model import build_tiny_policy
+    from hermes_lab.tasks import agent as A
+
+    tiny = str(build_tiny_policy(REPO / "runs", 0, quiet=True))
+    cfg = load_config(
+        None,
+        {
+            "round.runs_dir": str(tmp_path / "runs"),
+            "ab.request_rate": 0.5,
+            "ab.look_every": 600,
+            "ab.plan_power": 0,
+            "grpo.environment": A.ENVIRONMENT,
+            "execute.agent_tasks": 64,
+        },
+    )
+    rep = ab_run.run_ab(cfg, tiny, tiny, ratio=0.3, duration=900, output=tmp_path / "ab_report.json", plots=False)
+    rows = _log(tmp_path / "requests.jsonl")
+    agent = [r for r in rows if r["family"] == "agent"]
+    assert 0.08 < len(agent) / len(rows) < 0.22  # one family's share: 1 in 7
+    assert {r["arm"] for r in agent} == {"baseline", "candidate"}
+    for r in agent:
+        msgs = r["messages"]
+        assert msgs[0] == {"role": "user", "content": r["prompt"]} and r["task_id"].startswith("agent-")
+        good = [m["content"] for m in msgs if m["role"] == "tool" and "error" not in m["content"]]
+        assert (r["reward"] >= 3) == (bool(good) and r["response"] == good[-1])  # only the tool's answer passes
+    assert 0 < np.mean([r["reward"] >= 3 for r in agent]) < 1  # the base policy answers some episodes
+    assert rep["per_family"]["agent"]["n_baseline"] + rep["per_family"]["agent"]["n_candidate"] == len(agent)
+    # an arm that cannot play episodes (a stand-in behind generate()) leaves the family out, and says so
+    rep2 = ab_run.run_ab(
+        cfg,
+        FakePolicy(0.5, "a"),
+        FakePolicy(0.5, "b"),
+        ratio=0.3,
+        duration=900,
+        output=tmp_path / "fake" / "ab_report.json",
+        plots=False,
+    )
+    assert not any(r["family"] == "agent" for r in _log(tmp_path / "fake" / "requests.jsonl")) and rep2
+
+
+@pytest.mark.slow
 def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     """40_ab_analysis.ipynb runs the rollout (real tiny policy), then reuses the report it wrote."""
     import mlflow

@@ -52,6 +52,7 @@ import numpy as np
 
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
+from hermes_lab.ab.traffic import plays_agent
 
 REPS = 200  # simulated experiments per stage and rate: a power of 0.8 to +-0.03 (one standard error)
 SKIP_ABOVE = 0.995  # a stage this sure to widen is not worth simulating
@@ -204,7 +205,7 @@ def plan_arms(cfg: Any, eval_path: str | Path | None, share: float, delta: float
     Without: the same eval as one cell. No eval: one pass/fail cell at ``share`` (``FALLBACK_SHARE``). The
     candidate gains ``delta`` of reward share overall, spread over the cells in proportion to what they miss
     (a better policy fixes failures; a cell at 100% cannot gain)."""
-    cells = _eval_cells(eval_path, cfg.reward.scale)
+    cells = _eval_cells(eval_path, cfg.reward.scale, agent=plays_agent(cfg))
     if cells is None:
         w, pb, miss = np.ones(1), np.array([min(share, 1 - delta)]), np.zeros(1)
     elif "family_level" not in cfg.ab.covariates or len(cells[0]) < 2:
@@ -220,15 +221,24 @@ def plan_arms(cfg: Any, eval_path: str | Path | None, share: float, delta: float
     return Arms(w, pb, pc, miss)
 
 
-def _eval_cells(path: str | Path | None, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _eval_cells(
+    path: str | Path | None, scale: float, agent: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(weights, pass rates, miss shares) per level of eval.json's "before" (its overall numbers as one
-    level when it has none), or None."""
+    level when it has none), or None. ``agent``: the traffic has the agent family's episodes (one family's
+    share, ``ab.traffic.Traffic.simulate``), one more cell from eval.json's ``agent`` "before"."""
     if not path or not Path(path).is_file():
         return None
     try:
-        before = json.loads(Path(path).read_text(encoding="utf-8"))["before"]
+        ev = json.loads(Path(path).read_text(encoding="utf-8"))
+        before = ev["before"]
         levels = before.get("per_level") or {"all": before}
         rows = [(float(v["n"]), float(v["pass_rate"]), float(v["mean_reward"]) / scale) for v in levels.values()]
+        if agent and rows and isinstance(ev.get("agent"), dict):
+            ag = ev["agent"]["before"]
+            families = len({k.split(":")[0] for k in levels})
+            total = sum(n for n, _, _ in rows)
+            rows.append((total / families, float(ag["episode_success"]), float(ag["mean_reward"]) / scale))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not rows:

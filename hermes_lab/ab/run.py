@@ -58,10 +58,12 @@ from hermes_lab.ab.report import (
     summary,
     write_ab_verdict,
 )
-from hermes_lab.ab.traffic import FAM_INDEX, FAM_NAMES, LOG_NAME, RequestLog, Traffic, read_log
+from hermes_lab.ab.traffic import FAM_INDEX, FAM_NAMES, LOG_NAME, RequestLog, Traffic, plays_agent, read_log
 from hermes_lab.config.schema import HermesConfig, ab_stages, load_config
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.policy import episodes as E
 from hermes_lab.policy.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
+from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
 log = logging.getLogger("hermes_lab.ab")
@@ -129,8 +131,20 @@ class Server:
         arms = router.assign(units)
         a = cfg.ab
         responses: dict[int, str] = {}
+        episodes: dict[int, Any] = {}  # the agent family's requests: each a whole episode, its reward its own
         for arm in (0, 1):
-            sel = [i for i, x in zip(idx, arms) if x == arm]
+            sel = [i for i, x in zip(idx, arms) if x == arm and i not in traffic.agent]
+            plays = [i for i, x in zip(idx, arms) if x == arm and i in traffic.agent]
+            if plays:
+                eps = E.run_episodes(
+                    self.arms.policies[arm],
+                    [traffic.agent[i] for i in plays],
+                    temperature=cfg.execute.temperature,
+                    seed=seed * 1_000_003 + plays[0] * 2 + arm,
+                    max_turns=cfg.grpo.max_turns,
+                )
+                episodes.update(zip(plays, eps))
+                responses.update((i, ep.answer or "") for i, ep in zip(plays, eps))
             if not sel:
                 continue
             prompts = [traffic.prompts[i] for i in sel]
@@ -145,18 +159,20 @@ class Server:
                 **kw,
             )
             responses.update(zip(sel, out))
-        prompts = [traffic.prompts[i] for i in idx]
+        text = [i for i in idx if i not in episodes]
+        scored = dict(zip(text, self.score([traffic.prompts[i] for i in text], [responses[i] for i in text])))
         resp = [responses[i] for i in idx]
-        rewards = [float(x) for x in self.score(prompts, resp)]
+        rewards = [float(episodes[i].reward if i in episodes else scored[i]) for i in idx]
         base = np.exp(self.lat_rng.normal(math.log(a.latency_median_ms), a.latency_sigma, len(idx)))
         debug = log.isEnabledFor(logging.DEBUG)
         lines = []
         for k, i in enumerate(idx):
             arm, r = int(arms[k]), resp[k]
-            status = "ok" if r.strip() else "error"  # an empty answer is a failed request
+            # an empty answer is a failed request; an episode that ran out of turns without one answered (reward 0)
+            status = "ok" if r.strip() or (i in episodes and episodes[i].turns) else "error"
             # rounded as logged, so that re-analysing the log reproduces every number of the report
             lat = round(float(base[k] + a.latency_ms_per_char * len(r)), 2)
-            fam = T.family_of(traffic.prompts[i]) or "other"
+            fam = A.FAMILY if i in episodes else T.family_of(traffic.prompts[i]) or "other"
             t = round(float(traffic.t[i]), 3)
             rec = {
                 "request_id": traffic.ids[i],
@@ -175,6 +191,8 @@ class Server:
                 "timestamp": (EPOCH + timedelta(seconds=t)).isoformat(),
                 "policy": self.arms.names[arm],
             }
+            if i in episodes:  # the conversation as played (its opening turn is the covariates' cell)
+                rec["messages"] = episodes[i].messages
             lines.append(json.dumps(rec))
             if debug:
                 log.debug("request_id=%s arm=%s status=%s", rec["request_id"], rec["arm"], status)
@@ -314,7 +332,13 @@ def run_ab(
     log_path = log_dir / LOG_NAME
     if replay and Path(replay).resolve() == log_path.resolve():
         raise ValueError(f"--replay {replay} is where this run writes its request log: pass another --log-dir")
-    traffic = Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed, start)
+    agent = plays_agent(cfg) and not replay
+    if agent and not all(_plays_episodes(p) for p in pols.values()):
+        agent = False  # an arm behind a URL, or a stand-in: its episodes cannot be played offline here
+        log.warning("ab: the agent family is left out of this A/B: an arm is not a local policy")
+    traffic = (
+        Traffic.replay(replay, a.request_rate, seed) if replay else Traffic.simulate(cfg, horizon, seed, start, agent)
+    )
     if replay:
         horizon = min(horizon, float(traffic.t[-1]))
     log.info(
@@ -371,6 +395,12 @@ def _log_plan(report: dict[str, Any]) -> None:
         from hermes_lab.core import tracking
 
         tracking.log_metrics("ab", ab_plan.plan_metrics(report["plan"]))
+
+
+def _plays_episodes(policy: Any) -> bool:
+    """A local policy (tokenizer with a chat template, model): what ``policy.episodes`` plays episodes with."""
+    tok = getattr(policy, "tokenizer", None)
+    return getattr(policy, "model", None) is not None and bool(getattr(tok, "chat_template", None))
 
 
 def _takes_batch_size(policy: Any) -> bool:

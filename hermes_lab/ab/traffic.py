@@ -22,24 +22,43 @@ from hermes_lab.ab import adjust as ab_adjust
 from hermes_lab.ab import covariates as ab_cov
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.jsonl import iter_objects
+from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
 LOG_NAME = "requests.jsonl"
 COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
-FAM_INDEX = {f: i for i, f in enumerate(T.FAMILIES)}
-FAM_NAMES = [*T.FAMILIES, "other"]
+FAM_INDEX = {f: i for i, f in enumerate((*T.FAMILIES, A.FAMILY))}
+FAM_NAMES = [*FAM_INDEX, "other"]
+
+
+def plays_agent(cfg: HermesConfig) -> bool:
+    """Whether the A/B serves the embedded agent family as episodes: when the round trains it (grpo.environment
+    is the embedded one and execute logs its episodes). A user's own environment has no simulated traffic."""
+    return cfg.grpo.environment == A.ENVIRONMENT and cfg.execute.agent_tasks > 0
 
 
 class Traffic:
-    """Requests in time order: (t, request_id, unit, prompt, task_id). Simulated or replayed."""
+    """Requests in time order: (t, request_id, unit, prompt, task_id). Simulated or replayed. ``agent``: the
+    requests that are agent-family episodes (index -> task): a conversation each, played whole by the arm."""
 
-    def __init__(self, t: np.ndarray, ids: list[str], units: list[str], prompts: list[str], task_ids: list[str]):
+    def __init__(
+        self,
+        t: np.ndarray,
+        ids: list[str],
+        units: list[str],
+        prompts: list[str],
+        task_ids: list[str],
+        agent: dict[int, A.AgentTask] | None = None,
+    ):
         t = np.round(t, 3)  # ms resolution, as logged: windows and the log's re-analysis see the same times
         self.t, self.ids, self.units, self.prompts, self.task_ids = t, ids, units, prompts, task_ids
+        self.agent = agent or {}
 
     @classmethod
-    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int, start: float = 0.0) -> Traffic:
-        """Poisson arrivals at ``ab.request_rate`` in (start, horizon] (start > 0: a continued experiment)."""
+    def simulate(cls, cfg: HermesConfig, horizon: float, seed: int, start: float = 0.0, agent: bool = False) -> Traffic:
+        """Poisson arrivals at ``ab.request_rate`` in (start, horizon] (start > 0: a continued experiment).
+        ``agent``: a family's share of them (one in len(families) + 1) are agent-family episodes instead, drawn
+        from their own random stream, so the other requests' times, tasks and units stay as without."""
         a = cfg.ab
         rng = np.random.default_rng([seed, 7])
         n_guess = int(a.request_rate * (horizon - start) * 1.2 + 50)
@@ -56,7 +75,15 @@ class Traffic:
             units = [f"user-{seed}-{k:06d}" for k in rng.choice(a.num_users, len(t), p=w / w.sum())]
         else:
             units = ids
-        return cls(t, ids, units, [x.prompt for x in tasks], [x.task_id for x in tasks])
+        prompts, task_ids = [x.prompt for x in tasks], [x.task_id for x in tasks]
+        episodes: dict[int, A.AgentTask] = {}
+        if agent and len(t):
+            share = 1 / (len(T.check_families(cfg.execute.families or None)) + 1)
+            where = np.flatnonzero(np.random.default_rng([seed, 13]).random(len(t)) < share)
+            for i, task in zip(where, A.generate_tasks(len(where), split=a.task_split, seed=seed)):
+                episodes[int(i)] = task
+                prompts[i], task_ids[i] = task.question, task.task_id
+        return cls(t, ids, units, prompts, task_ids, episodes)
 
     @classmethod
     def replay(cls, path: str | Path, rate: float, seed: int) -> Traffic:
@@ -156,7 +183,7 @@ def read_log(path: str | Path) -> tuple[dict[str, np.ndarray], list[str]]:
     import pandas as pd
 
     df = pd.read_json(path, lines=True)
-    fams = list(T.FAMILIES) + ["other"]
+    fams = FAM_NAMES
     cols = _cols(
         {
             "t": df["t"],
