@@ -43,9 +43,10 @@ live-demo: setup
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 
 ## the suite on every core (pytest-xdist: whole files per worker, the longest first: tests/conftest.py). On a
-## fresh clone the tiny policy most tests share builds in the background while the files that need none run
+## fresh clone the tiny policy most tests share builds in the background while the files that need none run;
+## the 15 slowest tests are listed at the end (where the time goes)
 test: setup lint browser-deps
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 ## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
 ## elsewhere the browser tests skip and say why
