@@ -47,6 +47,34 @@ def test_chat_template_passes_trls_tool_checks_and_parses_back():
     assert "tool_calls" not in parse_response(tok, broken, prefix=prompt)  # invalid JSON: plain text, no call
 
 
+def test_a_slipped_tool_call_is_read_as_trl_reads_it_and_the_next_turn_renders():
+    """A trained policy's slips (a call without arguments, without a name, not an object): each turn is what TRL's
+    loop would make of it, and the conversation with it renders again (a call the template cannot render once
+    ended a round's A/B)."""
+    from hermes_lab.policy import episodes as E
+
+    tok, env = _tok(), A.TimeEnv()
+    user = [{"role": "user", "content": "time kelo?"}]
+    prompt = tok.apply_chat_template(
+        user, tools=[env.time], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    seen = {}
+    for text in (
+        '{"name": "time"}',
+        '{"name": "time", "arguments": null}',
+        '{"arguments": {"city": "kelo"}}',
+        "[1, 2]",
+    ):
+        ids = tok(f"<tool_call>{text}</tool_call><eos>", add_special_tokens=False)["input_ids"]
+        msg = E._parse(tok, ids, prompt, [env.time])
+        seen[text] = msg.get("tool_calls")
+        convo = [*user, msg, {"role": "tool", "name": "time", "content": "{'error': 'x'}"}]
+        assert tok.apply_chat_template(convo, tools=[env.time], add_generation_prompt=True, tokenize=False)
+    call = [{"type": "function", "function": {"name": "time", "arguments": {}}}]
+    assert seen['{"name": "time"}'] == seen['{"name": "time", "arguments": null}'] == call  # called without arguments
+    assert seen['{"arguments": {"city": "kelo"}}'] is None and seen["[1, 2]"] is None  # no name: text, not a call
+
+
 def test_teacher_episodes_train_only_the_assistant_turns():
     tok = _tok()
     rng = random.Random(3)

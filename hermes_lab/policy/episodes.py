@@ -38,13 +38,12 @@ class Episode:
 
 
 def _parse(tok: Any, ids: list[int], prefix: list[int], tools: list[Any]) -> dict[str, Any]:
-    try:
-        msg = tok.parse_response(ids, prefix=prefix, tools=tools)
-    except (ValueError, TypeError):
-        msg = None
-    if not msg:  # what TRL falls back to: the plain text
-        msg = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
-    msg.setdefault("content", "")
+    """The assistant turn as TRL's multi-turn loop reads it (``trl.chat_template_utils.parse_response``): a tool
+    call missing its name or arguments is no call but plain text (TRL validates them), so the next turn's
+    template never renders a call it cannot (a trained policy's slip, ``{"name": "time"}``, once ended an A/B)."""
+    from trl.chat_template_utils import parse_response
+
+    msg = parse_response(tok, ids, prefix=prefix, tools=tools)
     msg["content"] = (msg.get("content") or "").removesuffix(tok.eos_token)
     return msg
 
