@@ -6,7 +6,7 @@ before/after evaluation, validate and the simulated A/B call ``evaluate_episodes
 
 An episode is played the way TRL's multi-turn loop plays it in training (``GRPOTrainer`` with an
 ``environment_factory``): the conversation is rendered with the policy's chat template and the environment's
-tool, the policy completes one assistant turn, ``tokenizer.parse_response`` reads its tool calls, each call runs on
+tool, the policy completes one assistant turn, TRL's ``parse_response`` reads its tool calls, each call runs on
 the episode's environment (an exception becomes the tool message ``{'error': ...}``, counted), and the next turn
 sees the result, for at most ``max_turns`` tool-calling turns. All episodes of a batch advance turn by turn
 together, so a turn is one batched ``generate``.
