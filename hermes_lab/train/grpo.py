@@ -253,6 +253,32 @@ def make_callback(
 
 
 # --------------------------------------------------------------------------------------------- train
+def _policy_for_training(cfg: HermesConfig, base: str, start_adapter: str | None) -> tuple[Any, Any]:
+    """The model GRPOTrainer trains and its ``peft_config``: the start adapter made trainable (continuing the
+    champion: TRL copies it into a frozen "ref" adapter for the KL), else a new LoRA from ``cfg.lora``."""
+    import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hermes_lab.core import quiet
+
+    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if start_adapter:
+        with quiet.third_party_deprecations():
+            return PeftModel.from_pretrained(model, start_adapter, is_trainable=True), None
+    lc = cfg.lora
+    peft_config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.lora_alpha,
+        lora_dropout=lc.lora_dropout,
+        target_modules=list(lc.target_modules),
+        bias=lc.bias,
+        task_type=lc.task_type,
+    )
+    return model, peft_config
+
+
 def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -273,9 +299,7 @@ def train(
     ``config.trl.save_steps(cfg)`` steps. ``resume``: continue from the newest complete one (same settings and data,
     else a ValueError says what changed); without one, training starts at step 0. Without ``resume``,
     checkpoints of an earlier run in that folder are removed first."""
-    import torch
-    from peft import LoraConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoTokenizer, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab.core import quiet, tracking
@@ -310,22 +334,7 @@ def train(
     ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
     resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
 
-    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    peft_config = None
-    if start_adapter:  # continue the champion; TRL copies it into a frozen "ref" adapter for KL
-        with quiet.third_party_deprecations():
-            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
-    else:
-        lc = cfg.lora
-        peft_config = LoraConfig(
-            r=lc.r,
-            lora_alpha=lc.lora_alpha,
-            lora_dropout=lc.lora_dropout,
-            target_modules=list(lc.target_modules),
-            bias=lc.bias,
-            task_type=lc.task_type,
-        )
+    model, peft_config = _policy_for_training(cfg, base, start_adapter)
 
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
@@ -444,9 +453,7 @@ def train_episodes(
     Writes ``train_log.jsonl`` (TRL's lines, its ``tools/*`` metrics and ``train.episodes.METRICS``),
     ``samples.jsonl`` (whole episodes), ``health.json`` (with the episodes' totals) and ``adapter/`` under
     ``output_dir``; its own MLflow run (``train-episodes``) nested under ``parent_run_id``."""
-    import torch
-    from peft import LoraConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoTokenizer, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab.core import quiet, tracking
@@ -462,22 +469,7 @@ def train_episodes(
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    dtype = "auto" if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    peft_config = None
-    if start_adapter:
-        with quiet.third_party_deprecations():
-            model = PeftModel.from_pretrained(model, start_adapter, is_trainable=True)
-    else:
-        lc = cfg.lora
-        peft_config = LoraConfig(
-            r=lc.r,
-            lora_alpha=lc.lora_alpha,
-            lora_dropout=lc.lora_dropout,
-            target_modules=list(lc.target_modules),
-            bias=lc.bias,
-            task_type=lc.task_type,
-        )
+    model, peft_config = _policy_for_training(cfg, base, start_adapter)
     reward = EP.EpisodeReward(cfg.reward.success_threshold)
     gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])
     gkw.update(max_steps=cfg.grpo.episode_steps or cfg.grpo.max_steps, max_tool_calling_iterations=cfg.grpo.max_turns)
