@@ -160,7 +160,11 @@ class Server:
             )
             responses.update(zip(sel, out))
         text = [i for i in idx if i not in episodes]
-        scored = dict(zip(text, self.score([traffic.prompts[i] for i in text], [responses[i] for i in text])))
+        scored = (
+            dict(zip(text, self.score([traffic.prompts[i] for i in text], [responses[i] for i in text])))
+            if text
+            else {}
+        )
         resp = [responses[i] for i in idx]
         rewards = [float(episodes[i].reward if i in episodes else scored[i]) for i in idx]
         base = np.exp(self.lat_rng.normal(math.log(a.latency_median_ms), a.latency_sigma, len(idx)))
