@@ -147,11 +147,10 @@ def run_hermes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, lis
 def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[dict[str, Any]]]:
     """The bare arm: what a user would write with TRL alone, with the workbench's settings."""
     from datasets import load_from_disk
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOConfig
 
-    from hermes_lab.config.trl import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs, lora_config
     from hermes_lab.policy import model as P
     from hermes_lab.rewards import registry as R
     from hermes_lab.train.grpo import filter_long_prompts
@@ -169,15 +168,7 @@ def run_bare(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[
     ]  # unwrapped: no guard, no sample log
     weights = list(cfg.reward.weights) if cfg.reward.weights else [1.0] * len(funcs)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    lc = cfg.lora
-    peft_config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.lora_alpha,
-        lora_dropout=lc.lora_dropout,
-        target_modules=list(lc.target_modules),
-        bias=lc.bias,
-        task_type=lc.task_type,
-    )
+    peft_config = lora_config(cfg)
     trainer = timed(
         model=model,
         reward_funcs=funcs,
@@ -217,11 +208,10 @@ def run_hermes_episodes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[f
 def run_bare_episodes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[float, list[dict[str, Any]]]:
     """Episode-level GRPO with TRL alone: the same environment class (environment_factory), dataset rows, reward
     (the environment's score of the final answer) and GRPOConfig as the workbench's episode phase."""
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOConfig
 
-    from hermes_lab.config.trl import grpo_kwargs
+    from hermes_lab.config.trl import grpo_kwargs, lora_config
     from hermes_lab.policy import model as P
     from hermes_lab.tasks import agent as A
     from hermes_lab.train import episodes as EP
@@ -237,15 +227,7 @@ def run_bare_episodes(cfg: Any, data: Path, out: Path, timed: type) -> tuple[flo
         return [e._hermes_score(A.final_answer(c)) for c, e in zip(completions, environments)]
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    lc = cfg.lora
-    peft_config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.lora_alpha,
-        lora_dropout=lc.lora_dropout,
-        target_modules=list(lc.target_modules),
-        bias=lc.bias,
-        task_type=lc.task_type,
-    )
+    peft_config = lora_config(cfg)
     gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])
     gkw.update(max_steps=cfg.grpo.episode_steps, max_tool_calling_iterations=cfg.grpo.max_turns, save_strategy="no")
     gkw.pop("save_steps", None)

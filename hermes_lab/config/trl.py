@@ -1,7 +1,7 @@
 """How the user's keys map onto TRL's ``GRPOConfig`` and PEFT's ``LoraConfig`` (TRL's own defaults are never
 relied on). Used by the train stage (``hermes_lab.train``) and by ``hermes-lab config --check``, which builds
 TRL's config from ours to ask TRL itself what it refuses. Reads and writes nothing; imports TRL and torch
-only inside ``grpo_kwargs``.
+only inside ``grpo_kwargs``, PEFT only inside ``lora_config``.
 
 | user YAML                    | TRL GRPOConfig / PEFT LoraConfig                                       |
 |------------------------------|------------------------------------------------------------------------|
@@ -28,6 +28,22 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+
+
+def lora_config(cfg: HermesConfig) -> Any:
+    """PEFT's LoraConfig for a HermesConfig's ``lora`` section: the adapter a training starts (the train stage's
+    prompt set and episode phase, and bench_train's bare TRL arms, build the same one)."""
+    from peft import LoraConfig
+
+    lc = cfg.lora
+    return LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.lora_alpha,
+        lora_dropout=lc.lora_dropout,
+        target_modules=list(lc.target_modules),
+        bias=lc.bias,
+        task_type=lc.task_type,
+    )
 
 
 def grpo_kwargs(

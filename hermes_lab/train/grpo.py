@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, dump_config, load_config
-from hermes_lab.config.trl import grpo_kwargs
+from hermes_lab.config.trl import grpo_kwargs, lora_config
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
@@ -257,7 +257,7 @@ def _policy_for_training(cfg: HermesConfig, base: str, start_adapter: str | None
     """The model GRPOTrainer trains and its ``peft_config``: the start adapter made trainable (continuing the
     champion: TRL copies it into a frozen "ref" adapter for the KL), else a new LoRA from ``cfg.lora``."""
     import torch
-    from peft import LoraConfig, PeftModel
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from hermes_lab.core import quiet
@@ -267,16 +267,7 @@ def _policy_for_training(cfg: HermesConfig, base: str, start_adapter: str | None
     if start_adapter:
         with quiet.third_party_deprecations():
             return PeftModel.from_pretrained(model, start_adapter, is_trainable=True), None
-    lc = cfg.lora
-    peft_config = LoraConfig(
-        r=lc.r,
-        lora_alpha=lc.lora_alpha,
-        lora_dropout=lc.lora_dropout,
-        target_modules=list(lc.target_modules),
-        bias=lc.bias,
-        task_type=lc.task_type,
-    )
-    return model, peft_config
+    return model, lora_config(cfg)
 
 
 def _is_main() -> bool:
