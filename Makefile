@@ -9,7 +9,7 @@ ROUNDS ?= 3
 # DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
 HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
 
-.PHONY: setup round flywheel status serve live-demo test test-fast lint browser-deps lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve live live-demo test test-fast lint browser-deps lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -38,7 +38,12 @@ status: setup
 serve: setup
 	$(BIN)/hermes-lab serve --params $(PARAMS)
 
-## a live 10% -> 30% -> 100% rollout on a 120x clock (serve + the stand-in agent), then a round trains on that traffic
+## the live flywheel: one gateway on 127.0.0.1:8700 that stays up; rounds start on its traffic, candidates swap in
+## (send traffic: hermes-lab agent --url http://127.0.0.1:8700 --requests 500; status page: http://127.0.0.1:8700/)
+live: setup
+	$(HL) flywheel --live --params $(PARAMS)
+
+## the live flywheel on a 360x clock with a stand-in agent: two rounds start themselves, swap in, are decided live
 live-demo: setup
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 

@@ -22,6 +22,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +38,9 @@ class OpenAIStub:
         self.plans: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # first-user-message key -> tool calls
         self.loop_key = "never finish"  # a first user message holding this: tools after every result
         self.requests: list[dict[str, Any]] = []
+        # vLLM's runtime LoRA API (POST /v1/load_lora_adapter): None = not enabled (404, as vLLM without
+        # VLLM_ALLOW_RUNTIME_LORA_UPDATING); a dict = lora name -> path of the adapters loaded so far
+        self.loras: dict[str, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -50,6 +54,7 @@ class OpenAIStub:
             app = web.Application()
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_post("/v1/load_lora_adapter", self._load_lora)
             self._runner = web.AppRunner(app, access_log=None)
             self._loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -85,6 +90,25 @@ class OpenAIStub:
             {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
         )
 
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's answers: 404 when runtime updating is off; 400 for a missing field, a path without an
+        adapter_config.json, or a name already loaded; 200 with a plain-text line otherwise."""
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body})
+        if self.loras is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return web.json_response({"error": {"message": "Both 'lora_name' and 'lora_path' must be provided."}}, 400)
+        if name in self.loras:
+            msg = f"The lora adapter '{name}' has already been loaded."
+            return web.json_response({"error": {"message": msg, "type": "InvalidUserInput"}}, status=400)
+        if not (Path(path) / "adapter_config.json").is_file():
+            return web.json_response({"error": {"message": f"No adapter found for {path}"}}, status=400)
+        self.loras[name] = path
+        self.models.append(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(
@@ -98,6 +122,8 @@ class OpenAIStub:
         user = next((m.get("content", "") for m in reversed(body["messages"]) if m.get("role") == "user"), "")
         task = T.parse_prompt(user) if isinstance(user, str) else None
         reply = self.reply if self.reply is not None else (task.answer if task else "OK")
+        if self.loras is not None and body["model"] in self.loras:  # which adapter answered, in the text
+            reply = f"{body['model']}: {reply}"
         calls: list[dict[str, Any]] = []
         reasoning = ""
         if self.agent and body.get("tools"):

@@ -30,7 +30,10 @@ BEFORE_STAGES: dict[str, tuple[str, str]] = {
 AFTER_STAGES: dict[str, tuple[str, str]] = {
     "inspect": ("hermes_lab.evaluate.inspect", "Reward/KL curves and diagnostics of a training run."),
     "round": ("hermes_lab.round.runner", "Run one full round of stage notebooks with papermill."),
-    "flywheel": ("hermes_lab.round.runner", "Run several rounds unattended on a simulated clock."),
+    "flywheel": (
+        "hermes_lab.round.supervisor",
+        "Run several rounds unattended on a simulated clock; --live: one gateway, rounds started by traffic.",
+    ),
     "status": ("hermes_lab.round.runner", "Is a round due? If not, why (samples, cooldown, review)."),
     "doctor": ("hermes_lab.cli.doctor", "Check the model API setup: base URL, key, model ids, proxies."),
     "serve": (

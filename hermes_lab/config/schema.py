@@ -505,6 +505,7 @@ def load_config(
         s.api_key_env,
         s.baseline_key_env,
         s.candidate_key_env,
+        s.lora_upstream_key_env,
         cfg.sandbox.api_key_env,
     )
     _resolve_paths(cfg)

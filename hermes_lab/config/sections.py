@@ -377,6 +377,15 @@ class ServeSection:
     candidate_model: str = _f("", "Model id the candidate upstream serves (required for a URL arm).")
     baseline_key_env: str = _f("", "NAME of the env var with the baseline upstream's key (empty: no key sent).")
     candidate_key_env: str = _f("", "NAME of the env var with the candidate upstream's key (empty: no key sent).")
+    lora_upstream: str = _f(
+        "",
+        "The http(s) root of a vLLM server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: "
+        "arms that name a local adapter or train dir (a round's candidate, the champion) are served by it, "
+        "the adapter loaded at the arm's start with POST /v1/load_lora_adapter under the name hermes-round-NN; "
+        "a bare base arm asks it for lora_base_model. Empty: such arms run in-process.",
+    )
+    lora_base_model: str = _f("", "serve.lora_upstream: the model id of its base (empty: model.base_model).")
+    lora_upstream_key_env: str = _f("", "serve.lora_upstream: NAME of the env var with its key (empty: none).")
     public_model: str = _f("hermes", "The one model name clients ask for; which arm answers is the gateway's business.")
     api_key_env: str = _f(
         "", "NAME of the env var with the gateway's own key; set: every /v1 call needs 'Authorization: Bearer <key>'."
@@ -546,7 +555,9 @@ def serve_problems(s: ServeSection) -> list[str]:
         )
     if "/" in s.experiment or s.experiment in {".", ".."}:
         out.append(f"serve.experiment must be a plain name (it is a folder under runs/live/), got {s.experiment!r}")
-    for key in ("api_key_env", "baseline_key_env", "candidate_key_env"):
+    if s.lora_upstream and not s.lora_upstream.startswith(("http://", "https://")):
+        out.append(f"serve.lora_upstream must be the http(s) root of a vLLM server, got {s.lora_upstream!r}")
+    for key in ("api_key_env", "baseline_key_env", "candidate_key_env", "lora_upstream_key_env"):
         if getattr(s, key) and not _ENV_NAME.match(getattr(s, key)):  # never echo it: it may be the key
             out.append(f"serve.{key} must be the NAME of an environment variable, not the key itself")
     for arm in ("baseline", "candidate"):

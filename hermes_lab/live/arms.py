@@ -67,11 +67,13 @@ class ArmSpec:
     key_env: str = ""
     base: str = ""
     adapter: str | None = None
+    lora: str = ""  # upstream arms of serve.lora_upstream: the adapter dir loaded into it under ``model``
 
     def describe(self) -> dict[str, Any]:
         """For experiment.json and the log: never a key, never a URL's credentials or query."""
         if self.kind == "upstream":
-            return {"kind": "upstream", "url": safe_url(self.url), "model": self.model, "key_env": self.key_env}
+            out = {"kind": "upstream", "url": safe_url(self.url), "model": self.model, "key_env": self.key_env}
+            return out | ({"lora": self.lora} if self.lora else {})
         return {"kind": "local", "base": self.base, "adapter": self.adapter}
 
     @property
@@ -122,10 +124,26 @@ def resolve_arm(
         from hermes_lab.policy.arms import candidate_from_train_dir
 
         base, adapter = candidate_from_train_dir(spec, cfg)
-        return ArmSpec(name, "local", spec, base=base, adapter=adapter)
+        return lora_upstream(cfg, ArmSpec(name, "local", spec, base=base, adapter=adapter))
     if spec != EMBEDDED_MODEL and spec.startswith((".", "/", "runs")) and not Path(spec).exists():
         raise ConfigError(f"--{name} {spec}: no such model, adapter or train dir")
-    return ArmSpec(name, "local", spec, base=spec)
+    return lora_upstream(cfg, ArmSpec(name, "local", spec, base=spec))
+
+
+def lora_upstream(cfg: HermesConfig, local: ArmSpec) -> ArmSpec:
+    """``serve.lora_upstream`` set: a local arm is served by that vLLM server instead of in-process. An adapter
+    is loaded into it at the arm's start (``POST /v1/load_lora_adapter``, vLLM's runtime LoRA API) under a
+    name of its own (round-NN), which the arm then asks for; a bare base is the server's base model."""
+    s = cfg.serve
+    if not s.lora_upstream:
+        return local
+    url = normalize_base_url(s.lora_upstream, "serve.lora_upstream") + "/v1/chat/completions"
+    adapter = local.adapter or (local.base if Path(local.base, "adapter_config.json").is_file() else None)
+    if adapter:
+        model, lora = f"hermes-{local.slug}", str(Path(adapter).resolve())
+    else:
+        model, lora = s.lora_base_model or local.base, ""
+    return ArmSpec(local.name, "upstream", local.spec, url=url, model=model, key_env=s.lora_upstream_key_env, lora=lora)
 
 
 # ----------------------------------------------------------------------------------------- answers
@@ -292,6 +310,39 @@ class UpstreamArm:
         self._proxy: str | None = None
 
     async def start(self) -> None:
+        self._open()
+        if self.spec.lora:
+            await self.load_lora()
+
+    async def load_lora(self) -> None:
+        """vLLM's runtime LoRA API: ``POST /v1/load_lora_adapter {lora_name, lora_path}`` (the server runs with
+        ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). A name it already holds is taken as
+        loaded (a restarted gateway, or the champion loaded by an earlier experiment)."""
+        root = self.spec.url.removesuffix("/v1/chat/completions")
+        body = orjson.dumps({"lora_name": self.spec.model, "lora_path": self.spec.lora})
+        try:
+            status, text = await self._post(root + "/v1/load_lora_adapter", body)
+        except Exception as e:
+            raise self._error(e) from None
+        if status == 200 or (status == 400 and "already" in text.lower()):
+            return
+        hint = " (is it started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)" if status == 404 else ""
+        raise UpstreamError(
+            redact(
+                f"{self.name}: {safe_url(root)} refused to load adapter {self.spec.lora} as "
+                f"{self.spec.model!r}: status {status}: {text[:300]}{hint}",
+                self._key,
+            )
+        )
+
+    async def _post(self, url: str, body: bytes) -> tuple[int, str]:
+        if self.client_kind == "httpx":
+            r = await self._session.post(url, content=body, headers=self.headers)
+            return r.status_code, r.text
+        async with self._session.post(url, data=body, headers=self.headers, proxy=self._proxy) as r:
+            return r.status, await r.text()
+
+    def _open(self) -> None:
         if self.client_kind == "httpx":
             import httpx
 
@@ -559,21 +610,21 @@ class LocalArm:
         return None, events()
 
 
-def build_arms(cfg: HermesConfig, specs: dict[str, ArmSpec]) -> tuple[dict[str, Any], GenerationWorker | None]:
-    """The arm objects; in-process policies are loaded once per (base, adapter), so an A/A shares one."""
-    arms: dict[str, Any] = {}
-    worker: GenerationWorker | None = None
-    loaded: dict[tuple[str, str | None], Any] = {}
-    for name in ARMS:
-        spec = specs[name]
-        if spec.kind == "upstream":
-            arms[name] = UpstreamArm(spec, cfg)
-            continue
+class ArmPool:
+    """The in-process policies and the one generation thread of a process. One pool serves every experiment
+    of a long-running gateway (``hermes_lab.live.switch``): a new experiment's arms are loaded beside the
+    running ones (the champion, already loaded, is not loaded again) and the switch is one reference swap."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[tuple[str, str | None], Any] = {}
+        self.worker: GenerationWorker | None = None
+
+    def policy(self, cfg: HermesConfig, spec: ArmSpec) -> Any:
         key = (spec.base, spec.adapter)
-        if key not in loaded:
+        if key not in self.loaded:
             from hermes_lab.policy.model import load_policy
 
-            loaded[key] = load_policy(
+            self.loaded[key] = load_policy(
                 spec.base,
                 adapter=spec.adapter,
                 runs_dir=cfg.round.runs_dir,
@@ -581,7 +632,36 @@ def build_arms(cfg: HermesConfig, specs: dict[str, ArmSpec]) -> tuple[dict[str, 
                 dtype=cfg.model.dtype,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
-        if worker is None:
-            worker = GenerationWorker(cfg.serve.batch_wait_ms / 1000, cfg.serve.max_batch)
-        arms[name] = LocalArm(spec, loaded[key], worker, cfg)
-    return arms, worker
+        if self.worker is None:
+            self.worker = GenerationWorker(cfg.serve.batch_wait_ms / 1000, cfg.serve.max_batch)
+        return self.loaded[key]
+
+    def keep(self, specs: list[ArmSpec]) -> None:
+        """Unload the policies no listed arm serves (an experiment that drained)."""
+        used = {(a.base, a.adapter) for a in specs if a.kind == "local"}
+        for key in [k for k in self.loaded if k not in used]:
+            del self.loaded[key]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def build_arms(
+    cfg: HermesConfig, specs: dict[str, ArmSpec], pool: ArmPool | None = None
+) -> tuple[dict[str, Any], GenerationWorker | None]:
+    """The arm objects; in-process policies are loaded once per (base, adapter), so an A/A shares one. With
+    a shared ``pool`` they come from (and stay in) it, and the worker returned is None: not this
+    experiment's to close."""
+    own = pool is None
+    pool = pool or ArmPool()
+    arms: dict[str, Any] = {}
+    for name in ARMS:
+        spec = specs[name]
+        if spec.kind == "upstream":
+            arms[name] = UpstreamArm(spec, cfg)
+        else:
+            policy = pool.policy(cfg, spec)
+            arms[name] = LocalArm(spec, policy, pool.worker, cfg)
+    return arms, (pool.worker if own else None)

@@ -56,7 +56,16 @@ from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, HermesConfig
 from hermes_lab.live import experiment as X
 from hermes_lab.live import log as L
-from hermes_lab.live.arms import ARMS, Answer, ArmSpec, CallAssembler, UpstreamError, build_arms, flatten_messages
+from hermes_lab.live.arms import (
+    ARMS,
+    Answer,
+    ArmPool,
+    ArmSpec,
+    CallAssembler,
+    UpstreamError,
+    build_arms,
+    flatten_messages,
+)
 from hermes_lab.live.conversations import Link, Tracker, tool_errors
 
 log = logging.getLogger("hermes_lab.serve")
@@ -100,6 +109,7 @@ class Gateway:
         log_dir: str | os.PathLike[str] | None = None,
         experiment: str | None = None,
         say: Any = print,
+        pool: ArmPool | None = None,
     ):
         self.cfg, s = cfg, cfg.serve
         self.specs, self.say = specs, say
@@ -113,7 +123,9 @@ class Gateway:
         self.convs = Tracker(s.conversation_idle_s, s.conversation_tool_wait_s, s.max_conversations)
         self.max_body = s.max_body_bytes
         self.scale = float(cfg.reward.scale)
-        self.arms, self.worker = build_arms(cfg, specs)  # first: a missing key fails before any state is written
+        # first: a missing key fails before any state is written. A shared pool (the live flywheel's one
+        # gateway, hermes_lab.live.switch) keeps its policies and worker; else they are this gateway's
+        self.arms, self.worker = build_arms(cfg, specs, pool)
         ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, self.name)
         self.state = X.open_experiment(self.log_dir, ident, self.stages, ratio, arm_specs=X.arm_specs(specs))
         self.stage, self.ratio = int(self.state["stage"]), float(self.state["ratio"])
@@ -139,6 +151,7 @@ class Gateway:
         self.req_log = self.fb_log = self.tools_log = None
         self.traces: Any = None
         self._decision: tuple[Any, dict[str, Any]] = (None, {})
+        self.flywheel: Any = None  # the live flywheel's status (a callable), shown by /v1/experiment
         self._debug = log.isEnabledFor(logging.DEBUG)
         # generated request ids: a random per-process prefix and a counter (unique across restarts, and
         # cheaper than uuid4, whose urandom call showed up in the profile)
@@ -268,7 +281,7 @@ class Gateway:
 
     # --------------------------------------------------------------------------------- endpoints
     async def healthz(self, request: Request) -> Response:
-        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name}), 200, [])
+        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name, "pid": os.getpid()}), 200, [])
 
     async def models(self, request: Request) -> Response:
         try:
@@ -602,6 +615,8 @@ class Gateway:
             "rejected": self.rejected,
             **dec,
         }
+        if self.flywheel is not None:
+            out["flywheel"] = self.flywheel()
         return _Raw(orjson.dumps(out), 200, [])
 
 

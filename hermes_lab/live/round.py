@@ -50,6 +50,10 @@ def prepare(cfg: HermesConfig, round_dir: str | os.PathLike[str], baseline: str,
     from hermes_lab.live.arms import ARMS, resolve_arm
 
     log_dir = experiment_dir(cfg, round_dir)
+    if cfg.serve.candidate.startswith(("http://", "https://")):
+        # a hosted API cannot load the round's adapter: the operator deploys it and names the model id it
+        # serves (serve.candidate_model, read from the params file the round runs with)
+        candidate = cfg.serve.candidate
     specs = {"baseline": resolve_arm(cfg, "baseline", baseline), "candidate": resolve_arm(cfg, "candidate", candidate)}
     stages, ratio = X.live_stages(cfg, log_dir)
     ident = X.experiment_ident(cfg, {n: specs[n].describe() for n in ARMS}, Path(round_dir).name)

@@ -1,32 +1,31 @@
-"""``make live-demo``: a live 10% -> 30% -> 100% rollout decided in minutes, then a round trains on that traffic.
+"""``make live-demo``: the live flywheel on the embedded default, on a fast clock: two rounds start themselves.
 
-Reads and writes ``runs/`` like any round: ``runs/round-NN/``, the round's live experiment
-``runs/live/round-NN/`` (requests, feedback, experiment.json, ab_report.json, plots/) and the demo's config
-``runs/live/demo.yaml`` (``params/embedded.yaml`` with the live keys below: it is printed at the start).
+Reads ``params/embedded.yaml``; writes its own runs folder, ``runs/live-demo/`` (emptied at the start, so the
+demo runs the same whatever ran before it: rounds, flywheels, an earlier demo), with everything a live
+flywheel writes there (``live/flywheel/``, ``live/collect-01``, ``live/round-NN``, ``round-NN/``, MLflow).
 
-    make live-demo                         # = python -m hermes_lab.round.live_demo
-    python -m hermes_lab.round.live_demo --params params/embedded.yaml --time-scale 120
+    make live-demo                      # = python -m hermes_lab.round.live_demo
+    python -m hermes_lab.round.live_demo --time-scale 360 --rounds 2
 
-The steps, each said as it starts:
-1. the round whose candidate goes live: ``hermes-lab round`` up to its A/B stage, which (``ab.mode: live``)
-   prepares the round's experiment and stops the round, "awaiting live A/B". A round already awaiting its
-   live A/B is taken as it is (``make live-demo`` again continues where the last one stopped).
-2. ``hermes-lab serve`` serves that experiment on the scaled wall clock (``--time-scale``: 10% for 2 h is a
-   minute) and a stand-in agent (``hermes_lab.live.agent``: the openai SDK, the task verifier's score posted as
-   feedback) sends traffic until the rollout is decided; the gateway prints a line at every look and
-   writes ``ab_report.json``.
-3. ``hermes-lab round --resume``: the round takes the live decision (the champion moves only when the rollout
-   reached 100%).
-4. the next round trains on that traffic (``execute.source: live``; the simulated clock first moves past the
-   24 h cooldown, as ``make flywheel`` does); its own A/B is live again and waits for the next demo.
+What happens, a line at each transition (the supervisor's ``[live ...]`` lines, the gateway's looks):
+1. ``hermes-lab flywheel --live`` starts: one gateway on one address, serving the base policy;
+2. a stand-in agent (``hermes_lab.live.agent``: the openai SDK, the verifier's score posted as feedback)
+   sends traffic; once ``data.min_samples`` conversations have feedback and the cooldown has passed, round 1
+   starts by itself in a worker process (prep on that traffic, review, train, validate) while the gateway
+   keeps answering (the agent slows down to leave the training its core);
+3. its candidate is swapped into the same gateway and the staged rollout decides it on the clock; the round
+   takes the decision (promotion: the candidate is the next experiment's baseline);
+4. round 2 starts the same way on the experiment's traffic, is swapped in and decided.
+At the end it checks what the demo is for: the gateway's pid and address never changed, no request failed.
+The clock: x360 (``--time-scale``): the 30% stage of 2 h takes 20 s (up to 40 s extended), the 1 h cooldown 10 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
-import socket
+import shutil
 import subprocess
 import sys
 import threading
@@ -36,134 +35,112 @@ from typing import Any
 
 import yaml
 
-# the keys that make the embedded default a live one (README "Live traffic")
-LIVE_KEYS: dict[str, dict[str, Any]] = {
-    "execute": {"source": "live"},  # round 2 on: the previous round's live traffic (round 1: the tasks)
-    "ab": {"mode": "live", "request_rate": 0.2},  # ~25 requests/s of wall clock at x120: tunes the bets only
-    "serve": {"time_scale": 120.0},  # 10% for 2 h -> 1 min, 30% for 4 h -> 2 min, a look every 7.5 s
+DEMO_KEYS: dict[str, dict[str, Any]] = {
+    "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
+    "data": {"min_samples": 300, "cooldown_hours": 1},  # 300 conversations; the cooldown shown, not waited out
+    # one tested stage at 30% (2 h = 20 s at x360), then 100%: at the ~30 requests/s the tiny policy serves here,
+    # a 10% first stage sees ~120 candidate requests, too few to decide a +14-point round 2 before its hard end
+    "ab": {"request_rate": 0.1, "stages": [[0.3, 7200], [1.0, 0]]},
+    "validate": {"eval_tasks_per_family": 48},  # half the held-out set: the regression gate in half the time
 }
 
 
 def say(msg: str) -> None:
-    print(f"\n=== live-demo: {msg}", flush=True)
+    print(f"=== live-demo: {msg}", flush=True)
 
 
-def demo_params(base: str | os.PathLike[str], out: Path, time_scale: float) -> Path:
-    """``base`` with LIVE_KEYS (and the time scale) written to ``out``: the config every step uses."""
+def demo_params(base: str, out: Path) -> Path:
     cfg = yaml.safe_load(Path(base).read_text(encoding="utf-8")) or {}
-    for sec, kv in LIVE_KEYS.items():
+    for sec, kv in DEMO_KEYS.items():
         cfg.setdefault(sec, {}).update(kv)
-    cfg["serve"]["time_scale"] = float(time_scale)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"# written by hermes_lab.round.live_demo: {base} + the live keys\n" + yaml.safe_dump(cfg, sort_keys=False)
-    )
+    out.write_text(f"# written by hermes_lab.round.live_demo: {base} + {json.dumps(DEMO_KEYS)}\n" + yaml.safe_dump(cfg))
     return out
 
 
-def hermes(*args: str, check: bool = True) -> int:
-    """A ``hermes-lab`` command in a child process, its output passed through."""
-    r = subprocess.run([sys.executable, "-m", "hermes_lab.cli.main", *args])
-    if check and r.returncode not in (0,):
-        raise SystemExit(f"live-demo: hermes-lab {' '.join(args)} exited {r.returncode}")
-    return r.returncode
-
-
-def awaiting_round(params: Path) -> tuple[int, Path] | None:
-    """(round number, its live experiment dir) of an unfinished round awaiting its live A/B, or None."""
-    from hermes_lab.config.schema import load_config
-    from hermes_lab.core.state import FlywheelState, state_path
-    from hermes_lab.live import round as live_round
-
-    cfg = load_config(params)
-    runs = Path(cfg.round.runs_dir)
-    state = FlywheelState.load(state_path(runs))
-    n = state.last_round + 1
-    prog = state.progress or {}
-    if prog.get("round") == n and prog.get("status") == live_round.AWAITING:
-        return n, live_round.experiment_dir(cfg, runs / f"round-{n:02d}")
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_until_decided(params: Path, log_dir: Path, concurrency: int) -> dict[str, Any]:
-    """The gateway on the experiment and the agent's traffic until the rollout is decided; the final state."""
+def get(url: str) -> dict[str, Any] | None:
     import httpx
 
+    try:
+        return httpx.get(url, timeout=10, trust_env=False).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def run(base_params: str, time_scale: float, rounds: int, port: int) -> int:
+    from hermes_lab.core import paths
     from hermes_lab.live.agent import run_agent
 
-    port = free_port()
+    runs = paths.resolve(DEMO_KEYS["round"]["runs_dir"])
+    if runs.exists():
+        shutil.rmtree(runs)
+    params = demo_params(base_params, runs.parent / "live-demo.yaml")
     url = f"http://127.0.0.1:{port}"
-    gw = subprocess.Popen(
-        [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--log-dir", str(log_dir)]
-        + ["--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    threading.Thread(target=lambda: [print(line, end="", flush=True) for line in gw.stdout], daemon=True).start()
+    t0 = time.time()
+    say(f"{params} = {base_params} + {json.dumps(DEMO_KEYS)}; clock x{time_scale:g}; gateway {url}")
+    cmd = [sys.executable, "-m", "hermes_lab.round.supervisor", "--live", "--params", str(params)]
+    cmd += ["--time-scale", str(time_scale), "--port", str(port), "--rounds", str(rounds)]
+    sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    threading.Thread(target=lambda: [print(line, end="", flush=True) for line in sup.stdout], daemon=True).start()
+    pid, answered, failed, batch = None, 0, 0, 0
     try:
-        for _ in range(600):
-            if gw.poll() is not None:
-                raise SystemExit(f"live-demo: the gateway exited {gw.returncode}")
-            try:
-                if httpx.get(url + "/healthz", timeout=1, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
+        while sup.poll() is None:
+            h = get(url + "/healthz")
+            if h is None:
+                if pid is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        sup.wait(30)  # --rounds reached: the supervisor closes its gateway and exits
+                    if sup.poll() is not None:
+                        break
+                    raise SystemExit(f"live-demo: the gateway at {url} stopped answering")
                 time.sleep(0.5)
-        exp: dict[str, Any] = {}
-        batch = 0
-        while not exp.get("report"):
-            batch += 1  # a fresh task seed per batch: the next round gets new prompts, not repeats
-            run_agent(url, 200, concurrency, seed=1000 + batch, progress=False)
-            exp = httpx.get(url + "/v1/experiment", timeout=30, trust_env=False).json()
-        return exp
+                continue
+            if pid is None:
+                pid = h["pid"]
+            elif h["pid"] != pid:
+                raise SystemExit(f"live-demo: the gateway's pid changed ({pid} -> {h['pid']})")
+            fw = get(url + "/v1/flywheel") or {}
+            busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
+            batch += 1
+            n, conc = (8, 2) if busy else (120, 8)  # a trickle while a round trains: it still gets answers
+            try:
+                s = run_agent(url, n, conc, seed=10_000 + batch, progress=False)
+            except Exception as e:  # the supervisor stopping after its last round closes the gateway
+                if sup.poll() is not None:
+                    break
+                raise SystemExit(f"live-demo: the agent could not reach {url}: {type(e).__name__}: {e}") from None
+            answered, failed = answered + s["answered"], failed + s["errors"]
+            if s["errors"] and sup.poll() is None:
+                say(f"{s['errors']} failed requests: {s['first_errors']}")
+            if busy:
+                time.sleep(2.0)
+        rc = sup.wait()
     finally:
-        gw.terminate()  # the gateway finishes writing its report first
-        gw.wait(120)
-
-
-def run(base_params: str, time_scale: float, concurrency: int) -> int:
-    from hermes_lab.config.schema import load_config
-
-    runs = Path(load_config(base_params).round.runs_dir)
-    params = demo_params(base_params, runs / "live" / "demo.yaml", time_scale)
-    print(f"live-demo: config {params} = {base_params} + {json.dumps(LIVE_KEYS)} (time scale {time_scale:g})")
-    waiting = awaiting_round(params)
-    if waiting is None:
-        say("1/4 the round whose candidate goes live: hermes-lab round, up to its live A/B stage")
-        hermes("round", "--params", str(params), check=False)
-        waiting = awaiting_round(params)
-        if waiting is None:
-            raise SystemExit("live-demo: the round did not reach its live A/B stage (its summary above says why)")
-    else:
-        say(f"1/4 round {waiting[0]} is awaiting its live A/B: taking it from there")
-    n, log_dir = waiting
-    say(f"2/4 hermes-lab serve on {log_dir} (clock x{time_scale:g}) + the stand-in agent, until the rollout is decided")
-    exp = serve_until_decided(params, log_dir, concurrency)
-    say(f"the live rollout of round {n}: {exp['status']}, candidate at {exp['ratio']:.0%}; report {exp['report']}")
-    say(f"3/4 hermes-lab round --resume: round {n} takes the live decision")
-    hermes("round", "--params", str(params), "--resume", check=False)
-    say(f"4/4 round {n + 1} trains on that traffic (execute.source: live; the simulated clock skips the cooldown)")
-    hermes("flywheel", "--params", str(params), "--rounds", "1", check=False)  # moves the clock past the cooldown
-    hermes("status", "--params", str(params), check=False)
-    say(f"done: round {n + 1} trained on {log_dir}; `make live-demo` again serves its own live A/B")
-    return 0
+        if sup.poll() is None:
+            sup.terminate()
+            sup.wait(60)
+    status = json.loads((runs / "live" / "flywheel" / "status.json").read_text(encoding="utf-8"))
+    done = status.get("rounds") or []
+    say(f"{len(done)} rounds in {time.time() - t0:.0f} s, one gateway: pid {pid}, {url} throughout")
+    for r in done:
+        gain = "" if r.get("gain") is None else f", held-out {r['gain'] * 100:+.1f} points"
+        say(f"  round {r['round']:02d}: {r['status']}{gain} (experiment {r.get('experiment')})")
+    say(f"  the agent: {answered} requests answered, {failed} failed; swaps in the gateway: {len(status['swaps'])}")
+    ok = rc == 0 and len(done) >= rounds and failed == 0 and len(status["swaps"]) >= rounds
+    if not ok:
+        say(f"FAILED: supervisor exit {rc}, {len(done)} of {rounds} rounds, {failed} failed requests")
+    return 0 if ok else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="params/embedded.yaml", help="base config (the live keys are added to it)")
-    p.add_argument("--time-scale", type=float, default=LIVE_KEYS["serve"]["time_scale"], help="experiment clock speed")
-    p.add_argument("--concurrency", type=int, default=16, help="the agent's requests in flight")
+    p.add_argument("--params", default="params/embedded.yaml", help="base config (the demo keys are added to it)")
+    p.add_argument("--time-scale", type=float, default=360.0, help="clock speed (stages, looks, cooldown)")
+    p.add_argument("--rounds", type=int, default=2, help="self-triggered rounds to run")
+    p.add_argument("--port", type=int, default=8700, help="the gateway's port")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return run(args.params, args.time_scale, args.concurrency)
+    return run(args.params, args.time_scale, args.rounds, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,7 +187,9 @@ def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
         trl_version = version("trl")
     except PackageNotFoundError:
         trl_version = "none"
-    key = hashlib.sha256(json.dumps([cfg.to_dict(), trl_version], sort_keys=True, default=str).encode()).hexdigest()
+    checked = cfg.to_dict()
+    checked["execute"].pop("live_dir", None)  # where the data comes from changes nothing TRL checks
+    key = hashlib.sha256(json.dumps([checked, trl_version], sort_keys=True, default=str).encode()).hexdigest()
     stamp = runs / ".config-checked"
     if stamp.is_file() and stamp.read_text().strip() == key:
         return check_config(cfg)
@@ -617,7 +619,23 @@ def status(params_path: str) -> dict[str, Any]:
         "champion": state.champion_adapter or "base",
         "now": now.isoformat(),
         "pending_samples": pending,
+        "live": live_status(runs),
     }
+
+
+def live_status(runs: Path) -> dict[str, Any] | None:
+    """The live flywheel's last status (``hermes_lab.round.supervisor`` writes it every second), with whether
+    its process is still there; None when no live flywheel ran on these runs/."""
+    try:
+        got = json.loads((runs / "live" / "flywheel" / "status.json").read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    try:
+        os.kill(int(got.get("pid") or 0), 0)
+        got["alive"] = bool(got.get("pid"))
+    except (ProcessLookupError, PermissionError, ValueError):
+        got["alive"] = False
+    return got
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -660,6 +678,15 @@ def run_cli_status(args: argparse.Namespace) -> int:
     )
     for r in s["reasons"]:
         print(f"  - {r}")
+    live = s["live"]
+    if live:  # the live flywheel decides when rounds start: what it waits for
+        state = "running" if live["alive"] else "not running (its last status)"
+        exp = live.get("experiment") or {}
+        print(f"live flywheel {live.get('address')} pid {live.get('pid')}: {state}, phase {live.get('phase')}")
+        if exp:
+            print(f"  serving {exp.get('name')}: candidate at {float(exp.get('ratio') or 0):.0%} ({exp.get('status')})")
+        for w in live.get("waiting_for") or ["nothing"]:
+            print(f"  waiting for {w}")
     return 0 if s["due"] else 3
 
 

@@ -1,0 +1,159 @@
+"""The live flywheel (`hermes-lab flywheel --live`, hermes_lab.round.supervisor) as an operator meets it: one
+supervisor process with its gateway, traffic from clients that post feedback, a round that starts itself on
+volume, its candidate swapped into the same gateway, and kill -9 twice: once while the round trains, once
+during the candidate's rollout. Each time the same command continues where it was, and no answered request
+is missing from the logs. The status page is opened in Chromium while the experiment runs.
+
+Real components throughout: the supervisor and its worker as subprocesses, uvicorn on 127.0.0.1, the tiny
+policy and the round's own adapter as arms, papermill, TRL, a SQLite MLflow store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fake_openai import free_port  # noqa: E402
+from test_live_rollout import Traffic  # noqa: E402
+from test_round import HERMES, REPO, small_params  # noqa: E402
+
+from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
+from hermes_lab.round import runner  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Supervisor:
+    def __init__(self, tmp: Path, params: Path, port: int):
+        self.tmp, self.params, self.port, self.starts = tmp, params, port, 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Supervisor:
+        self.starts += 1
+        out = open(self.tmp / f"supervisor-{self.starts}.out", "w")  # noqa: SIM115 (the child holds it)
+        cmd = [*HERMES, "flywheel", "--live", "--params", str(self.params), "--port", str(self.port)]
+        cmd += ["--rounds", "1", "--time-scale", "60"]
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        return self
+
+    def output(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.tmp.glob("supervisor-*.out")))
+
+    def status(self) -> dict:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/v1/flywheel", timeout=10, trust_env=False).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def wait(self, cond, what: str, timeout: float = 600) -> dict:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the supervisor exited {self.proc.returncode} waiting for {what}:\n" + self.output()[-4000:]
+                )
+            s = self.status()
+            if s and cond(s):
+                return s
+            time.sleep(0.5)
+        raise AssertionError(
+            f"timed out waiting for {what}; status {json.dumps(self.status())[:1500]}\n" + self.output()[-4000:]
+        )
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
+    params = small_params(
+        tmp_path,
+        data={"min_samples": 100, "cooldown_hours": 0, "review_fraction": 0.5},
+        ab={"stages": [[0.5, 1200], [1.0, 0]], "look_every": 200, "min_per_arm": 10},
+    )
+    runs = tmp_path / "runs"
+    sup = Supervisor(tmp_path, params, free_port()).start()
+    url = f"http://127.0.0.1:{sup.port}"
+    first = sup.wait(lambda s: s.get("phase") == "collecting", "the gateway", timeout=180)
+    traffic = Traffic(url, threads=2, prefix="fw")
+    try:
+        # 1. the round starts itself on volume; kill -9 while it trains
+        def training(s: dict) -> bool:
+            prog = FlywheelState.load(state_path(runs)).progress or {}
+            return s.get("phase") == "training" and "review" in prog.get("completed", [])
+
+        s = sup.wait(training, "round 1 training", timeout=400)
+        worker = s["round"]["pid"]
+        assert s["pid"] == first["pid"] and s["round"]["number"] == 1
+        sup.kill9()
+        for _ in range(40):  # the worker (and its kernels) die with the supervisor: no orphaned training
+            if not alive(worker):
+                break
+            time.sleep(0.25)
+        assert not alive(worker), "the round's worker outlived the killed supervisor"
+        done_before = FlywheelState.load(state_path(runs)).progress["completed"]
+        assert done_before[:3] == ["execute", "prep", "review"]
+
+        # 2. the same command: the round continues from its last completed stage, then its candidate is
+        # swapped into the gateway and its rollout runs; kill -9 during the rollout
+        sup.start()
+        s = sup.wait(
+            lambda s: s.get("phase") == "experiment" and (s.get("experiment") or {}).get("name") == "round-01",
+            "the swap to round 1's experiment",
+        )
+        assert "resuming" in sup.output()
+        exp_dir = runs / "live" / "round-01"
+        sup.wait(lambda s: json.loads((exp_dir / "experiment.json").read_text())["looks"], "a look")
+
+        from test_status_page import chromium_page  # the browser helpers (skips without Chromium)
+
+        text, shot = chromium_page(url + "/", "live_flywheel")
+        assert "round-01" in text and "Waiting for" in text and shot.is_file()
+        sup.kill9()
+        sup.start()
+        sup.wait(lambda s: s.get("pid") is not None, "the restart")
+        t0 = time.time()
+        while sup.proc.poll() is None and time.time() - t0 < 600:  # --rounds 1: it stops once round 1 ended
+            time.sleep(1)
+        assert sup.proc.returncode == 0, sup.output()[-4000:]
+    finally:
+        traffic.stop()
+        if sup.proc.poll() is None:
+            sup.proc.terminate()
+            sup.proc.wait(60)
+    out = sup.output()
+    summary = json.loads((runs / "round-01" / "summary.json").read_text())
+    assert summary["status"].startswith(("promoted", "rolled back", "candidate held")), summary["status"]
+    exp = json.loads((runs / "live" / "round-01" / "experiment.json").read_text())
+    assert exp["restarts"] >= 1 and exp["status"] != "running" and exp["report"]
+    assert "candidate swapped in without a restart" in out and "round 01:" in out
+    # no answered request is missing: every 200 the clients got is in one of the experiments' logs
+    logged = set()
+    for p in runs.glob("live/*/requests.jsonl"):
+        logged |= {json.loads(x)["request_id"] for x in p.read_text().splitlines() if x.strip()}
+    answered = [rid for rid, _, status, _ in traffic.sent if status == 200]
+    assert len(answered) > 200
+    missing = [rid for rid in answered if rid not in logged]
+    assert not missing, f"{len(missing)} of {len(answered)} answered requests are in no log: {missing[:5]}"
+    assert not [x for x in traffic.sent if x[2] not in (200,)], "a request the gateway took was refused"
+    # hermes-lab status reads the flywheel's last status
+    st = runner.status(str(params))
+    assert st["live"]["alive"] is False and st["live"]["rounds"][0]["round"] == 1

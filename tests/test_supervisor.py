@@ -1,0 +1,91 @@
+"""The live flywheel's watch (hermes_lab.round.supervisor) without a gateway: when a round is due, what it waits
+for, the config a round runs with, the counting of conversations with feedback. The whole loop, kill -9
+included, is tests/test_live_flywheel.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import yaml
+
+from hermes_lab.config.schema import load_config
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.round.supervisor import FeedbackCounter, Supervisor, live_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_feedback_counter_counts_conversations_once_and_waits_for_whole_lines(tmp_path):
+    fb = tmp_path / "feedback.jsonl"
+    c = FeedbackCounter(tmp_path)
+    assert c.count() == 0  # no file yet
+    fb.write_text("".join(json.dumps({"conversation_id": f"c{i % 3}", "reward": 1}) + "\n" for i in range(5)))
+    assert c.count() == 3  # five rows, three conversations (a re-score is not a new conversation)
+    with open(fb, "a") as f:
+        f.write('{"conversation_id": "c9", "rew')  # a line being written: not counted yet, not lost
+    assert c.count() == 3
+    with open(fb, "a") as f:
+        f.write('ard": 2}\nnot json\n{"conversation_id": "c4"}\n')
+    assert c.count() == 5 and c.offset == fb.stat().st_size
+
+
+def test_live_params_adds_the_live_keys_and_keeps_the_rest(tmp_path):
+    out = live_params(REPO / "params" / "embedded.yaml", tmp_path / "r.yaml", 360.0, **{"execute.live_dir": "/x"})
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["execute"]["source"] == "live" and cfg["execute"]["live_dir"] == "/x"
+    assert cfg["ab"]["mode"] == "live" and cfg["serve"]["time_scale"] == 360.0
+    assert cfg["round"]["simulated_clock"] is True  # K != 1: the round's cooldown reads the flywheel's clock
+    assert cfg["grpo"]["max_steps"] == 40  # the user's keys are kept
+    real = yaml.safe_load(live_params(None, tmp_path / "p.yaml", 1.0).read_text())
+    assert real["round"]["simulated_clock"] is False  # production: the wall clock
+    load_config(out)  # a valid config
+
+
+def test_due_waits_for_volume_and_cooldown_on_the_scaled_clock(tmp_path):
+    base = yaml.safe_load((REPO / "params" / "embedded.yaml").read_text())
+    base["round"] = {"runs_dir": str(tmp_path / "runs")}
+    base["data"].update(min_samples=4, cooldown_hours=2)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(base))
+    sup = Supervisor(str(tmp_path / "p.yaml"), time_scale=3600.0)  # an hour a second
+    log = tmp_path / "runs" / "live" / "collect-01"
+    log.mkdir(parents=True)
+    sup._serving(log)
+    ok, reasons, kinds = sup.due()
+    assert not ok and kinds == ["samples"] and reasons[0].startswith("4 more conversations with feedback")
+    (log / "feedback.jsonl").write_text("".join(json.dumps({"conversation_id": f"c{i}"}) + "\n" for i in range(6)))
+    assert sup.due()[0]  # 6 >= 4, never trained: due
+    sup.state["consumed"] = 3  # a round already took three of them
+    assert sup.due()[2] == ["samples"]
+    sup.state["consumed"] = 0
+    fw = FlywheelState.load(state_path(sup.runs))
+    fw.last_train_time = sup.sim_now().isoformat()  # trained just now: 2 h of cooldown = 2 s of wall clock
+    fw.save(state_path(sup.runs))
+    ok, reasons, kinds = sup.due()
+    assert not ok and kinds == ["cooldown"] and "h left" in reasons[0] and "of wall clock" in reasons[0]
+    sup.state["clock"]["sim"] = (datetime.now(timezone.utc) + timedelta(hours=3)).isoformat()  # the clock ran on
+    assert sup.due()[0]
+    # a restart keeps what was served and counted
+    sup._save()
+    again = Supervisor(str(tmp_path / "p.yaml"), time_scale=3600.0)
+    assert again.state["serving"] == str(log) and again.state["restarts"] == 1
+
+
+def test_a_hosted_candidate_takes_the_model_id_of_the_config(tmp_path):
+    """serve.candidate an API URL (TaoToken): the round's live experiment asks it for serve.candidate_model, the
+    id the operator deployed the adapter under; a new id in the params file is the next experiment's."""
+    from hermes_lab.live import round as live_round
+
+    for n, model in ((1, "hermes-ft-001"), (2, "hermes-ft-002")):
+        over = {
+            "round.runs_dir": str(tmp_path / "runs"),
+            "serve.candidate": "https://api.example.test/v1",
+            "serve.candidate_model": model,
+            "serve.candidate_key_env": "TAOTOKEN_API_KEY",
+        }
+        cfg = load_config(None, overrides=over)
+        st = live_round.prepare(cfg, tmp_path / "runs" / f"round-{n:02d}", "embedded:tiny", str(tmp_path / "adapter"))
+        cand = st["arms"]["candidate"]
+        assert cand["kind"] == "upstream" and cand["model"] == model and cand["key_env"] == "TAOTOKEN_API_KEY"
+        assert st["arm_specs"]["candidate"]["model"] == model

@@ -1,0 +1,239 @@
+"""The live flywheel's hot swap (hermes_lab.live.switch): one uvicorn server on 127.0.0.1, one experiment after
+another, under load. In-process arms: the tiny policy and a LoRA adapter of it (the adapter loaded beside the
+running policy, the base not loaded twice). vLLM arms: tests/openai_stub.py with vLLM's runtime LoRA API
+(POST /v1/load_lora_adapter), the gateway switching the model name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from fake_openai import free_port  # noqa: E402
+from openai_stub import OpenAIStub  # noqa: E402
+
+from hermes_lab.config.schema import load_config  # noqa: E402
+from hermes_lab.live.arms import ArmPool, UpstreamError, resolve_arm  # noqa: E402
+from hermes_lab.live.gateway import Gateway  # noqa: E402
+from hermes_lab.live.switch import Switchboard  # noqa: E402
+from hermes_lab.tasks import suite as T  # noqa: E402
+
+
+def config(**extra):
+    over = {"round.runs_dir": str(REPO / "runs"), "serve.conversation_idle_s": 10.0, "serve.rollout": False}
+    return load_config(None, overrides=over | extra)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    """A LoRA adapter of the tiny policy with random B (so it answers differently), as a round would save one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hermes_lab.policy.model import build_tiny_policy
+
+    base = build_tiny_policy(str(REPO / "runs"), 0)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    out = tmp_path_factory.mktemp("adapters") / "round-07" / "adapter"
+    peft.save_pretrained(out)
+    return out
+
+
+class Served:
+    """A switchboard under uvicorn in a thread; ``swap`` runs on its event loop as the supervisor's does."""
+
+    def __init__(self, board: Switchboard):
+        self.board, self.port = board, free_port()
+        cfg = uvicorn.Config(board, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("the switchboard did not start")
+
+    def __exit__(self, *a) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def swap(self, build) -> Gateway:
+        return asyncio.run_coroutine_threadsafe(self.board.swap(build), self.board.loop).result(180)
+
+
+def records(log_dir: Path) -> list[dict]:
+    p = log_dir / "requests.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+
+
+class Load:
+    """Clients sending single requests and two-turn conversations until stopped; every answer recorded."""
+
+    def __init__(self, url: str, clients: int = 4):
+        self.url, self.clients, self.stop = url, clients, threading.Event()
+        self.done: list[dict] = []
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(clients)
+
+    def _one(self, k: int) -> None:
+        tasks = T.generate_tasks(400, split="train", seed=k)
+        with httpx.Client(base_url=self.url, timeout=120, trust_env=False) as c:
+            i = 0
+            while not self.stop.is_set():
+                t = tasks[i % len(tasks)]
+                i += 1
+                msgs = [{"role": "user", "content": t.prompt}]
+                body = {"model": "hermes", "messages": msgs, "max_tokens": 8, "stream": i % 3 == 0}
+                r = c.post("/v1/chat/completions", json=body)
+                self._keep(r, 1)
+                if i % 2 == 0 and r.status_code == 200 and not body["stream"]:  # a second turn continuing it
+                    answer = r.json()["choices"][0]["message"]["content"]
+                    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "again"}]
+                    self._keep(c.post("/v1/chat/completions", json={**body, "messages": msgs}), 2)
+
+    def _keep(self, r: httpx.Response, turn: int) -> None:
+        with self.lock:
+            self.done.append(
+                {
+                    "status": r.status_code,
+                    "rid": r.headers.get("x-request-id"),
+                    "conv": r.headers.get("x-hermes-conversation"),
+                    "arm": r.headers.get("x-hermes-arm"),
+                    "turn": turn,
+                    "text": r.text[:300],
+                }
+            )
+
+    def __enter__(self) -> Load:
+        self.futures = [self.pool.submit(self._one, k) for k in range(self.clients)]
+        return self
+
+    def __exit__(self, *a) -> None:
+        self.stop.set()
+        for f in self.futures:
+            f.result(120)
+        self.pool.shutdown()
+
+
+def chat(url: str, messages: list[dict]) -> httpx.Response:
+    body = {"model": "hermes", "messages": messages, "max_tokens": 8}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120, trust_env=False)
+
+
+@pytest.mark.slow
+def test_swap_in_process_under_load(tmp_path, adapter):
+    cfg = config()
+    pool = ArmPool()
+    a_dir, b_dir = tmp_path / "collect-01", tmp_path / "round-07"
+    tiny = {a: resolve_arm(cfg, a, "embedded:tiny") for a in ("baseline", "candidate")}
+    gw_a = Gateway(cfg, tiny, ratio=0.0, log_dir=a_dir, experiment="collect-01", say=lambda m: None, pool=pool)
+    board = Switchboard(gw_a, pool, status=lambda: {"phase": "experiment", "waiting_for": ["a test"]})
+    specs_b = {"baseline": tiny["baseline"], "candidate": resolve_arm(cfg, "candidate", str(adapter))}
+    with Served(board) as srv:
+        first = chat(srv.url, [{"role": "user", "content": "add 2 3"}])  # a conversation open at the swap
+        assert first.status_code == 200 and first.headers["x-hermes-arm"] == "baseline"
+        with Load(srv.url) as load:
+            time.sleep(2)
+            before = len(load.done)
+            gw_b = srv.swap(lambda: Gateway(cfg, specs_b, ratio=0.5, log_dir=b_dir, experiment="round-07", pool=pool))
+            # the open conversation's next turn finishes where it started: gw_a's experiment, the same arm
+            msgs = [
+                {"role": "user", "content": "add 2 3"},
+                {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            ]
+            second = chat(srv.url, [*msgs, {"role": "user", "content": "and 4?"}])
+            time.sleep(3)
+        assert board.current is gw_b and before > 0 and len(load.done) > before
+        # the base policy object is the one gw_a loaded: the adapter was loaded beside it, not the base again
+        assert gw_b.arms["baseline"].policy is gw_a.arms["baseline"].policy
+        assert gw_b.arms["candidate"].policy is not gw_a.arms["baseline"].policy
+        assert second.status_code == 200
+        assert second.headers["x-hermes-conversation"] == first.headers["x-hermes-conversation"]
+        fresh = [chat(srv.url, [{"role": "user", "content": f"reverse ab{i}"}]) for i in range(12)]
+        # drained: the old experiment is closed once its conversations idle out (serve.conversation_idle_s 10)
+        for _ in range(60):
+            if not board.draining:
+                break
+            time.sleep(0.5)
+        assert not board.draining
+        page = httpx.get(srv.url + "/", timeout=30, trust_env=False)
+        assert page.status_code == 200 and "a test" in page.text
+        assert httpx.get(srv.url + "/v1/flywheel", trust_env=False).json()["swaps_in_process"] == 1
+    answered = load.done + [
+        {"rid": r.headers["x-request-id"], "status": r.status_code} for r in [first, second, *fresh]
+    ]
+    failed = [d for d in answered if d["status"] != 200]
+    assert not failed, failed[:3]
+    logged_a, logged_b = {r["request_id"]: r for r in records(a_dir)}, {r["request_id"]: r for r in records(b_dir)}
+    assert not set(logged_a) & set(logged_b)
+    missing = [d["rid"] for d in answered if d["rid"] not in logged_a and d["rid"] not in logged_b]
+    assert not missing, f"{len(missing)} answered requests are in no log"
+    turn2 = logged_a[second.headers["x-request-id"]]
+    assert turn2["conversation_id"] == first.headers["x-hermes-conversation"] and turn2["arm"] == "baseline"
+    assert turn2["turn"] == 1
+    new_b = [logged_b[r.headers["x-request-id"]] for r in fresh]
+    assert {r["arm"] for r in new_b} <= {"baseline", "candidate"} and all(r["turn"] == 0 for r in new_b)
+    assert any(r["arm"] == "candidate" and r["model"] == str(adapter) for r in logged_b.values())
+    # after the swap no new conversation opened in the old experiment
+    swap_t = min(r["timestamp"] for r in logged_b.values())
+    assert not [r for r in logged_a.values() if r["turn"] == 0 and r["timestamp"] > swap_t]
+
+
+@pytest.mark.slow
+def test_swap_vllm_runtime_lora(tmp_path, adapter):
+    """serve.lora_upstream: the new adapter goes into the vLLM server through its runtime LoRA API and the
+    candidate asks for it by name; a server without runtime updating refuses, and the old experiment serves on."""
+    vllm = OpenAIStub(models=("base-model",)).start()
+    vllm.loras = {}
+    off = OpenAIStub(models=("base-model",)).start()  # a vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    try:
+        cfg = config(**{"serve.lora_upstream": vllm.url, "serve.lora_base_model": "base-model"})
+        pool = ArmPool()
+        base = {a: resolve_arm(cfg, a, "embedded:tiny") for a in ("baseline", "candidate")}
+        assert base["baseline"].kind == "upstream" and base["baseline"].model == "base-model"
+        gw_a = Gateway(cfg, base, ratio=0.0, log_dir=tmp_path / "a", experiment="a", say=lambda m: None, pool=pool)
+        board = Switchboard(gw_a, pool)
+        cand = resolve_arm(cfg, "candidate", str(adapter))
+        assert cand.kind == "upstream" and cand.model == "hermes-round-07" and cand.lora == str(adapter.resolve())
+        specs_b = {"baseline": base["baseline"], "candidate": cand}
+        with Served(board) as srv, Load(srv.url, clients=3) as load:
+            time.sleep(1)
+            bad = config(**{"serve.lora_upstream": off.url})
+            specs_bad = {"baseline": base["baseline"], "candidate": resolve_arm(bad, "candidate", str(adapter))}
+            with pytest.raises(UpstreamError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                srv.swap(lambda: Gateway(bad, specs_bad, ratio=0.5, log_dir=tmp_path / "bad", pool=pool))
+            assert board.current is gw_a  # the refused swap changed nothing
+            srv.swap(lambda: Gateway(cfg, specs_b, ratio=0.5, log_dir=tmp_path / "b", experiment="b", pool=pool))
+            time.sleep(3)
+        assert vllm.loras == {"hermes-round-07": str(adapter.resolve())}
+        assert not [d for d in load.done if d["status"] != 200]
+        logged = records(tmp_path / "a") + records(tmp_path / "b")
+        assert {d["rid"] for d in load.done} <= {r["request_id"] for r in logged}
+        cand_recs = [r for r in records(tmp_path / "b") if r["arm"] == "candidate"]
+        assert cand_recs and all(r["model"] == "hermes-round-07" for r in cand_recs)
+        assert all(r["response"].startswith("hermes-round-07: ") for r in cand_recs if r["status"] == "ok")
+        asked = {q["body"]["model"] for q in vllm.requests if q["path"] == "/v1/chat/completions"}
+        assert asked == {"base-model", "hermes-round-07"}
+    finally:
+        vllm.stop()
+        off.stop()
