@@ -22,6 +22,7 @@ def pytest_configure(config):
 # fixtures built once, and xdist's own reorder, by number of tests, off), and a long file started last would
 # leave one core idle at the end.
 LONGEST_FIRST = (
+    "test_live_flywheel.py",
     "test_live_round.py",
     "test_round.py",
     "test_train.py",
@@ -50,6 +51,8 @@ POLICY_FREE = (
     "test_prep_fuzz.py",
     "test_redaction.py",
     "test_rewards.py",
+    "test_status_page.py",
+    "test_supervisor.py",
     "test_tasks.py",
 )
 _POLICY_BUILD: list = []

@@ -87,7 +87,9 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
     params = small_params(
         tmp_path,
         data={"min_samples": 100, "cooldown_hours": 0, "review_fraction": 0.5},
-        ab={"stages": [[0.5, 1200], [1.0, 0]], "look_every": 200, "min_per_arm": 10},
+        ab={"stages": [[0.5, 600], [1.0, 0]], "look_every": 150, "min_per_arm": 10},
+        grpo={"max_steps": 4},  # the loop is under test here, not the gain: a short training to kill and resume
+        validate={"eval_tasks_per_family": 8, "tolerance": 0.5},
     )
     runs = tmp_path / "runs"
     sup = Supervisor(tmp_path, params, free_port()).start()
@@ -120,13 +122,18 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
             "the swap to round 1's experiment",
         )
         assert "resuming" in sup.output()
-        exp_dir = runs / "live" / "round-01"
-        sup.wait(lambda s: json.loads((exp_dir / "experiment.json").read_text())["looks"], "a look")
-
         from test_status_page import chromium_page  # the browser helpers (skips without Chromium)
 
-        text, shot = chromium_page(url + "/", "live_flywheel")
-        assert "round-01" in text and "Waiting for" in text and shot.is_file()
+        page = httpx.get(url + "/", timeout=30, trust_env=False)
+        assert page.status_code == 200 and "round-01" in page.text and "Waiting for" in page.text
+        try:  # the page as a person sees it (tests/artifacts/live_flywheel.png); without Chromium the kill test goes on
+            text, shot = chromium_page(url + "/", "live_flywheel")
+            assert "round-01" in text and "Waiting for" in text and shot.is_file()
+        except pytest.skip.Exception:
+            pass
+        exp_dir = runs / "live" / "round-01"
+        sup.wait(lambda s: json.loads((exp_dir / "experiment.json").read_text())["looks"], "a look")
+        assert json.loads((exp_dir / "experiment.json").read_text())["status"] == "running"  # killed mid-rollout
         sup.kill9()
         sup.start()
         sup.wait(lambda s: s.get("pid") is not None, "the restart")

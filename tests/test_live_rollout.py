@@ -96,7 +96,10 @@ class Traffic:
                     )
                 if r.status_code == 200:
                     text = r.json()["choices"][0]["message"]["content"]
-                    h.post("/v1/feedback", json={"request_id": rid, "reward": T.verify(t.prompt, text)})
+                    try:
+                        h.post("/v1/feedback", json={"request_id": rid, "reward": T.verify(t.prompt, text)})
+                    except httpx.HTTPError:  # the gateway went down between the answer and its feedback
+                        continue
                 time.sleep(0.01)
 
     def stop(self) -> None:
