@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -40,11 +39,12 @@ if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
         allow_module_level=True,
     )
 
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_status_page import chromium  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on show
@@ -128,29 +128,10 @@ def lab(tmp_path_factory):
 
 @pytest.fixture
 def browser(lab, request):
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM  # never let Selenium Manager download a browser
-    profile = tempfile.mkdtemp(prefix="hermes-chromium-")
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1400,1100",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
-    yield driver
-    ARTIFACTS.mkdir(exist_ok=True)
-    driver.save_screenshot(str(ARTIFACTS / f"{request.node.name}-last.png"))  # what the page showed at the end
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    with chromium("1400,1100") as driver:
+        yield driver
+        ARTIFACTS.mkdir(exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / f"{request.node.name}-last.png"))  # what the page showed at the end
 
 
 def _open_and_run_all(driver, lab, notebook: str) -> WebDriverWait:

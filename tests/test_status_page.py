@@ -189,8 +189,9 @@ def _skip_without_browser() -> None:
 
 
 @contextlib.contextmanager
-def chromium() -> Iterator:
-    """A headless Chromium (Debian's, with its own throw-away profile) under Selenium; skips without one."""
+def chromium(size: str = "1280,1000") -> Iterator:
+    """A headless Chromium (Debian's, with its own throw-away profile) under Selenium, ``size`` its window;
+    skips without one. tests/test_browser.py drives JupyterLab with it too."""
     _skip_without_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -207,7 +208,7 @@ def chromium() -> Iterator:
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
-        "--window-size=1280,1000",
+        f"--window-size={size}",
         f"--user-data-dir={profile}",
     ):
         opts.add_argument(flag)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
@@ -82,9 +83,16 @@ def make_gateway(args: argparse.Namespace) -> Gateway:
     return Gateway(cfg, specs, ratio=args.ratio, log_dir=args.log_dir, experiment=args.experiment)
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    import socket
+def bind(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before uvicorn starts (port 0: the port it got is printed);
+    SO_REUSEADDR: a gateway restarted right after a stop (or a kill -9) gets its address back at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
 
+
+def run_cli(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(
@@ -104,10 +112,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return report_cli(config_of(args), args.report)
     gw = make_gateway(args)
     s = gw.cfg.serve
-    sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((s.host, s.port))
+        sock = bind(s.host, s.port)
     except OSError as e:
         print(f"hermes-lab serve: cannot bind {s.host}:{s.port}: {e.strerror}", file=sys.stderr)
         return 2

@@ -46,7 +46,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -473,13 +472,12 @@ class Supervisor:
         import uvicorn
 
         from hermes_lab.live.arms import ArmPool
+        from hermes_lab.live.serve import bind
         from hermes_lab.live.switch import Switchboard
 
         s = self.cfg.serve
-        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((s.host, s.port))
+            sock = bind(s.host, s.port)
         except OSError as e:
             raise ConfigError(f"serve.port: cannot bind {s.host}:{s.port}: {e.strerror}") from None
         self.address = f"http://{s.host}:{sock.getsockname()[1]}"
