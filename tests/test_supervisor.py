@@ -4,7 +4,9 @@ included, is tests/test_live_flywheel.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -89,3 +91,40 @@ def test_a_hosted_candidate_takes_the_model_id_of_the_config(tmp_path):
         cand = st["arms"]["candidate"]
         assert cand["kind"] == "upstream" and cand["model"] == model and cand["key_env"] == "TAOTOKEN_API_KEY"
         assert st["arm_specs"]["candidate"]["model"] == model
+
+
+def test_a_round_awaiting_review_resumes_once_per_batch_of_new_labels(tmp_path, monkeypatch):
+    from hermes_lab.round import supervisor as S
+
+    base = yaml.safe_load((REPO / "params" / "embedded.yaml").read_text())
+    base["round"] = {"runs_dir": str(tmp_path / "runs")}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(base))
+    started: list[str] = []
+
+    class Watch(Supervisor):
+        async def start_worker(self, n: int, why: str) -> None:  # what the watch decides, not a real round
+            started.append(why)
+
+    sup = Watch(str(tmp_path / "p.yaml"))
+    fw = FlywheelState.load(state_path(sup.runs))
+    fw.progress = {"round": 1, "status": "awaiting review", "completed": ["execute", "prep"]}
+    fw.save(state_path(sup.runs))
+    labels = sup.runs / "review" / "labels.jsonl"
+    labels.parent.mkdir(parents=True)
+    labels.write_text('{"id": "old"}\n')  # labels from before: not a reason to resume
+    monkeypatch.setattr(S, "LABELS_SETTLE_S", 0.0)
+
+    def step() -> None:
+        asyncio.run(sup.step())
+
+    step()
+    step()
+    assert sup.phase == "review" and not started and "review labels" in sup.waiting[0]
+    with open(labels, "a") as f:
+        f.write('{"id": "new"}\n')
+    t = labels.stat().st_mtime
+    os.utime(labels, (t + 5, t + 5))  # a new mtime even on a coarse clock
+    step()  # the change is seen: the settle timer starts
+    step()  # settled: resumed once
+    step()
+    assert started == ["new review labels: the round resumes at its review gate"]

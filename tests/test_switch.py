@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -181,6 +182,9 @@ def test_swap_in_process_under_load(tmp_path, adapter):
         page = httpx.get(srv.url + "/", timeout=30, trust_env=False)
         assert page.status_code == 200 and "a test" in page.text
         assert httpx.get(srv.url + "/v1/flywheel", trust_env=False).json()["swaps_in_process"] == 1
+        exp = httpx.get(srv.url + "/v1/experiment", timeout=30, trust_env=False).json()
+        assert exp["experiment"] == "round-07" and exp["flywheel"]["waiting_for"] == ["a test"]
+        assert httpx.get(srv.url + "/healthz", trust_env=False).json()["pid"] == os.getpid()
     answered = load.done + [
         {"rid": r.headers["x-request-id"], "status": r.status_code} for r in [first, second, *fresh]
     ]

@@ -630,10 +630,13 @@ def live_status(runs: Path) -> dict[str, Any] | None:
         got = json.loads((runs / "live" / "flywheel" / "status.json").read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError):
         return None
+    pid = got.get("pid")
     try:
-        os.kill(int(got.get("pid") or 0), 0)
-        got["alive"] = bool(got.get("pid"))
-    except (ProcessLookupError, PermissionError, ValueError):
+        os.kill(int(pid), 0) if isinstance(pid, int) and pid > 0 else None
+        got["alive"] = isinstance(pid, int) and pid > 0
+    except PermissionError:  # there, under another user
+        got["alive"] = True
+    except ProcessLookupError:
         got["alive"] = False
     return got
 

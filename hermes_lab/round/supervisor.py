@@ -295,7 +295,7 @@ class Supervisor:
             self.phase = "experiment"
             return
         if prog.get("round") == n and prog.get("status") == AWAITING_REVIEW:
-            self.phase = "review"
+            self.phase, self._labels = "review", (self._labels_mtime(), -1.0)
             self.say(f"round {n:02d}: awaiting review labels (notebooks/review.ipynb); it resumes when they are in")
             return
         if fw.last_round >= n:
@@ -322,6 +322,10 @@ class Supervisor:
             f"round {n:02d}: the worker exited {rc} with the round unfinished ({prog.get('status')}): see "
             f"{self.home / f'round-{n:02d}.log'}; the gateway keeps serving, the same command again resumes it"
         )
+
+    def _labels_mtime(self) -> float:
+        labels = self.runs / "review" / "labels.jsonl"
+        return labels.stat().st_mtime if labels.is_file() else 0.0
 
     def _stage_lines(self) -> None:
         prog = self.flywheel_state().progress or {}
@@ -381,12 +385,13 @@ class Supervisor:
             return
         if prog and prog.get("status") == AWAITING_REVIEW:
             self.phase = "review"
-            labels = self.runs / "review" / "labels.jsonl"
-            mtime = labels.stat().st_mtime if labels.is_file() else 0.0
-            if self._labels is None or self._labels[0] != mtime:
+            mtime = self._labels_mtime()
+            if self._labels is None:  # (a restart) the labels as they are: it waits for new ones
+                self._labels = (mtime, -1.0)
+            elif mtime != self._labels[0]:  # someone labels: wait until they pause
                 self._labels = (mtime, time.time())
-            elif mtime and time.time() - self._labels[1] > LABELS_SETTLE_S and self._labels[1] > 0:
-                self._labels = (mtime, -1.0)  # resumed once per change of the labels
+            elif self._labels[1] > 0 and time.time() - self._labels[1] > LABELS_SETTLE_S:
+                self._labels = (mtime, -1.0)  # resumed once per batch of new labels
                 await self.start_worker(n, "new review labels: the round resumes at its review gate")
                 return
             self.waiting = [f"review labels for round {n:02d} (notebooks/review.ipynb; the review gate's queue)"]
