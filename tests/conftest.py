@@ -23,7 +23,6 @@ def pytest_configure(config):
 # leave one core idle at the end.
 LONGEST_FIRST = (
     "test_live_flywheel.py",
-    "test_live_round.py",
     "test_round.py",
     "test_train.py",
     "test_validate.py",

@@ -4,6 +4,11 @@ volume, its candidate swapped into the same gateway, and kill -9 twice: once whi
 during the candidate's rollout. Each time the same command continues where it was, and no answered request
 is missing from the logs. The status page is opened in Chromium while the experiment runs.
 
+It is also the test of a round on live traffic (execute.source: live, ab.mode: live; the hand-run path's pieces
+too: `hermes-lab status` while the round awaits its live A/B, `hermes-lab serve --log-dir` on the round's
+experiment serving its prepared arms): its data is the gateway's log joined with feedback, its A/B report the
+gateway's decided rollout, and the champion moves only when the rollout reached 100%.
+
 Real components throughout: the supervisor and its worker as subprocesses, uvicorn on 127.0.0.1, the tiny
 policy and the round's own adapter as arms, papermill, TRL, a SQLite MLflow store.
 """
@@ -26,8 +31,11 @@ sys.path.insert(0, str(HERE))
 from fake_openai import free_port  # noqa: E402
 from test_live_rollout import Traffic  # noqa: E402
 from test_round import HERMES, REPO, small_params  # noqa: E402
+from test_serve import Gateway  # noqa: E402
 
+from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
+from hermes_lab.data import gateway  # noqa: E402
 from hermes_lab.round import runner  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -131,8 +139,14 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
             assert "round-01" in text and "Waiting for" in text and shot.is_file()
         except pytest.skip.Exception:
             pass
-        exp_dir = runs / "live" / "round-01"
+        exp_dir, rd = runs / "live" / "round-01", runs / "round-01"
+        exp = json.loads((exp_dir / "experiment.json").read_text())  # as the round's A/B stage prepared it
+        assert exp["arms"]["baseline"]["base"] == "embedded:tiny" and exp["arm_specs"]["candidate"]["spec"] == str(
+            rd / "train"
+        )
         sup.wait(lambda s: json.loads((exp_dir / "experiment.json").read_text())["looks"], "a look")
+        waiting = " ".join(runner.status(str(params))["reasons"])  # what `hermes-lab status` prints
+        assert "round 1 is awaiting its live A/B" in waiting and "ab: live" in waiting, waiting
         assert json.loads((exp_dir / "experiment.json").read_text())["status"] == "running"  # killed mid-rollout
         sup.kill9()
         sup.start()
@@ -161,6 +175,38 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
     missing = [rid for rid in answered if rid not in logged]
     assert not missing, f"{len(missing)} of {len(answered)} answered requests are in no log: {missing[:5]}"
     assert not [x for x in traffic.sent if x[2] not in (200,)], "a request the gateway took was refused"
+    # round 1 trained on the traffic of collect-01: every trajectory is one of its requests, joined with feedback
+    collect = runs / "live" / "collect-01"
+    collected = {json.loads(x)["request_id"] for x in (collect / "requests.jsonl").read_text().splitlines()}
+    traj = [json.loads(x) for x in (rd / "trajectories.jsonl").read_text().splitlines()]
+    assert len(traj) >= 100 and {t["request_id"] for t in traj} <= collected
+    assert all(t["gateway_log"].startswith(str(collect)) for t in traj)
+    assert json.loads((rd / "prep" / "summary.json").read_text())["counts"]["new_samples"] >= 100
+    cfg = load_config(runs / "live" / "flywheel" / "round-01.yaml")
+    assert cfg.execute.source == "live" and gateway.source_dir(cfg, rd) == collect
+    # the round took the gateway's decision: its A/B report is the live one, the champion moved iff promoted
+    report = json.loads((rd / "ab" / "ab_report.json").read_text())
+    assert report["mode"] == "live" and report["decision"] == exp["decision"]["decision"]
+    assert summary["decision"] == report["decision"] and summary["ab"]["delta"] == report["delta"]
+    state = FlywheelState.load(state_path(runs))
+    assert state.last_round == 1 and state.progress is None
+    assert (state.champion_adapter == str(rd / "train" / "adapter")) == (report["promoted"] is True)
+    assert (rd / "ab" / "live_trajectories.jsonl").stat().st_size > 0  # the traffic: the next round's fuel
     # hermes-lab status reads the flywheel's last status
     st = runner.status(str(params))
     assert st["live"]["alive"] is False and st["live"]["rounds"][0]["round"] == 1
+    shown = subprocess.run([*HERMES, "status", "--params", str(params)], cwd=REPO, capture_output=True, text=True)
+    assert "live flywheel" in shown.stdout and "not running" in shown.stdout, shown.stdout
+    # by hand, `hermes-lab serve --log-dir` on a round's experiment serves the arms it was prepared with
+    (tmp_path / "gw").mkdir()
+    gw = Gateway(
+        tmp_path / "gw",
+        ["--params", str(runs / "live" / "flywheel" / "params.yaml"), "--set", f"round.runs_dir={runs}"],
+    )
+    gw.log_dir = exp_dir
+    try:
+        gw.start(timeout=300)
+        arms = gw.experiment()["arms"]
+        assert arms["candidate"]["adapter"] == str(rd / "train" / "adapter") and arms["baseline"]["adapter"] is None
+    finally:
+        gw.stop()

@@ -120,6 +120,9 @@ def test_train_cli_with_a_remote_judge_prints_no_http_lines(fake_openai, tmp_pat
     assert [q for q in fake_openai.requests if q.path == "/v1/chat/completions"], "the judge was never called"
     assert "HTTP Request" not in r.stderr and "FutureWarning" not in r.stderr, r.stderr[-3000:]
     assert "Creating initial MLflow database tables" not in r.stderr
+    # --max-steps caps the episode phase too (grpo.episode_steps 20 in embedded.yaml): a smoke run is short
+    rows = [json.loads(x) for x in (tmp_path / "out" / "episodes" / "train_log.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows if r.get("step") is not None} == {1}
 
 
 def test_debug_flag_lets_http_lines_through(fake_openai, monkeypatch):

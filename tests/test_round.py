@@ -45,6 +45,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     # 16 tasks x 2 samples per family cannot resolve the default 5-point non-inferiority margin (the gate warns
     # so): these rounds test the runner, not the gate, so the gate gets a margin it can decide on this sample
     cfg["validate"]["tolerance"] = 0.25
+    cfg["validate"]["gain_tasks_per_family"] = 40  # the train stage's before/after check at CI scale
     cfg.setdefault("ab", {}).update(request_rate=0.04, plan_power=0)  # a fixed, cheap rate: no planning
     for sec, kv in sections.items():
         cfg.setdefault(sec, {}).update(kv)

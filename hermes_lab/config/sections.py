@@ -159,6 +159,12 @@ class ReviewSection:
 @dataclass
 class ValidateSection:
     eval_tasks_per_family: int = _f(64, "Held-out tasks per family for the regression gate.", ge=1)
+    gain_tasks_per_family: int = _f(
+        200,
+        "Held-out tasks per family of the train stage's before/after pass rate (2 samples each): the round's headline "
+        "gain and its paired interval. 200 x 6 families resolves a later round's 3-point gain.",
+        ge=1,
+    )
     samples_per_task: int = _f(1, "Samples per task (sampled pass rate).", ge=1)
     tolerance: float = _f(
         0.05,

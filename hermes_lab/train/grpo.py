@@ -281,7 +281,7 @@ def train(
     parent_run_id: str | None = None,
     start_adapter: str | None = None,
     evaluate_heldout: bool = True,
-    eval_tasks_per_family: int = 200,
+    eval_tasks_per_family: int | None = None,
     resume: bool = False,
 ) -> TrainResult:
     """Run one GRPO + LoRA training. Returns where the adapter is and what happened.
@@ -400,7 +400,8 @@ def train(
                 result.warnings += ep.warnings
                 result.episodes = ep.episodes
             if evaluate_heldout:
-                result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, eval_tasks_per_family)
+                per_family = eval_tasks_per_family or cfg.validate.gain_tasks_per_family
+                result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
                 # the embedded agent family's held-out episodes, before and after (a user's environment has no
                 # held-out tasks known here: its episode metrics are in train_log.jsonl)
                 if cfg.grpo.environment == A.ENVIRONMENT:
@@ -519,8 +520,8 @@ def _eval_before_after(
 ) -> dict[str, Any]:
     """Held-out sampled pass rate of the starting policy and of the candidate (embedded tasks only).
 
-    1000 tasks x 2 samples by default (4 s a policy on 2 cores): a later round's gain of 3 points must have
-    its paired 95% interval above 0, which 300 tasks (+-3.2 points) could not show."""
+    validate.gain_tasks_per_family x 6 families x 2 samples (1200 tasks by default): a later round's gain of 3
+    points must have its paired 95% interval above 0, which 300 tasks (+-3.2 points) could not show."""
     from hermes_lab.policy import model as P
     from hermes_lab.tasks import suite as T
 
@@ -569,7 +570,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--start-adapter", default=None, help=f"continue training this adapter (e.g. champion): {ADAPTER_KINDS}"
     )
     p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
-    p.add_argument("--max-steps", type=int, default=None, help="override grpo.max_steps")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="override grpo.max_steps; also caps grpo.episode_steps (a smoke run is short in both phases)",
+    )
     p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
     p.add_argument(
         "--resume",
@@ -604,6 +610,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--set {kv!r}: not a YAML list ({e})") from None
         overrides[k] = v
     cfg = load_config(args.config, overrides or None)
+    if args.max_steps and cfg.grpo.episode_steps > args.max_steps:  # 0 already means grpo.max_steps
+        cfg.grpo.episode_steps = args.max_steps
     start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
 
     try:
