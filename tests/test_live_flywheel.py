@@ -15,6 +15,7 @@ policy and the round's own adapter as arms, papermill, TRL, a SQLite MLflow stor
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -31,11 +32,11 @@ sys.path.insert(0, str(HERE))
 from fake_openai import free_port  # noqa: E402
 from test_live_rollout import Traffic  # noqa: E402
 from test_round import HERMES, REPO, small_params  # noqa: E402
-from test_serve import Gateway  # noqa: E402
 
 from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
 from hermes_lab.data import gateway  # noqa: E402
+from hermes_lab.live import serve  # noqa: E402
 from hermes_lab.round import runner  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
+def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, capsys):
     params = small_params(
         tmp_path,
         data={"min_samples": 100, "cooldown_hours": 0, "review_fraction": 0.5},
@@ -103,7 +104,8 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
     sup = Supervisor(tmp_path, params, free_port()).start()
     url = f"http://127.0.0.1:{sup.port}"
     first = sup.wait(lambda s: s.get("phase") == "collecting", "the gateway", timeout=180)
-    traffic = Traffic(url, threads=2, prefix="fw")
+    # ~20 requests/s: enough for the data gate and the looks, and a gateway that leaves the round its CPU
+    traffic = Traffic(url, threads=2, prefix="fw", pause=0.1)
     try:
         # 1. the round starts itself on volume; kill -9 while it trains
         def training(s: dict) -> bool:
@@ -195,18 +197,15 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path):
     # hermes-lab status reads the flywheel's last status
     st = runner.status(str(params))
     assert st["live"]["alive"] is False and st["live"]["rounds"][0]["round"] == 1
-    shown = subprocess.run([*HERMES, "status", "--params", str(params)], cwd=REPO, capture_output=True, text=True)
-    assert "live flywheel" in shown.stdout and "not running" in shown.stdout, shown.stdout
+    runner.run_cli_status(argparse.Namespace(params=str(params)))  # what `hermes-lab status` prints
+    shown = capsys.readouterr().out
+    assert "live flywheel" in shown and "not running" in shown, shown
     # by hand, `hermes-lab serve --log-dir` on a round's experiment serves the arms it was prepared with
-    (tmp_path / "gw").mkdir()
-    gw = Gateway(
-        tmp_path / "gw",
-        ["--params", str(runs / "live" / "flywheel" / "params.yaml"), "--set", f"round.runs_dir={runs}"],
-    )
-    gw.log_dir = exp_dir
-    try:
-        gw.start(timeout=300)
-        arms = gw.experiment()["arms"]
-        assert arms["candidate"]["adapter"] == str(rd / "train" / "adapter") and arms["baseline"]["adapter"] is None
-    finally:
-        gw.stop()
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--params", str(runs / "live" / "flywheel" / "params.yaml"), "--log-dir", str(exp_dir)])
+    gw = serve.make_gateway(args)
+    if gw.worker is not None:
+        gw.worker.close()
+    assert gw.specs["candidate"].adapter == str(rd / "train" / "adapter") and gw.specs["baseline"].adapter is None
+    assert gw.state["restarts"] == exp["restarts"] + 1 and gw.state["status"] == exp["status"]  # continued, as is

@@ -69,8 +69,8 @@ def arms(baseline: OpenAIStub, b_model: str, candidate: OpenAIStub, c_model: str
 class Traffic:
     """Threads posting embedded tasks and the verifier's score as feedback, until stopped."""
 
-    def __init__(self, url: str, threads: int = 3, prefix: str = "r"):
-        self.url, self.prefix, self.stop_ = url, prefix, threading.Event()
+    def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.01):
+        self.url, self.prefix, self.stop_, self.pause = url, prefix, threading.Event(), pause
         self.sent: list[tuple[str, str, int, str | None]] = []  # (request id, arm header, status, fallback header)
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
@@ -100,7 +100,7 @@ class Traffic:
                         h.post("/v1/feedback", json={"request_id": rid, "reward": T.verify(t.prompt, text)})
                     except httpx.HTTPError:  # the gateway went down between the answer and its feedback
                         continue
-                time.sleep(0.01)
+                time.sleep(self.pause)
 
     def stop(self) -> None:
         self.stop_.set()
