@@ -121,6 +121,9 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
+    """The live flywheel of one runs/ folder: its gateway (``run``), its watch (``step``, once a second), the
+    round worker it starts, and what it writes for people (``status``; ``runs/live/flywheel/status.json``)."""
+
     def __init__(
         self,
         params: str | None,
