@@ -471,6 +471,23 @@ def _resolve_alias(cfg: HermesConfig, problems: list[str]) -> None:
         a.traffic_ratio = a.stages[0][0]
 
 
+def set_overrides(items: list[str]) -> dict[str, Any]:
+    """The ``--set KEY=VALUE`` flags of a command as ``load_config`` overrides. Values stay strings (typing
+    coerces them, as it does the YAML's); one in brackets is a YAML list: --set 'reward.types=[system,tests]'."""
+    out: dict[str, Any] = {}
+    for kv in items:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
+        if v.strip().startswith("["):
+            try:
+                v = yaml.safe_load(v)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"--set {kv!r}: not a YAML list ({e})") from None
+        out[k] = v
+    return out
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     overrides: dict[str, Any] | None = None,

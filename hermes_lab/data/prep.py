@@ -75,7 +75,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
+from hermes_lab.config.schema import ConfigError, HermesConfig, load_config, set_overrides
 from hermes_lab.core import tracking
 from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
 from hermes_lab.core.redaction import redact
@@ -567,13 +567,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        overrides = {}
-        for kv in args.set:
-            k, sep, v = kv.partition("=")
-            if not sep:
-                raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
-            overrides[k] = v
-        cfg = load_config(args.params, overrides=overrides)
+        cfg = load_config(args.params, overrides=set_overrides(args.set))
         sp = Path(args.state) if args.state else state_path(cfg.round.runs_dir)
         try:
             state = FlywheelState.load(sp) if sp.exists() else None

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
+from hermes_lab.config.schema import HermesConfig, load_config, set_overrides
 from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS, resolve_arm
 from hermes_lab.live.gateway import Gateway, build_app, log
@@ -57,12 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> HermesConfig:
-    overrides: dict[str, object] = {}
-    for kv in args.set:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
-        overrides[k] = v
+    overrides = set_overrides(args.set)
     for flag, key in (("host", "serve.host"), ("port", "serve.port"), ("time_scale", "serve.time_scale")):
         if getattr(args, flag, None) is not None:
             overrides[key] = getattr(args, flag)

@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.config.schema import ConfigError, load_config, set_overrides
 from hermes_lab.core import quiet
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.state import FlywheelState, parse_time, state_path
@@ -330,8 +330,8 @@ class Supervisor:
         labels = self.runs / "review" / "labels.jsonl"
         return labels.stat().st_mtime if labels.is_file() else 0.0
 
-    def _stage_lines(self) -> None:
-        prog = self.flywheel_state().progress or {}
+    def _stage_lines(self, prog: dict[str, Any]) -> None:
+        """A line for each stage the worker's round completed since the last look."""
         if prog.get("round") != self.worker_round:
             return
         for name in prog.get("completed", []):
@@ -364,11 +364,12 @@ class Supervisor:
     async def step(self) -> None:
         """One look at the world: the worker, the experiment, the data gate."""
         if self.worker is not None:
-            self._stage_lines()
+            prog = self.flywheel_state().progress or {}
+            self._stage_lines(prog)
             if self.worker.returncode is not None:
                 await self.worker_done()
             else:
-                stage = _next_stage(self.flywheel_state().progress or {})
+                stage = _next_stage(prog)
                 self.waiting = [f"round {self.worker_round:02d} to finish its offline stages (now: {stage})"]
             return
         fw = self.flywheel_state()
@@ -603,14 +604,12 @@ def run_cli(args: argparse.Namespace) -> int:
 
         args.rounds = 3 if args.rounds is None else args.rounds
         return run_cli_flywheel(args)
-    overrides: dict[str, Any] = {}
-    for kv in args.set:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
-        overrides[k] = yaml.safe_load(v)
     sup = Supervisor(
-        args.params, time_scale=args.time_scale, port=args.port, rounds=args.rounds or 0, overrides=overrides
+        args.params,
+        time_scale=args.time_scale,
+        port=args.port,
+        rounds=args.rounds or 0,
+        overrides=set_overrides(args.set),
     )
     return asyncio.run(sup.run())
 

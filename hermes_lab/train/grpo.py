@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.config.schema import HermesConfig, dump_config, load_config
+from hermes_lab.config.schema import HermesConfig, dump_config, load_config, set_overrides
 from hermes_lab.config.trl import grpo_kwargs, lora_config
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.redaction import redact
@@ -597,18 +597,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {"grpo.max_steps": args.max_steps} if args.max_steps else {}
-    for kv in args.set:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {kv!r}: use KEY=VALUE")
-        if v.strip().startswith("["):  # a list: --set 'reward.types=[tool_call,comparison]'
-            import yaml
-
-            try:
-                v = yaml.safe_load(v)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"--set {kv!r}: not a YAML list ({e})") from None
-        overrides[k] = v
+    overrides |= set_overrides(args.set)
     cfg = load_config(args.config, overrides or None)
     if args.max_steps and cfg.grpo.episode_steps > args.max_steps:  # 0 already means grpo.max_steps
         cfg.grpo.episode_steps = args.max_steps
