@@ -97,17 +97,24 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
         tmp_path,
         data={"min_samples": 100, "cooldown_hours": 0, "review_fraction": 0.5},
         ab={"stages": [[0.5, 600], [1.0, 0]], "look_every": 150, "min_per_arm": 10},
-        grpo={"max_steps": 4},  # the loop is under test here, not the gain: a short training to kill and resume
-        validate={"eval_tasks_per_family": 8, "tolerance": 0.5},
+        # the loop is under test here, not the gain: a short training to kill and resume, a small before/after
+        grpo={"max_steps": 4, "episode_steps": 1},
+        validate={"eval_tasks_per_family": 8, "tolerance": 0.5, "gain_tasks_per_family": 10},
     )
     runs = tmp_path / "runs"
     sup = Supervisor(tmp_path, params, free_port()).start()
     url = f"http://127.0.0.1:{sup.port}"
     first = sup.wait(lambda s: s.get("phase") == "collecting", "the gateway", timeout=180)
-    # ~20 requests/s: enough for the data gate and the looks, and a gateway that leaves the round its CPU
-    traffic = Traffic(url, threads=2, prefix="fw", pause=0.1)
+    # ~20 requests/s while the data gate and the rollout's looks wait for them; ~2/s while a round trains (the
+    # gateway's answers are the tiny policy's CPU time, which the round's stages need): traffic all along, so
+    # both kills meet requests in flight
+    busy, trickle = 0.1, 1.0
+    traffic = Traffic(url, threads=2, prefix="fw", pause=busy)
     try:
         # 1. the round starts itself on volume; kill -9 while it trains
+        sup.wait(lambda s: s.get("phase") == "training", "round 1 due", timeout=400)
+        traffic.pause = trickle
+
         def training(s: dict) -> bool:
             prog = FlywheelState.load(state_path(runs)).progress or {}
             return s.get("phase") == "training" and "review" in prog.get("completed", [])
@@ -131,6 +138,7 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
             lambda s: s.get("phase") == "experiment" and (s.get("experiment") or {}).get("name") == "round-01",
             "the swap to round 1's experiment",
         )
+        traffic.pause = busy  # the rollout's looks
         assert "resuming" in sup.output()
         from test_status_page import chromium_page  # the browser helpers (skips without Chromium)
 
@@ -155,6 +163,8 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
         sup.wait(lambda s: s.get("pid") is not None, "the restart")
         t0 = time.time()
         while sup.proc.poll() is None and time.time() - t0 < 600:  # --rounds 1: it stops once round 1 ended
+            if sup.status().get("phase") == "deciding":  # decided: the round's last stages run
+                traffic.pause = trickle
             time.sleep(1)
         assert sup.proc.returncode == 0, sup.output()[-4000:]
     finally:

@@ -67,9 +67,11 @@ def arms(baseline: OpenAIStub, b_model: str, candidate: OpenAIStub, c_model: str
 
 
 class Traffic:
-    """Threads posting embedded tasks and the verifier's score as feedback, until stopped."""
+    """Threads posting embedded tasks and the verifier's score as feedback, until stopped. The default, 3 threads
+    with a 0.1 s pause, is ~25 requests/s: about params()'s ab.request_rate at SCALE, and a gateway that is not
+    kept at full CPU for the seconds a rollout lasts (its stages are wall-clock time: more traffic only adds CPU)."""
 
-    def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.01):
+    def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.1):
         self.url, self.prefix, self.stop_, self.pause = url, prefix, threading.Event(), pause
         self.sent: list[tuple[str, str, int, str | None]] = []  # (request id, arm header, status, fallback header)
         self.lock = threading.Lock()

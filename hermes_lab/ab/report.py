@@ -300,7 +300,7 @@ def make_plots(
         ("ab_sequence", plot_sequence(report)),
         ("ab_breakdown", plot_breakdown(report)),
     ):
-        paths.append(tracking.log_figure(fig, out_dir / f"{name}.png"))
+        paths.append(tracking.log_figure(fig, out_dir / f"{name}.png", laid_out=True))  # each tight_layout()
         if close:
             plt.close(fig)
     return paths

@@ -162,7 +162,8 @@ class ValidateSection:
     gain_tasks_per_family: int = _f(
         200,
         "Held-out tasks per family of the train stage's before/after pass rate (2 samples each): the round's headline "
-        "gain and its paired interval. 200 x 6 families resolves a later round's 3-point gain.",
+        "gain and its paired interval. 200 x 6 families resolves a later round's 3-point gain. The agent family's "
+        "before/after episode success runs as many held-out episodes.",
         ge=1,
     )
     samples_per_task: int = _f(1, "Samples per task (sampled pass rate).", ge=1)

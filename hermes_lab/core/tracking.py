@@ -202,11 +202,12 @@ def log_dict(data: dict[str, Any], artifact_file: str) -> None:
     mlflow.log_dict(data, artifact_file)
 
 
-def log_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
-    """Save a matplotlib figure as PNG and log it to the active run (when there is one)."""
+def log_figure(fig: Any, path: str | os.PathLike[str], laid_out: bool = False) -> Path:
+    """Save a matplotlib figure as PNG and log it to the active run (when there is one). ``laid_out``: the figure
+    went through tight_layout() already, so the tight bounding box (a second full draw) is skipped."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110, bbox_inches="tight")
+    fig.savefig(p, dpi=110, bbox_inches=None if laid_out else "tight")
     log_artifact(p, "plots")
     return p
 

@@ -190,4 +190,4 @@ def plot_conversations(arrays: dict[str, Any], sources: dict[str, int], rewards:
     ax3.set(xlabel="reward", ylabel="conversations", title="Reward by source")
     ax3.legend(fontsize=8)
     fig.tight_layout()
-    return tracking.log_figure(fig, path)
+    return tracking.log_figure(fig, path, laid_out=True)

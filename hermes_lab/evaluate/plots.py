@@ -183,7 +183,7 @@ def plot_curves(
     for name, fig in figs:
         if fig is None:
             continue
-        written[name] = tracking.log_figure(fig, out_dir / f"{name}.png")
+        written[name] = tracking.log_figure(fig, out_dir / f"{name}.png", laid_out=True)  # tight_layout() above
         if close:
             plt.close(fig)
     return written

@@ -173,7 +173,7 @@ class EpisodeReward:
 
 
 def eval_before_after(
-    cfg: HermesConfig, base: str, start_adapter: str | None, adapter_dir: Path, n_tasks: int = 200
+    cfg: HermesConfig, base: str, start_adapter: str | None, adapter_dir: Path, n_tasks: int
 ) -> dict[str, Any]:
     """Held-out episode success (sampled at ``grpo.temperature``) of the starting policy and of the candidate,
     paired by task (the embedded agent family's episodes; same tasks, seeds and tool results for both)."""

@@ -291,7 +291,6 @@ def train(
     else a ValueError says what changed); without one, training starts at step 0. Without ``resume``,
     checkpoints of an earlier run in that folder are removed first."""
     from transformers import AutoTokenizer, set_seed
-    from trl import GRPOConfig, GRPOTrainer
 
     from hermes_lab.core import quiet, tracking
     from hermes_lab.policy import model as P
@@ -324,6 +323,8 @@ def train(
     marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
     ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
     resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
+
+    from trl import GRPOConfig, GRPOTrainer  # here: the refusals above come without TRL's ~5 s of imports
 
     model, peft_config = _policy_for_training(cfg, base, start_adapter)
 
@@ -402,10 +403,10 @@ def train(
             if evaluate_heldout:
                 per_family = eval_tasks_per_family or cfg.validate.gain_tasks_per_family
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
-                # the embedded agent family's held-out episodes, before and after (a user's environment has no
-                # held-out tasks known here: its episode metrics are in train_log.jsonl)
+                # the embedded agent family's held-out episodes, before and after, as many as a family's tasks (a
+                # user's environment has no held-out tasks known here: its episode metrics are in train_log.jsonl)
                 if cfg.grpo.environment == A.ENVIRONMENT:
-                    result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir)
+                    result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
                 write_json_atomic(out / "eval.json", result.eval)
             result.seconds = round(time.time() - t0, 1)
             meta = {
@@ -602,6 +603,10 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.max_steps and cfg.grpo.episode_steps > args.max_steps:  # 0 already means grpo.max_steps
         cfg.grpo.episode_steps = args.max_steps
     start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
+    # a mistyped --data fails here, after the config's own errors and before train() imports TRL and PEFT (~10 s)
+    if not Path(args.data).exists():
+        print(f"error: --data {args.data}: no such file or directory", file=sys.stderr)
+        return 2
 
     try:
         res = train(
