@@ -81,6 +81,10 @@ class TrainResult:
 
 
 # ------------------------------------------------------------------------------------------------ data
+def _no_data(data: str | os.PathLike[str]) -> FileNotFoundError:
+    return FileNotFoundError(f"--data {data}: no such file or directory")
+
+
 def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
     """The GRPO prompt set as a ``datasets.Dataset`` (columns: prompt, reference, ref_reward, ...)."""
     from datasets import Dataset, load_from_disk
@@ -103,7 +107,7 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
             raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
         ds = load_from_disk(str(res.output_dir / table))
     else:
-        raise FileNotFoundError(f"--data {data}: no such file or directory")
+        raise _no_data(data)
     if cfg.grpo.turns:
         if "messages" not in ds.column_names:
             raise ValueError(f"--data {data}: grpo.turns needs prep's conversations (columns: {ds.column_names})")
@@ -603,12 +607,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.max_steps and cfg.grpo.episode_steps > args.max_steps:  # 0 already means grpo.max_steps
         cfg.grpo.episode_steps = args.max_steps
     start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
-    # a mistyped --data fails here, after the config's own errors and before train() imports TRL and PEFT (~10 s)
-    if not Path(args.data).exists():
-        print(f"error: --data {args.data}: no such file or directory", file=sys.stderr)
-        return 2
 
     try:
+        # a mistyped --data fails here, after the config's own errors and before train() imports TRL and PEFT (~10 s)
+        if not Path(args.data).exists():
+            raise _no_data(args.data)
         res = train(
             cfg,
             args.data,
