@@ -9,7 +9,7 @@ import pytest
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (make test runs one worker per core) each worker, and every process it starts
+    """Under pytest-xdist (make test runs a worker per core, and one more) each worker, and every process it starts
     (papermill kernels, CLI subprocesses, torchrun), gets one BLAS/OpenMP thread: two workers each running
     torch with a thread per core would fight for the cores, and the tiny policy is ~10x slower that way."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -29,6 +29,8 @@ LONGEST_FIRST = (
     "test_stages.py",
     "test_live_rollout.py",
     "test_prep.py",
+    "test_ab_run.py",
+    "test_arms.py",
     "test_serve.py",
 )
 # Files whose tests never load the embedded tiny policy. On a fresh clone the policy is not built yet (3-4

@@ -18,6 +18,7 @@ from hermes_lab.ab import report as ab_report
 from hermes_lab.ab import run as ab_run
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, load_config
+from hermes_lab.core.kernels import ForkingKernelManager
 from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -379,6 +380,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
         str(tmp_path / "run.ipynb"),
         parameters=params,
         kernel_name="python3",
+        kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
         cwd=str(REPO),
         progress_bar=False,
     )

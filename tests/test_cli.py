@@ -66,6 +66,8 @@ def test_config_error_returns_2_in_process(tmp_path, capsys):
     assert cli.main(["config", "--params", str(p)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "grpo.group_size" in err
+    assert cli.main(["config", "--params", str(p), "--params", str(p)]) == 2  # several files: only with --check
+    assert "one --params to print" in capsys.readouterr().err
 
 
 def test_console_script_help():

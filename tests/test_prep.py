@@ -16,6 +16,7 @@ import pytest
 from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
+from hermes_lab.core.kernels import ForkingKernelManager
 from hermes_lab.core.state import FlywheelState, SimulatedClock
 from hermes_lab.data.prep import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
 from hermes_lab.tasks import suite as tasks
@@ -498,6 +499,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
         str(tmp_path / "ok.ipynb"),
         parameters=params,
         kernel_name="python3",
+        kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
         cwd=str(REPO),
         progress_bar=False,
     )
@@ -513,6 +515,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
             str(tmp_path / "refused.ipynb"),
             parameters={**params, "simulated_now": "2026-01-01T20:00:00+00:00"},
             kernel_name="python3",
+            kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
             cwd=str(REPO),
             progress_bar=False,
         )

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hermes_lab.config.schema import load_config
+from hermes_lab.core.kernels import ForkingKernelManager
 from hermes_lab.review import gate as review
 from hermes_lab.review.app import ReviewApp
 from hermes_lab.tasks.suite import corrupt, generate_tasks, verify
@@ -495,6 +496,7 @@ def test_gate_notebook_stops_the_round_cleanly(tmp_path, mlflow_store):
             str(out),
             cwd=str(REPO),
             kernel_name="python3",
+            kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
             progress_bar=False,
             parameters={
                 "config_path": str(cfg_path),
@@ -530,6 +532,7 @@ def test_labeller_notebook_runs_headless(tmp_path):
         str(out),
         cwd=str(REPO),
         kernel_name="python3",
+        kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
         progress_bar=False,
         parameters={
             "config_path": "",

@@ -108,7 +108,7 @@ def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s:
     """Execute one notebook; unknown parameters are refused (papermill only warns)."""
     import papermill as pm
 
-    from hermes_lab.core import paths, quiet
+    from hermes_lab.core import kernels, paths, quiet
 
     src = Path(name) if Path(name).is_absolute() else NOTEBOOKS / name
     known = pm.inspect_notebook(str(src))
@@ -126,6 +126,7 @@ def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s:
             progress_bar=False,
             execution_timeout=timeout_s,
             config=quiet.kernel_config(),  # an encrypted kernel channel: no plain-TCP warning per stage
+            kernel_manager_class=kernels.ForkingKernelManager,  # forked from a warm zygote: no ~3 s of imports
         )
     except pm.PapermillExecutionError as e:
         raise RoundError(
