@@ -53,8 +53,10 @@ live-demo: setup
 ## On a fresh clone the tiny policy most tests share builds in the background while the files that need none run;
 ## the 15 slowest tests are listed at the end (where the time goes)
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+## PYTHONDONTWRITEBYTECODE (set on this machine and CI) is cleared for the suite: each worker rewrote the asserts
+## of every test module at collection (~4 s of CPU each), and test helpers were compiled in every subprocess
 test: setup lint browser-deps pyc
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 ## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
 ## elsewhere the browser tests skip and say why
@@ -73,7 +75,7 @@ lint: setup
 
 ## the loop of a change: everything but the tests marked slow (notebooks, trainings, rounds), on every core
 test-fast: setup pyc
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 ## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
 lab: setup

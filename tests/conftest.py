@@ -7,6 +7,10 @@ import sys
 
 import pytest
 
+from hermes_lab.core import kernels
+
+kernels.skip_unused_imports()  # before any test module imports nbformat: 2 s of CPU per worker, for nothing
+
 
 def pytest_configure(config):
     """Under pytest-xdist (make test runs a worker per core, and one more) each worker, and every process it starts

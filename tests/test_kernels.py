@@ -156,3 +156,13 @@ def test_the_zygote_and_its_kernels_end_with_the_runner_killed(tmp_path):
         os.kill(runner.pid, signal.SIGKILL)  # no shutdown, no atexit: only the socket's EOF tells the zygote
         runner.wait()
     assert _gone([zygote, kernel, child], 30)
+
+
+def test_the_runner_process_skips_the_iri_grammars_and_still_validates_notebooks():
+    code = (
+        "import sys\nfrom hermes_lab.core import kernels\nkernels.skip_unused_imports()\n"
+        "import nbformat, papermill\nnbformat.validate(nbformat.v4.new_notebook())\n"
+        "print(sys.modules.get('rfc3987_syntax'))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stdout + r.stderr

@@ -219,6 +219,14 @@ def zygote() -> Zygote:
     return _zygote[1]
 
 
+def skip_unused_imports() -> None:
+    """Called before papermill is imported. nbformat imports jsonschema, and jsonschema imports rfc3987_syntax
+    where it is installed (JupyterLab's jupyter-events brings it), which compiles three Earley grammars at
+    import: ~2 s of CPU in every process that runs notebooks, for the IRI formats that no notebook schema has.
+    Only this process goes without it (jsonschema then checks no IRI format); kernels are untouched."""
+    sys.modules.setdefault("rfc3987_syntax", None)  # None: ``import`` raises ImportError, which jsonschema expects
+
+
 def forking_enabled() -> bool:
     """On Linux, unless switched off: macOS's system frameworks are not safe to fork without exec, Windows has
     no fork."""

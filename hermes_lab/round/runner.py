@@ -106,9 +106,10 @@ def notebook_path(stage: Stage) -> Path:
 
 def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s: int | None = None) -> None:
     """Execute one notebook; unknown parameters are refused (papermill only warns)."""
-    import papermill as pm
-
     from hermes_lab.core import kernels, paths, quiet
+
+    kernels.skip_unused_imports()
+    import papermill as pm
 
     src = Path(name) if Path(name).is_absolute() else NOTEBOOKS / name
     known = pm.inspect_notebook(str(src))
