@@ -36,6 +36,7 @@ zygote as its parent.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -191,8 +192,11 @@ class Zygote:
         with self.lock:
             self.kernels.pop(kid, None)
 
-    def close(self) -> None:
-        """End the zygote (and so any kernel it still runs)."""
+    def close(self, owner: int | None = None) -> None:
+        """End the zygote (and so any kernel it still runs); with ``owner``, only in that process (not in a fork
+        of it, whose shutdown of the shared socket would end the parent's zygote)."""
+        if owner is not None and owner != os.getpid():
+            return
         with self.lock:
             proc = self._close_locked()
         if proc is not None:
@@ -215,7 +219,9 @@ _zygote: tuple[int, Zygote] | None = None  # (the pid that started it, the clien
 def zygote() -> Zygote:
     global _zygote
     if _zygote is None or _zygote[0] != os.getpid():
-        _zygote = (os.getpid(), Zygote())
+        z = Zygote()
+        atexit.register(z.close, os.getpid())  # it ends before this process does (killed: the socket's EOF)
+        _zygote = (os.getpid(), z)
     return _zygote[1]
 
 
