@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from typing import Any
 
 from jupyter_client.manager import AsyncKernelManager
@@ -269,15 +270,9 @@ class ForkingKernelManager(AsyncKernelManager):
 
     async def _async_pre_start_kernel(self, **kw: Any) -> Any:
         if self.provisioner is None and not (self.kernel_spec.metadata or {}).get("kernel_provisioner"):
-            self.kernel_id = self.kernel_id or kw.pop("kernel_id", None) or _new_id()
+            self.kernel_id = self.kernel_id or kw.pop("kernel_id", None) or str(uuid.uuid4())
             self.provisioner = ForkProvisioner(kernel_id=self.kernel_id, kernel_spec=self.kernel_spec, parent=self)
         return await super()._async_pre_start_kernel(**kw)
-
-
-def _new_id() -> str:
-    import uuid
-
-    return str(uuid.uuid4())
 
 
 # --------------------------------------------------------------------------------------- the zygote's side
@@ -295,7 +290,7 @@ def serve(sock_fd: int) -> int:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to the wakeup fd
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner's Ctrl-C reaches its kernels through it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the runner's: it interrupts its kernels through us
     running: dict[int, int] = {}  # pid -> kernel id, until reaped
     ids: dict[int, int] = {}  # kernel id -> pid
     poller = select.poll()
