@@ -159,8 +159,9 @@ class Zygote:
         """A kernel forked with this command line, environment and cwd; None where it would not be the kernel
         a new interpreter gives (the module docstring's list) or the zygote failed to start it."""
         with self.lock:
-            if self.sock is not None and _import_env(env) != _import_env(self.env):
-                changed = sorted({k for k, _ in set(_import_env(env).items()) ^ set(_import_env(self.env).items())})
+            wanted, have = _import_env(env), _import_env(self.env)
+            if self.sock is not None and wanted != have:
+                changed = sorted({k for k, _ in set(wanted.items()) ^ set(have.items())})
                 if any(not k.done.is_set() for k in self.kernels.values()):
                     log.debug("kernel not forked: the environment differs in %s, and kernels still run", changed)
                     return None
