@@ -21,21 +21,37 @@ def pytest_configure(config):
             os.environ.setdefault(var, "1")
 
 
-# The files whose tests run longest (pytest --durations), started first: `make test` hands whole files to its
-# pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder: each file's module and session
-# fixtures built once, and xdist's own reorder, by number of tests, off), and a long file started last would
-# leave one core idle at the end.
+# The files whose tests run longest, longest first (their wall time under `make test`, pytest --durations):
+# `make test` hands whole files to its pytest-xdist workers in this order (--dist loadfile
+# --no-loadscope-reorder: each file's module and session fixtures built once, and xdist's own reorder, by
+# number of tests, off), the files not listed after them. Longest first is what keeps every core busy to the
+# end: a 20-second file handed out last leaves the other core idle for most of it.
 LONGEST_FIRST = (
     "test_live_flywheel.py",
-    "test_round.py",
     "test_train.py",
+    "test_round.py",
     "test_validate.py",
     "test_stages.py",
-    "test_live_rollout.py",
-    "test_prep.py",
     "test_ab_run.py",
     "test_arms.py",
+    "test_prep.py",
     "test_serve.py",
+    "test_live_rollout.py",
+    "test_browser.py",
+    "test_paths.py",
+    "test_policy.py",
+    "test_quiet.py",
+    "test_execute.py",
+    "test_kernels.py",
+    "test_prep_fuzz.py",
+    "test_turns.py",
+    "test_gateway_conversations.py",
+    "test_browser_conversations.py",
+    "test_switch.py",
+    "test_config.py",
+    "test_conversations.py",
+    "test_ab_held.py",
+    "test_ab_plan.py",
 )
 # Files whose tests never load the embedded tiny policy. On a fresh clone the policy is not built yet (3-4
 # minutes): the first worker starts its build in the background, these files run meanwhile, and the first test
@@ -130,31 +146,23 @@ def fake_openai(monkeypatch):
     server.stop()
 
 
-_MLFLOW_TEMPLATE: list = []
-
-
 def mlflow_db(dest) -> str:
     """A new, empty SQLite MLflow store at ``dest`` (a file path); returns its tracking URI.
 
-    Creating a store runs MLflow's schema migrations (~50 of them: 3 s of CPU on a quiet machine, far more on a
-    loaded one), and the suite creates one for most tests that log. So each test process migrates one store, once,
-    and every test gets a byte copy of it: still a real store of its own, as the code under test would find it."""
-    import atexit
-    import shutil
-    import tempfile
+    A copy of the machine's empty, migrated store (``hermes_lab.core.tracking.new_store``), as a project's first
+    round gets it: MLflow's ~50 schema migrations (2-3 s of CPU) run once per machine, not once per test. Still a
+    real store of its own. Where the machine cache is off, MLflow creates and migrates it."""
     from pathlib import Path
 
-    if not _MLFLOW_TEMPLATE:
-        from mlflow.tracking import MlflowClient
+    from hermes_lab.core import tracking
 
-        tmp = tempfile.mkdtemp(prefix="hermes-lab-mlflow-template-")
-        atexit.register(shutil.rmtree, tmp, True)
-        db = Path(tmp) / "mlflow.db"
-        MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # creates and migrates the schema
-        _MLFLOW_TEMPLATE.append(db)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_MLFLOW_TEMPLATE[0], dest)
+    dest.unlink(missing_ok=True)
+    if not tracking.new_store(dest):
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=f"sqlite:///{dest}").search_experiments()
     return f"sqlite:///{dest}"
 
 

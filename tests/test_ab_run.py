@@ -18,7 +18,7 @@ from hermes_lab.ab import report as ab_report
 from hermes_lab.ab import run as ab_run
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, load_config
-from hermes_lab.core.kernels import ForkingKernelManager
+from hermes_lab.core.kernels import manager
 from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,6 +360,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
     import papermill as pm
 
     from hermes_lab.policy.model import build_tiny_policy
+    from hermes_lab.round import stages
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
     uri = mlflow_db(tmp_path / "mlflow.db")
@@ -380,7 +381,7 @@ def test_notebook_runs_with_papermill(tmp_path, monkeypatch):
         str(tmp_path / "run.ipynb"),
         parameters=params,
         kernel_name="python3",
-        kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
+        kernel_manager_class=manager(stages.stage("ab").preload),  # forked, as the round runner starts its kernels
         cwd=str(REPO),
         progress_bar=False,
     )

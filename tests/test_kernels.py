@@ -76,6 +76,33 @@ def test_a_forked_kernel_is_the_kernel_a_new_interpreter_would_be(tmp_path, monk
     assert "image/png" in _summary(forked_outs)[1][-1][2]
 
 
+def test_a_preload_is_imported_by_the_zygote_before_its_kernel_and_kept_for_the_next(tmp_path, monkeypatch):
+    """run_notebook(preload=...) (a stage's Stage.preload): the zygote imports the modules before it forks that
+    kernel, so the kernel's first cell finds them imported; the zygote keeps them for every later kernel. A
+    module that does not import is left to the kernel, which starts all the same."""
+    monkeypatch.setenv(kernels.ENV_SWITCH, "1")
+    probe = "import sys\nprint(sorted(m for m in ('wave', 'tabnanny') if m in sys.modules))"
+    src = _notebook(tmp_path / "probe.ipynb", probe)
+    run_notebook(src, tmp_path / "plain.ipynb", {"x": 1})
+    run_notebook(src, tmp_path / "preloaded.ipynb", {"x": 1}, preload=("wave", "no_such_module_hl"))
+    run_notebook(src, tmp_path / "after.ipynb", {"x": 1})
+    seen = [_outputs(tmp_path / f"{n}.ipynb")[0][0]["text"].strip() for n in ("plain", "preloaded", "after")]
+    assert seen == ["[]", "['wave']", "['wave']"]
+    assert "no_such_module_hl" not in sys.modules
+
+
+def test_the_rounds_policy_imports_exist():
+    """Stage.preload names modules by their dotted path: a name that no longer exists (a TRL or transformers
+    release moved it) would cost every round its import time without a word."""
+    import importlib.util
+
+    from hermes_lab.round.stages import POLICY_IMPORTS, STAGES
+
+    assert {s.name for s in STAGES if s.preload} == {"execute", "train", "validate", "ab"}
+    for name in POLICY_IMPORTS:
+        assert importlib.util.find_spec(name) is not None, name
+
+
 def test_an_environment_an_import_may_read_gets_a_new_zygote(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.ENV_SWITCH, "1")
     first, _ = _run_probe(tmp_path, "first")

@@ -94,6 +94,37 @@ def test_status_explains_why_no_round_is_due(tmp_path):
     assert p.returncode == 3 and "not due" in p.stdout
 
 
+def test_trl_is_asked_once_per_machine_about_the_sections_it_checks(tmp_path, monkeypatch):
+    """The round's deep config check (TRL's GRPOConfig, PEFT's LoraConfig: ~8 s of imports) leaves a stamp in
+    the machine's cache under what it asked: another project or data setting is not asked again, another
+    grpo setting is, and a config they refuse is refused each time, never stamped."""
+    from hermes_lab.config import check
+    from hermes_lab.config.schema import ConfigError, load_config
+
+    monkeypatch.setenv("HERMES_LAB_CACHE", str(tmp_path / "cache"))
+    real, asked = check.deep_problems, []
+    monkeypatch.setattr(check, "deep_problems", lambda cfg: asked.append(cfg.source) or real(cfg))
+
+    def project(name: str, **sections) -> tuple:
+        cfg = yaml.safe_load((REPO / "params" / "embedded.yaml").read_text())
+        cfg["round"]["runs_dir"] = str(tmp_path / name / "runs")
+        for sec, kv in sections.items():
+            cfg[sec].update(kv)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "p.yaml").write_text(yaml.safe_dump(cfg))
+        return load_config(tmp_path / name / "p.yaml"), tmp_path / name / "runs"
+
+    R._check_deep(*project("a"))
+    R._check_deep(*project("b", data={"min_samples": 7}, execute={"num_tasks": 9}))
+    assert len(asked) == 1 and len(list((tmp_path / "cache" / "checked-configs").iterdir())) == 1
+    R._check_deep(*project("c", grpo={"learning_rate": 3e-5}))
+    assert len(asked) == 2
+    with pytest.raises(ConfigError, match="lora.task_type"):  # PEFT's TaskType says CAUSAL_LM
+        R._check_deep(*project("d", lora={"task_type": "CAUSAL"}))
+    assert len(asked) == 3
+    assert len(list((tmp_path / "cache" / "checked-configs").iterdir())) == 2  # not stamped: asked again next time
+
+
 def test_unknown_notebook_parameter_is_refused(tmp_path):
     with pytest.raises(R.RoundError, match="unknown parameter"):
         R.run_notebook("00_execute.ipynb", tmp_path / "x.ipynb", {"config_path": "x", "api_key": "nope"})

@@ -15,9 +15,10 @@ import pytest
 from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.core.kernels import ForkingKernelManager
+from hermes_lab.core.kernels import manager
 from hermes_lab.evaluate import validate as V
 from hermes_lab.policy import arms as A
+from hermes_lab.round.stages import stage
 from hermes_lab.tasks import suite as T
 
 REPO = Path(__file__).resolve().parents[1]
@@ -421,7 +422,7 @@ def test_notebook_runs_with_papermill(which, tiny_base, adapters, tmp_path, monk
     kwargs = dict(
         parameters={"config_path": str(params), "round_dir": str(round_dir), "parent_run_id": parent},
         kernel_name="python3",
-        kernel_manager_class=ForkingKernelManager,  # forked, as the round runner starts its kernels
+        kernel_manager_class=manager(stage("validate").preload),  # forked, as the round runner starts its kernels
         cwd=str(REPO),
         progress_bar=False,
     )

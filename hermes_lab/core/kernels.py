@@ -23,8 +23,15 @@ usual way instead, with nothing said above --debug:
   bookkeeping). With no kernel running, a new zygote is started in the new environment instead;
 - ``HERMES_LAB_FORK_KERNELS=0``, a system other than Linux, or a zygote that could not start.
 
-Deliberately left out: the torch / transformers / PEFT / TRL imports (3-10 s) are not preloaded. Only the
-train, validate and A/B kernels need them, once per round, while every zygote would pay them.
+The heavy imports (torch, transformers, PEFT, TRL: 3-7 s of CPU) are not in ``PRELOAD``: many kernels never
+need them (prep, review, compare, most notebooks of the test suite), and a zygote that imported them for nothing
+would cost more than it saves. A kernel manager may name them instead (``manager(preload)``; the round runner
+passes each stage's ``Stage.preload``): the zygote imports them before it forks that kernel, the kernel finds
+them imported, and every later kernel of the zygote gets them for nothing. In a round, the execute kernel's
+torch and transformers and the train kernel's TRL and PEFT are then imported once, not again by validate and
+the A/B stage (a CI-scale round: ~15 s of CPU less). Importing torch starts no thread that a fork would lose:
+the only native threads then are OpenBLAS's idle servers (numpy's and scipy's, one per core), which OpenBLAS
+stops and restarts around a fork itself, as it does for PyTorch's DataLoader workers.
 
 Lifetime: the zygote reaps its kernels and reports their exit status over a SOCK_SEQPACKET socket; signals
 (interrupt, terminate, kill) go through it to the kernel's process group. When the process that started it
@@ -48,6 +55,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from jupyter_client.manager import AsyncKernelManager
@@ -155,9 +163,12 @@ class Zygote:
             k.started.set()
             k.done.set()
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str, timeout: float = 120) -> _Kernel | None:
-        """A kernel forked with this command line, environment and cwd; None where it would not be the kernel
-        a new interpreter gives (the module docstring's list) or the zygote failed to start it."""
+    def fork(
+        self, argv: list[str], env: dict[str, str], cwd: str, preload: Sequence[str] = (), timeout: float = 180
+    ) -> _Kernel | None:
+        """A kernel forked with this command line, environment and cwd, from a zygote that has imported
+        ``preload`` as well; None where it would not be the kernel a new interpreter gives (the module
+        docstring's list) or the zygote failed to start it."""
         with self.lock:
             wanted, have = _import_env(env), _import_env(self.env)
             if self.sock is not None and wanted != have:
@@ -172,13 +183,15 @@ class Zygote:
             assert self.sock is not None
             kid = next(self.ids)
             k = self.kernels[kid] = _Kernel(self, kid, self.sock)
-            request = json.dumps(["start", kid, {"argv": argv, "env": env, "cwd": cwd}]).encode()
+            req = {"argv": argv, "env": env, "cwd": cwd, "preload": list(preload)}
+            request = json.dumps(["start", kid, req]).encode()
             try:
                 socket.send_fds(self.sock, [request], [1, 2])  # the kernel's stdio is ours, as if inherited
             except OSError:
                 self.kernels.pop(kid)
                 return None
-        # the first request waits for the zygote's imports (~3 s); a stuck zygote leaves the usual launch
+        # a request waits for the zygote's imports (~3 s, and its preload's the first time: up to ~10 s on a busy
+        # machine); a stuck zygote leaves the usual launch
         if not k.started.wait(timeout) or (k.done.is_set() and not k.pid):
             self.send(("signal", kid, signal.SIGKILL))  # should it start after all, nobody would connect to it
             self.forget(kid)
@@ -251,14 +264,15 @@ def _forkable_cmd(cmd: list[str]) -> bool:
 
 
 class ForkProvisioner(LocalProvisioner):
-    """LocalProvisioner, except that a python kernel of this interpreter is forked from the zygote."""
+    """LocalProvisioner, except that a python kernel of this interpreter is forked from the zygote (with the
+    modules its kernel manager's ``preload`` names imported there first)."""
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         k = None
         if forking_enabled() and _forkable_cmd(cmd) and kwargs.get("stdout") is None and kwargs.get("stderr") is None:
             env = dict(kwargs.get("env") or os.environ)
             cwd = str(kwargs.get("cwd") or os.getcwd())
-            k = zygote().fork(list(cmd), env, cwd)
+            k = zygote().fork(list(cmd), env, cwd, getattr(self.parent, "preload", ()))
         if k is None:
             return await super().launch_kernel(cmd, **kwargs)
         self.process, self.pid, self.pgid = k, k.pid, None  # signals go through the zygote to the group
@@ -269,6 +283,8 @@ class ForkProvisioner(LocalProvisioner):
 class ForkingKernelManager(AsyncKernelManager):
     """The kernel manager papermill gets from the round runner (``kernel_manager_class``)."""
 
+    preload: tuple[str, ...] = ()  # modules the zygote imports before it forks this manager's kernel
+
     async def _async_pre_start_kernel(self, **kw: Any) -> Any:
         if self.provisioner is None and not (self.kernel_spec.metadata or {}).get("kernel_provisioner"):
             self.kernel_id = self.kernel_id or kw.pop("kernel_id", None) or str(uuid.uuid4())
@@ -276,17 +292,28 @@ class ForkingKernelManager(AsyncKernelManager):
         return await super()._async_pre_start_kernel(**kw)
 
 
+_managers: dict[tuple[str, ...], type[ForkingKernelManager]] = {}
+
+
+def manager(preload: Sequence[str] = ()) -> type[ForkingKernelManager]:
+    """The kernel manager class (papermill takes a class) whose kernels find ``preload`` imported, e.g.
+    ``("torch", "transformers")``: the zygote imports them once, before the first such kernel."""
+    key = tuple(preload)
+    if not key:
+        return ForkingKernelManager
+    if key not in _managers:
+        _managers[key] = type("ForkingKernelManager", (ForkingKernelManager,), {"preload": key})
+    return _managers[key]
+
+
 # --------------------------------------------------------------------------------------- the zygote's side
 def serve(sock_fd: int) -> int:
     """The zygote: import PRELOAD, then fork a kernel per request until the socket closes."""
-    import importlib
     import select
 
     sock = socket.socket(fileno=sock_fd)
     os.environ.setdefault("MPLBACKEND", INLINE)  # matplotlib reads it at import, as in a kernel
-    for name in PRELOAD:
-        with contextlib.suppress(ImportError):  # a missing extra only costs its kernels the import
-            importlib.import_module(name)
+    _import(PRELOAD)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -320,6 +347,7 @@ def serve(sock_fd: int) -> int:
                 if kid in ids and ids[kid] in running:
                     _killpg(ids[kid], value)
                 continue
+            _import(value.get("preload", ()))
             pid = os.fork()
             if pid == 0:
                 _become_kernel(sock, wake_r, wake_w, fds, value)
@@ -328,6 +356,17 @@ def serve(sock_fd: int) -> int:
             running[pid], ids[kid] = kid, pid
             _send(sock, ("started", kid, pid))
         _reap(sock, running)
+
+
+def _import(names: Sequence[str]) -> None:
+    """Import what is not imported yet; a module that fails to import is left to the kernel (which then fails
+    on it as a new interpreter would, with its own traceback)."""
+    import importlib
+
+    for name in names:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
 
 
 def _become_kernel(sock: socket.socket, wake_r: int, wake_w: int, fds: list[int], req: dict[str, Any]) -> None:

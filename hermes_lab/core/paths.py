@@ -18,6 +18,11 @@ the notebooks' path parameters (``resolve_params``) and the defaults under ``run
 on a command line (``--input ./x.jsonl``) keep the shell's convention: relative to the current directory.
 
     HERMES_LAB_ROOT=/srv/hermes-lab hermes-lab status      # a project elsewhere
+
+The machine's cache, shared by every project on it (``machine_cache``): ``$HERMES_LAB_CACHE`` ("off" or empty:
+none), else ``$XDG_CACHE_HOME/hermes-lab``, else ``~/.cache/hermes-lab``. It holds what depends on the
+machine's packages and not on a project: built tiny policies (``policies/``), configs TRL and PEFT accepted
+(``checked-configs/``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ PATH_PARAMS += ("data_dir", "train_dir")
 LIST_PARAMS = ("trajectories", "compare_rounds")
 SPEC_PARAMS = ("adapter", "start_adapter", "baseline_adapter", "baseline", "candidate")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def machine_cache(name: str) -> Path | None:
+    """The folder ``name`` of the machine's cache (the module docstring), or None where the cache is off."""
+    env = os.environ.get("HERMES_LAB_CACHE")
+    if env is not None:
+        return None if env.strip() in ("", "off", "0") else Path(env).expanduser() / name
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hermes-lab" / name
 
 
 def looks_like_project(d: Path) -> bool:

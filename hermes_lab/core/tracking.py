@@ -8,7 +8,9 @@ imported). Metric names are ``<stage>/<metric>`` everywhere (``log_metrics(stage
 
 Writes to the MLflow store: by default the SQLite file ``runs/mlflow.db`` with artifacts under
 ``runs/mlartifacts/`` (MLflow 3 refuses a plain ``./mlruns`` folder store). ``MLFLOW_TRACKING_URI``
-overrides it, e.g. an ``mlflow server`` for a team.
+overrides it, e.g. an ``mlflow server`` for a team. A project's new store starts as a copy of the machine's
+empty, migrated one (``new_store``): MLflow would otherwise run its ~50 schema migrations (~2 s of CPU) in the
+first process that opens it.
 
 Secrets never reach a param or a tag: ``log_params``/``set_tags`` mask them by value (``safe_params``,
 ``hermes_lab.core.redaction``), never by the param's name.
@@ -22,6 +24,7 @@ round's run with the ``mlflow.parentRunId`` tag (what ``nested=True`` sets in-pr
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -32,6 +35,8 @@ from typing import Any
 
 from hermes_lab.core import redaction
 
+log = logging.getLogger(__name__)
+
 
 def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
     env = os.environ.get("MLFLOW_TRACKING_URI")
@@ -41,22 +46,83 @@ def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
 
     db = resolve(runs_dir) / "mlflow.db"  # a relative runs_dir is the project's, whatever the cwd
     db.parent.mkdir(parents=True, exist_ok=True)
+    if not db.exists():
+        new_store(db)
     return f"sqlite:///{db}"
+
+
+def new_store(db: Path) -> bool:
+    """Create the SQLite store ``db`` as a copy of the machine's empty store for this MLflow version
+    (``hermes_lab.core.paths.machine_cache("mlflow")``, migrated once per machine), with its Default experiment's
+    artifacts under ``db``'s folder (``mlartifacts/0``, next to the project's own experiment) rather than under
+    whatever directory the first process happened to run in. False (nothing written) where the cache is off or
+    cannot be used, or ``db`` exists already: MLflow then creates or opens the store itself, as always."""
+    import shutil
+    import sqlite3
+    from importlib.metadata import version
+
+    from hermes_lab.core.paths import machine_cache
+
+    cache = machine_cache("mlflow")
+    if cache is None or db.exists():
+        return False
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    try:
+        template = cache / f"empty-{version('mlflow')}.db"
+        if not template.is_file():
+            _migrate_template(template)
+        shutil.copyfile(template, tmp)
+        now = int(time.time() * 1000)
+        with contextlib.closing(sqlite3.connect(tmp)) as con, con:
+            con.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                "WHERE experiment_id = 0",
+                ((db.parent / "mlartifacts" / "0").as_uri(), now, now),
+            )
+        os.link(tmp, db)  # never over a store that another process created meanwhile (FileExistsError)
+        return True
+    except Exception as e:  # a shortcut only: whatever fails here, MLflow creates the store as it always did
+        log.debug("MLflow store %s not copied from the machine's template: %s", db, e)
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _migrate_template(template: Path) -> None:
+    """The machine's empty store for this MLflow version: created and migrated by MLflow itself, once (a lock:
+    two first rounds on a new machine migrate it once), and renamed into place complete."""
+    import fcntl
+
+    template.parent.mkdir(parents=True, exist_ok=True)
+    with open(template.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if template.is_file():
+            return
+        tmp = template.with_name(f"{template.stem}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        _quiet_migrations()
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # as setup(): MLflow is imported here first
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()  # creates and migrates the schema
+        os.replace(tmp, template)
+
+
+def _quiet_migrations() -> None:
+    """alembic and MLflow print a page of migration INFO lines on a new SQLite store: shown with --debug only."""
+    from hermes_lab.core import quiet
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if not quiet.debug_enabled():
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
 def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-lab") -> str:
     """Point MLflow at the store and select (or create) the experiment; returns its id."""
-    import logging
-
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no phoning home from an offline workbench
-    from hermes_lab.core import quiet
-
-    # alembic/mlflow print a page of migration INFO lines on a fresh SQLite store
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    if not quiet.debug_enabled():
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    _quiet_migrations()  # a store that is not a copy (MLFLOW_TRACKING_URI, no machine cache) is migrated here
     # read before set_tracking_uri: MLflow 3 exports MLFLOW_TRACKING_URI itself
     user_uri = bool(os.environ.get("MLFLOW_TRACKING_URI"))
     mlflow.set_tracking_uri(tracking_uri(runs_dir))

@@ -124,13 +124,10 @@ def tiny_dir(runs_dir: str | os.PathLike[str], seed: int) -> Path:
 
 
 def cache_dir() -> Path | None:
-    """The machine's policy cache: ``$HERMES_LAB_CACHE`` ("off" or empty: none), else
-    ``$XDG_CACHE_HOME/hermes-lab``, else ``~/.cache/hermes-lab``; policies live in its ``policies/``."""
-    env = os.environ.get("HERMES_LAB_CACHE")
-    if env is not None:
-        return None if env.strip() in ("", "off", "0") else Path(env).expanduser() / "policies"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hermes-lab" / "policies"
+    """The machine's policy cache (``hermes_lab.core.paths.machine_cache``): its ``policies/``, or None (off)."""
+    from hermes_lab.core.paths import machine_cache
+
+    return machine_cache("policies")
 
 
 def recipe_key() -> str:

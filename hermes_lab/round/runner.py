@@ -27,6 +27,7 @@ read keys from the environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -104,8 +105,11 @@ def notebook_path(stage: Stage) -> Path:
     return p if p.is_absolute() else NOTEBOOKS / p
 
 
-def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s: int | None = None) -> None:
-    """Execute one notebook; unknown parameters are refused (papermill only warns)."""
+def run_notebook(
+    name: str | Path, out: Path, params: dict[str, Any], timeout_s: int | None = None, preload: Sequence[str] = ()
+) -> None:
+    """Execute one notebook; unknown parameters are refused (papermill only warns). ``preload``: heavy modules
+    its kernel will import, imported once by the zygote it is forked from (``Stage.preload``)."""
     from hermes_lab.core import kernels, paths, quiet
 
     kernels.skip_unused_imports()
@@ -127,7 +131,7 @@ def run_notebook(name: str | Path, out: Path, params: dict[str, Any], timeout_s:
             progress_bar=False,
             execution_timeout=timeout_s,
             config=quiet.kernel_config(),  # an encrypted kernel channel: no plain-TCP warning per stage
-            kernel_manager_class=kernels.ForkingKernelManager,  # forked from a warm zygote: no ~2.5 s of imports
+            kernel_manager_class=kernels.manager(preload),  # forked from a warm zygote: no ~2.5 s of imports
         )
     except pm.PapermillExecutionError as e:
         raise RoundError(
@@ -151,7 +155,7 @@ def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
     params |= stage.params(ctx)
     failure = None
     try:
-        run_notebook(notebook_path(stage), ctx.round_dir / Path(stage.notebook).name, params)
+        run_notebook(notebook_path(stage), ctx.round_dir / Path(stage.notebook).name, params, preload=stage.preload)
     except RoundError as e:
         failure = e
     verdict = read_verdict(verdict_path) if verdict_path is not None else None
@@ -179,25 +183,34 @@ def _commit(state: FlywheelState, runs: Path, rd: Path, prog: dict[str, Any]) ->
 
 def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
     """check_config(deep=True) before the first stage: what TRL would refuse at the train stage fails now,
-    not an hour in. Its ~15 s of imports are paid once per config and TRL version (a stamp in runs/)."""
+    not an hour in. Its imports (~8 s of CPU) are paid once per machine for the sections TRL and PEFT are
+    asked about (grpo, lora, reward) and their versions: a stamp in the machine's cache
+    (``hermes_lab.core.paths.machine_cache``), or in runs/ where that cache is off. Another project, another
+    runs_dir or another data setting on the same machine does not ask again."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
     from hermes_lab.config.check import check_config
+    from hermes_lab.core.paths import machine_cache
 
-    try:
-        trl_version = version("trl")
-    except PackageNotFoundError:
-        trl_version = "none"
-    checked = cfg.to_dict()
-    checked["execute"].pop("live_dir", None)  # where the data comes from changes nothing TRL checks
-    key = hashlib.sha256(json.dumps([checked, trl_version], sort_keys=True, default=str).encode()).hexdigest()
-    stamp = runs / ".config-checked"
+    versions = {}
+    for dist in ("trl", "peft", "transformers", "torch", "vllm"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = None
+    d = cfg.to_dict()
+    asked = {k: d[k] for k in ("grpo", "lora", "reward")}  # all that deep_problems gives TRL and PEFT
+    asked["gpus"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # grpo_kwargs asks torch for CUDA (bf16, use_cpu)
+    key = hashlib.sha256(json.dumps([asked, versions], sort_keys=True, default=str).encode()).hexdigest()[:32]
+    cache = machine_cache("checked-configs")
+    stamp = cache / key if cache is not None else runs / ".config-checked"
     if stamp.is_file() and stamp.read_text().strip() == key:
         return check_config(cfg)
     warnings = check_config(cfg, deep=True)
-    runs.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(key)
+    with contextlib.suppress(OSError):  # a cache that cannot be written only asks again next time
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(key)
     return warnings
 
 

@@ -68,6 +68,20 @@ def _no_params(ctx: RoundContext) -> dict[str, Any]:
     return {}
 
 
+# What a kernel that loads a policy imports (~6 s of CPU): the zygote that forks the round's kernels imports it
+# once, for the first of those stages (hermes_lab.core.kernels). One list for the four, not one per stage: the
+# pieces one of them does not need (the execute kernel's TRL trainer) cost ~1 s once, and a list per stage
+# would go stale as the modules change. A module missing here is only imported by the kernel itself.
+POLICY_IMPORTS = (
+    "torch",
+    "transformers.modeling_utils",
+    "peft",
+    "datasets",
+    "trl.chat_template_utils",
+    "trl.trainer.grpo_trainer",
+)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage of a round. ``notebook`` is relative to notebooks/ (or absolute); ``verdict`` is relative
@@ -87,6 +101,7 @@ class Stage:
     starts_cooldown: bool = False  # completing it is a training: the cooldown counts from here
     consumes_negatives: bool = False  # completing it has used state.negative_files
     on_continue: bool = False  # runs in a round that continues a held A/B (round.on_held: continue); others skip
+    preload: tuple[str, ...] = ()  # heavy modules its kernel imports, imported once for the round's kernels
 
 
 # -------------------------------------------------------------------------------- parameter builders
@@ -165,6 +180,7 @@ STAGES: tuple[Stage, ...] = (
         "execute",
         "00_execute.ipynb",
         "hermes_lab.data.execute",
+        preload=POLICY_IMPORTS,
         params=_execute_params,
         notebook_params=(*ROUND_PARAMS, "adapter", "seed"),
         command="execute",
@@ -207,6 +223,7 @@ STAGES: tuple[Stage, ...] = (
         "train",
         "20_grpo_train.ipynb",
         "hermes_lab.train.grpo",
+        preload=POLICY_IMPORTS,
         verdict=f"train/{VERDICT_NAME}",
         gates=("training_health",),
         stops=(STOP_HEALTH,),
@@ -220,6 +237,7 @@ STAGES: tuple[Stage, ...] = (
         "validate",
         "30_inspect_validate.ipynb",
         "hermes_lab.evaluate.validate",
+        preload=POLICY_IMPORTS,
         verdict=f"validate/{VERDICT_NAME}",
         gates=("regression",),
         stops=(STOP_REGRESSION,),
@@ -232,6 +250,7 @@ STAGES: tuple[Stage, ...] = (
         "ab",
         "40_ab_analysis.ipynb",
         "hermes_lab.ab.run",
+        preload=POLICY_IMPORTS,
         verdict=f"ab/{VERDICT_NAME}",
         gates=("ab_decision",),
         stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live.round)
