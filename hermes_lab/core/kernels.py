@@ -27,11 +27,12 @@ The heavy imports (torch, transformers, PEFT, TRL: 3-7 s of CPU) are not in ``PR
 need them (prep, review, compare, most notebooks of the test suite), and a zygote that imported them for nothing
 would cost more than it saves. A kernel manager may name them instead (``manager(preload)``; the round runner
 passes each stage's ``Stage.preload``): the zygote imports them before it forks that kernel, the kernel finds
-them imported, and every later kernel of the zygote gets them for nothing. In a round, the execute kernel's
-torch and transformers and the train kernel's TRL and PEFT are then imported once, not again by validate and
-the A/B stage (a CI-scale round: ~15 s of CPU less). Importing torch starts no thread that a fork would lose:
-the only native threads then are OpenBLAS's idle servers (numpy's and scipy's, one per core), which OpenBLAS
-stops and restarts around a fork itself, as it does for PyTorch's DataLoader workers.
+them imported, and every later kernel of the zygote gets them for nothing. In a round, the zygote imports them
+for the execute stage, and the train, validate and A/B kernels no longer import them each (a CI-scale round:
+82 s -> 61 s of CPU). While the zygote imports them (~6 s, once), its other kernels' signals and exits wait.
+Importing them starts no thread that a fork would lose: the only native threads then are OpenBLAS's idle
+servers (numpy's and scipy's, one per core), which OpenBLAS stops and restarts around a fork itself, as it
+does for PyTorch's DataLoader workers.
 
 Lifetime: the zygote reaps its kernels and reports their exit status over a SOCK_SEQPACKET socket; signals
 (interrupt, terminate, kill) go through it to the kernel's process group. When the process that started it
