@@ -184,13 +184,14 @@ def _commit(state: FlywheelState, runs: Path, rd: Path, prog: dict[str, Any]) ->
 def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
     """check_config(deep=True) before the first stage: what TRL would refuse at the train stage fails now,
     not an hour in. Its imports (~8 s of CPU) are paid once per machine for the sections TRL and PEFT are
-    asked about (grpo, lora, reward) and their versions: a stamp in the machine's cache
+    asked about (grpo, lora, reward), their versions and the code that asks: a stamp in the machine's cache
     (``hermes_lab.core.paths.machine_cache``), or in runs/ where that cache is off. Another project, another
     runs_dir or another data setting on the same machine does not ask again."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
-    from hermes_lab.config.check import check_config
+    from hermes_lab.config import check
+    from hermes_lab.config import trl as trl_mapping
     from hermes_lab.core.paths import machine_cache
 
     versions = {}
@@ -202,12 +203,14 @@ def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
     d = cfg.to_dict()
     asked = {k: d[k] for k in ("grpo", "lora", "reward")}  # all that deep_problems gives TRL and PEFT
     asked["gpus"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # grpo_kwargs asks torch for CUDA (bf16, use_cpu)
+    # and how we ask: an edited mapping (config/trl.py) or check (config/check.py) is never served an old stamp
+    asked["code"] = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (check, trl_mapping))).hexdigest()
     key = hashlib.sha256(json.dumps([asked, versions], sort_keys=True, default=str).encode()).hexdigest()[:32]
     cache = machine_cache("checked-configs")
     stamp = cache / key if cache is not None else runs / ".config-checked"
     if stamp.is_file() and stamp.read_text().strip() == key:
-        return check_config(cfg)
-    warnings = check_config(cfg, deep=True)
+        return check.check_config(cfg)
+    warnings = check.check_config(cfg, deep=True)
     with contextlib.suppress(OSError):  # a cache that cannot be written only asks again next time
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(key)
