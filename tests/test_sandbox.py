@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -70,12 +71,6 @@ class Listener:
         self._stop = True
         self.thread.join(2)
         self.sock.close()
-
-
-def _sandbox_dirs() -> set[str]:
-    import tempfile
-
-    return {p.name for p in Path(tempfile.gettempdir()).glob("hermes-sandbox-*")}
 
 
 def _start_time(pid: int) -> str | None:
@@ -152,7 +147,10 @@ def test_the_hostile_set_is_contained_scores_zero_and_is_counted(tmp_path, monke
     outside.mkdir()
     outside.chmod(0o777)  # even a directory anyone may write to stays out of reach
     listener = Listener()
-    before_dirs = _sandbox_dirs()
+    # the runs' temp dirs under a root of this test's: other test files' sandboxes run in parallel (make test)
+    sandbox_root = Path(tempfile.mkdtemp(prefix="hermes-test-sandbox-root-"))
+    sandbox_root.chmod(0o1777)  # as /tmp: each run's own dir is private (0700), its parent anyone's to traverse
+    monkeypatch.setattr(local, "tmp_root", str(sandbox_root))
     nobody_before = _processes_of(65534) if os.geteuid() == 0 else None
     reward = make_tests_reward(cfg, executor=local)
     cases = hostile_set(outside, listener.port)
@@ -180,7 +178,8 @@ def test_the_hostile_set_is_contained_scores_zero_and_is_counted(tmp_path, monke
     # nothing escaped
     assert not (outside / "escaped.txt").exists()
     assert listener.connections == 0
-    assert _sandbox_dirs() <= before_dirs  # every temp dir removed
+    assert not list(sandbox_root.iterdir())  # every run's temp dir removed
+    sandbox_root.rmdir()
     if nobody_before is not None:
         assert not _left_over(65534, nobody_before, grace=8.0)  # no process of the fork bomb is left
     # the API key never reached a run: no output of any run holds it
