@@ -22,7 +22,7 @@ on a command line (``--input ./x.jsonl``) keep the shell's convention: relative 
 The machine's cache, shared by every project on it (``machine_cache``): ``$HERMES_LAB_CACHE`` ("off" or empty:
 none), else ``$XDG_CACHE_HOME/hermes-lab``, else ``~/.cache/hermes-lab``. It holds what depends on the
 machine's packages and not on a project: built tiny policies (``policies/``), configs TRL and PEFT accepted
-(``checked-configs/``).
+(``checked-configs/``, the round runner) and an empty migrated MLflow store (``mlflow/``, ``core.tracking``).
 """
 
 from __future__ import annotations
