@@ -5,8 +5,9 @@ nothing itself; an implementation may use temp dirs (``local``) or a sandbox ser
 
 Two implementations, the same contract (``run_many(requests, limits) -> results``, in order):
 
-- ``hermes_lab.sandbox.local.LocalExecutor``: this machine, no extra service; one launcher process per run
-  (``hermes_lab.sandbox.launcher``: namespaces, read-only mounts, rlimits, no privileges, an audit hook).
+- ``hermes_lab.sandbox.local.LocalExecutor``: this machine, no extra service; runs forked from a warm launcher
+  (``hermes_lab.sandbox.launcher``), each confined by the kernel: a root of its own (bubblewrap), seccomp, a
+  cgroup, or Landlock where there are no namespaces (``hermes_lab.sandbox.isolation``).
 - ``hermes_lab.sandbox.fusion.FusionExecutor``: a SandboxFusion server's ``POST /run_code`` (or anything that
   speaks that API), for a user who already runs a sandbox service for many machines.
 
@@ -29,7 +30,8 @@ STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "output_limit", "killed",
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits. Wall time is the parent's (it kills the whole run); the rest are the child's rlimits."""
+    """Per-run limits. Wall time is the parent's (it kills the whole run); memory and processes hold for the
+    whole run (its cgroup) and each process (RLIMIT_AS); CPU, file size and open files are each process's."""
 
     timeout_s: float = 4.0
     cpu_s: float = 4.0
@@ -45,10 +47,15 @@ class Limits:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One program (Python source run as ``__main__``) and what its stdin holds."""
+    """One program (Python source run as ``__main__``, or a bash script) and what its stdin holds; ``files``
+    written into its work dir first (relative paths), ``fetch`` read back from it after (SandboxFusion's
+    ``files`` and ``fetch_files``)."""
 
     program: str
     stdin: str = ""
+    language: Literal["python", "bash"] = "python"
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch: tuple[str, ...] = ()
 
 
 @dataclass
@@ -60,6 +67,7 @@ class RunResult:
     seconds: float = 0.0
     signal: int | None = None  # the signal that ended the program, when one did
     detail: str = ""  # why, in words, for a status other than ok / error
+    files: dict[str, bytes] = field(default_factory=dict)  # what ``fetch`` asked for and the run left
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
