@@ -13,6 +13,7 @@ config.py so that each stays readable; reads and writes nothing.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -496,9 +497,10 @@ def conversations_problems(c: ConversationsSection) -> list[str]:
 class SandboxSection:
     executor: Literal["local", "fusion"] = _f(
         "local",
-        "Where the tests reward runs completions' code. local: this machine, no extra service (one process per "
-        "run; namespaces, read-only mounts, rlimits, no privileges, an audit hook: hermes_lab.sandbox.launcher). "
-        "fusion: a sandbox service speaking SandboxFusion's POST /run_code API at sandbox.url.",
+        "Where the tests reward runs completions' code. local: this machine, no extra service (runs forked from a "
+        "warm launcher, each in bubblewrap's root of its own with namespaces, a seccomp filter, a cgroup; Landlock "
+        "where there are no namespaces: hermes_lab.sandbox.isolation). fusion: a sandbox service speaking "
+        "SandboxFusion's POST /run_code API at sandbox.url.",
     )
     url: str = _f("", "executor fusion: the service's http(s) root (e.g. http://sandbox:8080; /run_code is appended).")
     api_key_env: str = _f(
@@ -508,11 +510,20 @@ class SandboxSection:
     timeout_s: float = _f(
         4.0, "Wall-clock limit of one run (all of a completion's tests; one stdin/stdout case).", gt=0, le=600
     )
-    cpu_s: float = _f(4.0, "CPU-seconds limit of one run (RLIMIT_CPU; local executor).", gt=0, le=600)
-    memory_mb: int = _f(512, "Address-space limit of one run, MiB (RLIMIT_AS; fusion: memory_limit_MB).", ge=32)
-    file_mb: int = _f(16, "Largest file a run may write, MiB (RLIMIT_FSIZE; also its private /tmp's size).", ge=1)
+    cpu_s: float = _f(4.0, "CPU-seconds limit of each process of a run (RLIMIT_CPU; local executor).", gt=0, le=600)
+    memory_mb: int = _f(
+        512,
+        "Memory of one run, MiB: its cgroup's limit for all its processes, tmpfs files and shared memory together, "
+        "and each process's address space (RLIMIT_AS; fusion: memory_limit_MB).",
+        ge=32,
+    )
+    file_mb: int = _f(
+        16,
+        "Largest file a run may write, MiB (RLIMIT_FSIZE; also the size of each of its tmpfs: work dir, /tmp).",
+        ge=1,
+    )
     max_processes: int = _f(
-        16, "Processes and threads a run may start (RLIMIT_NPROC above the sandbox user's count).", ge=1, le=4096
+        16, "Processes and threads a run may have at once (its cgroup's pids limit).", ge=1, le=4096
     )
     max_output_kb: int = _f(
         1024, "Output a run may print, KiB (stdout and stderr each); past it the run is stopped.", ge=1
@@ -520,10 +531,17 @@ class SandboxSection:
     cache_size: int = _f(
         100_000, "Completions whose results are kept by (code, tests) hash; duplicates run once.", ge=0
     )
+    python: str = _f(
+        "",
+        "local executor: the interpreter programs run with, a virtualenv's bin/python whose packages they may "
+        "import (numpy, pandas); read-only in the sandbox. Empty: this interpreter, the standard library only.",
+    )
     require_isolation: bool = _f(
-        False,
-        "local executor: stop with an error when the kernel allows no namespaces here (then only rlimits and the "
-        "audit hook stand between a completion and the network and the disk). false: go on, and say so.",
+        True,
+        "local executor: refuse to score completions (training with the tests reward stops before it starts, "
+        "naming what is missing) unless every layer is kernel-enforced here: seccomp, a cgroup per run, and a root "
+        "of its own (bubblewrap) or Landlock. false: go on without them, and say in the round's output what is "
+        "then not enforced.",
     )
     max_error_rate: float = _f(
         0.2,
@@ -542,6 +560,8 @@ def sandbox_problems(s: SandboxSection) -> list[str]:
         )
     if s.api_key_env and not _ENV_NAME.match(s.api_key_env):  # never echo it: it may be the key
         out.append("sandbox.api_key_env must be the NAME of an environment variable, not the key itself")
+    if s.python and not (os.path.isfile(s.python) and os.access(s.python, os.X_OK)):
+        out.append(f"sandbox.python must be a Python interpreter (a virtualenv's bin/python), got {s.python!r}")
     return out
 
 
