@@ -100,7 +100,7 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
             t.models.append((where, model))
 
     if "tests" in cfg.reward.types:
-        checks.append(_sandbox_check(cfg))
+        checks.extend(_sandbox_checks(cfg))
     m, r = cfg.model, cfg.reward
     if m.base_url:
         add(
@@ -140,28 +140,45 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
     return list(found.values())
 
 
-def _sandbox_check(cfg: object) -> Check:
-    """The tests reward's sandbox: what isolates a run here (local), or one run through the service (fusion)."""
-    from hermes_lab.rewards.tests import SandboxUnavailable, executor_of
+def _sandbox_checks(cfg: object) -> list[Check]:
+    """The tests reward's sandbox: the local one layer by layer (a probe run reports what holds from inside),
+    or one run through the service (fusion). A missing layer FAILs under sandbox.require_isolation, else WARNs."""
+    from hermes_lab.rewards.tests import executor_of
     from hermes_lab.sandbox.executor import Limits, RunRequest
+    from hermes_lab.sandbox.local import LocalExecutor
 
+    s = cfg.sandbox  # type: ignore[attr-defined]
     try:
-        ex = executor_of(cfg)  # type: ignore[arg-type]
-    except (SandboxUnavailable, ValueError) as e:
-        return Check("sandbox", FAIL, str(e))
+        ex = executor_of(cfg) if s.executor == "fusion" else LocalExecutor(workers=1, python=s.python or None)  # type: ignore[arg-type]
+    except ValueError as e:
+        return [Check("sandbox", FAIL, str(e))]
     try:
         rep = ex.describe()
         if rep["executor"] == "fusion":
             r = ex.run_one(RunRequest("print(6 * 7)"), Limits(timeout_s=10))
             if r.status != "ok" or r.stdout.strip() != "42":
-                return Check("sandbox", FAIL, f"{rep['url']}/run_code: {r.status} {r.detail}".strip())
-            return Check("sandbox", PASS, f"{rep['url']}/run_code ran a program ({rep['network']})")
+                return [Check("sandbox", FAIL, f"{rep['url']}/run_code: {r.status} {r.detail}".strip())]
+            return [Check("sandbox", PASS, f"{rep['url']}/run_code ran a program ({rep['network']})")]
         if "error" in rep:
-            return Check("sandbox", FAIL, rep["error"])
-        what = f"namespaces {rep.get('namespaces')}, runs as {rep.get('user')}, network {rep.get('network')}"
-        if not str(rep.get("namespaces", "none")).startswith(("user", "net")):
-            return Check("sandbox", WARN, f"local sandbox without namespaces: {what}")
-        return Check("sandbox", PASS, f"local sandbox: {what}")
+            return [Check("sandbox", FAIL, rep["error"])]
+        gaps = rep.get("missing") or []
+        bad = FAIL if s.require_isolation else WARN
+        head = f"local, {rep['mode']}: python {rep['python']} ({rep['python_version']}), runs as {rep.get('user')}"
+        if gaps:
+            head += f"; NOT enforced: {'; '.join(gaps)}" + (
+                " (sandbox.require_isolation: training with the tests reward refuses)" if s.require_isolation else ""
+            )
+        hidden = ", ".join(f"{p} {v}" for p, v in (rep.get("host_paths") or {}).items())
+        out = [Check("sandbox", bad if gaps else PASS, head)]
+        for layer in ("namespaces", "filesystem", "seccomp", "cgroup", "network", "processes"):
+            weak = str(rep.get(layer, "")).startswith(("none", "NOT"))
+            # no namespaces is no gap by itself where Landlock stands in (the fallback): a warning
+            status = PASS if not weak else (WARN if layer == "namespaces" else bad)
+            detail = str(rep.get(layer))
+            if layer == "filesystem" and hidden:
+                detail += f"; seen from a run: {hidden}"
+            out.append(Check(f"sandbox {layer}", status, detail))
+        return out
     finally:
         ex.close()
 

@@ -24,6 +24,7 @@ counts towards ``sandbox.max_error_rate``, past which training stops with the ex
 from __future__ import annotations
 
 import json
+import sys
 from collections import deque
 from typing import Any
 
@@ -54,18 +55,22 @@ def limits_of(cfg: HermesConfig) -> Limits:
 
 
 def executor_of(cfg: HermesConfig) -> Executor:
-    """The configured executor; with ``sandbox.require_isolation`` a local one must have its namespaces."""
+    """The configured executor. A local one must have every kernel layer here (``sandbox.require_isolation``,
+    ``hermes_lab.sandbox.isolation.missing``); opted out, it says on stderr what is then not enforced."""
     s = cfg.sandbox
     if s.executor == "fusion":
         return FusionExecutor(s.url, workers=s.workers or None, api_key_env=s.api_key_env)
-    ex = LocalExecutor(workers=s.workers or None)
-    if s.require_isolation:
-        rep = ex.describe()
-        if not str(rep.get("namespaces", "none")).startswith(("user", "net")):
-            raise SandboxUnavailable(
-                f"sandbox.require_isolation is set but the kernel allows no namespaces here "
-                f"({rep.get('namespaces') or rep.get('error')}): use sandbox.executor fusion, or unset it"
-            )
+    ex = LocalExecutor(workers=s.workers or None, python=s.python or None)
+    gaps = ex.describe().get("missing") or []
+    if gaps and s.require_isolation:
+        ex.close()
+        raise SandboxUnavailable(
+            "the sandbox cannot give its barriers on this machine: " + "; ".join(gaps) + ". Install what is "
+            "missing (README, set-up: make sandbox-deps), see `hermes-lab doctor --params FILE`, or set "
+            "sandbox.require_isolation: false to score completions without them"
+        )
+    if gaps:
+        print(f"sandbox: NOT enforced (sandbox.require_isolation is false): {'; '.join(gaps)}", file=sys.stderr)
     return ex
 
 

@@ -182,7 +182,8 @@ def health_report(
 
 def sandbox_diagnostic(train_dir: str | Path) -> dict[str, Any] | None:
     """The inspect stage's entry for the tests reward (rule ``sandbox``), from health.json; None without one.
-    warn: the sandbox failed on some completions, or the kernel gave it no namespaces here (network not cut off)."""
+    warn: the sandbox failed on some completions, or a layer of the local sandbox is not enforced here
+    (``sandbox.require_isolation: false`` on a machine that lacks it: the layers are named)."""
     try:
         health = json.loads((Path(train_dir) / "health.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -192,17 +193,17 @@ def sandbox_diagnostic(train_dir: str | Path) -> dict[str, Any] | None:
         return None
     n, errors = int(s.get("completions", 0)), int(s.get("sandbox_errors", 0))
     iso = s.get("isolation") or {}
-    weak = iso.get("executor") == "local" and not str(iso.get("namespaces", "none")).startswith(("user", "net"))
+    gaps = list(iso.get("missing") or []) if iso.get("executor") == "local" else []  # layers not enforced
     kinds = ", ".join(f"{k} {v}" for k, v in (s.get("by_kind") or {}).items())
     msg = f"{n} completions ran against their tests ({kinds or 'none'}); {s.get('executions', 0)} runs"
     advice = ""
     if errors:
         advice = f"{errors} sandbox errors (scored None): check sandbox.executor / sandbox.url (hermes-lab doctor)"
-    if weak:
-        advice += ("; " if advice else "") + f"the local sandbox has no namespaces here ({iso.get('namespaces')})"
+    if gaps:
+        advice += ("; " if advice else "") + "NOT enforced by the local sandbox here: " + "; ".join(gaps)
     return {
         "rule": "sandbox",
-        "severity": "warn" if errors or weak else "ok",
+        "severity": "warn" if errors or gaps else "ok",
         "step": None,
         "value": errors / n if n else 0.0,
         "message": msg,
