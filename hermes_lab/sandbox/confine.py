@@ -21,7 +21,7 @@ What each layer does, and what it is for:
 - ``seccomp``: a BPF program built by ``hermes_lab.sandbox.seccomp`` (libseccomp) in the trainer, loaded last:
   no socket but socketpair(AF_UNIX), no memfd, keyring, ptrace, namespace, mount, io_uring, bpf, SysV IPC.
 - ``install_guard``: the Python audit hook, a second layer above the kernel's: it refuses sockets, starting
-  programs, ctypes, signals outside the run and writes outside its dirs before the kernel is even asked.
+  programs, signals outside the run and writes outside its dirs before the kernel is even asked.
 """
 
 import contextlib
@@ -216,8 +216,10 @@ def install_guard(work):
     layers above hold without it."""
     allowed = tuple(os.path.join(d, "") for d in (work, *PRIVATE_TMP, "/var/tmp"))
     pgrp, me = os.getpgrp(), str(os.getpid())
-    deny = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "pty.")
-    deny_import = {"_ctypes", "ctypes", "_posixsubprocess"}  # fork_exec raises no audit event of its own
+    # ctypes stays importable: a harness sets PR_SET_DUMPABLE through it, and what ctypes could reach (raw
+    # syscalls) the seccomp filter and the namespaces or Landlock refuse whatever the language
+    deny = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "pty.")
+    deny_import = {"_posixsubprocess"}  # fork_exec raises no audit event of its own
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     changes = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate", "os.chmod")
 

@@ -17,7 +17,9 @@ sandbox server verl and others use for code rewards. Its API, the part used here
 How a response maps onto a ``RunResult``: ``TimeLimitExceeded`` -> timeout; ``Finished`` with return code 0
 -> ok, another code -> error (a negative one, a signal -> killed); ``SandboxError``, ``Error``, a response that is
 not that JSON, an HTTP error or no answer after the retries -> sandbox_error (the service failed, not the
-program: the tests reward scores it None and counts it). Output longer than ``max_output_kb`` -> output_limit.
+program: the tests reward scores it None and counts it). Output reaching ``max_output_kb``, or cut by the
+service (the stand-in's ``message: output_limit ...``) -> output_limit. ``language`` (python, bash), ``files``
+and ``fetch_files`` go as the request's; the fetched files come back in ``RunResult.files``.
 What the service isolates is its own business (SandboxFusion: overlayfs, cgroups, a network namespace).
 
 ``hermes_lab.sandbox.server`` is a stand-in for the same API on this machine (the local executor behind it).
@@ -27,6 +29,8 @@ What the service isolates is its own business (SandboxFusion: overlayfs, cgroups
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import time
 from typing import Any
@@ -73,13 +77,13 @@ class FusionExecutor(Executor):
 
         body = {
             "code": req.program,
-            "language": "python",
+            "language": req.language,
             "run_timeout": float(limits.timeout_s),
             "compile_timeout": 10.0,
             "memory_limit_MB": int(limits.memory_mb),
             "stdin": req.stdin,
-            "files": {},
-            "fetch_files": [],
+            "files": {k: base64.b64encode(v).decode() for k, v in req.files.items()},
+            "fetch_files": list(req.fetch),
         }
         t0 = time.monotonic()
         error = ""
@@ -116,18 +120,22 @@ class FusionExecutor(Executor):
         stdout, stderr = run.get("stdout") or "", run.get("stderr") or ""
         took = run.get("execution_time")
         seconds = float(took) if isinstance(took, (int, float)) else seconds
-        if len(stdout.encode("utf-8", "replace")) > cap:
-            return RunResult(
-                "output_limit", None, stdout[:cap], stderr[-cap:], seconds, detail=f"more than {cap >> 10} KiB"
-            )
+        files = _files(data.get("files"))
+        # cut by this side's limit, or by the service's (the stand-in says so in message; a cut lands on its cap)
+        cut = str(data.get("message") or "").startswith("output_limit")
+        if cut or max(len(stdout.encode("utf-8", "replace")), len(stderr.encode("utf-8", "replace"))) >= cap:
+            detail = str(data.get("message") or "")[len("output_limit: ") :] or f"more than {cap >> 10} KiB of output"
+            return RunResult("output_limit", None, stdout[:cap], stderr[-cap:], seconds, detail=detail, files=files)
         status, code = run.get("status"), run.get("return_code")
         if status == "TimeLimitExceeded":
-            return RunResult("timeout", None, stdout, stderr, seconds, detail=f"wall clock > {limits.timeout_s:g} s")
+            detail = f"wall clock > {limits.timeout_s:g} s"
+            return RunResult("timeout", None, stdout, stderr, seconds, detail=detail, files=files)
         if status != "Finished" or not isinstance(code, int):
             return RunResult("sandbox_error", None, stdout, stderr, seconds, detail=f"run_result status {status!r}")
         if code < 0:
-            return RunResult("killed", None, stdout, stderr, seconds, signal=-code, detail=f"killed by signal {-code}")
-        return RunResult("ok" if code == 0 else "error", code, stdout, stderr, seconds)
+            detail = f"killed by signal {-code}"
+            return RunResult("killed", None, stdout, stderr, seconds, signal=-code, detail=detail, files=files)
+        return RunResult("ok" if code == 0 else "error", code, stdout, stderr, seconds, files=files)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -140,6 +148,17 @@ class FusionExecutor(Executor):
     def close(self) -> None:
         super().close()
         self.client.close()
+
+
+def _files(value: Any) -> dict[str, bytes]:
+    """The response's fetched files (path -> base64), decoded; what does not decode is left out."""
+    out: dict[str, bytes] = {}
+    for k, v in (value or {}).items() if isinstance(value, dict) else ():
+        try:
+            out[str(k)] = base64.b64decode(v, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            continue
+    return out
 
 
 def _since(t0: float) -> float:

@@ -1,44 +1,130 @@
 """A stand-in SandboxFusion server: ``POST /run_code`` on this machine, each run through the local executor.
 
-Stage: none of the round's; a service. Reads and writes nothing under runs/ (runs use the local executor's temp
-dirs). It lets the HTTP executor (``hermes_lab.sandbox.fusion``, ``sandbox.executor: fusion``) be tested and
-used without SandboxFusion itself, and gives a machine without one a sandbox service that several trainers can
-share. It implements the API's request and response shapes for ``language: python``; other languages, ``files``
-and ``fetch_files`` are answered with ``SandboxError``, as SandboxFusion answers what it cannot run.
+Stage: none of the round's; a service. Reads and writes nothing under runs/ (runs are the local sandbox's). It lets
+the HTTP executor (``hermes_lab.sandbox.fusion``, ``sandbox.executor: fusion``) be tested and used without
+SandboxFusion itself, and gives a machine without one a sandbox service that several trainers can share. It
+speaks the API as SandboxFusion's ``sandbox/server/sandbox_api.py`` defines it and its official client
+(``sandbox-fusion`` on PyPI) expects it, for ``language`` python and bash:
 
-    python -m hermes_lab.sandbox.server --port 8800          # then sandbox.executor: fusion,
-                                                            #      sandbox.url: http://127.0.0.1:8800
+- ``RunCodeRequest`` validated as FastAPI does: a body that is not that object answers 422 with pydantic's
+  ``{"detail": [{"loc", "msg", "type"}]}``; a language SandboxFusion knows but this stand-in does not run
+  answers ``SandboxError``, as SandboxFusion answers what it cannot run;
+- ``files`` (path -> base64, relative to the program's work dir) written before the run, ``fetch_files`` read
+  after it and returned base64 in ``files`` (a file not there is left out);
+- ``run_result``: ``Finished`` with the program's own exit code (negative: the signal that killed it, as
+  asyncio reports it), ``TimeLimitExceeded`` with no code; the program's ``__file__`` is its file in the work
+  dir and its tracebacks are its own; output past the server's limit is cut and ``message`` says
+  ``output_limit``;
+- ``GET /v1/ping`` answers ``"pong"`` as JSON; ``--workers`` runs at most that many programs at once, whatever
+  the number of requests in flight (the others wait their turn).
+
+    python -m hermes_lab.sandbox.server --port 8800 --workers 2   # then sandbox.executor: fusion,
+                                                                 #      sandbox.url: http://127.0.0.1:8800
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import os
 import socket
 import sys
+import threading
 from typing import Any
 
 from hermes_lab.sandbox.executor import Limits, RunRequest, RunResult
 from hermes_lab.sandbox.local import LocalExecutor
 
 MAX_TIMEOUT_S = 60.0
+RUNS = ("python", "bash")
+# SandboxFusion's Language literal (sandbox/runners/types.py): anything else is a malformed request (422)
+LANGUAGES = RUNS + (
+    "cpp",
+    "nodejs",
+    "go",
+    "go_test",
+    "java",
+    "php",
+    "csharp",
+    "typescript",
+    "sql",
+    "rust",
+    "cuda",
+    "lua",
+    "R",
+    "perl",
+    "D_ut",
+    "ruby",
+    "scala",
+    "julia",
+    "pytest",
+    "junit",
+    "kotlin_script",
+    "jest",
+    "verilog",
+    "python_gpu",
+    "lean",
+    "swift",
+    "racket",
+)
 
 
-def run_code_response(req: Any, executor: LocalExecutor, default: Limits) -> dict[str, Any]:
-    """The ``RunCodeResponse`` for a ``RunCodeRequest`` body (a dict), as SandboxFusion's sandbox_api builds it."""
-    if not isinstance(req, dict) or not isinstance(req.get("code"), str):
-        return _error("the request needs 'code' (a string) and 'language'")
-    if req.get("language") != "python":
-        return _error(f"language {req.get('language')!r} is not supported by this stand-in (python only)")
-    if req.get("files") or req.get("fetch_files"):
-        return _error("files and fetch_files are not supported by this stand-in")
-    stdin = req.get("stdin") or ""
-    if not isinstance(stdin, str):
-        return _error("stdin must be a string")
-    try:
-        timeout = min(MAX_TIMEOUT_S, float(req.get("run_timeout", 10)))
-        memory = int(req.get("memory_limit_MB", -1))
-    except (TypeError, ValueError):
-        return _error("run_timeout and memory_limit_MB must be numbers")
+class Invalid(ValueError):
+    """A request field that pydantic would refuse: (location, message, type), answered 422."""
+
+    def __init__(self, loc: str, msg: str, kind: str):
+        super().__init__(msg)
+        self.error = {"loc": ["body", loc] if loc else ["body"], "msg": msg, "type": kind}
+
+
+def validate(body: Any) -> dict[str, Any]:
+    """``RunCodeRequest`` with its defaults filled in, or ``Invalid``."""
+    if not isinstance(body, dict):
+        raise Invalid(
+            "", "Input should be a valid dictionary or object to extract fields from", "model_attributes_type"
+        )
+    if not isinstance(body.get("code"), str):
+        raise Invalid(
+            "code", "Field required" if "code" not in body else "Input should be a valid string", "string_type"
+        )
+    if body.get("language") not in LANGUAGES:
+        raise Invalid("language", f"Input should be one of {', '.join(map(repr, LANGUAGES))}", "literal_error")
+    req = {"compile_timeout": 10.0, "run_timeout": 10.0, "memory_limit_MB": -1, "stdin": None, "files": {}}
+    req.update({k: v for k, v in body.items() if k in (*req, "code", "language", "fetch_files")})
+    for key in ("compile_timeout", "run_timeout"):
+        if isinstance(req[key], bool) or not isinstance(req[key], (int, float)):
+            raise Invalid(key, "Input should be a valid number", "float_type")
+    if isinstance(req["memory_limit_MB"], bool) or not isinstance(req["memory_limit_MB"], int):
+        raise Invalid("memory_limit_MB", "Input should be a valid integer", "int_type")
+    if req["stdin"] is not None and not isinstance(req["stdin"], str):
+        raise Invalid("stdin", "Input should be a valid string", "string_type")
+    files = req["files"]
+    if not isinstance(files, dict) or not all(isinstance(v, (str, type(None))) for v in files.values()):
+        raise Invalid("files", "Input should be a valid dictionary of strings", "dict_type")
+    fetch = req.get("fetch_files", [])
+    if not isinstance(fetch, list) or not all(isinstance(v, str) for v in fetch):
+        raise Invalid("fetch_files", "Input should be a valid list of strings", "list_type")
+    req["fetch_files"] = fetch
+    return req
+
+
+def run_code_response(req: dict[str, Any], executor: LocalExecutor, default: Limits) -> dict[str, Any]:
+    """The ``RunCodeResponse`` for a validated request, as SandboxFusion's sandbox_api builds it."""
+    if req["language"] not in RUNS:
+        return _error(f"language {req['language']!r} is not run by this stand-in (python and bash only)")
+    files: dict[str, bytes] = {}
+    for name, content in req["files"].items():
+        if content is None:
+            continue  # SandboxFusion skips a file without content
+        if os.path.isabs(name) or ".." in name.split("/"):
+            return _error(f"files: {name!r} must be a relative path inside the work dir")
+        try:
+            files[name] = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            return _error(f"files: {name!r} is not base64")
+    timeout = min(MAX_TIMEOUT_S, max(0.1, float(req["run_timeout"])))
+    memory = req["memory_limit_MB"]
     limits = Limits(
         timeout_s=timeout,
         cpu_s=timeout,
@@ -48,18 +134,19 @@ def run_code_response(req: Any, executor: LocalExecutor, default: Limits) -> dic
         max_files=default.max_files,
         max_output_kb=default.max_output_kb,
     )
-    r = executor.run_one(RunRequest(req["code"], stdin), limits)
-    run = _run_result(r)
-    if run["status"] == "Error":
-        return {**_error(r.detail or "the sandbox failed"), "run_result": run}
-    ok = run["status"] == "Finished" and run["return_code"] == 0
+    run = RunRequest(req["code"], req["stdin"] or "", req["language"], files, tuple(req["fetch_files"]))
+    r = executor.run_one(run, limits)
+    result = _run_result(r)
+    if r.status == "sandbox_error":
+        return {**_error(r.detail or "the sandbox failed"), "run_result": result}
+    ok = result["status"] == "Finished" and result["return_code"] == 0
     return {
         "status": "Success" if ok else "Failed",
-        "message": "",
+        "message": f"output_limit: {r.detail}" if r.status == "output_limit" else "",
         "compile_result": None,
-        "run_result": run,
+        "run_result": result,
         "executor_pod_name": None,
-        "files": {},
+        "files": {k: base64.b64encode(v).decode() for k, v in r.files.items()},
     }
 
 
@@ -67,12 +154,11 @@ def _run_result(r: RunResult) -> dict[str, Any]:
     status, code = "Finished", r.exit_code
     if r.status == "timeout":
         status, code = "TimeLimitExceeded", None
-    elif r.status in ("killed", "output_limit"):  # SandboxFusion reports a killed process by a negative code
+    elif r.status in ("killed", "output_limit"):  # as asyncio reports a process a signal ended
         code = -(r.signal or 9)
     elif r.status == "sandbox_error":
         status, code = "Error", None
-    stderr = r.stderr if r.status != "output_limit" else r.stderr + f"\n{r.detail}"
-    return {"status": status, "execution_time": r.seconds, "return_code": code, "stdout": r.stdout, "stderr": stderr}
+    return {"status": status, "execution_time": r.seconds, "return_code": code, "stdout": r.stdout, "stderr": r.stderr}
 
 
 def _error(message: str) -> dict[str, Any]:
@@ -86,34 +172,47 @@ def _error(message: str) -> dict[str, Any]:
     }
 
 
-def build_app(executor: LocalExecutor, default: Limits | None = None) -> Any:
-    """The Starlette app: POST /run_code, GET /v1/ping (SandboxFusion's health check answers 'pong')."""
+def build_app(executor: LocalExecutor, default: Limits | None = None, workers: int | None = None) -> Any:
+    """The Starlette app: POST /run_code, GET /v1/ping. ``workers``: programs at once (default the executor's)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     limits = default or Limits()
+    turns = threading.BoundedSemaphore(workers or executor.workers)
+
+    def run_in_turn(req: dict[str, Any]) -> dict[str, Any]:
+        with turns:
+            return run_code_response(req, executor, limits)
 
     async def run_code(request: Request) -> JSONResponse:
         try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"detail": "the body is not JSON"}, status_code=422)
-        return JSONResponse(await run_in_threadpool(run_code_response, body, executor, limits))
+            req = validate(await request.json())
+        except ValueError as e:
+            error = (
+                e.error
+                if isinstance(e, Invalid)
+                else {"loc": ["body"], "msg": "JSON decode error", "type": "json_invalid"}
+            )
+            return JSONResponse({"detail": [error]}, status_code=422)
+        return JSONResponse(await run_in_threadpool(run_in_turn, req))
 
-    async def ping(request: Request) -> PlainTextResponse:
-        return PlainTextResponse("pong")
+    async def ping(request: Request) -> JSONResponse:
+        return JSONResponse("pong")
 
     return Starlette(routes=[Route("/run_code", run_code, methods=["POST"]), Route("/v1/ping", ping)])
 
 
-def serve(sock: socket.socket, executor: LocalExecutor, default: Limits | None = None) -> Any:
+def serve(
+    sock: socket.socket, executor: LocalExecutor, default: Limits | None = None, workers: int | None = None
+) -> Any:
     """A uvicorn server on a bound socket (``server.run(sockets=[sock])`` blocks; tests run it in a thread)."""
     import uvicorn
 
-    config = uvicorn.Config(build_app(executor, default), log_level="warning", access_log=False, ws="none")
+    app = build_app(executor, default, workers)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, ws="none")
     return uvicorn.Server(config)
 
 
@@ -121,10 +220,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8800, help="port to bind (0: any free port)")
     p.add_argument("--workers", type=int, default=None, help="programs run at once (default: the cores)")
+    p.add_argument("--python", default=None, help="the runs' interpreter, a virtualenv's (default: stdlib only)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    executor = LocalExecutor(workers=args.workers)
+    executor = LocalExecutor(workers=args.workers, python=args.python)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -133,8 +233,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"sandbox server: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
     rep = executor.describe()
-    print(f"sandbox server: http://{args.host}:{sock.getsockname()[1]}/run_code  ({rep.get('network')})", flush=True)
-    serve(sock, executor).run(sockets=[sock])
+    gaps = "; ".join(rep.get("missing") or []) or "every layer enforced"
+    print(f"sandbox server: http://{args.host}:{sock.getsockname()[1]}/run_code  ({rep['mode']}: {gaps})", flush=True)
+    serve(sock, executor, workers=args.workers).run(sockets=[sock])
     return 0
 
 
