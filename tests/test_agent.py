@@ -51,7 +51,7 @@ def test_a_slipped_tool_call_is_read_as_trl_reads_it_and_the_next_turn_renders()
     """A trained policy's slips (a call without arguments, without a name, not an object): each turn is what TRL's
     loop would make of it, and the conversation with it renders again (a call the template cannot render once
     ended a round's A/B)."""
-    from hermes_lab.policy import episodes as E
+    from hermes_lab.policy import turn
 
     tok, env = _tok(), A.TimeEnv()
     user = [{"role": "user", "content": "time kelo?"}]
@@ -66,7 +66,7 @@ def test_a_slipped_tool_call_is_read_as_trl_reads_it_and_the_next_turn_renders()
         "[1, 2]",
     ):
         ids = tok(f"<tool_call>{text}</tool_call><eos>", add_special_tokens=False)["input_ids"]
-        msg = E._parse(tok, ids, prompt, [env.time])
+        msg = turn.parse(tok, ids, prompt, [env.time], completion_form=False)
         seen[text] = msg.get("tool_calls")
         convo = [*user, msg, {"role": "tool", "name": "time", "content": "{'error': 'x'}"}]
         assert tok.apply_chat_template(convo, tools=[env.time], add_generation_prompt=True, tokenize=False)

@@ -5,10 +5,12 @@ before/after evaluation, validate and the simulated A/B call ``evaluate_episodes
 ``run_episodes`` returns as conversation records.
 
 An episode is played the way TRL's multi-turn loop plays it in training (``GRPOTrainer`` with an
-``environment_factory``): the conversation is rendered with the policy's chat template and the environment's
-tool, the policy completes one assistant turn, TRL's ``parse_response`` reads its tool calls, each call runs on
-the episode's environment (an exception becomes the tool message ``{'error': ...}``, counted), and the next turn
-sees the result, for at most ``max_turns`` tool-calling turns. All episodes of a batch advance turn by turn
+``environment_factory``), with the loop's one rendering and parser (``hermes_lab.policy.turn``): the user turn is
+rendered with the policy's chat template and the environment's tool, the policy completes one assistant turn, TRL's
+``parse_response`` reads its tool calls, each call runs on the episode's environment (an exception becomes the tool
+message ``{'error': ...}``, counted), and the next turn's prompt is the turn's prompt, its completion's tokens and the
+results' suffix (``turn.continue_ids``: no re-rendering), for at most ``max_turns`` tool-calling turns. Each turn's
+prompt and completion ids stay on the episode (``Episode.turn_ids``). All episodes of a batch advance turn by turn
 together, so a turn is one batched ``generate``.
 """
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hermes_lab.policy import turn
 from hermes_lab.tasks import agent as A
+from hermes_lab.tasks import suite as T
 
 
 @dataclass
@@ -31,21 +35,11 @@ class Episode:
     tool_errors: int = 0
     invalid_calls: int = 0  # turns that opened a <tool_call> the parser could not read
     env: Any = field(default=None, repr=False)
+    turn_ids: list[tuple[list[int], list[int]]] = field(default_factory=list, repr=False)  # (prompt, completion)
 
     @property
     def success(self) -> bool:
         return self.reward >= 3.0
-
-
-def _parse(tok: Any, ids: list[int], prefix: list[int], tools: list[Any]) -> dict[str, Any]:
-    """The assistant turn as TRL's multi-turn loop reads it (``trl.chat_template_utils.parse_response``): a tool
-    call missing its name or arguments is no call but plain text (TRL validates them), so the next turn's
-    template never renders a call it cannot (a trained policy's slip, ``{"name": "time"}``, once ended an A/B)."""
-    from trl.chat_template_utils import parse_response
-
-    msg = parse_response(tok, ids, prefix=prefix, tools=tools)
-    msg["content"] = (msg.get("content") or "").removesuffix(tok.eos_token)
-    return msg
 
 
 def run_episodes(
@@ -61,7 +55,6 @@ def run_episodes(
     import torch
 
     tok, model = policy.tokenizer, policy.model
-    tok.padding_side = "left"
     out: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start : start + batch_size]
@@ -70,46 +63,27 @@ def run_episodes(
             env = A.TimeEnv(seed=seed)
             env.reset(city=t.city, episode_seed=start + i)
             eps.append(Episode(t, t.prompt(), env=env))
+        tools = [[e.env.time] for e in eps]
+        prompts = [turn.prompt_ids(tok, e.messages, tl) for e, tl in zip(eps, tools)]
         live = list(range(len(eps)))
-        for turn in range(max_turns + 1):
-            if not live:
+        for k in range(max_turns + 1):
+            if not live or model.config.max_position_embeddings <= max(len(prompts[i]) for i in live):
                 break
-            tools = [[eps[i].env.time] for i in live]
-            prompt_ids = [
-                tok.apply_chat_template(
-                    eps[i].messages, tools=tl, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-                for i, tl in zip(live, tools)
-            ]
-            width = max(len(p) for p in prompt_ids)
-            ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-            budget = min(max_new_tokens, model.config.max_position_embeddings - width)
-            if budget <= 0:
-                break
-            kw: dict[str, Any] = dict(
-                max_new_tokens=budget, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
-            )
-            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else kw.update(
-                do_sample=False
-            )
-            torch.manual_seed(seed * 1_000_003 + start * 31 + turn)
-            with torch.no_grad():
-                gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kw)
+            torch.manual_seed(seed * 1_000_003 + start * 31 + k)
+            done = turn.sample(model, tok, [prompts[i] for i in live], temperature, max_new_tokens)
             still = []
-            for row, i in enumerate(live):
-                new = gen[row, width:].tolist()
-                if tok.eos_token_id in new:
-                    new = new[: new.index(tok.eos_token_id) + 1]
+            for i, (completion, _) in zip(live, done):
                 ep = eps[i]
-                msg = _parse(tok, new, prompt_ids[row], tools[row])
+                ep.turn_ids.append((prompts[i], completion))
+                msg = turn.parse(tok, completion, prompts[i], tools[i], completion_form=False)
                 ep.turns += 1
                 ep.messages.append(msg)
                 if "<tool_call>" in (msg.get("content") or ""):
                     ep.invalid_calls += 1
                 calls = msg.get("tool_calls") or []
-                if not calls or turn == max_turns:
+                if not calls or k == max_turns:
                     continue
+                results = []
                 for c in calls:
                     f = c.get("function", c)
                     ep.tool_calls += 1
@@ -120,7 +94,9 @@ def run_episodes(
                     except Exception as e:  # shown to the policy, as TRL does
                         ep.tool_errors += 1
                         result = {"error": str(e)}
-                    ep.messages.append({"role": "tool", "name": f.get("name") or "", "content": str(result)})
+                    results.append({"role": "tool", "name": f.get("name") or "", "content": str(result)})
+                ep.messages += results
+                prompts[i] = turn.continue_ids(tok, prompts[i], completion, results)  # TRL: no re-rendering
                 still.append(i)
             live = still
         for ep in eps:
@@ -128,6 +104,36 @@ def run_episodes(
             ep.reward = ep.env._hermes_score(ep.answer)
         out.extend(eps)
     return out
+
+
+def score_messages(messages: list[dict[str, Any]], scale: float = A.SCALE) -> float | None:
+    """A logged agent-family conversation scored as its environment scores the episode (``TimeEnv._hermes_score``),
+    from its messages alone: the final answer against the result of a good call (the tool, the asked city) that
+    came back without an error; no good call: 0. None: not an agent-family conversation (the simulated reviewer's
+    label for one, as the task verifier labels a string task)."""
+    user = next((m for m in messages if m.get("role") == "user"), None)
+    task = A.parse_question(turn.text_of(user.get("content")) if user else "")
+    if task is None:
+        return None
+    value, good, order = None, {}, iter(())  # the last exchange's calls: id -> good?, and in order
+    for m in messages:
+        if m.get("role") == "assistant":
+            calls = turn.chat_message(m).get("tool_calls") or []
+            ok = [c["function"].get("name") == A.TOOL and _city(c) == task.city for c in calls]
+            good, order = {c.get("id"): g for c, g in zip(calls, ok) if c.get("id")}, iter(ok)
+        elif m.get("role") == "tool" and value is None:
+            hit = good.get(m.get("tool_call_id")) if m.get("tool_call_id") in good else next(order, False)
+            text = turn.text_of(m.get("content"))
+            if hit and not text.startswith("{'error'"):
+                value = text
+    if value is None:
+        return 0.0
+    return T.score(value, A.final_answer(messages) or "", scale)
+
+
+def _city(call: dict[str, Any]) -> Any:
+    args = call["function"].get("arguments")
+    return args.get("city") if isinstance(args, dict) else None
 
 
 def summarize(episodes: list[Episode]) -> dict[str, Any]:
