@@ -1,199 +1,62 @@
-"""hermes_lab.sandbox: the local executor against hostile code, each layer alone, and the HTTP executor against a
-real stand-in of SandboxFusion's run_code API on 127.0.0.1.
-
-The hostile set runs through the tests reward exactly as TRL calls it (prompts, completions, tests=[...]): every
-case must score 0, be counted by kind, leave nothing behind (no file outside its temp dir, no connection, no
-process, no temp dir) and let this process (the trainer's stand-in) go on. The fork bomb is gentle: 8 processes
-at most, a 2 s wall clock, and the pid namespace (or the process group) ends it."""
+"""hermes_lab.sandbox's local executor in both modes (with namespaces, and the fallback without them): what a
+program sees (its environment, stdin, exit codes, signals, tracebacks, bash), what a grading harness needs (fork,
+socketpair, prctl, pipes), that stdin never lies in the program's memory and nothing crosses runs, the limits,
+files in and out, ``sandbox.python`` (a numpy task), ``sandbox.require_isolation``, and what describe() says.
+The escape set is tests/test_sandbox_escapes.py; SandboxFusion's client tests/test_sandbox_fusion.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import socket
-import tempfile
-import threading
+import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.rewards.tests import make_tests_reward
+from hermes_lab.rewards import tests as tests_reward
 from hermes_lab.sandbox.executor import Limits, RunRequest
-from hermes_lab.sandbox.fusion import FusionExecutor
 from hermes_lab.sandbox.local import LocalExecutor
-from hermes_lab.sandbox.server import serve
 
 KEY = "sk-hostile-SANDBOX-9f3b2c7d1e"
-MBPP = json.dumps(
-    {"kind": "assert", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 5) == 5"]}
-)
-GOOD = "def add(a, b):\n    return a + b\n"
-FAST = Limits(timeout_s=2.0, cpu_s=2.0, memory_mb=256, max_processes=8, max_output_kb=256)
+FAST = Limits(timeout_s=3.0, cpu_s=3.0, memory_mb=256, max_processes=8, max_output_kb=256)
+MODES = ["namespaces", "fallback"]
 
 
-@pytest.fixture(scope="module")
-def local():
-    ex = LocalExecutor(workers=2)
-    yield ex
-    ex.close()
+@pytest.fixture(scope="module", params=MODES)
+def ex(request):
+    e = LocalExecutor(workers=2, isolate=request.param == "namespaces")
+    if request.param == "namespaces" and e.describe()["mode"] != "namespaces":
+        pytest.skip(f"no namespaces here: {e.describe().get('namespaces')}")
+    yield e
+    e.close()
 
 
-def namespaced(ex: LocalExecutor) -> bool:
-    return str(ex.describe().get("namespaces", "none")).startswith(("user", "net"))
-
-
-class Listener:
-    """A TCP server on 127.0.0.1 that records every connection (none may arrive from the sandbox)."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._stop = False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self):
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            self.connections += 1
-            c.close()
-
-    def close(self):
-        self._stop = True
-        self.thread.join(2)
-        self.sock.close()
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (field 22 of /proc/PID/stat): tells a pid still running from a reused one; None
-    once it is gone or a zombie (it runs nothing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _left_over(uid: int, before: set[int], grace: float) -> set[int]:
-    """Processes of ``uid`` not there ``before`` that are still the same processes ``grace`` seconds later. Under
-    pytest-xdist another worker's sandboxed runs (the tests reward in a round) are nobody's processes too, but
-    each ends within its own wall-clock limit (sandbox.timeout_s, 4 s by default); a fork bomb's escaped
-    child would fork forever."""
-    extra = {pid: _start_time(pid) for pid in _processes_of(uid) - before}
-    deadline = time.monotonic() + grace
-    while extra and time.monotonic() < deadline:
-        time.sleep(0.2)
-        extra = {pid: t for pid, t in extra.items() if t is not None and _start_time(pid) == t}
-    return set(extra)
-
-
-def _processes_of(uid: int) -> set[int]:
-    out = set()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if p.stat().st_uid == uid:
-                    out.add(int(p.name))
-            except OSError:
-                pass
-    return out
-
-
-def hostile_set(outside: Path, port: int) -> dict[str, str]:
-    """Each defines a correct add() after its attack: contained, the attack raises or is stopped and the
-    completion scores 0; escaped, it would pass every test."""
-    pid = os.getpid()
-    return {
-        "infinite_loop": "while True:\n    pass\n" + GOOD,
-        "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n" + GOOD,
-        "alloc_1gb": "blob = bytearray(1 << 30)\n" + GOOD,
-        "print_100mb": "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\n" + GOOD,
-        "write_outside": f"open({str(outside / 'escaped.txt')!r}, 'w').write('escaped')\n" + GOOD,
-        "read_api_key": f"import os\nkey = os.environ['TAOTOKEN_API_KEY']\nprint(key)\n{GOOD}",
-        "read_parent_environ": f"print(open('/proc/{pid}/environ').read())\n" + GOOD,
-        "open_socket": (
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')\n{GOOD}"
-        ),
-        "kill_parent": (
-            f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill({pid}, signal.SIGKILL)\n{GOOD}"
-        ),
-    }
-
-
-@pytest.mark.slow
-def test_the_hostile_set_is_contained_scores_zero_and_is_counted(tmp_path, monkeypatch, local):
-    monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
-    cfg = load_config(
-        None,
-        {
-            "reward.types": ["tests"],
-            "sandbox.timeout_s": 2.0,
-            "sandbox.cpu_s": 2.0,
-            "sandbox.memory_mb": 256,
-            "sandbox.max_processes": 8,
-            "sandbox.max_output_kb": 256,
-        },
-    )
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    outside.chmod(0o777)  # even a directory anyone may write to stays out of reach
-    listener = Listener()
-    # the runs' temp dirs under a root of this test's: other test files' sandboxes run in parallel (make test)
-    sandbox_root = Path(tempfile.mkdtemp(prefix="hermes-test-sandbox-root-"))
-    sandbox_root.chmod(0o1777)  # as /tmp: each run's own dir is private (0700), its parent anyone's to traverse
-    monkeypatch.setattr(local, "tmp_root", str(sandbox_root))
-    nobody_before = _processes_of(65534) if os.geteuid() == 0 else None
-    reward = make_tests_reward(cfg, executor=local)
-    cases = hostile_set(outside, listener.port)
-    t0 = time.monotonic()
-    try:
-        scores = reward(
-            prompts=["add two numbers"] * (len(cases) + 1),
-            completions=[*cases.values(), GOOD],
-            tests=[MBPP] * (len(cases) + 1),
-        )
-    finally:
-        time.sleep(0.3)
-        listener.close()
-    took = time.monotonic() - t0
-    by_case = dict(zip([*cases, "good"], scores))
-    assert by_case.pop("good") == 5.0  # the same tests pass for honest code: the zeros are the attacks'
-    assert by_case == {name: 0.0 for name in cases}, by_case
-    tally = reward.sandbox.to_dict()
-    kinds = tally["by_kind"]
-    assert kinds["timeout"] == 2  # the infinite loop and the fork bomb
-    assert kinds["memory"] == 1 and kinds["output_limit"] == 1 and kinds["passed"] == 1
-    assert kinds["runtime_error"] == 5  # write, key, environ, socket, kill: each raised before any test ran
-    assert sum(kinds.values()) == len(cases) + 1
-    assert took < 15, took  # bounded: the two 2 s timeouts ran in parallel with the rest
-    # nothing escaped
-    assert not (outside / "escaped.txt").exists()
-    assert listener.connections == 0
-    assert not list(sandbox_root.iterdir())  # every run's temp dir removed
-    sandbox_root.rmdir()
-    if nobody_before is not None:
-        assert not _left_over(65534, nobody_before, grace=8.0)  # no process of the fork bomb is left
-    # the API key never reached a run: no output of any run holds it
-    assert KEY not in json.dumps(tally)
-
-
-def test_a_run_gets_a_clean_environment_and_its_own_temp_dir(monkeypatch, local):
+def test_a_run_sees_a_clean_environment_its_stdin_its_exit_code_and_its_own_tracebacks(ex, monkeypatch):
     monkeypatch.setenv("TAOTOKEN_API_KEY", KEY)
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
-    prog = "import os, json\nprint(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd(), 'files': os.listdir('.')}))"
-    first, second = local.run_many([RunRequest(prog), RunRequest(prog)], FAST)
-    a, b = json.loads(first.stdout), json.loads(second.stdout)
-    assert KEY not in first.stdout and "PROXY" not in first.stdout.upper()
-    assert set(a["env"]) <= {
+    env, up, err, code, term, bash, syntax = ex.run_many(
+        [
+            RunRequest(
+                "import os, json\n"
+                "print(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd(), 'ls': os.listdir('.')}))"
+            ),
+            RunRequest("import sys\nprint(sys.stdin.read().upper(), __file__.endswith('program.py'))", stdin="hello"),
+            RunRequest("def f():\n    raise ValueError('boom')\nf()\n"),
+            RunRequest("exit(203)"),
+            RunRequest("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')"),
+            RunRequest('read x; echo "bash $x"; exit 4', stdin="in\n", language="bash"),
+            RunRequest("def f(:\n"),
+        ],
+        FAST,
+    )
+    seen = json.loads(env.stdout)
+    assert KEY not in env.stdout and "PROXY" not in env.stdout.upper()
+    assert set(seen["env"]) <= {
         "PATH",
         "LANG",
         "LC_ALL",
@@ -202,128 +65,182 @@ def test_a_run_gets_a_clean_environment_and_its_own_temp_dir(monkeypatch, local)
         "PYTHONHASHSEED",
         "PYTHONIOENCODING",
         "PYTHONDONTWRITEBYTECODE",
+        "OPENBLAS_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
     }
-    assert a["cwd"] != b["cwd"] and a["files"] == [] and not Path(a["cwd"]).exists()
-
-
-def test_stdin_exit_codes_and_signals(local):
-    ok, err, code, sig = local.run_many(
-        [
-            RunRequest("import sys\nprint(sys.stdin.read().upper())", stdin="hello"),
-            RunRequest("raise ValueError('boom')"),
-            RunRequest("exit(3)"),
-            RunRequest("import os\nos.abort()"),
-        ],
-        FAST,
+    assert seen["ls"] == ["program.py"] and seen["env"]["HOME"] == seen["cwd"]
+    assert (up.status, up.stdout) == ("ok", "HELLO True\n")
+    # the program's frames only (no launcher), the source lines shown as python shows them
+    assert err.status == "error" and err.exit_code == 1
+    assert (
+        err.stderr.count("  File ") == 2 and "launcher" not in err.stderr and "raise ValueError('boom')" in err.stderr
     )
-    assert (ok.status, ok.stdout) == ("ok", "HELLO\n")
-    assert err.status == "error" and err.exit_code == 1 and "ValueError: boom" in err.stderr
-    assert (code.status, code.exit_code) == ("error", 3)
-    assert sig.status == "killed" and sig.signal in (6, 11), sig  # abort(): SIGABRT, or SIGSEGV as pid 1
+    assert (code.status, code.exit_code) == ("error", 203)  # as the program gave it
+    assert term.status == "killed" and term.signal == 15 and term.stdout == ""  # not pid 1: it dies of its signal
+    assert (bash.status, bash.exit_code, bash.stdout) == ("error", 4, "bash in\n")
+    assert syntax.status == "error" and "SyntaxError" in syntax.stderr and "Traceback" not in syntax.stderr
 
 
-def test_wall_and_cpu_limits_hold(local):
-    t0 = time.monotonic()
-    spin, sleep = local.run_many(
-        [RunRequest("while True:\n    pass"), RunRequest("import time\ntime.sleep(60)")],
-        Limits(timeout_s=1.5, cpu_s=1.0),
-    )
-    assert time.monotonic() - t0 < 6
-    assert spin.status == "timeout" and sleep.status == "timeout"
-    assert "wall clock" in sleep.detail
-
-
-def test_kernel_layers_alone_without_the_audit_hook(tmp_path):
-    """The namespaces and mounts hold by themselves (the audit hook off): no network, read-only disk, a private
-    /tmp, no other process visible. Skipped where the kernel allows no namespaces, which the report says."""
-    ex = LocalExecutor(workers=1, guard=False)
-    rep = ex.describe()
-    if not namespaced(ex):
-        pytest.skip(f"no namespaces on this kernel: {rep.get('namespaces')} (network: {rep.get('network')})")
-    assert rep["network"].startswith("cut off") and rep["proc"] == "private"
-    target = tmp_path / "kernel.txt"
-    tmp_path.chmod(0o777)
+def test_what_a_grading_harness_needs_is_allowed_with_every_layer_on(ex):
+    """fork within max_processes, socketpair(AF_UNIX), prctl(PR_SET_DUMPABLE, 0), pipes: what the tests reward's
+    harness does (a judge forks the candidate and talks to it), with the audit hook on as training has it."""
     prog = (
-        "import os, socket\n"
-        "res = {}\n"
-        "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n    res['net'] = 'open'\n"
-        "except OSError as e:\n    res['net'] = e.errno\n"
-        f"try:\n    open({str(target)!r}, 'w').write('x')\n    res['disk'] = 'written'\n"
-        "except OSError as e:\n    res['disk'] = e.errno\n"
-        "open('/tmp/private.txt', 'w').write('mine')\n"
-        "res['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
-        "print(res)\n"
+        "import ctypes, os, socket\n"
+        "assert ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0\n"
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "r, w = os.pipe()\n"
+        "kids = []\n"
+        "for i in range(6):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        b.sendall(b'x')\n"
+        "        os.write(w, b'y')\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "assert all(os.waitpid(k, 0)[1] == 0 for k in kids)\n"
+        "print(a.recv(6, socket.MSG_WAITALL).decode(), os.read(r, 16).decode())\n"
     )
     r = ex.run_one(RunRequest(prog), FAST)
-    ex.close()
-    res = eval(r.stdout)  # our own dict literal
-    assert res["net"] != "open" and res["disk"] != "written" and not target.exists()
-    assert res["pids"] == [1]  # pid 1 of its own namespace: nothing else is visible
-    assert not Path("/tmp/private.txt").exists()  # its /tmp was its own
+    assert (r.status, r.stdout) == ("ok", "xxxxxx yyyyyy\n"), r.stderr
 
 
-# ---------------------------------------------------------------------------------- HTTP executor
-@pytest.fixture
-def standin():
-    """The stand-in run_code server on 127.0.0.1 (uvicorn in a thread), running code through the local executor."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    ex = LocalExecutor(workers=2)
-    server = serve(sock, ex)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(5)
-    ex.close()
-
-
-def test_the_http_executor_speaks_run_code_to_the_standin(standin):
-    import httpx
-
-    raw = httpx.post(f"{standin}/run_code", json={"code": "print(input()[::-1])", "language": "python", "stdin": "abc"})
-    body = raw.json()  # SandboxFusion's RunCodeResponse, field for field
-    assert body["status"] == "Success" and body["compile_result"] is None and body["files"] == {}
-    assert body["run_result"]["status"] == "Finished" and body["run_result"]["stdout"] == "cba\n"
-    assert httpx.post(f"{standin}/run_code", json={"code": "x", "language": "cpp"}).json()["status"] == "SandboxError"
-    with FusionExecutor(standin, workers=4) as ex:
-        ok, err, slow = ex.run_many(
-            [
-                RunRequest("print(sum(map(int, input().split())))", "2 3"),
-                RunRequest("1/0"),
-                RunRequest("while 1: pass"),
-            ],
-            Limits(timeout_s=1.5, cpu_s=1.5),
-        )
-    assert (ok.status, ok.stdout, ok.exit_code) == ("ok", "5\n", 0)
-    assert err.status == "error" and "ZeroDivisionError" in err.stderr
-    assert slow.status == "timeout"
-
-
-def test_the_tests_reward_through_the_http_executor_matches_the_local_one(standin, local):
-    quick = {"reward.types": ["tests"], "sandbox.timeout_s": 1.0, "sandbox.cpu_s": 1.0}  # the loop times out
-    cfg = load_config(None, {**quick, "sandbox.executor": "fusion", "sandbox.url": standin})
-    codes = [GOOD, "def add(a, b):\n    return a * b\n", "def add(a, b) return", "while True: pass\n"]
-    kw = dict(prompts=["p"] * 4, completions=codes, tests=[MBPP] * 4)
-    via_http = make_tests_reward(cfg)
-    local_cfg = load_config(None, quick)
-    # a * b passes add(2, 2) == 4 only: a third of the tests
-    assert via_http(**kw) == make_tests_reward(local_cfg, executor=local)(**kw) == [5.0, round(5 / 3, 4), 0.0, 0.0]
-    assert via_http.sandbox.to_dict()["isolation"]["executor"] == "fusion"
-
-
-def test_a_dead_sandbox_service_is_a_sandbox_error_not_a_zero():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there
-    cfg = load_config(
-        None,
-        {"reward.types": ["tests"], "sandbox.executor": "fusion", "sandbox.url": f"http://127.0.0.1:{port}"},
+def test_stdin_never_lies_in_the_programs_memory_and_nothing_crosses_runs(ex):
+    """Tests' expected values travel in stdin: a program that never reads it finds nothing of it in its own
+    memory (/proc/self/mem, every readable mapping), nor of the stdin an earlier run read; files it left in the
+    work dir, /tmp or /dev/shm are gone for the next run."""
+    first, second = secrets.token_hex(24), secrets.token_hex(24)
+    scan = (
+        "import ctypes, os\n"
+        "ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # dumpable again: /proc/self/mem is then its own to read\n"
+        "hay = []\n"
+        "for line in open('/proc/self/maps'):\n"
+        "    lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "    if line.split()[1].startswith('r') and hi - lo < 1 << 30:\n"
+        "        try:\n"
+        "            with open('/proc/self/mem', 'rb', 0) as m:\n"
+        "                m.seek(lo)\n"
+        "                hay.append(m.read(hi - lo))\n"
+        "        except (OSError, ValueError, OverflowError):\n"
+        "            pass\n"
+        "blob = b''.join(hay).translate(bytes(b ^ 1 for b in range(256)))\n"
+        "print(len(blob) > 1 << 20, {needles})\n"
     )
-    reward = make_tests_reward(cfg, executor=FusionExecutor(f"http://127.0.0.1:{port}", retries=0))
-    assert reward(prompts=["p"], completions=[GOOD], tests=[MBPP]) == [None]
-    assert reward.sandbox.to_dict()["sandbox_errors"] == 1
+    leave = (
+        "import sys\ndata = sys.stdin.read()\nfor p in ('left.txt', '/tmp/left.txt', '/dev/shm/left.txt'):\n"
+        "    try:\n        open(p, 'w').write(data)\n    except OSError:\n        pass\nprint(len(data))"
+    )
+    reader = ex.run_one(RunRequest(leave, stdin=first), FAST)
+    assert reader.stdout == "48\n"
+    # searched for in the memory with every byte's low bit flipped, so the program's own text holds neither
+    flip = lambda t: bytes(c ^ 1 for c in t.encode()).decode()  # noqa: E731
+    needles = f"[n.encode() in blob for n in ({flip(first)!r}, {flip(second)!r})]"
+    later = ex.run_one(
+        RunRequest(
+            scan.format(needles=needles)
+            + "print([os.path.exists(p) for p in ('left.txt', '/tmp/left.txt', '/dev/shm/left.txt')])",
+            stdin=second,
+        ),
+        FAST,
+    )
+    assert later.status == "ok", later.stderr
+    # the scan reads megabytes of its own memory; neither the earlier run's stdin nor its own unread stdin is there
+    assert later.stdout.splitlines() == ["True [False, False]", "[False, False, False]"]
+
+
+def test_limits_hold_for_the_whole_run(ex):
+    t0 = time.monotonic()
+    spin, sleep, many, mem = ex.run_many(
+        [
+            RunRequest("while True:\n    pass"),
+            RunRequest("import time\ntime.sleep(60)"),
+            RunRequest(
+                "import os, time\nn = 0\nfor _ in range(40):\n    try:\n        if os.fork() == 0:\n"
+                "            time.sleep(3)\n            os._exit(0)\n        n += 1\n"
+                "    except OSError:\n        break\nprint(n)"
+            ),
+            # four processes of 100 MB each under a 256 MB run: the run's cgroup stops them, not each one's rlimit
+            RunRequest(
+                "import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                "        b = bytearray(100 << 20)\n        time.sleep(0.5)\n        os._exit(0)\n    kids.append(pid)\n"
+                "print(sum(os.waitpid(k, 0)[1] == 0 for k in kids))"
+            ),
+        ],
+        Limits(timeout_s=2.0, cpu_s=1.0, memory_mb=256, max_processes=8),
+    )
+    assert time.monotonic() - t0 < 8
+    assert spin.status == "timeout" and "CPU" in spin.detail
+    assert sleep.status == "timeout" and "wall clock" in sleep.detail
+    assert many.status == "ok" and int(many.stdout) == 7  # 8 processes: the program and 7 children
+    assert mem.status == "ok" and int(mem.stdout) < 4, mem  # the OOM killer took some: not 4 x 100 MB
+
+
+def test_files_in_and_out_and_a_link_out_of_the_work_dir_fetches_nothing(ex, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    prog = f"import os\nopen('out/r.txt', 'w').write(open('in/a.txt').read() * 2)\nos.symlink({str(secret)!r}, 'link')"
+    fetch = ("out/r.txt", "link", "missing")
+    r = ex.run_one(RunRequest("import os\nos.makedirs('out')\n" + prog, files={"in/a.txt": b"ab"}, fetch=fetch), FAST)
+    assert r.status == "ok", r.stderr
+    assert r.files == {"out/r.txt": b"abab"}  # the link led out of the run's view: nothing read through it
+
+
+@functools.lru_cache(maxsize=1)
+def numpy_python() -> str:
+    """A small virtualenv with numpy, made once per machine (~/.cache/hermes-lab/sandbox-numpy-<version>)."""
+    cache = Path(os.environ.get("HERMES_LAB_CACHE") or Path.home() / ".cache" / "hermes-lab")
+    venv = cache / f"sandbox-numpy-py{sys.version_info.major}{sys.version_info.minor}"
+    py = venv / "bin" / "python"
+    if not (venv / ".ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "numpy"], check=True, timeout=600)
+        (venv / ".ready").write_text("numpy\n")
+    return str(py)
+
+
+def test_a_numpy_task_is_graded_with_sandbox_python_and_refused_clearly_without(monkeypatch):
+    task = json.dumps({"kind": "assert", "tests": ["assert norm([3, 4]) == 5.0", "assert norm([0, 0]) == 0.0"]})
+    code = "import numpy as np\ndef norm(v):\n    return float(np.linalg.norm(np.array(v)))\n"
+    kw = dict(prompts=["norm"], completions=[code], tests=[task])
+    with_np = load_config(None, {"reward.types": ["tests"], "sandbox.python": numpy_python()})
+    reward = tests_reward.make_tests_reward(with_np)
+    try:
+        assert reward(**kw) == [5.0]
+        assert reward.sandbox.to_dict()["isolation"]["python"] == numpy_python()
+    finally:
+        reward.sandbox.runner.executor.close()
+    plain = tests_reward.make_tests_reward(load_config(None, {"reward.types": ["tests"]}))
+    try:
+        assert plain(**kw) == [0.0]
+        ex = plain.sandbox.runner.executor
+        r = ex.run_one(RunRequest("import numpy"), FAST)
+        assert r.status == "error" and "sandbox.python" in r.detail and "numpy" in r.detail
+    finally:
+        plain.sandbox.runner.executor.close()
+
+
+def test_require_isolation_refuses_a_machine_without_the_layers_and_an_opt_out_says_what_is_missing(
+    monkeypatch, capsys
+):
+    """A machine without cgroups or Landlock (their switches off: the real executor without those layers)."""
+    weak = functools.partial(LocalExecutor, isolate=False, cgroup=False, landlock=False)
+    monkeypatch.setattr(tests_reward, "LocalExecutor", weak)
+    with pytest.raises(tests_reward.SandboxUnavailable, match="cgroup per run.*filesystem barrier.*signal barrier"):
+        tests_reward.executor_of(load_config(None, {"reward.types": ["tests"]}))
+    ex = tests_reward.executor_of(load_config(None, {"reward.types": ["tests"], "sandbox.require_isolation": False}))
+    ex.close()
+    assert "NOT enforced (sandbox.require_isolation is false): cgroup per run" in capsys.readouterr().err
+
+
+def test_describe_says_what_holds_layer_by_layer(ex):
+    rep = ex.describe()
+    assert rep["missing"] == [] and rep["seccomp_loaded"] == 2 and rep["cgroup"].startswith("v")
+    checkout = str(Path(__file__).resolve().parents[1])
+    # seen from inside a run: the checkout, its pyproject and $HOME are absent (namespaces) or refused (Landlock)
+    assert str(rep["host_paths"][checkout]).startswith(("absent", "refused"))
+    assert str(rep["host_paths"][checkout + "/pyproject.toml"]).startswith(("absent", "refused"))
+    if rep["mode"] == "namespaces":
+        assert rep["user"] == "nobody" if os.geteuid() == 0 else rep["user"].endswith("no capabilities")
+        assert rep["network"].startswith("cut off") and "sandbox" in rep["root_entries"]
+    else:
+        assert rep["landlock_abi"] >= 6 and rep["processes"] == "Landlock signal scope"

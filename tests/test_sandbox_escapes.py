@@ -109,11 +109,11 @@ def programs(h: Host) -> dict[str, str]:
         "daemon_outlives": "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
         f"        libc.prctl(15, {h.daemon_name.encode()!r}, 0, 0, 0)\n        time.sleep(60)\n    os._exit(0)\n"
         "time.sleep(0.2)",
-        "fork_count": "n = 0\nfor _ in range(48):\n    try:\n        if os.fork() == 0:\n            time.sleep(5)\n"
+        "fork_count": "n = 0\nfor _ in range(48):\n    try:\n        if os.fork() == 0:\n            time.sleep(1)\n"
         "            os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
         f"print(n)\nescaped = n >= {MAX_PROCESSES}",
         "thread_count": "import threading\nok = 0\nfor _ in range(48):\n    try:\n"
-        "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        ok += 1\n"
+        "        threading.Thread(target=time.sleep, args=(1,), daemon=True).start()\n        ok += 1\n"
         f"    except RuntimeError:\n        break\nprint(ok)\nescaped = ok >= {MAX_PROCESSES}",
         "signal_host_process": f"os.kill({h.victim}, signal.SIGURG)\nescaped = True",
         "signal_every_process": "os.kill(-1, signal.SIGURG)",  # SIGURG: ignored by default, harmless if it got out

@@ -108,7 +108,7 @@ def bwrap_command(interp: Interpreter, launcher_dir: Path) -> list[str]:
     cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if os.geteuid() == 0:  # root: no user namespace; the server keeps what it needs to mount and to become nobody
         cmd += ["--cap-drop", "ALL"]
-        for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
+        for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_KILL"):
             cmd += ["--cap-add", cap]
     else:  # a user: uid 0 of a user namespace of its own, its capabilities good there only
         cmd += ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "ALL"]
@@ -386,46 +386,62 @@ def missing(report: dict[str, Any]) -> list[str]:
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
-    """rm -rf that never raises and never recurses (a 2,500-deep tree is a loop here, not RecursionError):
-    descriptors all the way down (unlinkat), so no path grows past PATH_MAX."""
+    """rm -rf that never raises and never recurses (a 2,500-deep tree is a loop here, not RecursionError): one
+    directory descriptor at a time, down by name and back up by "..", so no path grows past PATH_MAX and no
+    descriptor piles up."""
     try:
-        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(path)
         return
-    stack: list[tuple[int, str | None, set[str]]] = [(top, None, set())]  # dir fd, its name, what stays
-    while stack:
-        fd, _, stays = stack[-1]
-        try:
-            entries = [n for n in os.listdir(fd) if n not in stays]
-        except OSError:
-            entries = []
-        for name in entries:
+    names: list[str] = []  # the way down from path
+    stays: list[set[str]] = [set()]  # per level: what could not be removed (skipped, not retried)
+    try:
+        while True:
             try:
-                os.unlink(name, dir_fd=fd)
-                continue
-            except IsADirectoryError:
-                pass
+                entries = [n for n in os.listdir(fd) if n not in stays[-1]]
             except OSError:
-                stays.add(name)
-                continue
-            try:
+                entries = []
+            sub = None
+            for name in entries:
+                try:
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                except IsADirectoryError:
+                    pass
+                except OSError:
+                    stays[-1].add(name)
+                    continue
                 with contextlib.suppress(OSError):  # a dir the program made unreadable (fchmod 0)
                     os.chmod(name, 0o700, dir_fd=fd)
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError:
-                stays.add(name)
-                continue
-            stack.append((sub, name, set()))
-            break
-        else:
-            fd, name, _ = stack.pop()
-            os.close(fd)
-            if stack and name is not None:
                 try:
-                    os.rmdir(name, dir_fd=stack[-1][0])
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError:
-                    stack[-1][2].add(name)
+                    stays[-1].add(name)
+                    continue
+                names.append(name)
+                stays.append(set())
+                break
+            if sub is not None:
+                os.close(fd)
+                fd = sub
+                continue
+            if not names:
+                break
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            name = names.pop()
+            stays.pop()
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                stays[-1].add(name)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     with contextlib.suppress(OSError):
         os.rmdir(path)

@@ -279,7 +279,8 @@ class LocalExecutor(Executor):
     def _job(self, req: RunRequest, limits: Limits, work: str, env: dict, cgroup: bool, report: bool) -> dict:
         landlock = None
         if not self.namespaced and self.landlock_abi:
-            ro = [*iso.SYSTEM_RO, *iso.ETC_RO, *self.interp.read_only]
+            # /proc/self: opened in the program's process, so its own /proc/<pid> only (its maps, status)
+            ro = [*iso.SYSTEM_RO, *iso.ETC_RO, *self.interp.read_only, "/proc/self"]
             landlock = {"abi": self.landlock_abi, "read_only": ro, "writable": list(iso.DEV_RW)}
         uid = os.geteuid()
         return {
@@ -347,13 +348,21 @@ class LocalExecutor(Executor):
             return result("sandbox_error", detail=_last_line(stderr) or "the program did not start")
         sig = record["signal"]
         if sig is not None:
-            if sig in (signal.SIGXCPU, signal.SIGKILL) and record["cpu"] >= limits.cpu_s - 0.01:
+            # SIGXCPU is RLIMIT_CPU's soft limit; SIGKILL past it its hard one (or the OOM killer: CPU tells)
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and record["cpu"] >= limits.cpu_s - 0.05):
                 return result("timeout", detail=f"CPU time > {limits.cpu_s:g} s")
             if oom:
                 return result("killed", sig=sig, detail=memory)
             return result("killed", sig=sig, detail=_signame(sig))
         code = record["exit"]
-        return result("ok" if code == 0 else "error", code=code)
+        return result("ok" if code == 0 else "error", code=code, detail=self._hint(stderr) if code else "")
+
+    def _hint(self, stderr: str) -> str:
+        """A module the standard-library interpreter lacks: say so, and how to give runs a virtualenv's."""
+        last = _last_line(stderr)
+        if last.startswith("ModuleNotFoundError") and "-S" in self.interp.args:
+            return f"{last}: the sandbox runs the standard library only; set sandbox.python to a virtualenv's python"
+        return ""
 
     def _kill(self, run_id: int, cg: iso.RunCgroup | None) -> None:
         if cg is not None:
