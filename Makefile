@@ -9,7 +9,7 @@ ROUNDS ?= 3
 # DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
 HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
 
-.PHONY: setup round flywheel status serve live live-demo test test-fast pyc lint browser-deps lab mlflow-ui bench clean-runs
+.PHONY: setup round flywheel status serve live live-demo test test-fast pyc lint browser-deps sandbox-deps lab mlflow-ui bench clean-runs
 
 setup: $(STAMP)
 
@@ -24,11 +24,11 @@ $(STAMP): pyproject.toml requirements/torch-cpu.txt
 	touch $(STAMP)
 
 ## main job: one full round on the embedded default (offline, CPU)
-round: setup
+round: setup sandbox-deps
 	$(HL) round --params $(PARAMS)
 
 ## the loop, unattended, on a simulated clock
-flywheel: setup
+flywheel: setup sandbox-deps
 	$(HL) flywheel --params $(PARAMS) --rounds $(ROUNDS)
 
 status: setup
@@ -55,13 +55,18 @@ live-demo: setup
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 ## PYTHONDONTWRITEBYTECODE (set on this machine and CI) is cleared for the suite: each worker rewrote the asserts
 ## of every test module at collection (~4 s of CPU each), and test helpers were compiled in every subprocess
-test: setup lint browser-deps pyc
+test: setup lint browser-deps sandbox-deps pyc
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 ## Chromium + chromedriver for the browser tests: apt-get installs them when missing and run as root (CI);
 ## elsewhere the browser tests skip and say why
 browser-deps:
 	@sh tests/browser_deps.sh
+
+## the local sandbox's system packages: bubblewrap (each run's root of its own) and libseccomp (its seccomp filter),
+## installed with apt-get when missing and run as root; elsewhere it says what to install (hermes-lab doctor: the layers)
+sandbox-deps:
+	@sh requirements/sandbox-deps.sh
 
 ## hermes_lab's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (this machine, CI) no process writes it,
 ## and each of the suite's ~200 processes (stage kernels, CLIs, servers) compiled the package anew (~0.2 s of CPU)
@@ -74,7 +79,7 @@ lint: setup
 	$(BIN)/lint-imports --no-cache
 
 ## the loop of a change: everything but the tests marked slow (notebooks, trainings, rounds), on every core
-test-fast: setup pyc
+test-fast: setup sandbox-deps pyc
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 ## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
@@ -84,7 +89,7 @@ lab: setup
 mlflow-ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1 --port 5000
 
-bench: setup
+bench: setup sandbox-deps
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean-runs:
