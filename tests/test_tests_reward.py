@@ -128,17 +128,22 @@ def test_mbpp_share_and_all_or_nothing(executor):
     assert share.sandbox.to_dict()["executions"] == 3  # the compile error never ran
 
 
-def test_humaneval_continuation_full_function_and_partial_credit(executor):
+def test_humaneval_continuation_full_function_and_all_or_nothing(executor):
+    """check(candidate) passes or fails as a whole, as HumanEval's grader has it: its asserts build on each other
+    and a stub passes its edge cases (``longest([]) is None``), so a share of them is no evidence (README)."""
     spec = parse_tests({"test": HE_TEST, "entry_point": "below_zero"}, HE_PROMPT).to_json()
-    full = HE_PROMPT + HE_BODY  # a chat model writes the whole function: the prompt's imports still go first
+    full = HE_PROMPT + HE_BODY  # a chat model writes the whole function: the prompt's definitions stay
     wrong = "    return sum(ops) < 0\n"  # right on 3 of the 4 asserts: [1, 2, -4, 5, 6] ends positive
     fenced = f"Sure.\n```python\ndef below_zero(ops: List[int]) -> bool:\n{HE_BODY}```"
     other = "def something_else(ops):\n    return False\n"
     reward = reward_for(executor)
     got = reward(prompts=[HE_PROMPT] * 5, completions=[HE_BODY, full, wrong, fenced, other], tests=[spec] * 5)
-    assert got == [5.0, 5.0, 3.75, 5.0, 0.0]
-    # something_else() continues the prompt: below_zero is its docstring alone, returns None, fails all four
+    assert got == [5.0, 5.0, 0.0, 5.0, 0.0]
+    # something_else() continues the prompt: below_zero is its docstring alone, returns None, fails the second
     assert reward.sandbox.to_dict()["by_kind"] == {"passed": 3, "failed": 2}
+    runner = reward.sandbox.runner
+    wrong_outcome = runner.cache[runner.key(extract_code(wrong, "auto"), TestSpec.from_json(spec))]
+    assert wrong_outcome.marks == "110-" and wrong_outcome.share == 0.0  # the 4th never ran: check stops
 
 
 def test_stdin_stdout_cases(executor):
@@ -162,7 +167,7 @@ def test_a_completion_cannot_fake_the_report_or_leave_early(executor):
     reward = reward_for(executor)
     assert reward(prompts=["p"] * 4, completions=codes, tests=tests) == [0.0, 0.0, 0.0, 0.0]
     kinds = reward.sandbox.to_dict()["by_kind"]
-    assert kinds["crash"] == 2 and kinds["failed"] == 2
+    assert kinds["crash"] == 3 and kinds["failed"] == 1  # patched builtins break the candidate's own loop: gone
 
 
 def test_duplicates_run_once_and_rows_without_tests_are_not_applicable(executor):

