@@ -459,13 +459,14 @@ def _run(job, child):
             return "runtime_error", "", False, "the code defines no function named " + entry
         if job["arg"]:
             ns[job["arg"]] = ns[entry]
-    marks, all_ok, stopped, detail = [], True, False, ""
+    # a test counts when the candidate was called since the test before it: in a setup statement
+    # (``s = candidate(2)``, then ``assert s == 4``) or in the test itself; ``assert True`` calls nothing
+    marks, all_ok, stopped, detail, before = [], True, False, "", 0
     for src, is_test, stops in job["statements"]:
         if stopped:
             if is_test:
                 marks.append("-")
             continue
-        before = calls[0]
         try:
             exec(compile(src, "test.py", "exec", dont_inherit=True, optimize=0), ns)
             mark = "1" if calls[0] > before else "n"
@@ -481,6 +482,7 @@ def _run(job, child):
             stopped = stops
         if is_test:
             marks.append(mark)
+            before = calls[0]
     return "done", "".join(marks), all_ok, detail
 
 

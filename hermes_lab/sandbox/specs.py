@@ -464,25 +464,25 @@ _VERDICT_KINDS = frozenset({"runtime_error", "memory", "timeout", "crash", "outp
 _MARKS = frozenset("1n0em-")
 
 
-def harness_outcome(r: RunResult, nonce: str, spec: TestSpec) -> tuple[Outcome, bool]:
-    """The outcome of a harness run, and whether its judge was out of the candidate's reach ('P'). Only the
-    judge writes to the run's stdout; still, only a line with this run's nonce counts, and its marks must
-    match the plan's tests one for one."""
+def harness_outcome(r: RunResult, nonce: str, spec: TestSpec) -> tuple[Outcome, bool | None]:
+    """The outcome of a harness run, and whether its judge was out of the candidate's reach ('P'; None when no
+    verdict says). Only the judge writes to the run's stdout; still, only a line with this run's nonce counts,
+    and its marks must match the plan's tests one for one."""
     n, partial = plan_of(spec).n_tests, spec.kind != "check"
     kind = _run_kind(r)
     if kind is not None:
-        return Outcome(kind, 0, n, r.detail or _tail(r.stderr), "-" * n, partial), False
+        return Outcome(kind, 0, n, r.detail or _tail(r.stderr), "-" * n, partial), None
     line = next((s for s in reversed(r.stdout.split("\n")) if s.startswith(nonce + " ")), None)
     parts = line.split(" ", 5) if line else []
     if len(parts) != 6:
         why = _tail(r.stderr) or f"exit {r.exit_code}"
-        return Outcome("crash", 0, n, "exited before its tests reported: " + why, "-" * n, partial), False
+        return Outcome("crash", 0, n, "exited before its tests reported: " + why, "-" * n, partial), None
     _, what, marks, ok, protected, detail = parts
     detail = detail[1:-1][:300]
     if what in _VERDICT_KINDS:
         return Outcome(what, 0, n, detail, "-" * n, partial), protected == "P"
     if what != "done" or len(marks) != n or not set(marks) <= _MARKS:
-        return Outcome("crash", 0, n, "the harness's report does not match its tests", "-" * n, partial), False
+        return Outcome("crash", 0, n, "the harness's report does not match its tests", "-" * n, partial), None
     counted, passed = n - marks.count("n"), marks.count("1")
     if "m" in marks:
         return Outcome("memory", passed, counted, "MemoryError in a test", marks, partial), protected == "P"
@@ -612,5 +612,5 @@ class TestRunner:
                 done[k] = io_outcome(rs, spec)
                 continue
             done[k], protected = harness_outcome(rs[0], nonce, spec)
-            self.stats.exposed += not protected and done[k].kind != "sandbox_error"
+            self.stats.exposed += protected is False
         return done
