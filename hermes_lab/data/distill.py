@@ -140,7 +140,10 @@ def _review_line(
     messages, tools, conversation_id and reward_source the widget shows."""
     band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
     if conv is not None:  # a conversation: its id names the review item, the person labels it whole
-        rid, label = hashlib.sha1(review_key(task_id, conv["conversation_id"])).hexdigest()[:12], None
+        from hermes_lab.policy.episodes import score_messages  # the agent family's verifier (None: not one)
+
+        rid = hashlib.sha1(review_key(task_id, conv["conversation_id"])).hexdigest()[:12]
+        label = score_messages(conv["messages"], scale)
     else:
         rid = review_id(task_id, prompt, response)
         label = tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None

@@ -6,7 +6,8 @@ writes the log dir (``runs/live/<experiment>/``: ``requests.jsonl``, ``feedback.
 ``tools.jsonl``; ``hermes_lab.live.log`` writes them); this module reads it. ``gateway_trajectories`` splits the
 log by conversation (``conversation_id``; a log from before conversations: one per request):
 
-- a single-turn chat (one request, no tools, no tool call: the embedded tasks' traffic) is joined with its
+- a single-turn chat in the completion form (one request of one user message, no tools, no tool call: the
+  embedded string tasks' traffic) is joined with its
   feedback (the latest of ``serve.feedback_source``) into ``<name>.trajectories.jsonl`` as before; answered
   ones without feedback are kept aside (``<name>.unrewarded.jsonl``) and counted, and reach GRPO data only
   with ``serve.score_unrewarded: judge``. requests = errors + answered; answered = rewarded + judged +
@@ -17,7 +18,9 @@ log by conversation (``conversation_id``; a log from before conversations: one p
   order (a failed turn's are left out: its retry re-sends them; a turn that re-sends an earlier point of the
   conversation replaces what followed it), the tools from ``tools.jsonl``, the feedback on the conversation
   (by its id or any of its request ids) as the reward (``feedback:<source>``), else none (prep's outcome
-  rules decide), and per turn its request id, arm, latency, usage, finish reason and status in
+  rules decide), and per turn its request id, arm, latency, usage, finish reason, status, ``message`` (the
+  index of its answer in ``messages``) and, answered in-process, ``tokens`` (the prompt and completion token ids
+  and logprobs the policy saw and sampled: what turn-level training trains on, ``hermes_lab.train.turns``) in
   ``meta.turns``. turns = failed turns + answered turns.
 
 A live round's data (``execute.source: live``): ``runs/round-NN/trajectories.jsonl`` is the gateway log
@@ -110,14 +113,15 @@ def _judge(cfg: Any, rows: list[dict[str, Any]], best: dict[str, tuple[float, st
 
 
 def _single_turn(rec: dict[str, Any]) -> bool:
-    """A request that is a whole chat of its own: no tools, no tool call, no earlier turn, one user message."""
+    """A request in the completion form (``hermes_lab.policy.turn``): one user message, no tools, no tool call, no
+    earlier turn. Its prompt is the message's text, as the policy is served and trained on it; any other chat (a
+    system prompt too) is a conversation, trained turn by turn with the chat template."""
     if rec.get("tools_hash") or rec.get("tool_calls") or rec.get("history") or rec.get("turn"):
         return False
     msgs = rec.get("messages")
     if not isinstance(msgs, list):
         return True
-    roles = [m.get("role") if isinstance(m, dict) else None for m in msgs]
-    return roles.count("user") <= 1 and all(r in ("system", "user") for r in roles)
+    return len(msgs) == 1 and isinstance(msgs[0], dict) and msgs[0].get("role") == "user"
 
 
 def _answer(rec: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +143,7 @@ def conversation_line(
     line for prep's reader."""
     turns = sorted(turns, key=lambda x: (int(x[1].get("turn") or 0), x[0]))
     msgs: list[Any] = []
+    owner: list[int | None] = []  # per message: the meta turn whose answer it is
     meta_turns, th, failed = [], None, 0
     for lineno, rec in turns:
         ok = rec.get("status") == "ok"
@@ -160,8 +165,15 @@ def conversation_line(
             continue
         new = rec.get("messages") if isinstance(rec.get("messages"), list) else []
         h = int(rec.get("history") or 0)
-        msgs = (msgs[:h] if h <= len(msgs) else msgs) + new + [_answer(rec)]
+        keep = h if h <= len(msgs) else len(msgs)
+        msgs = msgs[:keep] + new + [_answer(rec)]
+        owner = owner[:keep] + [None] * len(new) + [len(meta_turns) - 1]
+        if isinstance(rec.get("tokens"), dict):  # an in-process arm's answer: its exact tokens
+            meta_turns[-1]["tokens"] = rec["tokens"]
         th = rec.get("tools_hash") or th
+    for k, t in enumerate(owner):  # where each answer ended up (a re-sent turn replaces what followed it)
+        if t is not None:
+            meta_turns[t]["message"] = k
     first, last = turns[0][1], turns[-1][1]
     end = "error" if last.get("status") != "ok" else None
     line: dict[str, Any] = {
