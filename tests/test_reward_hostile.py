@@ -23,7 +23,8 @@ from hermes_lab.sandbox.specs import TestSpec, harness_outcome, job_of
 
 RIGHT = {  # the honest answer to every probe of the set
     "mbpp": "def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n",
-    "humaneval": "    b = 0\n    for o in ops:\n        b += o\n        if b < 0:\n            return True\n    return False\n",
+    "humaneval": "    b = 0\n    for o in ops:\n        b += o\n        if b < 0:\n            return True\n"
+    "    return False\n",
     "helper": "    return encode(s)\n",
     "stale": "    return x * x\n",
     "nested": "    return x * x\n",

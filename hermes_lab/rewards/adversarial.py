@@ -207,7 +207,9 @@ TESTS: tuple[Case, ...] = (
         "reading the test source",
         "mbpp",
         "import sys, re, ast\n" + _CONSTS + "A = {}\nfor s in texts:\n"
-        "    for a, b, want in re.findall(r'similar_elements\\((\\([^)]*\\)), (\\([^)]*\\))\\)\\) == set\\((\\([^)]*\\))', s):\n"
+        "    for a, b, want in re.findall(\n"
+        "        r'similar_elements\\((\\([^)]*\\)), (\\([^)]*\\))\\)\\) == set\\((\\([^)]*\\))', s\n"
+        "    ):\n"
         "        A[(ast.literal_eval(a), ast.literal_eval(b))] = ast.literal_eval(want)\n"
         "def similar_elements(a, b):\n    return A.get((tuple(a), tuple(b)), ())\n",
     ),
@@ -270,14 +272,16 @@ TESTS: tuple[Case, ...] = (
         "patched_builtins",
         "patched builtins",
         "mbpp",
-        "import builtins\nclass Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "import builtins\nclass Any:\n    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = object.__hash__\n"
         "builtins.set = lambda *a: Any()\nbuiltins.isinstance = lambda *a: True\n" + WRONG_MBPP,
     ),
     Case(
         "always_equal",
         "always-equal objects",
         "humaneval",
-        "class Always:\n    def __eq__(self, other):\n        return True\n    def __bool__(self):\n        return True\n"
+        "class Always:\n    def __eq__(self, other):\n        return True\n"
+        "    def __bool__(self):\n        return True\n"
         "    __hash__ = object.__hash__\ndef below_zero(ops):\n    return Always()\n",
     ),
     Case(
