@@ -1,15 +1,20 @@
-"""Benchmark: the sandbox's throughput, and the tests reward's share of a GRPO step on the code family.
+"""Benchmark: the sandbox's throughput and what each of its layers costs, and the tests reward's share of a GRPO
+step on the code family.
 
 1. Executions per second: ``--n`` completions (1,000 by default) x 3 tests each (the embedded code family's
    hidden asserts; every completion distinct, so the cache never answers), scored by the tests machinery
-   (``TestRunner``: compile check, harness, one run per completion) on the local executor, ``--workers``
-   runs at once (default 2: this project's machine). Four arms in one run, so the ratios are measured under
-   the same load:
-   - ``sandbox``: the local executor as training uses it: runs forked from one pre-started launcher (the
-     fork server), each with namespaces, mounts, rlimits, no privileges and the audit hook;
-   - ``rlimits only``: the same fork server, no namespaces and no audit hook (what isolation costs);
-   - ``per-run launcher``: full isolation, one launcher interpreter started per run (what the fork server saves);
-   - ``bare python``: one ``python -S -c`` per program, no sandbox at all.
+   (``TestRunner``, with the grading harness the tests reward sends) on the local executor, ``--workers`` runs
+   at once (default 2: this project's machine). The arms, in one run so the ratios are measured under the same
+   load:
+   - ``sandbox``: the local executor as training uses it: runs forked from a warm launcher inside bubblewrap's
+     root, each in a mount+pid namespace with tmpfs work dir, /tmp and /dev/shm, a seccomp filter, a cgroup,
+     no privileges, the audit hook;
+   - ``- seccomp``, ``- cgroup``, ``- tmpfs root``: the same with that one layer off (``- tmpfs root``: no
+     namespaces, no bubblewrap root, no Landlock either): what each layer costs;
+   - ``fallback``: no namespaces, Landlock instead (what a machine without user namespaces runs);
+   - ``rlimits only``: the fork server with every layer off;
+   - ``bare python``: one ``python -S`` per program, no sandbox at all (the same programs, through the same
+     TestRunner).
 2. A GRPO step's time on the code family: the tiny policy (built once under runs/policies/) trains
    ``--steps`` steps on code-family prompts only, with ``reward.types: [tests]``; the tests reward is timed
    around each call, the step by TRL's own ``step_time`` (generation, rewards, forward and backward).
@@ -30,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from hermes_lab.sandbox.executor import Executor, Limits, RunRequest, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,45 +63,62 @@ def completions(n: int) -> tuple[list[str], list]:
     return codes, specs
 
 
-def bare_runs(programs: list[str], workers: int) -> None:
-    py = os.path.realpath(sys.executable)
+class BareExecutor(Executor):
+    """No sandbox: ``python -S -c program`` with the run's stdin, one process per run (the floor to compare to)."""
 
-    def one(p: str) -> None:
-        subprocess.run([py, "-S", "-s", "-B", "-c", p], capture_output=True, timeout=30)
+    name = "bare"
 
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, programs))
+    def run_one(self, req: RunRequest, limits: Limits) -> RunResult:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "program.py"  # a file: a harness is longer than one argument may be
+            path.write_text(req.program)
+            cmd = [os.path.realpath(sys.executable), "-S", "-s", "-B", str(path)]
+            try:
+                p = subprocess.run(
+                    cmd, input=req.stdin, capture_output=True, text=True, timeout=limits.timeout_s + 5, cwd=d
+                )
+            except subprocess.TimeoutExpired:
+                return RunResult("timeout")
+        return RunResult("ok" if p.returncode == 0 else "error", p.returncode, p.stdout, p.stderr)
+
+
+ARMS = {
+    "sandbox": {},
+    "- seccomp": {"seccomp": False},
+    "- cgroup": {"cgroup": False},
+    "- tmpfs root": {"isolate": False, "landlock": False},
+    "fallback": {"isolate": False},
+    "rlimits only": {"isolate": False, "landlock": False, "seccomp": False, "cgroup": False, "guard": False},
+    "bare python": None,
+}
 
 
 def throughput(n: int, workers: int) -> dict[str, float]:
     from hermes_lab.sandbox.local import LocalExecutor
-    from hermes_lab.sandbox.specs import TestRunner, build_program
+    from hermes_lab.sandbox.specs import TestRunner
     from hermes_lab.tasks.code import LIMITS
 
     codes, specs = completions(n)
-    programs = [build_program(c, s, "HERMES-bench") for c, s in zip(codes, specs)]
-    arms = {
-        "sandbox": LocalExecutor(workers=workers),
-        "rlimits only": LocalExecutor(workers=workers, isolate=False, guard=False),
-        "per-run launcher": LocalExecutor(workers=workers, forkserver=False),
-    }
-    print(arms["sandbox"].describe())
     secs: dict[str, float] = {}
     kinds: dict[str, int] = {}
-    for name in ["sandbox", "rlimits only", "per-run launcher", "bare python"]:
+    for name, switches in ARMS.items():
+        ex = BareExecutor(workers) if switches is None else LocalExecutor(workers=workers, **switches)
+        if name == "sandbox":
+            rep = ex.describe()
+            print(f"  sandbox: {rep['mode']}, missing: {rep['missing'] or 'nothing'}; {rep['cgroup']}")
+        runner = TestRunner(ex, LIMITS, cache_size=0)
+        runner.score(list(codes[:20]), list(specs[:20]))  # the fork server started, the filter built
         t0 = time.perf_counter()
-        if name == "bare python":
-            bare_runs(programs, workers)
-        else:
-            runner = TestRunner(arms[name], LIMITS, cache_size=0)
-            out = runner.score(list(codes), list(specs))
-            if name == "sandbox":
-                for o in out:
-                    kinds[o.kind] = kinds.get(o.kind, 0) + 1
+        out = runner.score(list(codes), list(specs))
         secs[name] = time.perf_counter() - t0
-        print(f"  {name:16s} {n} completions x 3 tests in {secs[name]:6.1f} s: {n / secs[name]:6.1f} completions/s")
-    for ex in arms.values():
+        if name == "sandbox":
+            for o in out:
+                kinds[o.kind] = kinds.get(o.kind, 0) + 1
         ex.close()
+        print(
+            f"  {name:14s} {n} completions x 3 tests in {secs[name]:6.1f} s: "
+            f"{3 * n / secs[name]:6.1f} test executions/s ({n / secs[name]:5.1f} programs/s)"
+        )
     print(f"  outcomes (sandbox arm): {kinds}")
     return secs
 
@@ -166,11 +189,14 @@ def main() -> int:
     a = p.parse_args()
     print(f"== sandbox throughput: {a.n} completions x 3 tests, {a.workers} workers")
     secs = throughput(a.n, a.workers)
-    s, r, p, b = (secs[k] for k in ("sandbox", "rlimits only", "per-run launcher", "bare python"))
+    s = secs["sandbox"]
+    costs = ", ".join(f"{layer[2:]} {s / secs[layer]:.2f}x" for layer in ("- seccomp", "- cgroup", "- tmpfs root"))
     print(
         f"sandbox: {3 * a.n / s:.0f} test executions/s ({a.n / s:.0f} programs/s) on {a.workers} workers; "
-        f"{p / s:.1f}x the per-run launcher, {b / s:.1f}x a bare python -c per program; "
-        f"isolation costs {s / r:.2f}x the rlimits-only fork server"
+        f"each layer's cost (the sandbox's time over the same without it): {costs}; all layers "
+        f"{s / secs['rlimits only']:.2f}x the rlimits-only fork server; the fallback (Landlock) "
+        f"{secs['fallback'] / s:.2f}x the sandbox's time; {secs['bare python'] / s:.1f}x faster than a bare python "
+        "per program"
     )
     if a.steps:
         print(f"== a GRPO step on the code family ({a.steps} steps, the tiny policy, reward.types: [tests])")
