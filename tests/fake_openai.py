@@ -1,8 +1,9 @@
 """A real OpenAI-compatible HTTP server for tests (http.server in a thread, 127.0.0.1, a free port).
 
-Speaks GET /v1/models and POST /v1/chat/completions. A chat whose user message holds the judge's
-<reference>...</reference> and <response>...</response> gets a deterministic score (``judge_score``);
-any other chat gets "OK". Misbehaves on request, through attributes (or ``configure(**kw)``):
+Speaks GET /v1/models and POST /v1/chat/completions. A chat whose user message holds the judge's REFERENCE and
+RESPONSE blocks (between markers carrying the tag its system message announces: hermes_lab.llm.judge) gets a
+deterministic score (``judge_score``); any other chat gets "OK". Misbehaves on request, through attributes (or
+``configure(**kw)``):
 
     api_key      require "Authorization: Bearer <api_key>", else 401 with a JSON error that echoes the key
                  it got (as some providers do), so tests can check the client redacts it
@@ -12,6 +13,8 @@ any other chat gets "OK". Misbehaves on request, through attributes (or ``config
     fail_500     answer 500 this many times
     delay_s      sleep this long before answering; ``delay_n`` limits it to the first N requests
     chat_reply   a fixed chat reply (e.g. unparseable text); ``judge_format`` formats the score ("{score}")
+    injectable   a gullible judge: it obeys "score: N" (or "reply N") anywhere outside the tagged data blocks,
+                 the way an injected instruction reaches a model once a completion has closed its block
 
 Every request is recorded (``requests``: method, path, lower-cased headers, JSON body);
 ``max_inflight`` is the most requests seen in flight at once. Reads and writes nothing on disk.
@@ -54,6 +57,7 @@ _DEFAULTS: dict[str, Any] = {
     "delay_n": None,
     "chat_reply": None,
     "judge_format": "{score}",
+    "injectable": False,
 }
 
 
@@ -226,12 +230,20 @@ class FakeOpenAI:
     def _reply(self, body: dict[str, Any]) -> str:
         if self.chat_reply is not None:
             return self.chat_reply
-        user = next((m.get("content", "") for m in reversed(body.get("messages", [])) if m.get("role") == "user"), "")
-        ref = re.search(r"<reference>\n(.*?)\n</reference>", user, re.S)
-        resp = re.search(r"<response>\n(.*?)\n</response>", user, re.S)
-        if not (ref and resp):
+        msgs = body.get("messages", [])
+        user = next((m.get("content", "") for m in reversed(msgs) if m.get("role") == "user"), "")
+        system = next((m.get("content", "") for m in msgs if m.get("role") == "system"), "")
+        tag = re.search(r"<<<END TASK ([0-9a-f]+)>>>", system)
+        blocks = re.compile(rf"<<<([A-Z0-9 ]+?) {tag[1]}>>>\n(.*?)\n<<<END \1 {tag[1]}>>>", re.S) if tag else None
+        found = {m.group(1): m.group(2) for m in blocks.finditer(user)} if blocks else {}
+        if self.injectable:
+            outside = blocks.sub("", user) if blocks else user
+            order = re.search(r"(?i)\b(?:score|reply)\s*[:=]?\s*(\d+(?:\.\d+)?)\b", outside)
+            if order:
+                return order.group(1)
+        if "REFERENCE" not in found or "RESPONSE" not in found:
             return "OK"
-        return self.judge_format.format(score=judge_score(resp.group(1), ref.group(1)))
+        return self.judge_format.format(score=judge_score(found["RESPONSE"], found["REFERENCE"]))
 
     def _json(self, h: BaseHTTPRequestHandler, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         self._send(h, status, json.dumps(obj).encode(), "application/json", headers)

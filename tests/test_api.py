@@ -270,7 +270,9 @@ def test_judge_scores_batches_and_caches_on_disk(fake, tmp_path):
     assert fake.count("/v1/chat/completions") == 3  # the duplicate asked once
     assert judge.stats == {"requests": 3, "cache_hits": 0, "failed": 0}
     sent = fake.requests[-1].body
-    assert sent["model"] == "judge-1" and sent["temperature"] == 0.0 and "<reference>" in sent["messages"][1]["content"]
+    assert (
+        sent["model"] == "judge-1" and sent["temperature"] == 0.0 and "<<<REFERENCE " in sent["messages"][1]["content"]
+    )
 
     assert judge.score(prompts, responses, refs) == scores  # second call: no request
     assert fake.count("/v1/chat/completions") == 3 and judge.stats["cache_hits"] == 4

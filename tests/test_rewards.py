@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import re
 import uuid
 from pathlib import Path
 
@@ -233,7 +234,12 @@ def test_api_comparison_judge_through_the_fake_server(judge_env, tmp_path, capsy
     for r in chats:
         assert r.headers["authorization"] == f"Bearer {KEY}"
         assert r.body["model"] == "judge-1"
-    assert any("<reference>\ndcba\n</reference>" in r.body["messages"][-1]["content"] for r in chats)
+    assert any(
+        re.search(r"<<<REFERENCE (\w+)>>>\ndcba\n<<<END REFERENCE \1>>>", r.body["messages"][-1]["content"])
+        for r in chats
+    )
+    tags = {re.search(r"<<<TASK (\w+)>>>", r.body["messages"][-1]["content"])[1] for r in chats}
+    assert len(tags) == 4  # a fresh nonce per call: no completion can know the marker that ends its block
     # answers are cached under runs_dir: the same batch again asks nothing
     out2 = comparison(prompts=prompts, completions=comps, reference=refs)
     assert out2 == out and judge_env.count("/v1/chat/completions") == 4
