@@ -423,6 +423,12 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     errs += serve_problems(cfg.serve)
     errs += conversations_problems(cfg.conversations)
     errs += sandbox_problems(cfg.sandbox)
+    if "tests" in cfg.reward.types and cfg.sandbox.executor == "local" and not cfg.sandbox.require_isolation:
+        warns.append(
+            "sandbox.require_isolation is false: completions run even where this machine lacks a sandbox layer "
+            "(the train stage and inspect's sandbox diagnostic name what is then not enforced; so does "
+            "hermes-lab doctor --params FILE)"
+        )
     if a.plan_power > 0 and a.mode == "live":
         warns.append(
             "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
