@@ -12,12 +12,14 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from hermes_lab.config.schema import load_config
+from hermes_lab.core.paths import machine_cache
 from hermes_lab.rewards import tests as tests_reward
 from hermes_lab.sandbox.executor import Limits, RunRequest
 from hermes_lab.sandbox.local import LocalExecutor
@@ -187,9 +189,10 @@ def test_files_in_and_out_and_a_link_out_of_the_work_dir_fetches_nothing(ex, tmp
 
 @functools.lru_cache(maxsize=1)
 def numpy_python() -> str:
-    """A small virtualenv with numpy, made once per machine (~/.cache/hermes-lab/sandbox-numpy-<version>)."""
-    cache = Path(os.environ.get("HERMES_LAB_CACHE") or Path.home() / ".cache" / "hermes-lab")
-    venv = cache / f"sandbox-numpy-py{sys.version_info.major}{sys.version_info.minor}"
+    """A small virtualenv with numpy, made once per machine in its cache (core.paths.machine_cache; with the
+    cache off, once per test session in a temp dir)."""
+    name = f"sandbox-numpy-py{sys.version_info.major}{sys.version_info.minor}"
+    venv = machine_cache(name) or Path(tempfile.mkdtemp(prefix="hermes-test-")) / name
     py = venv / "bin" / "python"
     if not (venv / ".ready").exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
