@@ -57,7 +57,9 @@ def test_humaneval_through_prep_and_the_tests_reward_agrees_with_check_correctne
         for p in problems:
             rec = {k: p[k] for k in ("task_id", "prompt", "test", "entry_point")}
             f.write(json.dumps({**rec, "response": p["canonical_solution"], "reward": 5.0}) + "\n")
-    cfg = load_config(None, {"data.min_samples": 1, "data.holdout_fraction": 0.0, "reward.types": ["tests"]})
+    # sandbox.workers 4 on 2 cores: a run spends part of its time waiting (a fork under the run's cgroup), not computing
+    overrides = {"data.min_samples": 1, "data.holdout_fraction": 0.0, "reward.types": ["tests"], "sandbox.workers": 4}
+    cfg = load_config(None, overrides)
     try:
         res = prep.run_prep([records], tmp_path / "prep", cfg, make_plots=False)
     except prep.GateRefused as e:
@@ -88,7 +90,7 @@ def test_humaneval_through_prep_and_the_tests_reward_agrees_with_check_correctne
 
     rng = random.Random(42)
     sample = [c for kind in KINDS for c in rng.sample([g for g in graded if g[1] == kind], 40)]
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(4) as pool:  # each call waits on a process of its own
         theirs = list(pool.map(lambda g: check_correctness(by_id[g[0]], g[2], 3.0)["passed"], sample))
     disagree = {
         (t, k): (ours[(t, k)], passed) for (t, k, _), passed in zip(sample, theirs) if (ours[(t, k)] == 5.0) != passed

@@ -133,7 +133,15 @@ def test_registry_rows_are_consistent():
     names = [s.name for s in stages.STAGES]
     assert len(set(names)) == len(names) and names[-1] == "compare"
     gates = [g for _, g in all_gates()]
-    assert gates == ["min_samples", "cooldown", "review_agreement", "training_health", "regression", "ab_decision"]
+    assert gates == [
+        "min_samples",
+        "cooldown",
+        "review_agreement",
+        "reward_audit",
+        "training_health",
+        "regression",
+        "ab_decision",
+    ]
     for s in stages.STAGES:
         assert set(stages.ROUND_PARAMS) <= set(s.notebook_params), s.name
         assert bool(s.gates) == bool(s.verdict), s.name  # a stage with gates reports them in a verdict file

@@ -7,10 +7,13 @@ reward.base_url and model ids are then checked instead. Sends GET {base}/v1/mode
 With --params naming a config whose reward.types has ``tests``, also checks the sandbox (``sandbox.*``): what
 isolates a run on this machine, or that the SandboxFusion service runs a program. Writes nothing. Prints one
 table row per check (PASS / WARN / FAIL / SKIP with a one-line explanation)
-and exits 1 when any check fails. The key is never printed (only a short fingerprint).
+and exits 1 when any check fails. The key is never printed (only a short fingerprint). ``--rewards`` runs the
+reward audit instead (``hermes_lab.rewards.audit``): one row per reward, FAIL naming any adversarial completion
+it paid.
 
     hermes-lab doctor
     hermes-lab doctor --params params/hermes_grpo_lora.yaml --debug
+    hermes-lab doctor --rewards --params params/embedded.yaml
     python -m hermes_lab.cli.doctor --model-env HERMES_REWARD_MODEL --timeout 5
 """
 
@@ -79,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Also send a one-word chat to each model (checks it answers, not just that it is listed).",
     )
     parser.add_argument("--debug", action="store_true", help="Log each request's id, status and timing to stderr.")
+    parser.add_argument(
+        "--rewards",
+        action="store_true",
+        help="Instead: the reward audit (hermes_lab.rewards.audit): each reward of --params (default: built-in "
+        "defaults) scores built-in adversarial completions; one paid above reward.audit_threshold fails.",
+    )
 
 
 # ------------------------------------------------------------------------------------------- targets
@@ -436,7 +445,7 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def render(checks: list[Check], file=None) -> None:
+def render(checks: list[Check], file=None, title: str = "hermes-lab doctor: model API") -> None:
     """The table of checks and a one-line verdict."""
     from rich.console import Console
     from rich.table import Table
@@ -445,7 +454,7 @@ def render(checks: list[Check], file=None) -> None:
     out = file or sys.stdout
     # off a terminal (CI logs, pytest, pipes) keep each explanation on one line so it can be grepped
     console = Console(file=out, width=None if out.isatty() else 1000, highlight=False)
-    table = Table(title="hermes-lab doctor: model API", title_justify="left")
+    table = Table(title=title, title_justify="left")
     table.add_column("check", no_wrap=True)
     table.add_column("result", no_wrap=True)
     table.add_column("explanation", overflow="fold")
@@ -463,7 +472,33 @@ def render(checks: list[Check], file=None) -> None:
         )
 
 
+def reward_checks(params: str | None) -> list[Check]:
+    """One row per reward of the config: what the reward audit found (``hermes-lab doctor --rewards``)."""
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.rewards.audit import audit_rewards
+
+    result = audit_rewards(load_config(params))
+    checks, scale = [], result.scale
+    for name in dict.fromkeys(r["reward"] for r in result.rows):
+        paid = [r["paid"] or 0.0 for r in result.rows if r["reward"] == name]
+        bad = [f for f in result.findings if f.reward == name]
+        if bad:
+            more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+            detail = "; ".join(f.line(scale) for f in bad[:3]) + more
+            checks.append(Check(f"reward {name}", FAIL if result.mode == "block" else WARN, detail))
+        else:
+            most = f"paid at most {max(paid):g}/{scale:g} (limit {result.threshold:g})"
+            detail = f"{len(paid)} adversarial completions, {most}"
+            checks.append(Check(f"reward {name}", PASS, detail))
+    checks += [Check(f"reward {n}", WARN, f"not audited: {why}") for n, why in result.not_audited.items()]
+    return checks
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    if getattr(args, "rewards", False):
+        checks = reward_checks(args.params)
+        render(checks, title="hermes-lab doctor: reward audit")
+        return 1 if any(c.status == FAIL for c in checks) else 0
     logger = logging.getLogger("hermes_lab.api")
     handler = None
     old_level = logger.level

@@ -223,6 +223,20 @@ class RewardSection:
         "The tests reward: the code of a completion. fenced: its last ```python block (none: scores 0, no_code); "
         "whole: the completion as it is; auto: the fenced block if there is one, else the whole completion.",
     )
+    audit: Literal["block", "warn"] = _f(
+        "block",
+        "The reward audit before every training (hermes_lab.rewards.audit): each reward scores built-in adversarial "
+        "completions (attacks on the tests' grader, requests for a high score, useless tool calls, an empty answer, "
+        "the prompt echoed...). block: a completion paid above audit_threshold stops the round before training, "
+        "named with its reward; warn: they are named and the round goes on.",
+    )
+    audit_threshold: float = _f(
+        0.4,
+        "The reward audit: an adversarial completion paid more than this share of scale is a finding (2 on the 5 "
+        "scale). The verifier's partial credit and the local judge pay an echoed embedded prompt up to 0.32 of it.",
+        ge=0,
+        le=1,
+    )
 
 
 @dataclass

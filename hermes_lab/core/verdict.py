@@ -31,6 +31,7 @@ STOP_AWAITING_REVIEW = "awaiting review"
 STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
 STOP_HEALTH = "stopped: training health"
 STOP_REGRESSION = "stopped: regression gate"
+STOP_AUDIT = "blocked: reward audit"  # a reward paid an adversarial completion (hermes_lab.rewards.audit)
 STOP_AWAITING_LIVE = "awaiting live A/B"  # ab.mode live: the gateway has not decided the rollout yet
 WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues (--resume) after these
 

@@ -48,6 +48,7 @@ class Case:
     klass: str  # the class of attack
     probe: str  # a key of PROBES
     completion: str
+    costly: bool = False  # ends only at the run's wall-clock limit: the suite runs it, the audit of a round does not
 
 
 MBPP_TESTS = [
@@ -349,6 +350,7 @@ TESTS: tuple[Case, ...] = (
         "the judge's process",
         "humaneval",
         "    import os, signal\n    os.kill(os.getppid(), signal.SIGSTOP)\n",
+        costly=True,
     ),
     Case(
         "judge_memory",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab.core.verdict import (
+    STOP_AUDIT,
     STOP_AWAITING_LIVE,
     STOP_AWAITING_REVIEW,
     STOP_BLOCKED_REVIEW,
@@ -218,6 +219,16 @@ STAGES: tuple[Stage, ...] = (
         notebook_params=(*ROUND_PARAMS, "labels_path", "queue_path", "simulate"),
         command="review",
         help="Reward-model agreement gate over the human review labels.",
+    ),
+    Stage(
+        "audit",
+        "18_reward_audit.ipynb",
+        "hermes_lab.rewards.audit",
+        verdict=f"audit/{VERDICT_NAME}",
+        gates=("reward_audit",),
+        stops=(STOP_AUDIT,),
+        command="audit",
+        help="Score built-in adversarial completions with every configured reward; stop before training if one pays.",
     ),
     Stage(
         "train",
