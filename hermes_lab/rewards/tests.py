@@ -14,11 +14,17 @@ counts by kind into MLflow (``train/tests_<kind>``).
       executor: local           # or fusion + url: a SandboxFusion run_code service
 
 Per completion: its code (``reward.code_from``), compiled here (a syntax error costs no run), run once with the
-harness (assert / check shapes) or once per stdin/stdout case, under ``sandbox.*`` limits; runs go in parallel
-up to the cores and a group's duplicate completions run once (``TestRunner``'s cache by (code, tests) hash).
-Reward: ``reward.scale`` x the share of tests passed, or all-or-nothing; a compile error, a timeout, a crash, a
-memory or output limit scores 0; a sandbox error (the executor failed, not the completion) scores None and
-counts towards ``sandbox.max_error_rate``, past which training stops with the executor's error.
+grading harness (assert / check shapes: ``hermes_lab.sandbox.harness``) or once per stdin/stdout case, under
+``sandbox.*`` limits; runs go in parallel up to ``sandbox.workers`` and a group's duplicate completions run once
+(``TestRunner``'s cache by (code, tests) hash). The verdict never lives where the completion runs: the harness's
+judge runs the tests in a process of its own, the completion's functions answer its calls as plain data from
+another, and an io case's output is compared here (``hermes_lab.sandbox.specs``).
+
+Reward: ``reward.scale`` x the share of tests passed (MBPP's assert lines, io cases: independent tests), or
+all-or-nothing (``tests_score: all``, and always for HumanEval's ``check``, which passes as a whole); in
+[0, scale] by construction: the share is counted here from one mark per planned test. A compile error, a
+timeout, a crash, a memory or output limit scores 0; a sandbox error (the executor failed, not the completion)
+scores None and counts towards ``sandbox.max_error_rate``, past which training stops with the executor's error.
 """
 
 from __future__ import annotations
@@ -168,7 +174,7 @@ def make_tests_reward(cfg: HermesConfig, executor: Executor | None = None) -> An
             elif all_or_nothing:
                 out.append(scale if o.kind == "passed" else 0.0)
             else:
-                out.append(round(scale * o.share, 4))
+                out.append(round(min(scale, max(0.0, scale * o.share)), 4))  # share is in [0, 1]: belt and braces
         return out
 
     reward.__name__ = "tests"
