@@ -15,6 +15,9 @@ step on the code family.
    - ``rlimits only``: the fork server with every layer off;
    - ``bare python``: one ``python -S`` per program, no sandbox at all (the same programs, through the same
      TestRunner).
+   - ``in-process harness``: the full sandbox running the tests reward's harness of before issue 42 (the tests,
+     their marker and the completion in one process: what a completion could reach), beside ``sandbox``'s
+     judge-and-candidate harness (two processes, calls over pipes): what the verdict's safety costs.
 2. A GRPO step's time on the code family: the tiny policy (built once under runs/policies/) trains
    ``--steps`` steps on code-family prompts only, with ``reward.types: [tests]``; the tests reward is timed
    around each call, the step by TRL's own ``step_time`` (generation, rewards, forward and backward).
@@ -82,8 +85,33 @@ class BareExecutor(Executor):
         return RunResult("ok" if p.returncode == 0 else "error", p.returncode, p.stdout, p.stderr)
 
 
+# The tests reward's harness before issue 42, for the code family's assert specs only: one process holds the
+# completion, the tests and the report (what a completion could reach: the hostile set's 22 paid cases).
+IN_PROCESS = """\
+import os as _os
+_out, _write, _exec, _compile, _isinstance = _os.dup(1), _os.write, exec, compile, isinstance
+def _report(kind, marks):
+    _write(_out, ("\\n%s %s %s\\n" % ("HERMES-bench", kind, marks or "-")).encode())
+_g = {{"__name__": "__main__", "__builtins__": __builtins__}}
+_exec(_compile({solution!r}, "solution.py", "exec"), _g)
+_marks = ""
+for _i, _t in enumerate({tests!r}):
+    try:
+        _exec(_compile(_t, "test_%d.py" % _i, "exec"), _g)
+        _marks += "1"
+    except BaseException:
+        _marks += "0"
+_report("done", _marks)
+"""
+
+
+def in_process_requests(codes: list[str], specs: list) -> list[RunRequest]:
+    return [RunRequest(IN_PROCESS.format(solution=s.prefix + c, tests=s.tests)) for c, s in zip(codes, specs)]
+
+
 ARMS = {
     "sandbox": {},
+    "in-process harness": {},
     "- seccomp": {"seccomp": False},
     "- cgroup": {"cgroup": False},
     "- tmpfs root": {"isolate": False, "landlock": False},
@@ -109,7 +137,11 @@ def throughput(n: int, workers: int) -> dict[str, float]:
         runner = TestRunner(ex, LIMITS, cache_size=0)
         runner.score(list(codes[:20]), list(specs[:20]))  # the fork server started, the filter built
         t0 = time.perf_counter()
-        out = runner.score(list(codes), list(specs))
+        if name == "in-process harness":
+            out = ex.run_many(in_process_requests(codes, specs), LIMITS)
+            assert sum(r.stdout.rstrip().endswith(" done 111") for r in out) > n // 2, out[0]
+        else:
+            out = runner.score(list(codes), list(specs))
         secs[name] = time.perf_counter() - t0
         if name == "sandbox":
             for o in out:
@@ -197,6 +229,12 @@ def main() -> int:
         f"{s / secs['rlimits only']:.2f}x the rlimits-only fork server; the fallback (Landlock) "
         f"{secs['fallback'] / s:.2f}x the sandbox's time; {secs['bare python'] / s:.1f}x faster than a bare python "
         "per program"
+    )
+    old = secs["in-process harness"]
+    print(
+        f"the grading harness (judge and candidate in two processes): {3 * a.n / s:.0f} test executions/s; the "
+        f"in-process harness of before: {3 * a.n / old:.0f}/s: the verdict out of the completion's reach costs "
+        f"{s / old:.2f}x its time"
     )
     if a.steps:
         print(f"== a GRPO step on the code family ({a.steps} steps, the tiny policy, reward.types: [tests])")
