@@ -136,6 +136,7 @@ class SandboxTally:
             "run_seconds": round(ex.seconds, 2),
             "runs_by_status": dict(ex.by_status),
             "sandbox_errors": self.by_kind.get("sandbox_error", 0),
+            "judge_exposed": self.runner.stats.exposed,  # harness runs whose judge's memory was not out of reach
             "first_errors": list(self.first_errors),
             "isolation": self.isolation,
             "limits": self.runner.limits.to_dict(),

@@ -102,6 +102,8 @@ def _enc(x, out, depth):
         out.append(tag + b"%d:" % len(items))
         for v in items:
             _enc(v, out, depth + 1)
+    elif type(x).__module__ == "numpy" and hasattr(x, "tolist"):  # sandbox.python's numpy: scalars, arrays as lists
+        _enc(x.tolist(), out, depth + 1)
     else:
         raise WireError(f"a {type(x).__name__} cannot cross (plain data of builtin types only)")
 
