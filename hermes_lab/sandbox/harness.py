@@ -283,7 +283,7 @@ class Child:
         self.poll = select.poll()
         self.poll.register(rep_r, select.POLLIN)
         self.poll.register(out_r, select.POLLIN)
-        self.buf, self.printed, self.tail = b"", 0, b""
+        self.buf, self.printed, self.tail = bytearray(), 0, b""
         self.gone = None  # (kind, detail) once the candidate is gone
 
     def ask(self, msg):
@@ -298,12 +298,13 @@ class Child:
     def _reply(self):
         while True:
             if len(self.buf) >= 8:
-                head = self.buf[:8]
+                head = bytes(self.buf[:8])
                 if not head.isdigit() or int(head) > MAX_FRAME:
                     self._stop("crash", "the candidate wrote a malformed message")
                 n = int(head)
                 if len(self.buf) >= 8 + n:
-                    data, self.buf = self.buf[8 : 8 + n], self.buf[8 + n :]
+                    data = bytes(self.buf[8 : 8 + n])
+                    del self.buf[: 8 + n]
                     return data
             for fd, _ in self.poll.poll():
                 chunk = os.read(fd, 1 << 16)
