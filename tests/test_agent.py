@@ -181,3 +181,31 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     assert all(p.stat().st_size > 1000 for p in plots.values())
     table = episode_table(tmp_path / "episodes")
     assert table["episodes"].sum() == len(samples) and set(table.index) <= {1, 2, 3}
+
+
+def test_a_logged_conversation_is_scored_as_its_environment_scores_the_episode():
+    """policy.episodes.score_messages: the simulated reviewer's label of an agent-family conversation (prep's review
+    queue), read off the OpenAI messages alone, is what TimeEnv scored the episode."""
+    from hermes_lab.policy.episodes import score_messages
+
+    env = A.TimeEnv(seed=3)
+    env.reset(city="kelo", episode_seed=1)
+    value = env.time(city="kelo")
+
+    def call(city, cid="c1"):
+        args = json.dumps({"city": city})
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": cid, "type": "function", "function": {"name": "time", "arguments": args}}],
+        }
+
+    q = {"role": "user", "content": "time kelo?"}
+    good = [q, call("kelo"), {"role": "tool", "tool_call_id": "c1", "content": value}]
+    assert score_messages([*good, {"role": "assistant", "content": value}]) == env._hermes_score(value) == A.SCALE
+    assert 0 < score_messages([*good, {"role": "assistant", "content": value + "."}]) < 3  # a format slip
+    wrong = [q, call("kelx"), {"role": "tool", "tool_call_id": "c1", "content": str({"error": A.ERROR})}]
+    assert score_messages([*wrong, {"role": "assistant", "content": value}]) == 0.0  # no good call: a guess
+    assert score_messages([q, {"role": "assistant", "content": value}]) == 0.0
+    assert score_messages(good) == 0.0  # it ran out of turns after the result: no answer
+    assert score_messages([{"role": "user", "content": "up abc="}, {"role": "assistant", "content": "ABC"}]) is None

@@ -264,7 +264,7 @@ def test_feedback_experiment_and_refusals(mixed):
 def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp_path):
     env = {**mixed.env, "GATEWAY_TEST_KEY": GATEWAY_KEY}
     cmd = [sys.executable, "-m", "hermes_lab.live.agent", "--url", mixed.url, "--requests", "40", "--concurrency", "4"]
-    cmd += ["--stream-every", "4", "--key-env", "GATEWAY_TEST_KEY", "--seed", "3"]
+    cmd += ["--stream-every", "4", "--key-env", "GATEWAY_TEST_KEY", "--seed", "3", "--agent-share", "0.25"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "40/40 answered, 0 errors, 40 feedback accepted" in r.stdout
@@ -281,14 +281,15 @@ def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp
     summary = json.loads((out / "summary.json").read_text())
     (g,) = summary["gateway"].values()
     recs = mixed.records()
-    assert g["requests"] == len(recs) == g["errors"] + g["answered"]
+    assert g["requests"] == len(recs) == g["errors"] + g["answered"] + g["conversation_turns"]
     assert g["answered"] == g["rewarded"] + g["judged"] + g["unrewarded"] and g["unrewarded"] >= 1
     assert g["errors"] == sum(x["status"] != "ok" for x in recs)
     traj = [json.loads(x) for x in Path(g["trajectories"]).read_text().splitlines()]
     unrew = [json.loads(x) for x in Path(g["unrewarded_file"]).read_text().splitlines()]
     assert len(traj) == g["rewarded"] and len(unrew) == g["unrewarded"]
     agent_tasks = {x["task_id"] for x in traj if x["task_id"] and not x["task_id"].startswith("t-")}
-    assert len(agent_tasks) >= 40  # every agent request, with its task_id from metadata and its reward
+    # every string task, with its task_id from metadata and its reward; the agent episodes whole, as conversations
+    assert g["conversations"] >= 3 and len(agent_tasks) + g["conversations"] >= 40
     assert all(0 <= x["reward"] <= 5 for x in traj)
     (pf,) = [f for f in summary["per_file"] if f["file"] == g["trajectories"]]
     assert pf["read"] == g["rewarded"] == pf["accepted"] + pf["rejected"] + pf["duplicates"]

@@ -30,6 +30,7 @@ from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.live.arms import ArmPool, UpstreamError, resolve_arm  # noqa: E402
 from hermes_lab.live.gateway import Gateway  # noqa: E402
 from hermes_lab.live.switch import Switchboard  # noqa: E402
+from hermes_lab.tasks import agent as A  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402
 
 
@@ -236,7 +237,26 @@ def test_swap_vllm_runtime_lora(tmp_path, adapter):
             assert board.current is gw_a  # the refused swap changed nothing
             srv.swap(lambda: Gateway(cfg, specs_b, ratio=0.5, log_dir=tmp_path / "b", experiment="b", pool=pool))
             time.sleep(3)
+            # an agent's request (tools, tool_choice, sampling settings) reaches vLLM as the client sent it
+            agent = {
+                "messages": [{"role": "user", "content": "time kelo?"}],
+                "tools": A.tool_schema(),
+                "tool_choice": "auto",
+                "temperature": 0.5,
+                "max_tokens": 64,
+            }
+            with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as h:
+                for i in range(8):
+                    r = h.post(
+                        "/v1/chat/completions",
+                        json={"model": "my-agent", **agent},
+                        headers={"X-Request-ID": f"tools-{i}"},
+                    )
+                    assert r.status_code == 200
         assert vllm.loras == {"hermes-round-07": str(adapter.resolve())}
+        sent = [q["body"] for q in vllm.requests if q["path"] == "/v1/chat/completions" and q["body"].get("tools")]
+        assert len(sent) == 8 and {b["model"] for b in sent} <= {"base-model", "hermes-round-07"}
+        assert all({k: b[k] for k in agent} == agent for b in sent)  # tools passed through, untouched
         assert not [d for d in load.done if d["status"] != 200]
         logged = records(tmp_path / "a") + records(tmp_path / "b")
         assert {d["rid"] for d in load.done} <= {r["request_id"] for r in logged}

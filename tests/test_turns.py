@@ -46,6 +46,57 @@ def test_a_conversations_turns_become_prompts_with_the_real_tool_results():
     assert small[1]["truncated"] and small[1]["prompt"].endswith("<|assistant|>")
 
 
+def test_a_turn_the_gateway_answered_is_trained_on_its_logged_tokens():
+    """meta.turns[].tokens (an in-process arm's answer, data.gateway): the row's prompt_ids are the logged ones, even
+    where a re-rendering would differ (the policy's own spacing), and the trainer takes them as they are; a record
+    without them (another upstream) is rendered; a logged prompt longer than the budget is cut and rendered."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from hermes_lab.policy import turn
+    from hermes_lab.tasks import agent as A
+    from hermes_lab.train.turns import trainer_class
+
+    tok = add_chat_template(build_tokenizer())
+    tools = A.tool_schema()
+    q = [{"role": "user", "content": "time kelo?"}]
+    first = turn.prompt_ids(tok, q, tools)
+    slip = tok('<tool_call>{"name":"time","arguments":{"city":"kelo"}}</tool_call><eos>', add_special_tokens=False)
+    call = {"id": "c1", "type": "function", "function": {"name": "time", "arguments": '{"city": "kelo"}'}}
+    result = {"role": "tool", "tool_call_id": "c1", "name": "time", "content": "14:05"}
+    second = turn.continue_ids(tok, first, slip["input_ids"], [result])
+    rec = {
+        "messages": [
+            *q,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            result,
+            {"role": "assistant", "content": "14:05"},
+        ],
+        "tools": json.dumps(tools),
+        "reward": 5.0,
+        "meta": json.dumps(
+            {
+                "turns": [
+                    {"message": 1, "tokens": {"prompt_ids": first}},
+                    {"message": 3, "tokens": {"prompt_ids": second}},
+                ]
+            }
+        ),
+    }
+    rows = turn_prompts(rec, "all", tok, budget=200)
+    assert [r["prompt_ids"] for r in rows] == [first, second] and {r["prompt_source"] for r in rows} == {"logged"}
+    assert rows[1]["prompt"] == tok.decode(second) and '"name":"time"' in rows[1]["prompt"]  # what the policy saw
+    bare = turn_prompts({**rec, "meta": "{}"}, "all", tok, budget=200)
+    assert bare[0]["prompt_ids"] == first and bare[1]["prompt_ids"] != second  # re-rendered: canonical spacing
+    assert {r["prompt_source"] for r in bare} == {"rendered"}
+    short = turn_prompts(rec, "all", tok, budget=100)[1]
+    assert short["truncated"] and short["prompt_source"] == "rendered" and len(short["prompt_ids"]) <= 100
+    ds = Dataset.from_list([*rows, {"prompt": "up abc=", "prompt_ids": None}])
+    got, _, _ = trainer_class(ds)._tokenize_prompts(SimpleNamespace(processing_class=tok), list(ds["prompt"]))
+    assert got == [first, second, tok("up abc=", add_special_tokens=False)["input_ids"]]
+
+
 def test_which_turns():
     msgs = [
         {"role": "user", "content": "q"},
@@ -84,6 +135,7 @@ def test_turn_level_grpo_on_a_hermes_trajectory_file_trains_and_logs(tmp_path, m
             "reward.weights": [1.0, 1.0],
             "data.max_seq_len": 224,
             "grpo.max_completion_length": 48,
+            "grpo.turn_completion_length": 0,  # the turns' completions: max_completion_length
             "grpo.max_steps": 2,
             "grpo.per_device_batch_size": 2,
             "grpo.group_size": 4,

@@ -175,7 +175,17 @@ class GrpoSection:
         "assistant turn; last: each conversation's last; failed: every turn of conversations whose reward is "
         "below reward.success_threshold; first_tool: each conversation's first turn that calls a tool. Rewards: "
         "tool_call (validity), comparison (the judge against the logged turn, the conversation's reward as its "
-        "ref_reward: the outcome credited to the turn). Empty: the prompt sets (grpo_dataset), as before.",
+        "ref_reward: the outcome credited to the turn). A turn answered by the gateway's in-process arm is trained "
+        "on the tokens it logged (no re-tokenization). The turn rows join the prompt set's rows (grpo_dataset) "
+        "when the data has both. Empty: the prompt sets only, as before. The live flywheel sets all unless the "
+        "params say otherwise.",
+    )
+    turn_completion_length: int = _f(
+        0,
+        "grpo.turns: max new tokens of a sampled turn (a tool call with its arguments is longer than a string "
+        "task's answer); the phase that trains turn rows samples up to max(max_completion_length, this). 0: "
+        "max_completion_length.",
+        ge=0,
     )
 
 
@@ -399,6 +409,11 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
     choices = trl_choices("loss_type")
     if choices and g.loss_type not in choices:
         errs.append(f"grpo.loss_type must be one of the installed TRL's: {', '.join(choices)}; got {g.loss_type!r}")
+    if g.turns and g.turn_completion_length >= d.max_seq_len:
+        errs.append(
+            f"grpo.turn_completion_length={g.turn_completion_length} leaves no room for a turn's context within "
+            f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len or lower grpo.turn_completion_length"
+        )
     if g.max_completion_length >= d.max_seq_len:
         errs.append(
             f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt within "

@@ -417,8 +417,19 @@ class ServeSection:
     max_batch: int = _f(32, "In-process arms: most requests in one batched generate.", ge=1)
     max_new_tokens: int = _f(
         256,
-        "In-process arms: cap on a request's max_tokens (a request without one gets execute.max_new_tokens).",
+        "In-process arms: cap on a request's max_tokens. A request without one: a lone user message without tools "
+        "(a string task) gets execute.max_new_tokens, any other chat what a turn is trained with "
+        "(grpo.turn_completion_length, else grpo.max_completion_length); always within the policy's context.",
         ge=1,
+    )
+    agent_share: float = _f(
+        0.3,
+        "The stand-in agent (hermes-lab agent, make live-demo): share of its conversations that are episodes of the "
+        "embedded agent family, played as a client-side agent loop (the tool's schema sent, its calls executed by "
+        "the agent, the results sent back, the episode's success posted as feedback by conversation id); the rest "
+        "are single-turn string tasks scored by their verifiers.",
+        ge=0,
+        le=1,
     )
     feedback_source: str = _f(
         "system",

@@ -10,14 +10,24 @@ An arm spec, on the command line (``--baseline`` / ``--candidate``) or in ``serv
   id is ``--baseline-model`` / ``serve.baseline_model`` (required); its key is read at start from the env
   var named by ``--baseline-key-env`` / ``serve.baseline_key_env`` and sent only to that upstream.
 - ``embedded:tiny``, a model dir or hub id, a LoRA adapter dir (its base from adapter_config.json), or a
-  train output dir (``runs/round-NN/train``): served in-process. Generation runs in one worker thread,
-  micro-batched (requests that arrive within ``serve.batch_wait_ms`` share one ``generate``), never on the
-  event loop. One thread for both arms: torch's RNG is global and the machine has few cores.
+  train output dir (``runs/round-NN/train``): served in-process (``LocalArm``), exactly as it is trained: the
+  request's messages and ``tools`` rendered with the policy's chat template, the answer read by TRL's parser
+  into OpenAI ``tool_calls`` (``hermes_lab.policy.turn``), its token ids and logprobs in the log. Generation
+  runs in one worker thread, micro-batched (requests that arrive within ``serve.batch_wait_ms`` share one
+  ``generate``), never on the event loop; the rendering and parsing run in that thread too. One thread for
+  both arms: torch's RNG is global and the machine has few cores.
 - ``latest`` (candidate default): the newest round's trained adapter, else ``embedded:tiny`` (an A/A).
 
-Both arms of one vLLM server (the gateway only picks the model name per arm)::
+Both arms of one vLLM server (the gateway only picks the model name per arm; the request, ``tools`` included,
+goes to vLLM as the client sent it). vLLM answers tool calls with its tool-call parser on, and must render
+with the chat template the policy was trained with (the one in its tokenizer dir; ``--chat-template`` names
+it when the served dir has another). For a policy that writes Hermes-style ``<tool_call>`` blocks (Qwen2.5/3,
+Hermes 2/3; vLLM's ``hermes`` parser needs ``<tool_call>`` to be a token of the tokenizer, which the tiny
+policy's byte-level one has not: serve it in-process)::
 
-    vllm serve Qwen/Qwen2.5-0.5B-Instruct --enable-lora --lora-modules round-01=runs/round-01/train/adapter
+    vllm serve Qwen/Qwen2.5-0.5B-Instruct --enable-auto-tool-choice --tool-call-parser hermes \\
+        --chat-template runs/round-01/train/adapter/chat_template.jinja \\
+        --enable-lora --lora-modules round-01=runs/round-01/train/adapter
     hermes-lab serve --baseline http://127.0.0.1:8000 --baseline-model Qwen/Qwen2.5-0.5B-Instruct \\
         --candidate http://127.0.0.1:8000 --candidate-model round-01
 
@@ -33,7 +43,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +169,7 @@ class Answer:
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning: str | None = None
+    tokens: dict[str, Any] | None = None  # in-process arms: prompt_ids, completion_ids, logprobs (the log keeps them)
 
 
 @dataclass
@@ -268,9 +279,10 @@ def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
 
 
 def flatten_messages(messages: list[Any]) -> str:
-    """The prompt string of a chat: a lone user message as is (the embedded tasks' form), otherwise one
-    'role: content' line per message and a final 'assistant:'. In-process arms generate from this string,
-    so training on the logged prompt trains on what the policy saw."""
+    """The log's ``prompt`` of a conversation's opening: a lone user message as is (the embedded string tasks'
+    form, which prep joins with its feedback as a trajectory), otherwise one 'role: content' line per message and
+    a final 'assistant:' (for people and the per-family counts; no arm generates from it: an in-process arm
+    renders the messages with the policy's chat template, ``LocalArm``)."""
     parts = []
     for m in messages:
         m = m if isinstance(m, dict) else {}
@@ -287,7 +299,7 @@ def flatten_messages(messages: list[Any]) -> str:
 class UpstreamArm:
     """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""
 
-    needs_prompt = False  # the upstream gets the messages; the flattened prompt is not built for it
+    needs_prompt = False  # the upstream gets the messages; the flattened prompt is only logged at an opening
 
     def __init__(self, spec: ArmSpec, cfg: HermesConfig):
         self.spec, self.name, self.served_model = spec, spec.name, spec.model
@@ -448,18 +460,23 @@ async def _maybe_await(x: Any) -> None:
 # ------------------------------------------------------------------------------------ in-process arms
 @dataclass
 class _Job:
+    """One request for the generation thread. ``prepare`` renders its prompt ids and ``finish`` reads the sampled
+    turn back, both in the thread (the arm's rendering and parsing, never on the event loop); the future gets what
+    ``finish`` returns."""
+
     policy: Any
-    prompt: str
+    prepare: Callable[[], list[int]]
+    finish: Callable[[list[int], list[int], list[float] | None], dict[str, Any]]
     temperature: float
     max_new_tokens: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    out: dict[str, Any] = field(default_factory=dict)
+    prompt: list[int] = field(default_factory=list)
 
 
 class GenerationWorker:
     """One thread generating for every in-process arm: jobs that arrive within ``wait_s`` of the first
-    one form a batch (split by policy and sampling settings), one ``generate`` each."""
+    one form a batch (split by policy and sampling settings), one ``generate`` each (``policy.turn.sample``)."""
 
     def __init__(self, wait_s: float, max_batch: int):
         self.wait_s, self.max_batch = wait_s, max_batch
@@ -497,30 +514,44 @@ class GenerationWorker:
                 batch.append(nxt)
             groups: dict[tuple[int, float, int], list[_Job]] = {}
             for j in batch:
+                try:
+                    j.prompt = j.prepare()
+                except Exception as e:  # a conversation the template cannot render: that request's 500
+                    j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+                    continue
                 groups.setdefault((id(j.policy), j.temperature, j.max_new_tokens), []).append(j)
             for jobs in groups.values():
                 self._generate(jobs)
 
     def _generate(self, jobs: list[_Job]) -> None:
+        from hermes_lab.policy import turn
+
         p = jobs[0].policy
+        room = p.model.config.max_position_embeddings
+        for j in [j for j in jobs if len(j.prompt) >= room]:
+            msg = f"the conversation renders to {len(j.prompt)} tokens: the policy's context holds {room}"
+            j.loop.call_soon_threadsafe(_settle, j.future, None, ValueError(msg))
+        jobs = [j for j in jobs if len(j.prompt) < room]
+        if not jobs:
+            return
         self._seed += 1
         try:
-            texts = p.generate(
-                [j.prompt for j in jobs],
-                temperature=jobs[0].temperature,
-                max_new_tokens=jobs[0].max_new_tokens,
-                seed=self._seed,
-                batch_size=len(jobs),
+            import torch
+
+            torch.manual_seed(self._seed)
+            done = turn.sample(
+                p.model, p.tokenizer, [j.prompt for j in jobs], jobs[0].temperature, jobs[0].max_new_tokens, True
             )
-            tok = p.tokenizer
-            for j, text in zip(jobs, texts):
-                n_p = len(tok(j.prompt, add_special_tokens=False)["input_ids"])
-                n_c = len(tok(text, add_special_tokens=False)["input_ids"]) if text else 0
-                j.out = {"text": text, "prompt_tokens": n_p, "completion_tokens": n_c}
-                j.loop.call_soon_threadsafe(_settle, j.future, j.out, None)
-        except Exception as e:  # the request gets a 500 naming it; the worker lives on
+        except Exception as e:  # the requests get a 500 naming it; the worker lives on
             for j in jobs:
                 j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+            return
+        for j, (completion, logprobs) in zip(jobs, done):
+            try:
+                out, exc = j.finish(j.prompt, completion, logprobs), None
+            except Exception as e:
+                out, exc = None, e
+            j.loop.call_soon_threadsafe(_settle, j.future, out, exc)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -532,16 +563,37 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_result(result)
 
 
-class LocalArm:
-    """A policy in this process, answered in OpenAI's chat.completion / chunk format."""
+class _Events:
+    """A local arm's stream: the chunks, and the answer's tokens for the log (read once the stream ended)."""
 
-    needs_prompt = True  # it generates from the flattened prompt
+    def __init__(self, chunks: AsyncIterator[Chunk], tokens: dict[str, Any]):
+        self.chunks, self.tokens = chunks, tokens
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self.chunks
+
+
+class LocalArm:
+    """A policy in this process, answered in OpenAI's chat.completion / chunk format with the loop's one rendering
+    and parser (``hermes_lab.policy.turn``): the request's messages and tools through the policy's chat template
+    (a lone user message without tools: its text, the string tasks' form), a conversation continued from the
+    tokens of the turns this arm answered (``turn.Splicer``), the answer read by TRL's parser into ``tool_calls``
+    (ids, type function, arguments as JSON text; ``finish_reason: tool_calls``; streamed as tool-call deltas).
+    A conversation longer than the policy's context (less a string answer's ``execute.max_new_tokens``) loses its
+    earliest messages first (``turn.fit``, as turn-level training cuts one). Every answer carries its prompt and
+    completion token ids and the sampled tokens' logprobs for the log."""
+
+    needs_prompt = False  # it renders the request's messages itself, in the generation thread
 
     def __init__(self, spec: ArmSpec, policy: Any, worker: GenerationWorker, cfg: HermesConfig):
+        from hermes_lab.policy.turn import Splicer
+
         self.spec, self.name, self.policy, self.worker = spec, spec.name, policy, worker
         self.served_model, self.public = spec.served_model, cfg.serve.public_model
         self.temperature, self.default_tokens = cfg.execute.temperature, cfg.execute.max_new_tokens
+        self.turn_tokens = cfg.grpo.turn_completion_length or cfg.grpo.max_completion_length  # as turns are trained
         self.cap = cfg.serve.max_new_tokens
+        self.splicer = Splicer(policy.tokenizer)  # touched only in the generation thread
 
     async def start(self) -> None:
         return None
@@ -549,65 +601,99 @@ class LocalArm:
     async def close(self) -> None:
         return None
 
-    async def _generate(self, payload: dict[str, Any], prompt: str) -> dict[str, Any]:
+    async def _generate(self, payload: dict[str, Any], rid: str) -> dict[str, Any]:
+        from hermes_lab.policy import turn
+
         t = payload.get("temperature")
         temperature = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else self.temperature
+        messages = payload.get("messages") or []
+        tools = turn.tool_list(payload.get("tools"))
+        m0 = messages[0] if len(messages) == 1 and isinstance(messages[0], dict) else {}
+        single = m0.get("role") == "user" and not tools  # the completion form: the string tasks' answer length
         mt = payload.get("max_completion_tokens") or payload.get("max_tokens")
-        tokens = int(mt) if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else self.default_tokens
-        tokens = min(tokens, self.cap)
+        asked = int(mt) if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
+        tokens = min(asked or (self.default_tokens if single else self.turn_tokens), self.cap)
+        tok, seen = self.policy.tokenizer, {}
+        room = self.policy.model.config.max_position_embeddings - self.default_tokens  # a string answer's room left
+
+        def prepare() -> list[int]:
+            seen["msgs"] = msgs = [turn.chat_message(m) for m in messages if isinstance(m, dict)]
+            ids, seen["spliced"] = self.splicer.prompt_ids(msgs, tools)
+            seen["truncated"] = len(ids) > room
+            if seen["truncated"]:  # longer than the context: its latest part, cut as turn-level training cuts it
+                ids, seen["spliced"] = turn.prompt_ids(tok, turn.fit(tok, msgs, tools, room)[0], tools), False
+            return ids
+
+        def finish(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> dict[str, Any]:
+            msgs = seen["msgs"]
+            form = turn.is_completion(msgs, tools)
+            msg = turn.parse(tok, completion, prompt, tools, form)
+            if msg.get("tool_calls") and not tools:  # no tools offered: no tool calls (OpenAI's rule), the text
+                msg = {"role": "assistant", "content": tok.decode(completion, skip_special_tokens=True)}
+            answer = turn.to_openai(msg, rid)
+            self.splicer.remember(msgs, tools, turn.chat_message(answer), prompt + completion)
+            ended = bool(completion) and completion[-1] == tok.eos_token_id
+            finish_reason = "tool_calls" if answer.get("tool_calls") else ("stop" if ended else "length")
+            ids = {"prompt_ids": prompt, "completion_ids": completion, "logprobs": logprobs}
+            ids.update(spliced=seen["spliced"], truncated=seen["truncated"])
+            return {"message": answer, "finish_reason": finish_reason, "tokens": ids}
+
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.worker.submit(_Job(self.policy, prompt, temperature, tokens, fut, loop))
-        out = await fut
-        out["finish_reason"] = "length" if out["completion_tokens"] >= tokens else "stop"
-        return out
+        self.worker.submit(_Job(self.policy, prepare, finish, temperature, tokens, fut, loop))
+        return await fut
 
     def _usage(self, out: dict[str, Any]) -> dict[str, int]:
-        p, c = out["prompt_tokens"], out["completion_tokens"]
+        p, c = len(out["tokens"]["prompt_ids"]), len(out["tokens"]["completion_ids"])
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def complete(self, payload: dict[str, Any], prompt: str, rid: str) -> Answer:
-        out = await self._generate(payload, prompt)
-        usage = self._usage(out)
+        out = await self._generate(payload, rid)
+        usage, msg = self._usage(out), out["message"]
         body = {
             "id": f"chatcmpl-{rid}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.public,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": out["text"]},
-                    "finish_reason": out["finish_reason"],
-                }
-            ],
+            "choices": [{"index": 0, "message": msg, "finish_reason": out["finish_reason"]}],
             "usage": usage,
         }
-        return Answer(200, orjson.dumps(body), out["text"], usage, None, out["finish_reason"])
+        text, calls = msg.get("content") or "", msg.get("tool_calls")
+        return Answer(200, orjson.dumps(body), text, usage, None, out["finish_reason"], calls, tokens=out["tokens"])
 
     async def stream(
         self, payload: dict[str, Any], prompt: str, rid: str
     ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
-        """The finished completion as OpenAI chunks (a role chunk, content pieces, the finish, usage)."""
+        """The finished answer as OpenAI chunks: a role chunk, content pieces, each tool call as deltas (its id,
+        type and name first, then its arguments in pieces), the finish, usage."""
         so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
-        out = await self._generate(payload, prompt)
-        usage, created = self._usage(out), int(time.time())
+        out = await self._generate(payload, rid)
+        usage, created, msg = self._usage(out), int(time.time()), out["message"]
 
-        def ev(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        def ev(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
             obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": self.public}
             obj.update(choices=[choice] if delta is not None else [], **extra)
             return b"data: " + orjson.dumps(obj) + b"\n\n"
 
         async def events() -> AsyncIterator[Chunk]:
-            text = out["text"]
+            text = msg.get("content") or ""
             yield Chunk(ev({"role": "assistant", "content": ""}))
             for i in range(0, len(text), 8):  # a few characters a chunk, as a token stream would come
                 yield Chunk(ev({"content": text[i : i + 8]}), text=text[i : i + 8])
+            for k, c in enumerate(msg.get("tool_calls") or []):
+                f = c["function"]
+                head = [
+                    {"index": k, "id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": ""}}
+                ]
+                yield Chunk(ev({"tool_calls": head}), calls=head)
+                for i in range(0, len(f["arguments"]), 8):
+                    piece = [{"index": k, "function": {"arguments": f["arguments"][i : i + 8]}}]
+                    yield Chunk(ev({"tool_calls": piece}), calls=piece)
             yield Chunk(ev({}, out["finish_reason"]), finish_reason=out["finish_reason"])
             yield Chunk(ev(None, usage=usage) if so.get("include_usage") else b"", usage=usage)
 
-        return None, events()
+        return None, _Events(events(), out["tokens"])
 
 
 class ArmPool:

@@ -431,6 +431,8 @@ class Gateway:
             latency_ms=round((time.perf_counter() - t_start) * 1000, 3),
             t_done=round(self.clock(), 3),
         )
+        if ans.tokens is not None:  # an in-process arm's answer: its exact tokens, for turn-level training
+            rec["tokens"] = ans.tokens
 
     async def _stream(
         self,
@@ -460,10 +462,12 @@ class Gateway:
 
         async def body() -> Any:
             text, thought, usage, finish, ttft, error, done = [], [], None, None, None, None, False
-            calls = CallAssembler()
+            calls, tokens = CallAssembler(), getattr(events, "tokens", None)  # tokens: an in-process arm's
 
             def answer(status: int, err: str | None) -> Answer:
-                return Answer(status, b"", "".join(text), usage, err, finish, calls.result(), "".join(thought) or None)
+                return Answer(
+                    status, b"", "".join(text), usage, err, finish, calls.result(), "".join(thought) or None, tokens
+                )
 
             try:
                 async for ch in events:

@@ -12,7 +12,10 @@ Stage: validate (live A/B). ``hermes-lab serve`` writes, in its log dir (``runs/
                     the new tool results), switched (a candidate conversation's turn the baseline answered
                     after a roll back); the answer, whole whether streamed or not: response (text),
                     tool_calls (assembled from the stream's deltas), reasoning, finish_reason, usage;
-                    prompt (the flattened opening of a conversation's first turn, null later)
+                    prompt (the flattened opening of a conversation's first turn, null later); tokens
+                    (in-process arms only: prompt_ids and completion_ids as the policy saw and sampled them,
+                    logprobs of the sampled tokens, spliced: continued from its earlier turns' tokens,
+                    truncated: cut to the policy's context)
   tools.jsonl       one line per distinct tool-schema list the agents sent: tools_hash, tools
   feedback.jsonl    one record per POST /v1/feedback: conversation_id, request_id (when it named one), reward,
                     source, detail, arm, t, timestamp; it scores the whole conversation
@@ -426,6 +429,26 @@ class Tally:
             family=fam,
         )
         return out
+
+
+def agent_success(log_dir: str | os.PathLike[str], threshold: float, source: str = "system") -> dict[str, Any]:
+    """Per arm, the agent conversations of a log dir (tools offered on their first turn) that got feedback of
+    ``source`` ('any': every source; the latest wins): how many, and the share whose reward reaches ``threshold``."""
+    arm_of: dict[str, str] = {}
+    for _, rec in read_jsonl(Path(log_dir) / REQUESTS):
+        cid = rec.get("conversation_id")
+        if rec.get("turn") == 0 and rec.get("tools_hash") and isinstance(cid, str):
+            arm_of[cid] = str(rec.get("arm"))
+    reward: dict[str, float] = {}
+    for _, fb in read_jsonl(Path(log_dir) / FEEDBACK):
+        cid = fb.get("conversation_id")
+        if cid in arm_of and (source == "any" or fb.get("source", "system") == source):
+            reward[cid] = float(fb.get("reward") or 0.0)
+    out: dict[str, Any] = {}
+    for arm in ("baseline", "candidate"):
+        rs = [r for cid, r in reward.items() if arm_of[cid] == arm]
+        out[arm] = {"n": len(rs), "success": round(sum(r >= threshold for r in rs) / len(rs), 4) if rs else None}
+    return out
 
 
 def now_iso(ts: float | None = None) -> str:

@@ -93,8 +93,15 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     table = "conversations" if cfg.grpo.turns else "grpo_dataset"  # grpo.turns: turn-level, from conversations
     if p.is_dir() and (p / table).is_dir():
         p = p / table
+    elif cfg.grpo.turns and p.is_dir() and (p / "grpo_dataset").is_dir():  # a prep dir without conversations
+        return Dataset.from_dict({"messages": []})  # the prompt set alone (train: _beside_prompt_set)
     if p.is_dir():
-        ds = load_from_disk(str(p))
+        try:
+            ds = load_from_disk(str(p))
+        except (IndexError, FileNotFoundError, ValueError):
+            if not cfg.grpo.turns or p.name != "conversations":
+                raise
+            ds = Dataset.from_dict({"messages": []})  # prep wrote no conversation (an empty dataset dir)
     elif p.is_file():
         from hermes_lab.data import prep
 
@@ -132,9 +139,17 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
 
     The completion length is never shortened to fit a long prompt: one long prompt would otherwise cut
     every completion of the run short. (config.py refuses a completion length that leaves no room at all.)"""
-    budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
+    from hermes_lab.train.turns import completion_length
+
+    budget, completion = cfg.data.max_seq_len, completion_length(cfg)
     prompts = list(ds["prompt"])
-    lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if "prompt_ids" in ds.column_names:  # turn rows: the tokens the trainer takes as they are
+        given = list(ds["prompt_ids"])
+        lens = [
+            len(x) if x else len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p, x in zip(prompts, given)
+        ]
+    else:
+        lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     keep = [i for i, n in enumerate(lens) if n + completion <= budget]
     kept = set(keep)
     flagged = [
@@ -152,6 +167,34 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
             f"(with grpo.max_completion_length={completion}); raise it"
         )
     return ds.select(keep), flagged, completion
+
+
+def _beside_prompt_set(turn_rows: Any, data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
+    """The turn rows (None: no turn to train on) with the prompt set's rows of the same data (a prep dir's
+    grpo_dataset, or the one prep wrote for a trajectories file), when it has one: one phase trains both (the
+    string tasks and the agent turns of a live round's traffic). Columns one side lacks are None on the other's
+    rows. Neither has a row: a ValueError naming grpo.turns."""
+    from dataclasses import replace
+
+    from datasets import Dataset
+
+    root = Path(data) if Path(data).is_dir() else work_dir / "prep"
+    prompts = None
+    if (root / "grpo_dataset").is_dir():
+        try:
+            prompts = load_prompt_set(root, replace(cfg, grpo=replace(cfg.grpo, turns="")), work_dir)
+        except (ValueError, FileNotFoundError):  # an empty prompt set: prep wrote no row
+            prompts = None
+    if prompts is None or not len(prompts):
+        if turn_rows is None:
+            raise ValueError(f"grpo.turns={cfg.grpo.turns!r}: no assistant turn and no prompt to train on in {data}")
+        return turn_rows
+    if turn_rows is None:
+        log.info("grpo.turns=%r: no assistant turn to train on; the prompt set alone", cfg.grpo.turns)
+        return prompts
+    keys = list(dict.fromkeys([*prompts.column_names, *turn_rows.column_names]))
+    rows = [{k: r.get(k) for k in keys} for part in (prompts, turn_rows) for r in part.to_list()]
+    return Dataset.from_list(rows)
 
 
 # ------------------------------------------------------------------------------------------ callback
@@ -319,16 +362,19 @@ def train(
     if cfg.grpo.turns:  # turn-level: one row per chosen assistant turn of the logged conversations
         from hermes_lab.train.turns import turn_dataset
 
-        ds = turn_dataset(ds, cfg, tok)
-        if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
+        ds = turn_dataset(ds, cfg, tok, required=False)
+        if ds is not None and cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
             ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
+        ds = _beside_prompt_set(ds, data, cfg, out)
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
     log_path, trl_dir = out / "train_log.jsonl", out / "trl"
     marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
     ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
     resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
 
-    from trl import GRPOConfig, GRPOTrainer  # here: the refusals above come without TRL's ~5 s of imports
+    from trl import GRPOConfig  # here: the refusals above come without TRL's ~5 s of imports
+
+    from hermes_lab.train.turns import trainer_class
 
     model, peft_config = _policy_for_training(cfg, base, start_adapter)
 
@@ -359,7 +405,7 @@ def train(
                 tracking.set_tags({"train.resumed_from_step": str(resumed_from)})
         if is_main:
             write_json_atomic(trl_dir / RESUME_FILE, {**marker, "mlflow_run_id": run_id})
-        trainer = GRPOTrainer(
+        trainer = trainer_class(ds)(  # TRL's GRPOTrainer, the prompts' tokens the loop's (train.turns)
             model=model,
             reward_funcs=funcs,
             args=args,
@@ -421,7 +467,11 @@ def train(
                 "steps": result.steps,
                 "seconds": result.seconds,
                 "resumed_from_step": resumed_from,
+                "prompts": len(ds),
             }
+            if "prompt_source" in ds.column_names:  # grpo.turns: the turn rows, and those on logged tokens
+                sources = list(ds["prompt_source"])
+                meta.update(turn_rows=sum(x is not None for x in sources), turn_rows_logged=sources.count("logged"))
             write_json_atomic(out / "run.json", meta)
             health_detail = "; ".join(callback.warnings) or "no warnings"
             write_verdict(

@@ -1,0 +1,248 @@
+"""The policy served exactly as it was trained (issue 41): `hermes-lab serve` with in-process arms (embedded:tiny on
+both, an A/A) driven by the stand-in agent (hermes_lab.live.agent: the openai SDK, the time tool's schema sent, its
+calls executed by the client, the results sent back, the episode's success posted by conversation id).
+
+- Served = offline: held-out agent episodes played through the gateway succeed as often as the same policy's offline
+  episodes (hermes_lab.policy.episodes) on the same tasks and tool results, and most first answers are parsed tool
+  calls (OpenAI tool_calls, streamed as tool-call deltas on every third request).
+- Parity: for every logged conversation (string tasks and agent episodes) the prompt token ids of the gateway's log
+  are those of the episode runner (its continuation replayed on the logged completions, and its own greedy episodes),
+  of TRL's GRPOTrainer (its environment prompt and tool suffix, its string prompts) and of turn-level training on
+  the log through prep (the trainer's tokens, logged and re-rendered).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from test_gateway_conversations import HERMES_DRIVER  # noqa: E402
+from test_serve import Gateway  # noqa: E402
+from test_turn import trl_self  # noqa: E402
+
+from hermes_lab.policy import turn  # noqa: E402
+from hermes_lab.tasks import agent as A  # noqa: E402
+
+pytestmark = pytest.mark.slow
+N_EPISODES, N_SAMPLED, SEED = 48, 24, 7
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("served")
+    args = ["--params", str(REPO / "params/embedded.yaml"), "--ratio", "0.5", "--set", "serve.rollout=false"]
+    args += ["--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
+    gw = Gateway(tmp, args).start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes_agent():
+    """hermes-agent 0.19.0's python, in its own cached virtualenv (tests/fixtures/hermes/make_fixtures.py's)."""
+    sys.path.insert(0, str(HERE / "fixtures" / "hermes"))
+    import make_fixtures as mf
+
+    try:
+        return mf.hermes_python("0.19.0")
+    except (SystemExit, OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"hermes-agent 0.19.0 cannot be installed here: {e}")
+
+
+def conversations(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["conversation_id"], []).append(r)
+    return {c: sorted(rs, key=lambda r: r["turn"]) for c, rs in out.items()}
+
+
+def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(served, tmp_path):
+    from trl import GRPOTrainer
+
+    from hermes_lab.live.agent import run_agent
+    from hermes_lab.policy import episodes as E
+    from hermes_lab.policy.model import build_tiny_policy, load_policy
+
+    kw = dict(seed=SEED, split="heldout", agent_share=1.0, stream_every=3, progress=False)
+    greedy = run_agent(served.url, N_EPISODES, 8, temperature=0, **kw)
+    sampled = run_agent(served.url, N_SAMPLED, 8, **kw)  # at execute.temperature: slips, spliced continuations
+    strings = run_agent(served.url, 8, 4, seed=5, stream_every=2, progress=False)
+    for s in (greedy, sampled, strings):
+        assert s["errors"] == 0 and s["feedback_accepted"] == s["requests"], s["first_errors"]
+    tiny = build_tiny_policy(REPO / "runs", 0)  # what embedded:tiny names (built once per machine)
+    policy = load_policy(str(tiny))
+    tasks = A.generate_tasks(N_EPISODES, "heldout", seed=SEED)
+    offline = E.run_episodes(policy, tasks, temperature=0, seed=SEED)  # the same tasks and tool results
+    off = sum(e.success for e in offline) / len(offline)
+    ag = greedy["agent"]
+    calls = ag["first_call_rate"]
+    print(f"greedy: served {ag['success']:.1%} vs offline {off:.1%}; first answers with tool calls {calls:.1%}")
+    sa, build = sampled["agent"], json.loads((tiny / "build.json").read_text())["agent"]
+    print(
+        f"sampled at 0.9: served {sa['success']:.1%} (n={N_SAMPLED}) vs offline {build['episode_success']:.1%} "
+        f"(build.json, n=200); first answers with tool calls {sa['first_call_rate']:.1%}"
+    )
+    assert abs(ag["success"] - off) <= 0.10 and ag["first_call_rate"] >= 0.6
+    # sampled, the base policy's first answer is a tool call ~70% of the time offline (n=200): the served ones stay
+    # far above a third (a text-only arm: 0%), and with the greedy ones well above 60%
+    n = N_EPISODES + N_SAMPLED
+    assert (
+        sa["first_call_rate"] >= 0.35
+        and (N_EPISODES * ag["first_call_rate"] + N_SAMPLED * sa["first_call_rate"]) / n >= 0.6
+    )
+
+    tok = policy.tokenizer
+    convs = conversations(served.records())
+    ran = {r["conversation_id"] for run in (greedy, sampled) for r in run["results"]}
+    agent_convs = {c: rs for c, rs in convs.items() if c in ran and rs[0]["tools_hash"]}
+    string_convs = {c: rs for c, rs in convs.items() if c in {r["conversation_id"] for r in strings["results"]}}
+    assert len(agent_convs) == N_EPISODES + N_SAMPLED and len(string_convs) == 8
+    # the log: every answer's tokens, and its tool calls in OpenAI's form (streamed ones assembled from deltas)
+    streamed_calls = 0
+    for rs in convs.values():
+        for r in rs:
+            t = r["tokens"]
+            assert len(t["logprobs"]) == len(t["completion_ids"]) and all(x <= 0 for x in t["logprobs"])
+            assert r["usage"]["prompt_tokens"] == len(t["prompt_ids"])
+            if r["tool_calls"]:
+                assert r["finish_reason"] == "tool_calls" and all(c["id"].startswith("call_") for c in r["tool_calls"])
+                json.loads(r["tool_calls"][0]["function"]["arguments"])
+                streamed_calls += r["stream"]
+    assert streamed_calls >= 5
+
+    # 1. the episode runner: its continuation (turn.prompt_ids, then turn.continue_ids on the logged completion and
+    # the tool results), replayed on every logged agent conversation, and TRL's own (GRPOTrainer's)
+    me = trl_self(tok, [A.TimeEnv().time])
+    schema = A.tool_schema()
+    for rs in agent_convs.values():
+        msgs = [turn.chat_message(m) for m in rs[0]["messages"]]
+        ids = turn.prompt_ids(tok, msgs, schema)
+        (trl_ids,), _, _ = GRPOTrainer._tokenize_prompts(me, [msgs])
+        for k, r in enumerate(rs):
+            assert r["tokens"]["prompt_ids"] == ids == list(trl_ids), (k, r["request_id"])
+            if k + 1 < len(rs):
+                results = [turn.chat_message(m) for m in rs[k + 1]["messages"]]
+                assert [m["role"] for m in results] == ["tool"] * len(results)
+                done = r["tokens"]["completion_ids"]
+                ids = turn.continue_ids(tok, ids, done, results)
+                trl_ids = (
+                    list(trl_ids)
+                    + done
+                    + GRPOTrainer._get_tool_suffix_ids(me, [{**m, "name": "time"} for m in results])
+                )
+    # ... and the runner's own greedy episodes, where the served conversation is the same one (same completions)
+    greedy_convs = {r["task_id"]: agent_convs[r["conversation_id"]] for r in greedy["results"]}
+    same = 0
+    for ep in offline:
+        rs = greedy_convs[ep.task.task_id]
+        if [x["tokens"]["completion_ids"] for x in rs] == [c for _, c in ep.turn_ids]:
+            assert [x["tokens"]["prompt_ids"] for x in rs] == [p for p, _ in ep.turn_ids]
+            same += 1
+    assert same >= 0.8 * N_EPISODES
+
+    # 2. string tasks: the completion form, as Policy.generate tokenizes it and TRL tokenizes a string prompt
+    plain = SimpleNamespace(processing_class=tok)
+    for rs in string_convs.values():
+        (r,) = rs
+        prompt = r["messages"][0]["content"]
+        (trl_ids,), _, _ = GRPOTrainer._tokenize_prompts(plain, [prompt])
+        assert r["tokens"]["prompt_ids"] == tok(prompt, add_special_tokens=False)["input_ids"] == list(trl_ids)
+
+    # 3. the trainer: the log through prep, turn-level rows on the logged tokens, the trainer's prompt tokens
+    from datasets import Dataset, load_from_disk
+
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.data.prep import run_prep
+    from hermes_lab.train.turns import trainer_class, turn_prompts
+
+    over = {"data.min_samples": 1, "data.max_bad_fraction": 1.0, "round.runs_dir": str(tmp_path / "runs")}
+    cfg = load_config(REPO / "params/embedded.yaml", {**over, "data.review_fraction": 1.0})
+    res = run_prep([served.log_dir], tmp_path / "prep", cfg, make_plots=False)
+    # the simulated reviewer labels an agent conversation as its environment scored it (the posted feedback)
+    queue = [json.loads(x) for x in (res.output_dir / "review_queue.jsonl").read_text().splitlines()]
+    items = [q for q in queue if q.get("conversation_id") in agent_convs]
+    assert items and all(q["simulated_label"] == q["reward"] for q in items)
+    table = [r for r in load_from_disk(str(res.output_dir / "conversations")) if r["conversation_id"] in agent_convs]
+    assert len(table) >= N_EPISODES  # prep keeps one of a task's identical conversations
+    rows, rendered_same, rendered = [], 0, 0
+    for rec in table:
+        got = turn_prompts(rec, "all", tok, budget=256)
+        logged = [r["tokens"]["prompt_ids"] for r in agent_convs[rec["conversation_id"]]]
+        assert [r["prompt_ids"] for r in got] == logged and {r["prompt_source"] for r in got} == {"logged"}
+        rows += got
+        # the same conversation from another upstream (no tokens logged): rendered, the same ids where the policy's
+        # answers were canonical (greedy: all of them), never longer than what it saw
+        bare = turn_prompts({**rec, "meta": "{}"}, "all", tok, budget=256)
+        for a, b in zip(bare, got):
+            rendered += 1
+            rendered_same += a["prompt_ids"] == b["prompt_ids"]
+    assert rendered_same >= 0.8 * rendered
+    ds = Dataset.from_list(
+        rows + [{"prompt": r["messages"][0]["content"], "prompt_ids": None} for rs in string_convs.values() for r in rs]
+    )
+    trainer = SimpleNamespace(processing_class=tok)
+    got, _, _ = trainer_class(ds)._tokenize_prompts(trainer, list(ds["prompt"]))
+    want = [r["prompt_ids"] for r in rows] + [rs[0]["tokens"]["prompt_ids"] for rs in string_convs.values()]
+    assert got == want and len(want) >= 20
+
+
+@pytest.mark.slow
+def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_calls(served, hermes_agent, tmp_path):
+    """Hermes Agent against in-process arms (the tiny policy on both, rendered with its chat template and the
+    agent's tools; its long system prompt cut to the policy's context as turn-level training cuts one): asked the
+    agent family's question, the policy answers with a call of its own tool, `time`, which Hermes does not have. The
+    agent receives it as a tool call (its history holds the call, parsed, and the tool result it made of it, which
+    reports the unknown tool), never as text; the gateway logged the call, its tokens, and the tool result."""
+    gw, before = served, {r["request_id"] for r in served.records()}
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in gw.env.items() if k != "PYTHONPATH"}
+    env.update(HERMES_HOME=str(home), NO_COLOR="1", OPENAI_API_KEY="sk-unused")
+    # sampled at execute.temperature, under tool names it never saw, ~55% of its first answers are calls
+    queries = ["time kelo?", "time abcd?", "time zum?", "time pira?", "time lus?", "time okta?"]
+    p = subprocess.run(
+        [
+            str(hermes_agent),
+            "-c",
+            HERMES_DRIVER,
+            gw.url + "/v1",
+            "hermes-agent-model",
+            "sk-unused",
+            json.dumps(queries),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    agent_convs = json.loads(p.stdout.split("MESSAGES ", 1)[1].splitlines()[0])
+    calls, results = [], []
+    for msgs in agent_convs:
+        for i, m in enumerate(msgs):
+            if m.get("role") == "assistant":
+                for c in m.get("tool_calls") or []:
+                    calls.append(c)
+                    res = next(x for x in msgs[i + 1 :] if x.get("role") == "tool" and x.get("tool_call_id") == c["id"])
+                    results.append(res["content"])
+    assert calls, agent_convs
+    assert {c["function"]["name"] for c in calls} == {"time"}  # the policy's own tool, as a structured call
+    assert all(json.loads(c["function"]["arguments"]).get("city") for c in calls)
+    assert all("time" in r and ("unknown" in r.lower() or "not" in r.lower()) for r in results), results
+    recs = [r for r in gw.records() if r["request_id"] not in before]
+    logged = {c["id"]: c for r in recs for c in r["tool_calls"] or []}
+    assert logged and set(logged) == {c["id"] for c in calls}  # every call the policy made reached the agent as one
+    assert all(logged[c["id"]]["function"] == c["function"] for c in calls)
+    assert all(r["finish_reason"] == "tool_calls" for r in recs if r["tool_calls"]) and all(r["stream"] for r in recs)
+    # the opening cut to the context (Hermes's system prompt gives way), the next turn continued from its tokens
+    assert all(r["tokens"]["truncated"] for r in recs if r["turn"] == 0)
+    assert all(r["tokens"]["spliced"] for r in recs if r["turn"] > 0)
