@@ -106,7 +106,7 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
     # gateway's answers are the tiny policy's CPU time, which the round's stages need): traffic all along, so
     # both kills meet requests in flight
     busy, trickle = 0.1, 1.0
-    traffic = Traffic(url, threads=2, prefix="fw", pause=busy)
+    traffic = Traffic(url, threads=2, prefix="fw", pause=busy, agents=1)  # mixed: string tasks and agent episodes
     try:
         # 1. the round starts itself on volume; kill -9 while it trains
         sup.wait(lambda s: s.get("phase") == "training", "round 1 due", timeout=400)
@@ -159,11 +159,17 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
         sup.start()
         sup.wait(lambda s: s.get("pid") is not None, "the restart")
         t0 = time.time()
+        stopped_at = None
         while sup.proc.poll() is None and time.time() - t0 < 600:  # --rounds 1: it stops once round 1 ended
-            if sup.status().get("phase") == "deciding":  # decided: the round's last stages run
+            phase = sup.status().get("phase")
+            if phase == "deciding":  # decided: the round's last stages run
                 traffic.pause = trickle
-            time.sleep(1)
+            if phase == "stopped" and stopped_at is None:  # the clients stop first, then the gateway closes
+                traffic.stop()
+                stopped_at = time.time()
+            time.sleep(0.5)
         assert sup.proc.returncode == 0, sup.output()[-4000:]
+        assert stopped_at is not None and time.time() - stopped_at < 30  # closed once its traffic paused
     finally:
         traffic.stop()
         if sup.proc.poll() is None:
@@ -201,6 +207,16 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
     assert state.last_round == 1 and state.progress is None
     assert (state.champion_adapter == str(rd / "train" / "adapter")) == (report["promoted"] is True)
     assert (rd / "ab" / "live_trajectories.jsonl").stat().st_size > 0  # the traffic: the next round's fuel
+    # the agent episodes of collect-01 were conversations of the round: prep's, trained turn by turn on the tokens
+    # the in-process arm logged (and their questions started the episode phase), decided live per conversation
+    convs = [json.loads(x) for x in (rd / "agent_episodes.jsonl").read_text().splitlines()]
+    assert convs and all(c["tools"] and c["meta"]["gateway_log"].startswith(str(collect)) for c in convs)
+    assert all(t.get("tokens") for c in convs for t in c["meta"]["turns"] if t["status"] == "ok")
+    run = json.loads((rd / "train" / "run.json").read_text())
+    assert run["turn_rows"] > 0 and run["turn_rows_logged"] >= run["turn_rows"] / 2  # long contexts: cut, re-rendered
+    row = json.loads((runs / "live" / "flywheel" / "status.json").read_text())["rounds"][0]
+    assert sum(v["n"] for v in row["agent"]["live"].values()) > 0 and row["agent"]["heldout_after"] is not None
+    assert "agent family: live success" in out
     # hermes-lab status reads the flywheel's last status
     st = runner.status(str(params))
     assert st["live"]["alive"] is False and st["live"]["rounds"][0]["round"] == 1

@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE))
 from openai_stub import OpenAIStub  # noqa: E402
 from test_serve import Gateway, formula_arm  # noqa: E402
 
+from hermes_lab.tasks import agent as A  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402
 
 SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
@@ -69,15 +70,29 @@ def arms(baseline: OpenAIStub, b_model: str, candidate: OpenAIStub, c_model: str
 class Traffic:
     """Threads posting embedded tasks and the verifier's score as feedback, until stopped. The default, 3 threads
     with a 0.1 s pause, is ~25 requests/s: about params()'s ab.request_rate at SCALE, and a gateway that is not
-    kept at full CPU for the seconds a rollout lasts (its stages are wall-clock time: more traffic only adds CPU)."""
+    kept at full CPU for the seconds a rollout lasts (its stages are wall-clock time: more traffic only adds CPU).
+    ``agents`` more threads play agent-family episodes as a client-side agent loop (the tool's schema sent, its
+    calls executed here, the results sent back, the episode's score posted by conversation id)."""
 
-    def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.1):
+    def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.1, agents: int = 0):
         self.url, self.prefix, self.stop_, self.pause = url, prefix, threading.Event(), pause
         self.sent: list[tuple[str, str, int, str | None]] = []  # (request id, arm header, status, fallback header)
+        self.episodes: list[tuple[str, float]] = []  # (conversation id, reward) of the finished agent episodes
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+        self.threads += [threading.Thread(target=self._agent, args=(k,), daemon=True) for k in range(agents)]
         for t in self.threads:
             t.start()
+
+    def _post(self, h: httpx.Client, rid: str, body: dict) -> httpx.Response | None:
+        try:
+            r = h.post("/v1/chat/completions", json=body, headers={"X-Request-ID": rid})
+        except httpx.HTTPError:
+            time.sleep(0.05)  # the gateway is restarting
+            return None
+        with self.lock:
+            self.sent.append((rid, r.headers.get("x-hermes-arm"), r.status_code, r.headers.get("x-hermes-fallback")))
+        return r
 
     def _run(self, k: int) -> None:
         tasks = T.generate_tasks(400, seed=k)
@@ -86,22 +101,51 @@ class Traffic:
             while not self.stop_.is_set():
                 t, rid = tasks[i % len(tasks)], f"{self.prefix}{k}-{i}"
                 i += 1
-                body = {"model": "hermes", "messages": [{"role": "user", "content": t.prompt}]}
-                try:
-                    r = h.post("/v1/chat/completions", json=body, headers={"X-Request-ID": rid})
-                except httpx.HTTPError:
-                    time.sleep(0.05)  # the gateway is restarting
+                r = self._post(h, rid, {"model": "hermes", "messages": [{"role": "user", "content": t.prompt}]})
+                if r is None:
                     continue
-                with self.lock:
-                    self.sent.append(
-                        (rid, r.headers.get("x-hermes-arm"), r.status_code, r.headers.get("x-hermes-fallback"))
-                    )
                 if r.status_code == 200:
                     text = r.json()["choices"][0]["message"]["content"]
                     try:
                         h.post("/v1/feedback", json={"request_id": rid, "reward": T.verify(t.prompt, text)})
                     except httpx.HTTPError:  # the gateway went down between the answer and its feedback
                         continue
+                time.sleep(self.pause)
+
+    def _agent(self, k: int) -> None:
+        tasks, tools = A.generate_tasks(400, seed=100 + k), A.tool_schema()
+        with httpx.Client(base_url=self.url, trust_env=False, timeout=30) as h:
+            i = 0
+            while not self.stop_.is_set():
+                t = tasks[i % len(tasks)]
+                env = A.TimeEnv(seed=k)
+                env.reset(city=t.city, episode_seed=i)
+                msgs, cid = t.prompt(), None
+                for turn in range(3):
+                    body = {"model": "hermes", "messages": msgs, "tools": tools, "metadata": {"task_id": t.task_id}}
+                    r = self._post(h, f"{self.prefix}a{k}-{i}-{turn}", body)
+                    if r is None or r.status_code != 200:
+                        break
+                    cid = cid or r.headers.get("x-hermes-conversation")
+                    msg = r.json()["choices"][0]["message"]
+                    msgs.append(msg)
+                    if not msg.get("tool_calls") or turn == 2:
+                        break
+                    for c in msg["tool_calls"]:
+                        try:
+                            out = env.time(**json.loads(c["function"]["arguments"]))
+                        except Exception as e:
+                            out = {"error": str(e)}
+                        msgs.append({"role": "tool", "tool_call_id": c["id"], "content": str(out)})
+                i += 1
+                if cid is not None and msgs[-1]["role"] == "assistant":
+                    reward = env._hermes_score(A.final_answer(msgs))
+                    try:
+                        h.post("/v1/feedback", json={"conversation_id": cid, "reward": reward})
+                    except httpx.HTTPError:
+                        continue
+                    with self.lock:
+                        self.episodes.append((cid, reward))
                 time.sleep(self.pause)
 
     def stop(self) -> None:

@@ -42,7 +42,41 @@ def test_live_params_adds_the_live_keys_and_keeps_the_rest(tmp_path):
     assert cfg["grpo"]["max_steps"] == 40  # the user's keys are kept
     real = yaml.safe_load(live_params(None, tmp_path / "p.yaml", 1.0).read_text())
     assert real["round"]["simulated_clock"] is False  # production: the wall clock
+    assert cfg["grpo"]["turns"] == real["grpo"]["turns"] == "all"  # the traffic's conversations, turn by turn
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("grpo:\n  turns: ''\n")
+    assert yaml.safe_load(live_params(mine, tmp_path / "q.yaml", 1.0).read_text())["grpo"]["turns"] == ""  # as said
     load_config(out)  # a valid config
+
+
+def test_agent_success_per_arm_and_the_round_line(tmp_path):
+    """The agent family's live figures a decided round prints: its agent conversations (tools on the first turn) with
+    feedback, per arm, the latest feedback of the source counting once; string tasks left out."""
+    from hermes_lab.live.log import agent_success
+    from hermes_lab.round.supervisor import describe_agent
+
+    reqs = [
+        {"conversation_id": "a1", "turn": 0, "tools_hash": "h", "arm": "baseline"},
+        {"conversation_id": "a1", "turn": 1, "tools_hash": "h", "arm": "baseline"},
+        {"conversation_id": "a2", "turn": 0, "tools_hash": "h", "arm": "baseline"},
+        {"conversation_id": "a3", "turn": 0, "tools_hash": "h", "arm": "candidate"},
+        {"conversation_id": "a4", "turn": 0, "tools_hash": "h", "arm": "candidate"},  # no feedback
+        {"conversation_id": "s1", "turn": 0, "tools_hash": None, "arm": "candidate"},  # a string task
+    ]
+    fb = [
+        {"conversation_id": "a1", "reward": 0.0},
+        {"conversation_id": "a1", "reward": 5.0},  # re-scored: the latest wins
+        {"conversation_id": "a2", "reward": 1.0},
+        {"conversation_id": "a3", "reward": 5.0},
+        {"conversation_id": "a3", "reward": 0.0, "source": "judge"},  # another source: not the reward
+        {"conversation_id": "s1", "reward": 5.0},
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    (tmp_path / "feedback.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fb))
+    got = agent_success(tmp_path, 3.0)
+    assert got == {"baseline": {"n": 2, "success": 0.5}, "candidate": {"n": 1, "success": 1.0}}
+    line = describe_agent({"heldout_before": 0.44, "heldout_after": 0.615, "live": got})
+    assert line == "live success baseline 50.0% (n=2) vs candidate 100.0% (n=1); held-out episodes 44.0% -> 61.5%"
 
 
 def test_due_waits_for_volume_and_cooldown_on_the_scaled_clock(tmp_path):

@@ -11,7 +11,8 @@ hidden tests (``"tests": {"kind": "assert", ...}``, ``hermes_lab.sandbox.specs``
 would: prep keeps them with the prompt and the tests reward runs them on every GRPO sample. On a real
 deployment these logs come from
 production: with ``execute.source: live`` the round's trajectories are the gateway's log of the previous
-round's live A/B, joined with the agent's feedback (``hermes_lab.live.round``); on the embedded default
+round's live A/B, joined with the agent's feedback (``hermes_lab.live.round``), and its multi-turn and
+tool-calling conversations go to ``agent_episodes.jsonl`` (prep's conversations); on the embedded default
 this stage is where every round's data comes from (later rounds also feed the A/B traffic logs of the
 previous round into prep).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -53,7 +55,17 @@ def execute(
 
         src = gateway.source_dir(cfg, Path(output).parent)
         if src is not None:
-            return gateway.execute_live(cfg, output, src)
+            res = gateway.execute_live(cfg, output, src)
+            # the traffic's conversations (agent episodes, tool calls, several turns): prep's conversations, as
+            # execute.agent_tasks' episodes are offline (round.stages.fresh_data hands the file on)
+            convs, dest = Path(res["live"]["conversations_file"]), Path(output).parent / AGENT_FILE
+            if res["live"]["conversations"]:
+                shutil.copyfile(convs, dest.with_suffix(".jsonl.tmp"))
+                os.replace(dest.with_suffix(".jsonl.tmp"), dest)
+                res.update(agent_output=str(dest), conversations=res["live"]["conversations"])
+            else:
+                dest.unlink(missing_ok=True)
+            return res
         print("execute.source is live, but this first round has no traffic yet: it executes the embedded tasks")
     adapter = resolve_adapter(adapter, "adapter", cfg)  # a train output dir (its adapter/) or 'champion' too
     pol = policy or load_policy(

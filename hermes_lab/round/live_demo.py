@@ -8,22 +8,28 @@ flywheel writes there (``live/flywheel/``, ``live/collect-01``, ``live/round-NN`
     python -m hermes_lab.round.live_demo --time-scale 360 --rounds 2
 
 What happens, a line at each transition (the supervisor's ``[live ...]`` lines, the gateway's looks):
-1. ``hermes-lab flywheel --live`` starts: one gateway on one address, serving the base policy;
-2. a stand-in agent (``hermes_lab.live.agent``: the openai SDK, the verifier's score posted as feedback)
-   sends traffic; once ``data.min_samples`` conversations have feedback and the cooldown has passed, round 1
-   starts by itself in a worker process (prep on that traffic, review, train, validate) while the gateway
-   keeps answering (the agent slows down to leave the training its core);
-3. its candidate is swapped into the same gateway and the staged rollout decides it on the clock; the round
-   takes the decision (promotion: the candidate is the next experiment's baseline);
+1. ``hermes-lab flywheel --live`` starts: one gateway on one address, serving the base policy in-process;
+2. a stand-in agent (``hermes_lab.live.agent``: the openai SDK) sends mixed traffic: string tasks (the verifier's
+   score posted as feedback) and, at ``serve.agent_share``, agent-family episodes (the tool's schema sent, the
+   policy's tool calls executed by the agent, the results sent back, the episode's success posted by conversation
+   id); once ``data.min_samples`` conversations have feedback and the cooldown has passed, round 1 starts by itself
+   in a worker process (prep on that traffic: the string tasks and the conversations; review; train on the string
+   tasks, every turn of the conversations on the tokens the policy saw, then episodes in the family's
+   environment; validate) while the gateway keeps answering (the agent slows down to leave the training its core);
+3. its candidate is swapped into the same gateway and the staged rollout decides it on the clock, counting
+   conversations; the round takes the decision (promotion: the candidate is the next experiment's baseline); its
+   line gives the agent family's live success per arm beside its held-out episode success;
 4. round 2 starts the same way on the experiment's traffic, is swapped in and decided.
-At the end it checks what the demo is for: the gateway's pid and address never changed, no request failed.
+Then the traffic stops, and the supervisor closes its gateway once it has paused (so no request of the agent is
+refused at the end). At the end it checks what the demo is for: the gateway's pid and address never changed, no
+request failed, and prints the champion's live agent success round after round.
 The clock: x360 (``--time-scale``): the 30% stage of 2 h takes 20 s (up to 40 s extended), the 1 h cooldown 10 s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import json
 import shutil
 import subprocess
@@ -34,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hermes_lab.round.supervisor import describe_agent
 
 DEMO_KEYS: dict[str, dict[str, Any]] = {
     "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
@@ -67,7 +75,8 @@ def get(url: str) -> dict[str, Any] | None:
         return None
 
 
-def run(base_params: str, time_scale: float, rounds: int, port: int) -> int:
+def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share: float | None = None) -> int:
+    from hermes_lab.config.schema import load_config
     from hermes_lab.core import paths
     from hermes_lab.live.agent import run_agent
 
@@ -75,24 +84,23 @@ def run(base_params: str, time_scale: float, rounds: int, port: int) -> int:
     if runs.exists():
         shutil.rmtree(runs)
     params = demo_params(base_params, runs.parent / "live-demo.yaml")
+    cfg = load_config(params)
+    share = cfg.serve.agent_share if agent_share is None else agent_share
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     say(f"{params} = {base_params} + {json.dumps(DEMO_KEYS)}; clock x{time_scale:g}; gateway {url}")
+    say(f"traffic: string tasks and agent episodes (tools, client-side calls), {share:.0%} agent (serve.agent_share)")
     cmd = [sys.executable, "-m", "hermes_lab.round.supervisor", "--live", "--params", str(params)]
     cmd += ["--time-scale", str(time_scale), "--port", str(port), "--rounds", str(rounds)]
     sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     threading.Thread(target=lambda: [print(line, end="", flush=True) for line in sup.stdout], daemon=True).start()
-    pid, answered, failed, batch = None, 0, 0, 0
+    pid, answered, failed, sent, batch = None, 0, 0, 0, 0
     try:
         while sup.poll() is None:
             h = get(url + "/healthz")
             if h is None:
                 if pid is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        sup.wait(30)  # --rounds reached: the supervisor closes its gateway and exits
-                    if sup.poll() is not None:
-                        break
-                    raise SystemExit(f"live-demo: the gateway at {url} stopped answering")
+                    raise SystemExit(f"live-demo: the gateway at {url} stopped answering while the demo sent traffic")
                 time.sleep(0.5)
                 continue
             if pid is None:
@@ -100,21 +108,21 @@ def run(base_params: str, time_scale: float, rounds: int, port: int) -> int:
             elif h["pid"] != pid:
                 raise SystemExit(f"live-demo: the gateway's pid changed ({pid} -> {h['pid']})")
             fw = get(url + "/v1/flywheel") or {}
+            if fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
+                break  # the traffic stops first; the supervisor closes its gateway once it has paused
             busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
             batch += 1
             n, conc = (8, 2) if busy else (120, 8)  # a trickle while a round trains: it still gets answers
-            try:
-                s = run_agent(url, n, conc, seed=10_000 + batch, progress=False)
-            except Exception as e:  # the supervisor stopping after its last round closes the gateway
-                if sup.poll() is not None:
-                    break
-                raise SystemExit(f"live-demo: the agent could not reach {url}: {type(e).__name__}: {e}") from None
-            answered, failed = answered + s["answered"], failed + s["errors"]
-            if s["errors"] and sup.poll() is None:
-                say(f"{s['errors']} failed requests: {s['first_errors']}")
+            s = run_agent(
+                url, n, conc, seed=10_000 + batch, progress=False, agent_share=share, max_turns=cfg.grpo.max_turns
+            )
+            answered, failed, sent = answered + s["answered"], failed + s["errors"], sent + s["http_requests"]
+            if s["errors"]:
+                say(f"{s['errors']} failed conversations: {s['first_errors']}")
             if busy:
                 time.sleep(2.0)
-        rc = sup.wait()
+        say("traffic stopped; waiting for the supervisor to close its gateway")
+        rc = sup.wait(120)
     finally:
         if sup.poll() is None:
             sup.terminate()
@@ -125,11 +133,50 @@ def run(base_params: str, time_scale: float, rounds: int, port: int) -> int:
     for r in done:
         gain = "" if r.get("gain") is None else f", held-out {r['gain'] * 100:+.1f} points"
         say(f"  round {r['round']:02d}: {r['status']}{gain} (experiment {r.get('experiment')})")
-    say(f"  the agent: {answered} requests answered, {failed} failed; swaps in the gateway: {len(status['swaps'])}")
+        say(f"    {trained_on(runs, r['round'])}")
+        if r.get("agent"):
+            say(f"    agent family: {describe_agent(r['agent'])}")
+    series = champion_series(runs, done, cfg.reward.success_threshold)
+    if series:
+        rise = all(b > a for (_, a), (_, b) in itertools.pairwise(series))
+        line = " -> ".join(f"{v:.1%} ({who})" for who, v in series)
+        say(f"  the champion's live agent success per conversation: {line}{'' if rise else ' (not rising)'}")
+    say(
+        f"  the agent: {answered} conversations answered ({sent} requests), {failed} failed; "
+        f"swaps in the gateway: {len(status['swaps'])}"
+    )
     ok = rc == 0 and len(done) >= rounds and failed == 0 and len(status["swaps"]) >= rounds
     if not ok:
-        say(f"FAILED: supervisor exit {rc}, {len(done)} of {rounds} rounds, {failed} failed requests")
+        say(f"FAILED: supervisor exit {rc}, {len(done)} of {rounds} rounds, {failed} failed conversations")
     return 0 if ok else 1
+
+
+def trained_on(runs: Path, n: int) -> str:
+    """What a round trained on from the gateway's log: string tasks and conversations (execute's files)."""
+    rd = runs / f"round-{n:02d}"
+
+    def lines(p: Path) -> int:
+        return p.read_bytes().count(b"\n") if p.is_file() else 0
+
+    traj, convs = lines(rd / "trajectories.jsonl"), lines(rd / "agent_episodes.jsonl")
+    return f"trained on the gateway's log: {traj} string-task requests and {convs} conversations (agent episodes)"
+
+
+def champion_series(runs: Path, done: list[dict[str, Any]], threshold: float) -> list[tuple[str, float]]:
+    """The champion's live agent success: the base on the first traffic (collect-01), then after each decided
+    round the arm that stayed (the candidate when promoted, else the baseline) in that round's experiment."""
+    from hermes_lab.live.log import agent_success
+
+    out = []
+    first = agent_success(runs / "live" / "collect-01", threshold)["baseline"]
+    if first["n"]:
+        out.append(("base, collect-01", first["success"]))
+    for r in done:
+        live = (r.get("agent") or {}).get("live") or {}
+        arm = "candidate" if str(r.get("status", "")).startswith("promoted") else "baseline"
+        if (live.get(arm) or {}).get("n"):
+            out.append((f"round {r['round']:02d} {arm}", live[arm]["success"]))
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,10 +184,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=360.0, help="clock speed (stages, looks, cooldown)")
     p.add_argument("--rounds", type=int, default=2, help="self-triggered rounds to run")
     p.add_argument("--port", type=int, default=8700, help="the gateway's port")
+    p.add_argument(
+        "--agent-share", type=float, default=None, help="share of agent episodes in the traffic (serve.agent_share)"
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return run(args.params, args.time_scale, args.rounds, args.port)
+    return run(args.params, args.time_scale, args.rounds, args.port, args.agent_share)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,15 +20,21 @@ loop; the loop also watches the traffic. The cycle, each transition printed:
    times faster, the round's simulated clock kept in step).
 2. training: the round's offline stages run in a worker process (``python -m hermes_lab.round.supervisor
    --worker``: the round runner, papermill kernels under it) with ``execute.source: live`` on that traffic
-   and ``ab.mode: live``; the gateway keeps serving. The worker dies with the supervisor (PDEATHSIG), and
-   its kernels with it, so a restart never races an orphaned training.
+   and ``ab.mode: live``; the gateway keeps serving. Prep takes the traffic's string tasks (joined with their
+   feedback) and its conversations (agent episodes with their tool calls, whole); train samples the string
+   tasks and every assistant turn of the conversations (``grpo.turns: all``, on the tokens the in-process arm
+   logged), then whole episodes in the agent family's environment (``grpo.environment``, from the
+   conversations' questions). The worker dies with the supervisor (PDEATHSIG), and its kernels with it, so a
+   restart never races an orphaned training.
 3. experiment: the round stops "awaiting live A/B" with its experiment prepared in ``runs/live/round-NN``
    (baseline the champion, candidate the new adapter); the switchboard swaps it in (the new adapter loaded
    beside the old, or into vLLM with ``serve.lora_upstream``) and the staged rollout of ``ab.stages`` runs
    on the clock.
 4. deciding: once the rollout ended, the worker resumes the round: the live decision, compare, promotion
    (the champion alias: every later experiment's baseline) or roll back (the round's data marked
-   negative). Back to 1 on that experiment's traffic.
+   negative). The round's line says the agent family's live success per arm (its conversations with
+   feedback) beside its held-out episode success before and after training. Back to 1 on that experiment's
+   traffic.
 
 Crash safety: kill -9 at any point, then the same command: the round continues from its last completed
 stage (the runner's progress in runs/state.json), the experiment from its experiment.json (a restart of
@@ -64,6 +70,7 @@ from hermes_lab.live import round as live_round
 from hermes_lab.round.runner import RoundLock, RoundLocked
 
 POLL_S = 1.0
+QUIET_S, QUIET_MAX_S = 2.0, 60.0  # --rounds reached: the gateway closes after this long without traffic (at most)
 AWAITING_REVIEW = "awaiting review"
 LABELS_SETTLE_S = 10.0  # labels unchanged this long before a round awaiting review is resumed
 
@@ -74,10 +81,12 @@ def _now_iso() -> str:
 
 def live_params(base: str | os.PathLike[str] | None, out: Path, time_scale: float, **extra: Any) -> Path:
     """``base`` with the keys a live flywheel round needs, written to ``out`` (the file the round runs with):
-    traffic as data (``execute.source: live`` on ``execute.live_dir``), the A/B on the gateway
-    (``ab.mode: live``), the clock (``serve.time_scale``; K != 1: the round's simulated clock, kept in step)."""
+    traffic as data (``execute.source: live`` on ``execute.live_dir``; its conversations trained turn by turn,
+    ``grpo.turns: all`` unless ``base`` sets it), the A/B on the gateway (``ab.mode: live``), the clock
+    (``serve.time_scale``; K != 1: the round's simulated clock, kept in step)."""
     cfg = (yaml.safe_load(Path(base).read_text(encoding="utf-8")) or {}) if base else {}
     cfg.setdefault("execute", {})["source"] = "live"
+    cfg.setdefault("grpo", {}).setdefault("turns", "all")  # the traffic's conversations, trained turn by turn
     cfg.setdefault("ab", {})["mode"] = "live"
     cfg.setdefault("serve", {})["time_scale"] = float(time_scale)
     cfg.setdefault("round", {})["simulated_clock"] = float(time_scale) != 1.0
@@ -159,6 +168,8 @@ class Supervisor:
         self._labels: tuple[float, float] | None = None
         self._kinds: list[str] = []
         self._worker_since = ""
+        self._stop_at: float | None = None  # --rounds reached: when; and (requests seen, when last changed)
+        self._seen: tuple[int, float] = (0, 0.0)
 
     # ------------------------------------------------------------------------------------- state
     def say(self, msg: str) -> None:
@@ -314,10 +325,13 @@ class Supervisor:
                 "experiment": f"round-{n:02d}" if summary.get("ab") else None,
                 "ended": _now_iso(),
             }
+            row["agent"] = self._agent_figures(n, row["experiment"])
             self.state["rounds"].append(row)
             self._save()
             gain = f", held-out {describe(row)}" if row["gain"] is not None else ""
             self.say(f"round {n:02d}: {row['status']}{gain}; collecting for the next round")
+            if row["agent"]:
+                self.say(f"round {n:02d}: agent family: {describe_agent(row['agent'])}")
             self.phase = "collecting"
             return
         self.phase = "failed"
@@ -325,6 +339,19 @@ class Supervisor:
             f"round {n:02d}: the worker exited {rc} with the round unfinished ({prog.get('status')}): see "
             f"{self.home / f'round-{n:02d}.log'}; the gateway keeps serving, the same command again resumes it"
         )
+
+    def _agent_figures(self, n: int, experiment: str | None) -> dict[str, Any] | None:
+        """The agent family's figures of a decided round: held-out episode success before and after (train's
+        eval.json) and live success per arm (the experiment's agent conversations with feedback)."""
+        ev = _read_json(self.runs / f"round-{n:02d}" / "train" / "eval.json").get("agent") or {}
+        live = L.agent_success(self.runs / "live" / experiment, self.cfg.reward.success_threshold) if experiment else {}
+        if not ev and not live:
+            return None
+        return {
+            "heldout_before": (ev.get("before") or {}).get("episode_success"),
+            "heldout_after": (ev.get("after") or {}).get("episode_success"),
+            "live": live,
+        }
 
     def _labels_mtime(self) -> float:
         labels = self.runs / "review" / "labels.jsonl"
@@ -472,6 +499,23 @@ class Supervisor:
             "restarts": self.state["restarts"],
         }
 
+    def _quiet(self) -> bool:
+        """--rounds reached: whether the gateway may close now. It waits until its traffic has paused for QUIET_S
+        (no request answered meanwhile; uvicorn then finishes the ones in flight), at most QUIET_MAX_S: clients
+        stop before the gateway does, so none of their requests is refused at the end."""
+        gw, now = self.board.current, time.monotonic()
+        seen = sum(gw.tally.n) + sum(gw.tally.errors)
+        if self._stop_at is None:
+            self._stop_at, self._seen = now, (seen, now)
+            self.say(f"stopping: {self.waiting[0]}; the gateway closes once its traffic pauses")
+        elif seen != self._seen[0]:
+            self._seen = (seen, now)
+        if now - self._seen[1] >= QUIET_S or now - self._stop_at >= QUIET_MAX_S:
+            late = now - self._seen[1] < QUIET_S
+            self.say("closing the gateway" + (f" (traffic still coming after {QUIET_MAX_S:.0f} s)" if late else ""))
+            return True
+        return False
+
     def write_status(self) -> None:
         if self.board is not None:
             write_json_atomic(self.home / "status.json", self.board.snapshot())
@@ -525,8 +569,7 @@ class Supervisor:
             while not stop.is_set() and not serving.done():
                 await self.step()
                 self.write_status()
-                if self.phase == "stopped":
-                    self.say(f"stopping: {self.waiting[0]}")
+                if self.phase == "stopped" and self._quiet():
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), POLL_S)
@@ -550,6 +593,16 @@ def describe(row: dict[str, Any]) -> str:
     if b is None or a is None:
         return f"{g * 100:+.1f} points"
     return f"{b:.1%} -> {a:.1%} ({g * 100:+.1f} points)"
+
+
+def describe_agent(a: dict[str, Any]) -> str:
+    """'live success baseline 41.2% (n=85) vs candidate 63.0% (n=27); held-out episodes 44.0% -> 61.5%'."""
+    live = a.get("live") or {}
+    arms = " vs ".join(f"{arm} {v['success']:.1%} (n={v['n']})" for arm, v in live.items() if v["n"])
+    parts = [f"live success {arms}"] if arms else []
+    if a.get("heldout_before") is not None and a.get("heldout_after") is not None:
+        parts.append(f"held-out episodes {a['heldout_before']:.1%} -> {a['heldout_after']:.1%}")
+    return "; ".join(parts) or "no agent conversation"
 
 
 def _next_stage(prog: dict[str, Any]) -> str | None:
