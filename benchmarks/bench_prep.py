@@ -17,7 +17,11 @@ of the same file (which parses it and nothing else). Peak RSS counts the pages o
 datasets writes and reads (the kernel reclaims those); the heap (RssAnon, sampled in the child) is what
 ``data.memory_budget_mb`` bounds.
 
-    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--conversations 100000]
+Issue 44's formats (``--formats``, default 20,000 each): a Hermes ``sessions export`` file, a Claude Code /
+Agent Trace file, Atropos scored groups, made from the real fixtures' lines (``write_format``), one line each:
+conversations/s and the ratio to ``datasets.load_dataset("json")`` of the same file.
+
+    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--conversations 100000] [--formats 20000]
                                              [--budget-mb 512] [--keep DIR]
 """
 
@@ -109,6 +113,53 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> None:
             f.write(prev)
 
 
+def write_format(path: Path, fmt: str, n: int) -> int:
+    """n conversations in one of issue 44's formats, each from the real fixtures' lines (tests/fixtures/
+    hermes_exports/, tests/fixtures/atropos/) with its own task, tool output and answer, so that none is a
+    duplicate: ``hermes_export`` (a session a line), ``claude_code`` (a trace's lines a session, one file),
+    ``atropos`` (n // 4 groups of 4 completions). Returns the number of conversations written."""
+    fix = ROOT / "tests" / "fixtures"
+    written = 0
+    with open(path, "w", encoding="utf-8") as f:
+        if fmt == "hermes_export":
+            base = [json.loads(x) for x in (fix / "hermes_exports" / "sessions.jsonl").read_text().splitlines()]
+            base = [b for b in base if not b["parent_session_id"] and b["end_reason"] != "compression"]
+            for i in range(n):
+                r = json.loads(json.dumps(base[i % len(base)]))
+                r["id"] = f"bench_{i:08d}"
+                for m in r["messages"]:
+                    m["session_id"] = r["id"]
+                    if m["role"] in ("user", "tool") and isinstance(m["content"], str):
+                        m["content"] = f"{m['content']} [{i}]"
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            return n
+        if fmt == "claude_code":
+            traces = sorted((fix / "hermes_exports" / "traces").glob("*.jsonl"))
+            base = [[json.loads(x) for x in t.read_text().splitlines()] for t in traces[:5]]
+            for i in range(n):
+                lines = json.loads(json.dumps(base[i % len(base)]))
+                for k, r in enumerate(lines):
+                    r["sessionId"], r["uuid"] = f"bench-{i:08d}", f"{i:08d}-{k:04d}"
+                    r["parentUuid"] = f"{i:08d}-{k - 1:04d}" if k else None
+                    c = r["message"]["content"]
+                    if isinstance(c, str):
+                        r["message"]["content"] = f"{c} [{i}]"
+                    elif c and c[0].get("type") == "tool_result":
+                        c[0]["content"] = f"{c[0]['content']} [{i}]"
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            return n
+        base = [json.loads(x) for x in (fix / "atropos" / "groups.jsonl").read_text().splitlines()]
+        base = [g for g in base if g["messages"] and len(g["messages"][0]) == 3]  # the single-turn groups
+        for i in range(max(1, n // 4)):
+            g = json.loads(json.dumps(base[i % len(base)]))
+            for k, msgs in enumerate(g["messages"]):
+                msgs[1]["content"] = f"{msgs[1]['content']} [{i}]"
+                msgs[2]["content"] = f"{msgs[2]['content']} ({k})"
+            f.write(json.dumps(g) + "\n")
+            written += len(g["messages"])
+    return written
+
+
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 60.0  # at 1M records
 GOAL_RSS_GIB = 1.5  # at 5M records
@@ -153,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, nargs="*", default=[1_000_000, 5_000_000], help="seed records (none: skip)")
     ap.add_argument("--conversations", type=int, default=100_000, help="Hermes conversations (0: skip)")
+    ap.add_argument(
+        "--formats",
+        type=int,
+        default=20_000,
+        help="conversations per issue-44 format (hermes_export, claude_code, atropos; 0: skip)",
+    )
     ap.add_argument("--budget-mb", type=int, default=512, help="data.memory_budget_mb for prep")
     ap.add_argument("--keep", default=None, help="write into this dir instead of a temp dir")
     args = ap.parse_args(argv)
@@ -199,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         data.unlink()
     if args.conversations:
         bench_conversations(root, args.conversations, args.budget_mb)
+    for fmt in ("hermes_export", "claude_code", "atropos") if args.formats else ():
+        bench_format(root, fmt, args.formats, args.budget_mb)
     tmp_ctx.cleanup()
     return 0 if ok else 1
 
@@ -230,6 +289,35 @@ def bench_conversations(root: Path, n: int, budget_mb: int) -> None:
         flush=True,
     )
     del ds
+    data.unlink()
+
+
+def bench_format(root: Path, fmt: str, n: int, budget_mb: int) -> None:
+    """One line: prep on n conversations of one format (conversations/s, peak RSS) beside load_dataset('json') of
+    the same file (which may refuse a file whose lines differ in shape: said so)."""
+    data = root / f"{fmt}-{n}.jsonl"
+    n = write_format(data, fmt, n)
+    size = data.stat().st_size
+    res, rss = run_child(data, root / f"prep-{fmt}", budget_mb)
+    t_prep, s = res["seconds"], res["summary"]
+    k = s["counts"]
+    import datasets
+
+    datasets.disable_progress_bars()
+    t = time.perf_counter()
+    try:
+        ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / f"hf-{fmt}"))
+        t_hf = time.perf_counter() - t
+        hf = f"{t_hf:.1f} s for {len(ds):,} rows; ratio prep / load_dataset {t_prep / t_hf:.2f}x"
+        del ds
+    except Exception as e:  # pyarrow's JSON reader may refuse mixed shapes: reported, not fatal
+        hf = f"cannot read it ({type(e).__name__}: {str(e)[:80]})"
+    print(
+        f"prep {n:,} {fmt} conversations ({size / 2**20:.0f} MiB): {t_prep:.1f} s -> {k['accepted']:,} accepted, "
+        f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; {n / t_prep:,.0f} conversations/s; peak RSS "
+        f"{rss:.2f} GiB | datasets.load_dataset('json'): {hf}",
+        flush=True,
+    )
     data.unlink()
 
 

@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_browser_conversations.py",
     "test_switch.py",
     "test_config.py",
+    "test_agent_logs.py",
     "test_conversations.py",
     "test_ab_held.py",
     "test_ab_plan.py",
@@ -63,6 +64,7 @@ LONGEST_FIRST = (
 POLICY_FREE = (
     "test_ab.py",
     "test_ab_plan.py",
+    "test_agent_logs.py",
     "test_api.py",
     "test_architecture.py",
     "test_audit.py",

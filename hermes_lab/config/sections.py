@@ -13,6 +13,7 @@ config.py so that each stays readable; reads and writes nothing.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -57,11 +58,24 @@ class ExecuteSection:
 
 @dataclass
 class ConversationsSection:
-    format: Literal["auto", "seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state"] = _f(
+    format: Literal[
+        "auto",
+        "seed",
+        "openai",
+        "hermes_trajectory",
+        "hermes_session",
+        "hermes_state",
+        "hermes_export",
+        "claude_code",
+        "atropos",
+    ] = _f(
         "auto",
         "Shape of prep's inputs (hermes-lab prep --format). auto: per input, a folder of session_*.json is "
-        "hermes_session, a SQLite file hermes_state, JSONL by its first line ('conversations': Hermes ShareGPT "
-        "trajectories, 'messages': OpenAI chat, else the seed's {prompt, response, reward, task_id}).",
+        "hermes_session, any other folder what it holds (its Claude Code traces one input), a SQLite file "
+        "hermes_state, JSONL by its first line ('conversations': Hermes ShareGPT trajectories; sessionId / uuid / "
+        "parentUuid: claude_code, Claude Code or Agent Trace JSONL; 'scores' with tokens or messages: atropos "
+        "scored groups; messages with system_prompt and started_at: hermes_export, `hermes sessions export`; "
+        "'messages': OpenAI chat; else the seed's {prompt, response, reward, task_id}).",
     )
     reward: Literal["outcome", "judge"] = _f(
         "outcome",
@@ -102,6 +116,12 @@ class ConversationsSection:
         "non-null 'error' or success false, or text starting 'error:'; or its logged tool_error_counts).",
         ge=0,
         le=1,
+    )
+    atropos_scores: list[float] = _f(
+        [-1.0, 1.0],
+        "Atropos scored groups: the [low, high] range of the environment's scores, mapped linearly onto "
+        "0..reward.scale (low -> 0, high -> scale); a group holding a score outside it is rejected. Atropos "
+        "environments score on their own scale: gsm8k's -1 / 1 (the default), most others 0..1.",
     )
     max_message_chars: int = _f(
         1_000_000,
@@ -501,7 +521,15 @@ def conversations_problems(c: ConversationsSection) -> list[str]:
             f"{c.failed_reward:g}, {c.partial_reward:g}, {c.completed_reward:g}"
         ]
     empty = [i for i, f in enumerate(c.feedback) if not str(f).strip()]
-    return [f"conversations.feedback: empty file name at entry {i}" for i in empty]
+    errs = [f"conversations.feedback: empty file name at entry {i}" for i in empty]
+    lo_hi = c.atropos_scores
+    if (
+        len(lo_hi) != 2
+        or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in lo_hi)
+        or lo_hi[0] >= lo_hi[1]
+    ):
+        errs.append(f"conversations.atropos_scores must be [low, high] with low < high (finite numbers); got {lo_hi!r}")
+    return errs
 
 
 @dataclass

@@ -18,11 +18,13 @@ The record (one JSON object; keys always present unless marked optional)::
                                 "tool_calls": [{"id": str, "type": "function",
                                                 "function": {"name": str, "arguments": JSON text of an object}}]
                                 (optional, non-empty)}
-                               {"role": "tool", "tool_call_id": str, "name": str, "content": str}
+                               {"role": "tool", "tool_call_id": str, "name": str, "content": str,
+                                "is_error": true (optional: a Claude Code tool_result's is_error)}
                              every tool message answers a call of an earlier assistant message of the same
                              exchange (its id); content is text (multimodal parts are flattened to their text)
     tools             list   OpenAI function schemas {"type": "function", "function": {name, description, parameters}}
-    source            dict   {"format": seed | openai | hermes_trajectory | hermes_session | hermes_state,
+    source            dict   {"format": seed | openai | hermes_trajectory | hermes_session | hermes_state |
+                                         hermes_export | claude_code | atropos,
                               "file": str, "line": int | null, "session": str | null}
     model             str | null
     started_at, ended_at  str | null   ISO 8601 times, when the log says
@@ -34,7 +36,7 @@ The record (one JSON object; keys always present unless marked optional)::
     reward            float | null   on 0..reward.scale; null until a reward source set it
     reward_source     str | null     "log" (the line carried it), "feedback:<source>" (joined by
                                      conversation_id), "outcome" (the rules of the conversations section),
-                                     "judge" (the comparison judge)
+                                     "judge" (the comparison judge), "atropos" (an Atropos group's score)
     family            str    the embedded task family of the first user message, else the log's "family",
                              else "agent" (tools offered) or "chat"
     parent_conversation_id   str | null   a sub-agent's or branch's parent (state.db)
@@ -52,10 +54,24 @@ import json
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
-FORMATS = ("seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state")
-REWARD_SOURCES = ("log", "feedback", "outcome", "judge")  # feedback:<source> counts under feedback
-# a compressed conversation's summary turn: Hermes's trajectory compressor's, its live context compressor's
-SUMMARY_PREFIXES = ("[CONTEXT SUMMARY]:", "[CONTEXT COMPACTION")
+FORMATS = (
+    "seed",
+    "openai",
+    "hermes_trajectory",
+    "hermes_session",
+    "hermes_state",
+    "hermes_export",
+    "claude_code",
+    "atropos",
+)
+REWARD_SOURCES = ("log", "feedback", "outcome", "judge", "atropos")  # feedback:<source> counts under feedback
+# a compressed conversation's summary turn: Hermes's trajectory compressor's, its live context compressor's,
+# Claude Code's compaction summary
+SUMMARY_PREFIXES = (
+    "[CONTEXT SUMMARY]:",
+    "[CONTEXT COMPACTION",
+    "This session is being continued from a previous conversation",
+)
 
 
 class Invalid(ValueError):

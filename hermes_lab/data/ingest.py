@@ -1,18 +1,16 @@
 """Distill stage, part 1 (``hermes_lab.data.prep``): read every line of every input, validate it, dedupe it, spill it.
 
-Reads the inputs prep was given (``.jsonl`` or ``.jsonl.gz``, read transparently; Hermes session files and
-``state.db`` through ``hermes_lab.data.readers``; never written, truncated or moved). Writes into prep's output
+Reads the inputs prep was given (``.jsonl`` or ``.jsonl.gz``, read transparently; Hermes session files, state.db
+and exports, Claude Code traces and Atropos groups through their readers, ``hermes_lab.data.conv_ingest``; never
+written, truncated or moved). Writes into prep's output
 dir, through temp files renamed into place at the end: ``accepted.jsonl``, ``negatives.jsonl``,
 ``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.data.prep``); and, in a temp dir prep removes, the
 accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.data.distill``.
 
 Two paths, chosen per input (``hermes_lab.data.readers.detect`` or ``conversations.format``): the seed's
 ``{prompt, response, reward, task_id}`` lines take the fast path below, unchanged; every other shape becomes a
-canonical conversation record (``hermes_lab.data.conversation``), is rewarded (its log's reward, else feedback
-joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and is deduped
-three ways, each a ``DigestIndex``: exact (what was said, call ids and reasoning included), near (the exchange
-up to whitespace, case, reasoning, call ids, system prompt and tool schemas: a run's trajectory line and its
-session snapshot) and by conversation_id (a run and its compressed copy). Its projection for the prompt tables is
+canonical conversation record (``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by
+conversation_id (``hermes_lab.data.conv_ingest``, this class's mixin). Its projection for the prompt tables is
 (first user message, final answer); the whole record rides along in the spill for the conversations
 dataset and the review queue.
 
@@ -37,7 +35,6 @@ import gzip
 import hashlib
 import json
 import os
-import sqlite3
 import zlib
 from array import array
 from collections import Counter
@@ -45,12 +42,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hermes_lab.data import readers
+from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, RAW_KEEP, ConversationIngest
 from hermes_lab.data.conversation import (
-    Invalid,
-    content_digest,
-    final_answer,
-    record_text,
-    review_key,
     task_prompt_of,
 )
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
@@ -67,20 +60,16 @@ from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the 
     review_rank,
     split_of,
 )
-from hermes_lab.data.outcomes import JudgeQueue, assign_reward, load_feedback
+from hermes_lab.data.outcomes import JudgeQueue, load_feedback
 from hermes_lab.tasks import suite as tasks
 
-RAW_KEEP = 4096  # bytes of a too-long line kept in rejects.jsonl
 PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on
-BATCH_LINES = 16384  # lines validated before one vectorised duplicate lookup
-LINE_BITS = 40  # origin = file index << 40 | line number
 SINKS = ("accepted", "negatives", "duplicates", "rejects")
 _CACHE_MAX = 200_000  # entries of the per-prompt family / per-task split caches before they are cleared
-DETECT_LINES = 100  # lines auto-detection reads at most, for the first JSON object
 
 
 # ------------------------------------------------------------------------------------------- ingest
-class Ingest:
+class Ingest(ConversationIngest):
     """Streams every line of every file into the four JSONL sinks, the fixed-size columns and the spill."""
 
     def __init__(
@@ -177,7 +166,9 @@ class Ingest:
         st["rejected"] += 1
         st["by_reason"][reason] += 1
         if len(st["first_errors"]) < 5:
+            other = extra.get("file") if extra.get("file") not in (None, st["file"]) else None  # a file of a folder
             at = f"line {lineno}" if lineno is not None else f"session {extra.get('session') or extra.get('file')}"
+            at = f"{Path(other).name} {at}" if other and lineno is not None else at
             st["first_errors"].append(f"{at}: {reason}" + (f" ({detail})" if detail else ""))
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8", errors="backslashreplace")
@@ -197,24 +188,7 @@ class Ingest:
         fmt = readers.detect(path)
         if fmt != "seed":  # a folder, a SQLite store, a session file
             return fmt
-        first = None
-        with open(path, "rb") as raw_f:
-            f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
-            for _ in range(DETECT_LINES):  # the first line that is a JSON object (a torn first line says nothing)
-                try:
-                    raw = f.readline(self.cap + 1)
-                except (OSError, EOFError, zlib.error):  # the scan reports it
-                    break
-                if not raw:
-                    break
-                try:
-                    obj = decode(raw.strip().removeprefix(BOM).decode("utf-8"))
-                except (ValueError, UnicodeDecodeError):
-                    continue
-                if isinstance(obj, dict):
-                    first = obj
-                    break
-        return readers.detect(path, first)
+        return readers.detect(path, readers.first_object(path, self.cap))
 
     def scan(self, path: Path, role: str, round_no: int | None, fmt: str = "auto") -> dict[str, Any]:
         from tqdm import tqdm
@@ -236,7 +210,7 @@ class Ingest:
         }
         fidx = len(self.files)
         self.files.append(st)
-        if fmt not in readers.JSONL_FORMATS:  # session files, state.db: whole records, not lines
+        if fmt not in readers.JSONL_FORMATS:  # sessions, state.db, exports, traces, groups: whole records
             return self._scan_records(path, st, fidx, role, fmt)
         conv = None if fmt == "seed" else fmt
         max_chars = self.conv_cfg.max_message_chars
@@ -457,212 +431,6 @@ class Ingest:
                 cols = [pa.array(seqs, pa.int64()), pa.array(ps, pa.string()), pa.array(rs, pa.string())]
                 cols += [pa.array(ts, pa.string()), conv, pa.array(tests, pa.string())]
                 w.write_batch(pa.record_batch(cols, schema=self.schema))
-
-    # ------------------------------------------------------------------------------- conversations
-    def _add_conv(
-        self,
-        st: dict[str, Any],
-        fidx: int,
-        role: str,
-        round_no: int | None,
-        lineno: int | None,
-        rec: dict[str, Any],
-        raw: str,
-        pending: list[tuple[Any, ...]],
-    ) -> int:
-        """Reward a record (or queue it for the judge), then add it to the batch; the bytes it holds."""
-        if role == "negative":
-            rec["negative"] = {"file": st["file"], "round": round_no}
-        if not assign_reward(rec, self.feedback, self.conv_cfg, self.scale):
-            self.judge.defer(fidx, role, lineno, rec, raw)  # type: ignore[union-attr]
-            return 0
-        if self.judge is not None:
-            self.judge.offer(rec, rec["reward"])
-        item = _conv_item(lineno, rec)
-        pending.append(item)
-        return 2 * len(item[1]) + len(item[2]) + len(item[3])
-
-    def _scan_records(self, path: Path, st: dict[str, Any], fidx: int, role: str, fmt: str) -> dict[str, Any]:
-        """A session folder / file or a state.db: each conversation is one record (its line: its ordinal)."""
-        pending: list[tuple[Any, ...]] = []
-        pending_bytes = n = 0
-        records = readers.iter_records(path, fmt, self.conv_cfg.max_message_chars, self.cap)
-        while True:
-            try:
-                n_rec, sid, file, raw, rec = next(records)
-            except StopIteration:
-                break
-            except sqlite3.Error as e:  # not a SQLite store after all, or a damaged one: what was read is kept
-                n += 1
-                detail = f"{type(e).__name__}: {e}"[:200]
-                self._reject(st, None, "unreadable SQLite store", detail, "", file=str(path), session=None)
-                break
-            n += 1
-            if isinstance(rec, Invalid):
-                cut = len(raw) > RAW_KEEP and rec.reason in ("message too long", "line too long")
-                kept = raw[:RAW_KEEP] if cut else raw
-                self._reject(st, None, rec.reason, rec.detail, kept, file=file, session=sid, **_cut(cut))
-                continue
-            pending_bytes += self._add_conv(st, fidx, role, st["round"], n_rec, rec, raw, pending)
-            if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
-                self._flush_conv(st, fidx, role, pending)
-                pending, pending_bytes = [], 0
-        self._flush_conv(st, fidx, role, pending)
-        st.update(lines=n, read=n)
-        return st
-
-    def finish(self) -> dict[str, Any]:
-        """After every input: the judge's queue scored and ingested (each under its own file and line);
-        what the feedback join did."""
-        judged = 0
-        for batch in self.judge.drain() if self.judge is not None else []:
-            judged += len(batch)
-            by_file: dict[int, list[tuple[Any, ...]]] = {}
-            for fidx, _role, lineno, rec, _raw in batch:
-                by_file.setdefault(fidx, []).append(_conv_item(lineno, rec))
-            for fidx, items in by_file.items():
-                st = self.files[fidx]
-                self._flush_conv(st, fidx, st["role"], items)
-        return {**self.feedback_info, "matched": self.feedback_info.get("matched", 0), "judge_queue": judged}
-
-    def _flush_conv(self, st: dict[str, Any], fidx: int, role: str, pending: list[tuple[Any, ...]]) -> None:
-        """The conversations' batch: exact then near duplicate lookups, then the sinks, columns and spill."""
-        if not pending:
-            return
-        import numpy as np
-
-        # exact content, near content, conversation id: the first that was seen before makes a duplicate
-        kinds = (("exact", self.index, 6), ("near", self.near_index, 7), ("id", self.id_index, 8))
-        keys = [np.frombuffer(b"".join(p[col] for p in pending), dtype=np.uint64).reshape(-1, 2) for *_, col in kinds]
-        found = [ix.lookup(k[:, 0], k[:, 1]).tolist() for (_, ix, _), k in zip(kinds, keys)]
-        first: list[dict[bytes, int]] = [{}, {}, {}]  # within this batch
-        new_rows: list[int] = []
-        new_seqs: list[int] = []
-        enc = json.encoder.encode_basestring_ascii
-        sink = self.sinks["negatives" if role == "negative" else "accepted"]
-        c, cc = self.cols, self.conv_cols
-        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
-        seq, dups, sha1 = self.n, 0, hashlib.sha1
-        seed_hash = hashlib.sha1(f"{self.seed}:".encode())
-        for j, item in enumerate(pending):
-            lineno, text, prompt, response, rec, key = item[:6]
-            o, kind = -1, ""
-            for k, (name, _, col) in enumerate(kinds):
-                o = found[k][j] if found[k][j] >= 0 else first[k].get(item[col], -1)
-                if o >= 0:
-                    kind = name
-                    break
-            if o >= 0:
-                dups += 1
-                c["copies"][o] += 1
-                where = enc(self.origin_str(c["origin"][o]))
-                line = "null" if lineno is None else lineno
-                self.sinks["duplicates"].write(
-                    f'{{"file": {enc(st["file"])}, "line": {line}, "duplicate_of": {where}, "kind": "{kind}", '
-                    f'"conversation_id": {enc(rec["conversation_id"])}, "raw": {enc(text)}}}\n'
-                )
-                continue
-            for k, (*_, col) in enumerate(kinds):
-                first[k][item[col]] = seq
-            new_rows.append(j)
-            new_seqs.append(seq)
-            sink.write(text + "\n")
-            fam = rec["family"]
-            fid = self.families.get(fam)
-            if fid is None:
-                fid = self.families[fam] = len(self.families)
-            c["reward"].append(rec["reward"])
-            c["origin"].append(fidx << LINE_BITS | (lineno or 0))
-            c["copies"].append(0)
-            c["family"].append(fid)
-            c["held"].append(split_of(rec["task_id"], self.holdout, self._split_cache))
-            c["negative"].append(role == "negative")
-            if role == "negative":
-                c["rank"].append(0)
-            else:
-                h = seed_hash.copy()
-                h.update(sha1(key).hexdigest()[:12].encode())
-                c["rank"].append(int.from_bytes(h.digest()[:8], "big"))
-            o = rec["outcome"]
-            src = rec["reward_source"].split(":", 1)[0]
-            sid = self.reward_sources.setdefault(src, len(self.reward_sources))
-            for k, v in (
-                ("seq", seq),
-                ("turns", o["turns"]),
-                ("tool_calls", o["tool_calls"]),
-                ("tool_errors", o["tool_errors"]),
-                ("source", sid),
-            ):
-                cc[k].append(v)
-            if rec["conversation_id"] in self.feedback:
-                self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
-            part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
-            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text, rec.get("tests"))):
-                col.append(v)
-            seq += 1
-            self.text_bytes += len(prompt) + len(response) + len(text)
-        self.n = seq
-        if new_rows:
-            idx = np.asarray(new_rows, dtype=np.int64)
-            for (_, ix, _), k in zip(kinds, keys):
-                ix.add(k[idx, 0].copy(), k[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
-        self._write_parts(parts)
-        st["accepted"] += len(new_rows)
-        st["duplicates"] += dups
-
-    def conversation_stats(self) -> dict[str, Any]:
-        """The accepted conversations' numbers for summary.json and MLflow: turns, tool calls and errors per
-        conversation, and how many conversations (and seed lines) each reward source set, with its mean."""
-        import numpy as np
-
-        cc = {
-            k: np.frombuffer(v, dtype=np.int64) if len(v) else np.zeros(0, np.int64) for k, v in self.conv_cols.items()
-        }
-        n = len(cc["seq"])
-        rewards = self.columns()["reward"]
-        names = list(self.reward_sources)
-        by_source: dict[str, dict[str, Any]] = {}
-        for i, name in enumerate(names):
-            sel = cc["seq"][cc["source"] == i]
-            by_source[name] = {"conversations": int(len(sel)), "mean_reward": round(float(rewards[sel].mean()), 4)}
-        seed_n = self.n - n
-        if seed_n:
-            mask = np.ones(self.n, dtype=bool)
-            mask[cc["seq"]] = False
-            log = by_source.setdefault("log", {"conversations": 0, "mean_reward": 0.0})
-            log["seed_records"] = int(seed_n)
-            log["mean_reward_seed"] = round(float(rewards[mask].mean()), 4)
-
-        def dist(x: Any) -> dict[str, Any]:
-            if not len(x):
-                return {"total": 0, "mean": None, "median": None, "max": None}
-            return {
-                "total": int(x.sum()),
-                "mean": round(float(x.mean()), 3),
-                "median": float(np.median(x)),
-                "max": int(x.max()),
-            }
-
-        return {
-            "conversations": n,
-            "seed_records": int(seed_n),
-            "turns": dist(cc["turns"]),
-            "tool_calls": dist(cc["tool_calls"]),
-            "tool_errors": dist(cc["tool_errors"]),
-            "with_tool_errors": int((cc["tool_errors"] > 0).sum()),
-            "reward_sources": by_source,
-            "arrays": cc,
-        }
-
-
-def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
-    """A conversation in a batch: (line, record text, prompt, response, record, review key, exact digest,
-    near digest, id digest)."""
-    msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
-    text, key = record_text(rec), review_key(rec["task_id"], cid)
-    digests = content_digest(msgs, tools), content_digest(msgs, tools, near=True)
-    cid_digest = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), rec, key, *digests, cid_digest)
 
 
 def _cut(cut: bool) -> dict[str, Any]:

@@ -154,8 +154,8 @@ def record_tests(obj: dict[str, Any], prompt: str) -> str | None:
 # ------------------------------------------------------------------------------------------- reading
 def estimated_size(path: Path) -> int:
     """Bytes of text in a file: its size, or for gzip the larger of 4x the size and the ISIZE trailer."""
-    if path.is_dir():  # a folder of session files
-        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    if path.is_dir():  # a folder of session files, of traces (sub-agents in subfolders)
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     size = path.stat().st_size
     if not is_gzip(path):
         return size

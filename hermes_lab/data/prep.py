@@ -84,19 +84,10 @@ from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
 from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.data.inputs import PrepError, expand_folders, resolve_inputs
 from hermes_lab.data.outcomes import plot_conversations
-from hermes_lab.data.readers import SESSION_GLOB
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
-OUTPUT_FILES = (
-    *(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue", "left_out")),
-    *("summary.json", "verdict.json", "selection.json"),
-)
-OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "conversations", "plots")
-
-
-class PrepError(Exception):
-    """Bad input (file, line and reason in the message). rejects.jsonl and summary.json are written first."""
 
 
 class GateRefused(Exception):
@@ -120,65 +111,6 @@ class PrepResult:
     @property
     def gates_passed(self) -> bool:
         return bool(self.summary.get("gates_passed"))
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-def resolve_inputs(
-    inputs: list[str | Path], negatives: list[str | Path] | None, state: FlywheelState | None, out: Path
-) -> tuple[list[Path], list[tuple[Path, int | None, str]]]:
-    """Every file prep will read: the --input files and the negatives (state's, then --negatives), with the
-    round each negative came from. The one place inputs are interpreted, and checked before anything is
-    opened or created: each must be a regular file, and none may be one of prep's own outputs in ``out``
-    (prep would replace it: ``--input D/accepted.jsonl --output D``)."""
-    ins = [Path(p) for p in inputs]
-    for p in ins:
-        if p.is_dir() and not any(p.glob(SESSION_GLOB)):
-            raise PrepError(
-                f"input folder {p} holds no Hermes session files ({SESSION_GLOB}) and is no gateway log dir"
-            )
-        if not p.is_file() and not p.is_dir():
-            raise PrepError(f"input file not found (or not a regular file): {p}")
-    negs = [
-        (Path(p), _round_of(str(p), state, i), "state.negative_files")
-        for i, p in enumerate(state.negative_files if state else [])
-    ]
-    negs += [(Path(p), _round_of(str(p), None, -1), "--negatives") for p in negatives or []]
-    for p, _, origin in negs:
-        if not p.is_file():
-            raise PrepError(f"negative file not found: {p} (listed in {origin})")
-    _refuse_own_outputs([*ins, *(p for p, _, _ in negs)], out)
-    return ins, negs
-
-
-def _refuse_own_outputs(files: list[Path], out: Path) -> None:
-    root = out.resolve()
-    owned = [root / n for n in OUTPUT_FILES]
-    for f in files:
-        r = f.resolve()
-        try:
-            top = r.relative_to(root).parts[0]
-        except ValueError:  # not under the output dir
-            top = ""
-        hit = top in OUTPUT_FILES or top in OUTPUT_DIRS or top.startswith(".prep-")  # .prep-*: prep's temp dirs
-        same = next((o for o in owned if o.exists() and os.path.samefile(o, f)), None)  # a hard link
-        if hit or same is not None:
-            name = top if hit else same.name  # type: ignore[union-attr]
-            raise PrepError(
-                f"input {f} is {name}, one of prep's own outputs in --output {out}: prep would replace it. "
-                "Copy it elsewhere first, or write to another --output directory."
-            )
-
-
-def _round_of(path: str, state: FlywheelState | None, index: int) -> int | None:
-    """The rolled-back round a negative file came from: 'round-NN' in its path, else state's parallel list."""
-    import re
-
-    m = re.search(r"round-0*(\d+)", str(path))
-    if m:
-        return int(m.group(1))
-    if state is not None and len(state.negative_rounds) == len(state.negative_files) and index >= 0:
-        return state.negative_rounds[index]
-    return None
 
 
 def expand_by_weight(dataset: Any) -> Any:
@@ -349,8 +281,9 @@ def run_prep(
     if clock is None:
         clock = state.clock(True) if state is not None and cfg.round.simulated_clock else WallClock()
     out = Path(output_dir)
-    # a gateway log dir -> its requests joined with their feedback (hermes_lab.live.log), then the plain files
-    inputs, gateway = expand_inputs(list(inputs), out, cfg)
+    # a folder -> what it holds; a gateway log dir -> its requests joined with their feedback
+    # (hermes_lab.live.log), then the plain files
+    inputs, gateway = expand_inputs(expand_folders(list(inputs), out, cfg.data.max_line_bytes), out, cfg)
     in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
     out.mkdir(parents=True, exist_ok=True)
     paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
@@ -518,8 +451,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         metavar="FILE",
-        help="trajectories or conversations: JSONL (.gz) files, Hermes session folders or files, a Hermes state.db, "
-        "gateway log dirs",
+        help="trajectories or conversations: JSONL (.gz) files (seed, OpenAI chat, Hermes trajectories and exports, "
+        "Claude Code / Agent Trace, Atropos groups), Hermes session folders or files, a Hermes state.db, gateway log "
+        "dirs, or any folder holding them",
     )
     parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
     parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
@@ -553,7 +487,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         default=None,
-        choices=("auto", "seed", "openai", "hermes_trajectory", "hermes_session", "hermes_state"),
+        choices=(
+            "auto",
+            "seed",
+            "openai",
+            "hermes_trajectory",
+            "hermes_session",
+            "hermes_state",
+            "hermes_export",
+            "claude_code",
+            "atropos",
+        ),
         help="the inputs' shape (default: conversations.format, auto = detected per input)",
     )
     parser.add_argument(

@@ -1,7 +1,7 @@
-"""Every input shape prep reads, as canonical conversation records (stage: prep; ``hermes_lab.data.conversation``).
+"""Every input shape prep reads, detected, and the line formats as canonical conversation records (stage: prep).
 
 Reads, never writes: the files and folders given to ``hermes-lab prep --input`` (with ``--format`` or
-``conversations.format`` to force a shape; ``auto`` detects it per input):
+``conversations.format`` to force a shape; ``auto`` detects it per input, by what it is and its first JSON line):
 
   seed               JSONL of ``{"prompt", "response", "reward", "task_id"}`` (``hermes_lab.data.ingest``'s fast path)
   openai             JSONL of ``{"messages": [...], "tools": [...]}`` (OpenAI fine-tuning, TRL's conversational
@@ -11,15 +11,24 @@ Reads, never writes: the files and folders given to ``hermes-lab prep --input`` 
                      ``trajectory_samples.jsonl`` / ``failed_trajectories.jsonl``, its batch runner's
                      ``trajectories.jsonl``, the trajectory compressor's output; ``.jsonl`` or ``.jsonl.gz``
   hermes_session     ``$HERMES_HOME/sessions/session_<id>.json`` files, or a folder of them
-  hermes_state       ``$HERMES_HOME/state.db`` (SQLite, opened read-only): a compression chain (sessions linked by
-                     ``parent_session_id`` whose parent ended with end_reason "compression") is one conversation,
-                     its replayed hand-off messages dropped; sub-agents and branches are conversations of their
-                     own with ``parent_conversation_id``
+  hermes_state       ``$HERMES_HOME/state.db`` (SQLite, opened read-only)    (both: ``hermes_lab.data.hermes_store``)
+  hermes_export      ``hermes sessions export out.jsonl``                     (``hermes_lab.data.hermes_store``)
+  claude_code        Claude Code / Agent Trace JSONL: ``hermes sessions export out.jsonl --format trace``, Claude
+                     Code's ``~/.claude/projects/<project>/`` (a file, or a folder: sessions across its files)
+                                                                              (``hermes_lab.data.traces``)
+  atropos            Atropos scored groups: an atroposlib environment's ``process`` mode output
+                                                                              (``hermes_lab.data.atropos``)
 
-JSONL lines are read (bounded, validated JSON) by the ingest, which hands each object to ``parse_line``;
-session files and state.db yield whole records through ``iter_records``. A malformed conversation raises
-``conversation.Invalid`` (reason + the turn or message at fault), which the ingest turns into a rejected
-line (file, line or session id, reason, detail, raw).
+A folder given as an input is read whole (``folder_inputs``): a folder of ``session_*.json`` is one hermes_session
+input, a gateway log dir is joined as before, and any other folder stands for what it holds: each JSONL file
+(``.jsonl``, ``.jsonl.gz``) and SQLite store under it an input of its own, detected per file, except Claude Code
+traces, which are one input (the folder: a session's lines may sit in several files, its sub-agents in a
+``subagents/`` folder).
+
+The line formats (seed, openai, hermes_trajectory) are read (bounded, validated JSON) by the ingest, which hands
+each object to ``parse_line``; the other formats yield whole records. A malformed conversation raises
+``conversation.Invalid`` (reason + the turn or message at fault), which the ingest turns into a rejected line
+(file, line or session id, reason, detail, raw).
 
     hermes-lab prep --input trajectory_samples.jsonl failed_trajectories.jsonl ~/.hermes/state.db --output DIR
 """
@@ -27,13 +36,12 @@ line (file, line or session id, reason, detail, raw).
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import json
-import os
-import sqlite3
-from collections.abc import Iterator
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hermes_lab.data.conversation import (
     Invalid,
@@ -46,19 +54,25 @@ from hermes_lab.data.conversation import (
     text_of,
     tool_schema,
 )
+from hermes_lab.data.lines import BOM, decode, is_gzip
 
 JSONL_FORMATS = ("seed", "openai", "hermes_trajectory")
+RECORD_FORMATS = ("hermes_session", "hermes_state", "hermes_export", "claude_code", "atropos")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SESSION_GLOB = "session_*.json"
+GATEWAY_REQUESTS = "requests.jsonl"  # hermes_lab.data.gateway's: a folder holding it is a gateway log dir
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 HERMES_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
+TRACE_META_TYPES = ("summary", "file-history-snapshot", "queue-operation")  # Claude Code lines outside the chain
+DETECT_LINES = 100  # lines read at most for an input's first JSON object
 
 
 # ------------------------------------------------------------------------------------------ detection
 def detect(path: Path, first_object: Any = None) -> str:
-    """The format of one input: a folder of session files, a SQLite file, a session JSON file, or JSONL
-    whose first object says which (``first_object``: the ingest's decoded first line)."""
+    """The format of one input: a folder (of session files, else of traces), a SQLite file, a session JSON file,
+    or JSONL whose first object says which (``first_object``: its first line that is a JSON object)."""
     if path.is_dir():
-        return "hermes_session"
+        return "hermes_session" if any(path.glob(SESSION_GLOB)) else "claude_code"
     with open(path, "rb") as f:
         head = f.read(16)
     if head == SQLITE_MAGIC:
@@ -70,9 +84,94 @@ def detect(path: Path, first_object: Any = None) -> str:
         return "seed"  # a text prompt is the seed's record, whatever else the line carries (a gateway log's messages)
     if "conversations" in obj:
         return "hermes_trajectory"
+    if is_trace_line(obj):
+        return "claude_code"
+    if isinstance(obj.get("scores"), list) and ("tokens" in obj or "messages" in obj):
+        return "atropos"  # atroposlib's ScoredDataGroup
+    if isinstance(obj.get("messages"), list) and "system_prompt" in obj and "started_at" in obj:
+        return "hermes_export"  # the sessions table's row and its messages
     if "messages" in obj or (isinstance(obj.get("prompt"), list) and isinstance(obj.get("completion"), list)):
         return "openai"
     return "seed"
+
+
+def is_trace_line(obj: dict[str, Any]) -> bool:
+    """A Claude Code / Agent Trace line: a message of the uuid / parentUuid chain, or one of its meta lines."""
+    if isinstance(obj.get("sessionId"), str) and "uuid" in obj and "parentUuid" in obj:
+        return True
+    return obj.get("type") in TRACE_META_TYPES and ("leafUuid" in obj or "messageId" in obj or "operation" in obj)
+
+
+def first_object(path: Path, cap: int) -> Any:
+    """The first line of a JSONL file that is a JSON object (a torn first line says nothing), or None."""
+    with open(path, "rb") as raw_f:
+        f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
+        for _ in range(DETECT_LINES):
+            try:
+                raw = f.readline(cap + 1)
+            except (OSError, EOFError, zlib.error):  # the scan reports it
+                return None
+            if not raw:
+                return None
+            try:
+                obj = decode(raw.strip().removeprefix(BOM).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(obj, dict):
+                return obj
+    return None
+
+
+def folder_inputs(path: Path, cap: int, skip: Path | None = None) -> list[Path]:
+    """The inputs a folder stands for (see the module docstring), in name order: session folders, gateway log
+    dirs, JSONL files and SQLite stores under it, and the folder itself when Claude Code traces are among them.
+    Hidden entries and ``skip`` (prep's output dir) are left out."""
+    if any(path.glob(SESSION_GLOB)) or (path / GATEWAY_REQUESTS).is_file():
+        return [path]
+    out: list[Path] = []
+    traces = False
+    for p in _walk(path, skip):
+        if p.is_dir() or _is_sqlite(p):
+            out.append(p)
+        elif detect(p, first_object(p, cap)) == "claude_code":
+            traces = True
+        else:
+            out.append(p)
+    return [*out, path] if traces else out
+
+
+def trace_files(path: Path, cap: int) -> list[Path]:
+    """The Claude Code trace files of a folder input (every depth), in name order; a file: itself."""
+    if not path.is_dir():
+        return [path]
+    return [
+        p
+        for p in _walk(path, None)
+        if p.is_file() and not _is_sqlite(p) and detect(p, first_object(p, cap)) == "claude_code"
+    ]
+
+
+def _walk(path: Path, skip: Path | None) -> list[Path]:
+    """Session folders and gateway log dirs (not descended), JSONL files and SQLite stores under ``path``."""
+    found: list[Path] = []
+    for p in sorted(path.iterdir()):
+        if p.name.startswith(".") or (skip is not None and p.resolve() == skip.resolve()):
+            continue
+        if p.is_dir():
+            if any(p.glob(SESSION_GLOB)) or (p / GATEWAY_REQUESTS).is_file():
+                found.append(p)
+            else:
+                found += _walk(p, skip)
+        elif p.is_file() and (p.name.endswith(JSONL_SUFFIXES) or _is_sqlite(p)):
+            found.append(p)
+    return found
+
+
+def _is_sqlite(p: Path) -> bool:
+    if p.suffix not in (".db", ".sqlite", ".sqlite3"):
+        return False
+    with open(p, "rb") as f:
+        return f.read(16) == SQLITE_MAGIC
 
 
 def where(fmt: str, file: str, line: int | None = None, session: str | None = None) -> dict[str, Any]:
@@ -101,7 +200,7 @@ def _reward(obj: dict[str, Any], scale: float) -> tuple[float | None, str | None
     return float(r), src if isinstance(src, str) and src else "log"
 
 
-def _tools(raw: Any, at: str) -> list[dict[str, Any]]:
+def tools_of(raw: Any, at: str) -> list[dict[str, Any]]:
     if raw is None:
         return []
     if isinstance(raw, str):  # a JSON text column (prep's own conversations dataset)
@@ -122,7 +221,7 @@ def from_openai(obj: dict[str, Any], file: str, line: int | None, scale: float, 
     if raw is None:
         raise Invalid("missing field 'messages'", f"present: {', '.join(list(obj)[:12])}")
     msgs = check_messages(raw, max_chars)
-    tools = _tools(obj.get("tools"), "")
+    tools = tools_of(obj.get("tools"), "")
     reward, rsrc = _reward(obj, scale)
     logged = obj.get("outcome") if isinstance(obj.get("outcome"), dict) else {}
     signals = {k: obj.get(k, logged.get(k)) for k in ("completed", "partial", "end_reason", "api_calls")}
@@ -189,7 +288,7 @@ def _json_body(body: str, what: str, at: str) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
+def system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
     """The system turn without its ``<tools>[...]</tools>`` block, and those tools as OpenAI schemas. Cached:
     the lines of one run repeat the same system turn, and its records share the parsed list (never mutated)."""
     i = value.rfind("<tools>")  # the block itself: Hermes's preamble names "<tools> </tools> XML tags" first
@@ -203,7 +302,7 @@ def _system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
         raw = json.loads(body)
     except json.JSONDecodeError as e:
         raise Invalid("bad tool schema", f"{at}: <tools> is not JSON ({e.msg} at column {e.colno})") from None
-    return value[:i] + value[j + 8 :], _tools(raw, f"{at}: ")
+    return value[:i] + value[j + 8 :], tools_of(raw, f"{at}: ")
 
 
 def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -225,7 +324,7 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
                 "message too long", f"{at}: {len(value)} characters > conversations.max_message_chars {max_chars}"
             )
         if kind == "system":
-            text, found = _system_tools(value, at)
+            text, found = system_tools(value, at)
             tools = found if not tools else tools + found
             msgs.append({"role": "system", "content": text.strip()})
         elif kind == "human":
@@ -315,214 +414,3 @@ def from_trajectory(obj: dict[str, Any], file: str, line: int | None, max_chars:
         family=obj.get("family"),
         meta=meta,
     )
-
-
-# ------------------------------------------------------------------------------------- Hermes sessions
-def from_session(obj: Any, file: str, max_chars: int) -> dict[str, Any]:
-    """A ``session_<id>.json`` snapshot: its system prompt, tools and OpenAI messages."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-        raise Invalid("not a Hermes session", "a session file holds an object with session_id and messages")
-    raw = list(obj["messages"])
-    sp = obj.get("system_prompt")
-    if isinstance(sp, str) and sp.strip() and not (raw and isinstance(raw[0], dict) and raw[0].get("role") == "system"):
-        raw.insert(0, {"role": "system", "content": sp})
-    msgs = check_messages(raw, max_chars)
-    tools = _tools(obj.get("tools"), "")
-    last_finish = next(
-        (m.get("finish_reason") for m in reversed(raw) if isinstance(m, dict) and m.get("role") == "assistant"), None
-    )
-    signals = {"finish_reason": last_finish} if last_finish else {}
-    sid = obj.get("session_id")
-    return make_record(
-        msgs,
-        tools,
-        where("hermes_session", file, None, sid if isinstance(sid, str) else None),
-        conversation_id=sid if isinstance(sid, str) else None,
-        model=obj.get("model"),
-        started_at=obj.get("session_start"),
-        ended_at=obj.get("last_updated"),
-        outcome=outcome_of(msgs, tools, **signals),
-        meta={k: obj[k] for k in ("platform", "base_url", "message_count") if k in obj},
-    )
-
-
-def session_files(path: Path) -> list[Path]:
-    return sorted(path.glob(SESSION_GLOB)) if path.is_dir() else [path]
-
-
-# ----------------------------------------------------------------------------------- Hermes state.db
-JSON_PREFIX = "\x00json:"  # hermes_state.SessionDB._CONTENT_JSON_PREFIX: list / dict content stored as JSON
-
-
-def _db_content(v: Any) -> Any:
-    if isinstance(v, str) and v.startswith(JSON_PREFIX):
-        try:
-            return json.loads(v[len(JSON_PREFIX) :])
-        except json.JSONDecodeError:
-            return v
-    return v
-
-
-def open_state_db(path: Path) -> sqlite3.Connection:
-    """state.db read-only. A live store (its -wal file beside it) is read through SQLite's read-only mode,
-    which sees the agent's latest commits; a store at rest is opened immutable: no lock taken, no -wal or
-    -shm file created next to it, nothing written."""
-    uri = Path(os.path.abspath(path)).as_uri()
-    live = Path(f"{path}-wal").exists()
-    con = sqlite3.connect(f"{uri}?mode=ro" if live else f"{uri}?mode=ro&immutable=1", uri=True)
-    con.row_factory = sqlite3.Row
-    return con
-
-
-def _chains(sessions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Compression chains, root first (hermes_state.SessionDB.get_compression_lineage's rule): a child whose
-    parent ended with "compression" (and that is no /branch) continues its parent."""
-    by_id = {s["id"]: s for s in sessions}
-
-    def branch(s: dict[str, Any]) -> bool:
-        try:
-            cfg = json.loads(s.get("model_config") or "null")
-        except (json.JSONDecodeError, TypeError):
-            return False
-        return isinstance(cfg, dict) and cfg.get("_branched_from") is not None
-
-    def continues(s: dict[str, Any]) -> bool:
-        p = by_id.get(s.get("parent_session_id"))
-        return p is not None and p.get("end_reason") == "compression" and not branch(s)
-
-    nxt: dict[str, dict[str, Any]] = {}
-    for s in sessions:  # ordered by started_at: the first continuation wins
-        if continues(s):
-            nxt.setdefault(s["parent_session_id"], s)
-    chains = []
-    for s in sessions:
-        if continues(s) and nxt.get(s["parent_session_id"]) is s:
-            continue
-        chain, seen = [s], {s["id"]}
-        while chain[-1]["id"] in nxt and nxt[chain[-1]["id"]]["id"] not in seen:
-            chain.append(nxt[chain[-1]["id"]])
-            seen.add(chain[-1]["id"])
-        chains.append(chain)
-    return chains
-
-
-def iter_state_db(path: Path, max_chars: int) -> Iterator[tuple[int, str | None, str, dict[str, Any] | Invalid]]:
-    """(ordinal, root session id, raw text for a reject, record or Invalid) for each conversation of a state.db."""
-    con = open_state_db(path)
-    try:
-        scols = {r[1] for r in con.execute("PRAGMA table_info(sessions)")}
-        mcols = {r[1] for r in con.execute("PRAGMA table_info(messages)")}
-        keep = ("id", "source", "model", "model_config", "parent_session_id", "started_at", "ended_at", "end_reason")
-        keep += ("api_call_count",)
-        cols = ", ".join(c for c in keep if c in scols)  # the system prompts are read per conversation
-        sessions = [dict(r) for r in con.execute(f"SELECT {cols} FROM sessions ORDER BY started_at, id")]
-        chains = _chains(sessions)
-        root_of = {s["id"]: c[0]["id"] for c in chains for s in c}
-        want = [
-            c
-            for c in (
-                "role",
-                "content",
-                "tool_call_id",
-                "tool_calls",
-                "tool_name",
-                "finish_reason",
-                "reasoning",
-                "reasoning_content",
-                "timestamp",
-            )
-            if c in mcols
-        ]
-        active = " AND active = 1" if "active" in mcols else ""  # rewound (soft-deleted) rows are not the transcript
-        for n, chain in enumerate(chains, 1):
-            root = chain[0]
-            raw_msgs: list[dict[str, Any]] = []
-            seen: set[str] = set()
-            for k, s in enumerate(chain):
-                rows = con.execute(
-                    f"SELECT {', '.join(want)} FROM messages WHERE session_id = ?{active} ORDER BY id", (s["id"],)
-                )
-                for r in rows:
-                    m = {c: r[c] for c in want if r[c] is not None}
-                    m["content"] = _db_content(m.get("content"))
-                    key = json.dumps(
-                        [m.get("role"), m.get("content"), m.get("tool_call_id"), m.get("tool_calls")], default=str
-                    )
-                    if k and key in seen:
-                        continue  # the hand-off a compression replays into its continuation
-                    seen.add(key)
-                    raw_msgs.append(m)
-            sp = None
-            if "system_prompt" in scols:
-                sp = con.execute("SELECT system_prompt FROM sessions WHERE id = ?", (root["id"],)).fetchone()[0]
-            if isinstance(sp, str) and sp.strip() and not (raw_msgs and raw_msgs[0].get("role") == "system"):
-                raw_msgs.insert(0, {"role": "system", "content": sp})
-            raw = json.dumps(
-                {"session": root["id"], "chain": [s["id"] for s in chain], "messages": raw_msgs}, default=str
-            )
-            try:
-                msgs = check_messages(raw_msgs, max_chars)
-                last = next((m for m in reversed(raw_msgs) if m.get("role") == "assistant"), {})
-                tip = chain[-1]
-                signals: dict[str, Any] = {"end_reason": tip.get("end_reason")}
-                if last.get("finish_reason"):
-                    signals["finish_reason"] = last["finish_reason"]
-                if "api_call_count" in scols:
-                    signals["api_calls"] = sum(int(s.get("api_call_count") or 0) for s in chain)
-                parent = root.get("parent_session_id")
-                meta = {"sessions": [s["id"] for s in chain], "source_platform": root.get("source")}
-                rec = make_record(
-                    msgs,
-                    [],  # state.db keeps no tool schemas
-                    where("hermes_state", str(path), None, root["id"]),
-                    conversation_id=root["id"],
-                    model=tip.get("model") or root.get("model"),
-                    started_at=root.get("started_at"),
-                    ended_at=tip.get("ended_at"),
-                    outcome=outcome_of(msgs, [], **signals),
-                    parent_conversation_id=root_of.get(parent, parent) if parent else None,
-                    meta=meta,
-                )
-                yield n, root["id"], raw, rec
-            except Invalid as e:
-                yield n, root["id"], raw, e
-    finally:
-        con.close()
-
-
-def iter_records(
-    path: Path, fmt: str, max_chars: int, max_bytes: int
-) -> Iterator[tuple[int, str | None, str, str, dict[str, Any] | Invalid]]:
-    """(ordinal, session id, file, raw text, record or Invalid) of a session folder / file or a state.db."""
-    if fmt == "hermes_state":
-        for n, sid, raw, rec in iter_state_db(path, max_chars):
-            yield n, sid, str(path), raw, rec
-        return
-    for n, f in enumerate(session_files(path), 1):
-        size = f.stat().st_size
-        if size > max_bytes:
-            yield (
-                n,
-                None,
-                str(f),
-                "",
-                Invalid("line too long", f"session file of {size} bytes > data.max_line_bytes {max_bytes}"),
-            )
-            continue
-        data = f.read_bytes()
-        text = data.decode("utf-8", errors="replace")
-        try:
-            obj = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            yield n, None, str(f), text, Invalid("malformed JSON", str(e)[:120])
-            continue
-        try:
-            yield (
-                n,
-                obj.get("session_id") if isinstance(obj, dict) else None,
-                str(f),
-                text,
-                from_session(obj, str(f), max_chars),
-            )
-        except Invalid as e:
-            yield n, obj.get("session_id") if isinstance(obj, dict) else None, str(f), text, e

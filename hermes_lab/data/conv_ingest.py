@@ -1,0 +1,282 @@
+"""Distill stage, part 1 (``hermes_lab.data.ingest``), the conversations' half: every shape but the seed's.
+
+Reads what ``hermes_lab.data.readers`` detected as a conversation format: the line formats' records come from the
+ingest's JSONL scan, the others (``readers.RECORD_FORMATS``: Hermes session files, state.db and exports, Claude
+Code / Agent Trace JSONL, Atropos groups) from their readers, whole (``records``). Each record is rewarded (its
+log's reward, else feedback joined by conversation_id, else the outcome rules or the judge:
+``conversations.reward``), and deduped three ways, each a ``DigestIndex``: exact (what was said, call ids and
+reasoning included), near (the exchange up to whitespace, case, reasoning, call ids, system prompt and tool
+schemas: a run's trajectory line and its session snapshot) and by conversation_id (a run and its compressed
+copy). Writes what the ingest writes (the sinks, the fixed-size columns, the partitions: ``Ingest`` holds them;
+this is its mixin), and counts per input what the readers report (blank lines, skipped lines, Atropos groups,
+where tool schemas came from).
+
+Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hermes_lab.data import atropos, hermes_store, readers, traces
+from hermes_lab.data.conversation import (
+    Invalid,
+    content_digest,
+    final_answer,
+    record_text,
+    review_key,
+    task_prompt_of,
+)
+from hermes_lab.data.lines import split_of
+from hermes_lab.data.outcomes import assign_reward
+
+RAW_KEEP = 4096  # bytes of a rejected record's raw text kept when it is cut
+RAW_MAX = 1 << 20  # a rejected record's raw text past this is cut, whatever the reason
+BATCH_LINES = 16384  # records held before one vectorised duplicate lookup
+LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
+
+
+class ConversationIngest:
+    """The ingest's conversation methods (``Ingest`` inherits them; its attributes are theirs)."""
+
+    def _add_conv(
+        self,
+        st: dict[str, Any],
+        fidx: int,
+        role: str,
+        round_no: int | None,
+        lineno: int | None,
+        rec: dict[str, Any],
+        raw: str,
+        pending: list[tuple[Any, ...]],
+    ) -> int:
+        """Reward a record (or queue it for the judge), then add it to the batch; the bytes it holds."""
+        if role == "negative":
+            rec["negative"] = {"file": st["file"], "round": round_no}
+        if not assign_reward(rec, self.feedback, self.conv_cfg, self.scale):
+            self.judge.defer(fidx, role, lineno, rec, raw)  # type: ignore[union-attr]
+            return 0
+        if self.judge is not None:
+            self.judge.offer(rec, rec["reward"])
+        item = _conv_item(lineno, rec)
+        pending.append(item)
+        return 2 * len(item[1]) + len(item[2]) + len(item[3])
+
+    def records(self, path: Path, fmt: str, info: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
+        """(session, file, line, raw, record or Invalid) of an input read whole (``readers.RECORD_FORMATS``)."""
+        max_chars, cap, budget = self.conv_cfg.max_message_chars, self.cap, self.batch_bytes
+        if fmt == "hermes_state":
+            return hermes_store.iter_state_db(path, max_chars, info)
+        if fmt == "hermes_export":
+            return hermes_store.iter_export(path, max_chars, cap, budget, info)
+        if fmt == "claude_code":
+            return traces.iter_traces(readers.trace_files(path, cap), max_chars, cap, budget, info)
+        if fmt == "atropos":
+            lo, hi = self.conv_cfg.atropos_scores
+            return atropos.iter_groups(path, max_chars, cap, (float(lo), float(hi)), self.scale, info)
+        return hermes_store.iter_sessions(path, max_chars, cap)
+
+    def _scan_records(self, path: Path, st: dict[str, Any], fidx: int, role: str, fmt: str) -> dict[str, Any]:
+        """An input read whole: each conversation is one record (its line: its ordinal), a line no record can
+        come from is one reject (its line: its line number in its file)."""
+        pending: list[tuple[Any, ...]] = []
+        pending_bytes = n = 0
+        info: dict[str, Any] = {}
+        records = self.records(path, fmt, info)
+        while True:
+            try:
+                sid, file, line, raw, rec = next(records)
+            except StopIteration:
+                break
+            except sqlite3.Error as e:  # not a SQLite store after all, or a damaged one: what was read is kept
+                n += 1
+                detail = f"{type(e).__name__}: {e}"[:200]
+                self._reject(st, None, "unreadable SQLite store", detail, "", file=str(path), session=None)
+                break
+            n += 1
+            if isinstance(rec, Invalid):
+                kept, cut = cut_raw(raw, rec.reason)
+                self._reject(st, line, rec.reason, rec.detail, kept, file=file, session=sid, **cut)
+                continue
+            pending_bytes += self._add_conv(st, fidx, role, st["round"], n, rec, raw, pending)
+            if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
+                self._flush_conv(st, fidx, role, pending)
+                pending, pending_bytes = [], 0
+        self._flush_conv(st, fidx, role, pending)
+        blank = info.pop("blank", 0)
+        st.update(lines=n + blank, read=n, blank=blank, **info)
+        return st
+
+    def finish(self) -> dict[str, Any]:
+        """After every input: the judge's queue scored and ingested (each under its own file and line);
+        what the feedback join did."""
+        judged = 0
+        for batch in self.judge.drain() if self.judge is not None else []:
+            judged += len(batch)
+            by_file: dict[int, list[tuple[Any, ...]]] = {}
+            for fidx, _role, lineno, rec, _raw in batch:
+                by_file.setdefault(fidx, []).append(_conv_item(lineno, rec))
+            for fidx, items in by_file.items():
+                st = self.files[fidx]
+                self._flush_conv(st, fidx, st["role"], items)
+        return {**self.feedback_info, "matched": self.feedback_info.get("matched", 0), "judge_queue": judged}
+
+    def _flush_conv(self, st: dict[str, Any], fidx: int, role: str, pending: list[tuple[Any, ...]]) -> None:
+        """The conversations' batch: exact then near duplicate lookups, then the sinks, columns and spill."""
+        if not pending:
+            return
+        import numpy as np
+
+        # exact content, near content, conversation id: the first that was seen before makes a duplicate
+        kinds = (("exact", self.index, 6), ("near", self.near_index, 7), ("id", self.id_index, 8))
+        keys = [np.frombuffer(b"".join(p[col] for p in pending), dtype=np.uint64).reshape(-1, 2) for *_, col in kinds]
+        found = [ix.lookup(k[:, 0], k[:, 1]).tolist() for (_, ix, _), k in zip(kinds, keys)]
+        first: list[dict[bytes, int]] = [{}, {}, {}]  # within this batch
+        new_rows: list[int] = []
+        new_seqs: list[int] = []
+        enc = json.encoder.encode_basestring_ascii
+        sink = self.sinks["negatives" if role == "negative" else "accepted"]
+        c, cc = self.cols, self.conv_cols
+        parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
+        seq, dups, sha1 = self.n, 0, hashlib.sha1
+        seed_hash = hashlib.sha1(f"{self.seed}:".encode())
+        for j, item in enumerate(pending):
+            lineno, text, prompt, response, rec, key = item[:6]
+            o, kind = -1, ""
+            for k, (name, _, col) in enumerate(kinds):
+                o = found[k][j] if found[k][j] >= 0 else first[k].get(item[col], -1)
+                if o >= 0:
+                    kind = name
+                    break
+            if o >= 0:
+                dups += 1
+                c["copies"][o] += 1
+                where = enc(self.origin_str(c["origin"][o]))
+                line = "null" if lineno is None else lineno
+                self.sinks["duplicates"].write(
+                    f'{{"file": {enc(st["file"])}, "line": {line}, "duplicate_of": {where}, "kind": "{kind}", '
+                    f'"conversation_id": {enc(rec["conversation_id"])}, "raw": {enc(text)}}}\n'
+                )
+                continue
+            for k, (*_, col) in enumerate(kinds):
+                first[k][item[col]] = seq
+            new_rows.append(j)
+            new_seqs.append(seq)
+            sink.write(text + "\n")
+            fam = rec["family"]
+            fid = self.families.get(fam)
+            if fid is None:
+                fid = self.families[fam] = len(self.families)
+            c["reward"].append(rec["reward"])
+            c["origin"].append(fidx << LINE_BITS | (lineno or 0))
+            c["copies"].append(0)
+            c["family"].append(fid)
+            c["held"].append(split_of(rec["task_id"], self.holdout, self._split_cache))
+            c["negative"].append(role == "negative")
+            if role == "negative":
+                c["rank"].append(0)
+            else:
+                h = seed_hash.copy()
+                h.update(sha1(key).hexdigest()[:12].encode())
+                c["rank"].append(int.from_bytes(h.digest()[:8], "big"))
+            o = rec["outcome"]
+            src = rec["reward_source"].split(":", 1)[0]
+            sid = self.reward_sources.setdefault(src, len(self.reward_sources))
+            for k, v in (
+                ("seq", seq),
+                ("turns", o["turns"]),
+                ("tool_calls", o["tool_calls"]),
+                ("tool_errors", o["tool_errors"]),
+                ("source", sid),
+            ):
+                cc[k].append(v)
+            if rec["conversation_id"] in self.feedback:
+                self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
+            part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
+            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text, rec.get("tests"))):
+                col.append(v)
+            seq += 1
+            self.text_bytes += len(prompt) + len(response) + len(text)
+        self.n = seq
+        if new_rows:
+            idx = np.asarray(new_rows, dtype=np.int64)
+            for (_, ix, _), k in zip(kinds, keys):
+                ix.add(k[idx, 0].copy(), k[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
+        self._write_parts(parts)
+        st["accepted"] += len(new_rows)
+        st["duplicates"] += dups
+
+    def conversation_stats(self) -> dict[str, Any]:
+        """The accepted conversations' numbers for summary.json and MLflow: turns, tool calls and errors per
+        conversation, and how many conversations (and seed lines) each reward source set, with its mean."""
+        import numpy as np
+
+        cc = {
+            k: np.frombuffer(v, dtype=np.int64) if len(v) else np.zeros(0, np.int64) for k, v in self.conv_cols.items()
+        }
+        n = len(cc["seq"])
+        rewards = self.columns()["reward"]
+        names = list(self.reward_sources)
+        by_source: dict[str, dict[str, Any]] = {}
+        for i, name in enumerate(names):
+            sel = cc["seq"][cc["source"] == i]
+            by_source[name] = {"conversations": int(len(sel)), "mean_reward": round(float(rewards[sel].mean()), 4)}
+        seed_n = self.n - n
+        if seed_n:
+            mask = np.ones(self.n, dtype=bool)
+            mask[cc["seq"]] = False
+            log = by_source.setdefault("log", {"conversations": 0, "mean_reward": 0.0})
+            log["seed_records"] = int(seed_n)
+            log["mean_reward_seed"] = round(float(rewards[mask].mean()), 4)
+
+        def dist(x: Any) -> dict[str, Any]:
+            if not len(x):
+                return {"total": 0, "mean": None, "median": None, "max": None}
+            return {
+                "total": int(x.sum()),
+                "mean": round(float(x.mean()), 3),
+                "median": float(np.median(x)),
+                "max": int(x.max()),
+            }
+
+        groups = [f["atropos"] for f in self.files if "atropos" in f]
+        tools_from: Counter = sum((Counter(f["tools_from"]) for f in self.files if "tools_from" in f), Counter())
+        extra: dict[str, Any] = {}
+        if groups:  # Atropos groups: how many, and how many carry no signal (every score equal)
+            extra["atropos"] = {k: sum(g[k] for g in groups) for k in groups[0]}
+        if tools_from:  # state.db and exports: where each conversation's tool schemas came from
+            extra["tools_from"] = dict(tools_from)
+        return {
+            **extra,
+            "conversations": n,
+            "seed_records": int(seed_n),
+            "turns": dist(cc["turns"]),
+            "tool_calls": dist(cc["tool_calls"]),
+            "tool_errors": dist(cc["tool_errors"]),
+            "with_tool_errors": int((cc["tool_errors"] > 0).sum()),
+            "reward_sources": by_source,
+            "arrays": cc,
+        }
+
+
+def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
+    """A conversation in a batch: (line, record text, prompt, response, record, review key, exact digest,
+    near digest, id digest)."""
+    msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
+    text, key = record_text(rec), review_key(rec["task_id"], cid)
+    digests = content_digest(msgs, tools), content_digest(msgs, tools, near=True)
+    cid_digest = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), rec, key, *digests, cid_digest)
+
+
+def cut_raw(raw: Any, reason: str) -> tuple[Any, dict[str, Any]]:
+    """A rejected record's raw text as rejects.jsonl keeps it: its first 4 KiB when it is too long to be the
+    point (a line or message too long, or anything past 1 MiB), whole otherwise."""
+    cut = len(raw) > RAW_KEEP and (reason in ("message too long", "line too long") or len(raw) >= RAW_MAX)
+    return (raw[:RAW_KEEP], {"raw_truncated": True}) if cut else (raw, {})
