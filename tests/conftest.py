@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "test_arms.py",
     "test_prep.py",
     "test_serve.py",
+    "test_served_agent.py",
     "test_live_rollout.py",
     "test_browser.py",
     "test_paths.py",
