@@ -287,7 +287,8 @@ def test_a_folder_holding_every_format_is_round_data(tmp_path):
     k = s["counts"]
     # the older fixture's runs asked the scripted upstream the export's questions: the same exchanges (near)
     assert k["rejected"] == 0 and (k["read"], k["accepted"]) == (61, 22)
-    assert "atropos 9" in p.stdout and "0 rejected" in p.stdout
+    assert "atropos 9" in p.stdout and "0 rejected" in p.stdout and "5 groups, 2 with every score equal" in p.stdout
+    assert "11 without tool schemas" in p.stdout  # the export and the older state.db: no snapshot beside them
     cfg = load_config(None, overrides={"data.min_samples": 1})
     from datasets import load_from_disk
 

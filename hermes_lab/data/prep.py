@@ -566,10 +566,16 @@ def describe_conversations(conv: dict[str, Any], path: Path) -> str:
     """One line: the conversations, their turns, tool calls and errors, and which source set their rewards."""
     src = ", ".join(f"{k} {v['conversations']}" for k, v in conv["reward_sources"].items() if v["conversations"])
     sp = conv.get("split", {})
+    extra = ""
+    if conv.get("atropos"):
+        a = conv["atropos"]
+        extra += f"; Atropos: {a['groups']} groups, {a['no_signal']} with every score equal (no signal)"
+    if conv.get("tools_from", {}).get("none"):  # state.db / exports without a snapshot or a <tools> block
+        extra += f"; {conv['tools_from']['none']} without tool schemas (no session snapshot beside the store)"
     return (
         f"prep: {conv['conversations']} conversations ({sp.get('train', 0)} train, {sp.get('heldout', 0)} held out): "
         f"{conv['turns']['mean']} assistant turns, {conv['tool_calls']['mean']} tool calls, "
-        f"{conv['tool_errors']['total']} tool errors in all; rewards from {src} -> {path}"
+        f"{conv['tool_errors']['total']} tool errors in all; rewards from {src}{extra} -> {path}"
     )
 
 
