@@ -212,8 +212,9 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
     convs = [json.loads(x) for x in (rd / "agent_episodes.jsonl").read_text().splitlines()]
     assert convs and all(c["tools"] and c["meta"]["gateway_log"].startswith(str(collect)) for c in convs)
     assert all(t.get("tokens") for c in convs for t in c["meta"]["turns"] if t["status"] == "ok")
-    run = json.loads((rd / "train" / "run.json").read_text())
-    assert run["turn_rows"] > 0 and run["turn_rows_logged"] >= run["turn_rows"] / 2  # long contexts: cut, re-rendered
+    turns = json.loads((rd / "train" / "run.json").read_text())["turns"]  # the turn phase, after the string tasks'
+    assert turns["steps"] > 0 and turns["turn_rows_logged"] >= turns["turn_rows"] / 2 > 0  # long ones: cut, rendered
+    assert (rd / "train" / "turns" / "adapter" / "adapter_config.json").is_file()
     row = json.loads((runs / "live" / "flywheel" / "status.json").read_text())["rounds"][0]
     assert sum(v["n"] for v in row["agent"]["live"].values()) > 0 and row["agent"]["heldout_after"] is not None
     assert "agent family: live success" in out

@@ -176,15 +176,20 @@ class GrpoSection:
         "below reward.success_threshold; first_tool: each conversation's first turn that calls a tool. Rewards: "
         "tool_call (validity), comparison (the judge against the logged turn, the conversation's reward as its "
         "ref_reward: the outcome credited to the turn). A turn answered by the gateway's in-process arm is trained "
-        "on the tokens it logged (no re-tokenization). The turn rows join the prompt set's rows (grpo_dataset) "
-        "when the data has both. Empty: the prompt sets only, as before. The live flywheel sets all unless the "
-        "params say otherwise.",
+        "on the tokens it logged (no re-tokenization). Data with a prompt set too (a live round's traffic): the "
+        "turns are a phase of their own after the prompt set's (turn_steps). Empty: the prompt sets only, as "
+        "before. The live flywheel sets all unless the params say otherwise.",
     )
     turn_completion_length: int = _f(
         0,
         "grpo.turns: max new tokens of a sampled turn (a tool call with its arguments is longer than a string "
-        "task's answer); the phase that trains turn rows samples up to max(max_completion_length, this). 0: "
-        "max_completion_length.",
+        "task's answer). 0: max_completion_length.",
+        ge=0,
+    )
+    turn_steps: int = _f(
+        0,
+        "grpo.turns beside a prompt set: optimizer steps of the turn phase, which continues the prompt set's "
+        "adapter before the episode phase (0: grpo.max_steps).",
         ge=0,
     )
 

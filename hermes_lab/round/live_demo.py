@@ -14,7 +14,7 @@ What happens, a line at each transition (the supervisor's ``[live ...]`` lines, 
    policy's tool calls executed by the agent, the results sent back, the episode's success posted by conversation
    id); once ``data.min_samples`` conversations have feedback and the cooldown has passed, round 1 starts by itself
    in a worker process (prep on that traffic: the string tasks and the conversations; review; train on the string
-   tasks, every turn of the conversations on the tokens the policy saw, then episodes in the family's
+   tasks, then every turn of the conversations on the tokens the policy saw, then episodes in the family's
    environment; validate) while the gateway keeps answering (the agent slows down to leave the training its core);
 3. its candidate is swapped into the same gateway and the staged rollout decides it on the clock, counting
    conversations; the round takes the decision (promotion: the candidate is the next experiment's baseline); its
@@ -130,10 +130,13 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
     status = json.loads((runs / "live" / "flywheel" / "status.json").read_text(encoding="utf-8"))
     done = status.get("rounds") or []
     say(f"{len(done)} rounds in {time.time() - t0:.0f} s, one gateway: pid {pid}, {url} throughout")
+    turned = 0
     for r in done:
         gain = "" if r.get("gain") is None else f", held-out {r['gain'] * 100:+.1f} points"
         say(f"  round {r['round']:02d}: {r['status']}{gain} (experiment {r.get('experiment')})")
-        say(f"    {trained_on(runs, r['round'])}")
+        line, logged = trained_on(runs, r["round"])
+        turned += logged > 0
+        say(f"    {line}")
         if r.get("agent"):
             say(f"    agent family: {describe_agent(r['agent'])}")
     series = champion_series(runs, done, cfg.reward.success_threshold)
@@ -146,20 +149,35 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
         f"swaps in the gateway: {len(status['swaps'])}"
     )
     ok = rc == 0 and len(done) >= rounds and failed == 0 and len(status["swaps"]) >= rounds
+    ok = ok and (share == 0 or turned == len(done))  # mixed traffic: every round trained on its conversations
     if not ok:
-        say(f"FAILED: supervisor exit {rc}, {len(done)} of {rounds} rounds, {failed} failed conversations")
+        say(
+            f"FAILED: supervisor exit {rc}, {len(done)} of {rounds} rounds ({turned} trained on conversations), "
+            f"{failed} failed conversations"
+        )
     return 0 if ok else 1
 
 
-def trained_on(runs: Path, n: int) -> str:
-    """What a round trained on from the gateway's log: string tasks and conversations (execute's files)."""
+def trained_on(runs: Path, n: int) -> tuple[str, int]:
+    """What a round trained on from the gateway's log (execute's files, train's run.json): a line, and how many turn
+    rows it trained on the tokens the in-process arm logged."""
     rd = runs / f"round-{n:02d}"
 
     def lines(p: Path) -> int:
         return p.read_bytes().count(b"\n") if p.is_file() else 0
 
     traj, convs = lines(rd / "trajectories.jsonl"), lines(rd / "agent_episodes.jsonl")
-    return f"trained on the gateway's log: {traj} string-task requests and {convs} conversations (agent episodes)"
+    try:
+        run = json.loads((rd / "train" / "run.json").read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        run = {}
+    turns = run.get("turns") or {}
+    rows, logged = turns.get("turn_rows", 0), turns.get("turn_rows_logged", 0)
+    line = (
+        f"trained on the gateway's log: {traj} string-task requests and {convs} conversations (agent episodes): "
+        f"{rows} turns ({logged} on the tokens the policy saw) in {turns.get('steps', 0)} steps of the turn phase"
+    )
+    return line, logged
 
 
 def champion_series(runs: Path, done: list[dict[str, Any]], threshold: float) -> list[tuple[str, float]]:

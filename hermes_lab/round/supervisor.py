@@ -22,10 +22,10 @@ loop; the loop also watches the traffic. The cycle, each transition printed:
    --worker``: the round runner, papermill kernels under it) with ``execute.source: live`` on that traffic
    and ``ab.mode: live``; the gateway keeps serving. Prep takes the traffic's string tasks (joined with their
    feedback) and its conversations (agent episodes with their tool calls, whole); train samples the string
-   tasks and every assistant turn of the conversations (``grpo.turns: all``, on the tokens the in-process arm
-   logged), then whole episodes in the agent family's environment (``grpo.environment``, from the
-   conversations' questions). The worker dies with the supervisor (PDEATHSIG), and its kernels with it, so a
-   restart never races an orphaned training.
+   tasks, then every assistant turn of the conversations in a phase of their own (``grpo.turns: all``,
+   ``grpo.turn_steps``, on the tokens the in-process arm logged), then whole episodes in the agent family's
+   environment (``grpo.environment``, from the conversations' questions). The worker dies with the supervisor
+   (PDEATHSIG), and its kernels with it, so a restart never races an orphaned training.
 3. experiment: the round stops "awaiting live A/B" with its experiment prepared in ``runs/live/round-NN``
    (baseline the champion, candidate the new adapter); the switchboard swaps it in (the new adapter loaded
    beside the old, or into vLLM with ``serve.lora_upstream``) and the staged rollout of ``ab.stages`` runs

@@ -38,7 +38,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ class TrainResult:
         None  # the API judge's request/failure counts (hermes_lab.rewards.registry.JudgeFaults)
     )
     episodes: dict[str, Any] | None = None  # the episode phase's totals (train.episodes.EpisodeReward.to_dict)
+    turns: dict[str, Any] | None = None  # turn rows trained (grpo.turns): how many, how many on logged tokens, steps
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -94,7 +95,7 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     if p.is_dir() and (p / table).is_dir():
         p = p / table
     elif cfg.grpo.turns and p.is_dir() and (p / "grpo_dataset").is_dir():  # a prep dir without conversations
-        return Dataset.from_dict({"messages": []})  # the prompt set alone (train: _beside_prompt_set)
+        return Dataset.from_dict({"messages": []})  # no conversation: no turn to train on
     if p.is_dir():
         try:
             ds = load_from_disk(str(p))
@@ -103,16 +104,10 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
                 raise
             ds = Dataset.from_dict({"messages": []})  # prep wrote no conversation (an empty dataset dir)
     elif p.is_file():
-        from hermes_lab.data import prep
-
-        try:
-            res = prep.run_prep([p], work_dir / "prep", cfg, make_plots=False)
-        except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
-            res = e.result
-            log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
-        if not (res.output_dir / table).is_dir():
+        out = _run_prep(p, cfg, work_dir)
+        if not (out / table).is_dir():
             raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
-        ds = load_from_disk(str(res.output_dir / table))
+        ds = load_from_disk(str(out / table))
     else:
         raise _no_data(data)
     if cfg.grpo.turns:
@@ -133,15 +128,25 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     return ds if isinstance(ds, Dataset) else Dataset.from_list(list(ds))
 
 
+def _run_prep(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
+    """A trajectories file given as --data, through prep into ``work_dir/prep``; its output dir."""
+    from hermes_lab.data import prep
+
+    try:
+        res = prep.run_prep([path], work_dir / "prep", cfg, make_plots=False)
+    except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
+        res = e.result
+        log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
+    return Path(res.output_dir)
+
+
 def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any, list[dict[str, Any]], int]:
     """Leave out prompts with no room for a full completion (prompt + max_completion_length > max_seq_len);
     return the kept set, the left-out prompts flagged, and the completion length.
 
     The completion length is never shortened to fit a long prompt: one long prompt would otherwise cut
     every completion of the run short. (config.py refuses a completion length that leaves no room at all.)"""
-    from hermes_lab.train.turns import completion_length
-
-    budget, completion = cfg.data.max_seq_len, completion_length(cfg)
+    budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
     prompts = list(ds["prompt"])
     if "prompt_ids" in ds.column_names:  # turn rows: the tokens the trainer takes as they are
         given = list(ds["prompt_ids"])
@@ -169,32 +174,43 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
     return ds.select(keep), flagged, completion
 
 
-def _beside_prompt_set(turn_rows: Any, data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
-    """The turn rows (None: no turn to train on) with the prompt set's rows of the same data (a prep dir's
-    grpo_dataset, or the one prep wrote for a trajectories file), when it has one: one phase trains both (the
-    string tasks and the agent turns of a live round's traffic). Columns one side lacks are None on the other's
-    rows. Neither has a row: a ValueError naming grpo.turns."""
-    from dataclasses import replace
+def _has_prompt_set(data: str | os.PathLike[str]) -> bool:
+    """Whether a prep dir holds a prompt set beside its conversations: then grpo.turns trains the turns in a phase
+    of their own, after the prompt set's."""
+    from datasets import load_from_disk
 
-    from datasets import Dataset
+    p = Path(data)
+    try:
+        return p.is_dir() and (p / "grpo_dataset").is_dir() and len(load_from_disk(str(p / "grpo_dataset"))) > 0
+    except (IndexError, FileNotFoundError, ValueError):  # an empty dataset dir: no prompt set
+        return False
 
-    root = Path(data) if Path(data).is_dir() else work_dir / "prep"
-    prompts = None
-    if (root / "grpo_dataset").is_dir():
-        try:
-            prompts = load_prompt_set(root, replace(cfg, grpo=replace(cfg.grpo, turns="")), work_dir)
-        except (ValueError, FileNotFoundError):  # an empty prompt set: prep wrote no row
-            prompts = None
-    if prompts is None or not len(prompts):
-        if turn_rows is None:
-            raise ValueError(f"grpo.turns={cfg.grpo.turns!r}: no assistant turn and no prompt to train on in {data}")
-        return turn_rows
-    if turn_rows is None:
-        log.info("grpo.turns=%r: no assistant turn to train on; the prompt set alone", cfg.grpo.turns)
-        return prompts
-    keys = list(dict.fromkeys([*prompts.column_names, *turn_rows.column_names]))
-    rows = [{k: r.get(k) for k in keys} for part in (prompts, turn_rows) for r in part.to_list()]
-    return Dataset.from_list(rows)
+
+def turn_config(cfg: HermesConfig, inner: bool) -> HermesConfig:
+    """The turn rows' phase: completions of grpo.turn_completion_length (a tool call is longer than a string
+    answer); ``inner`` (the phase after a prompt set's): grpo.turn_steps steps and no episode phase of its own (the
+    outer training runs it after)."""
+    g = cfg.grpo
+    kw: dict[str, Any] = {"max_completion_length": g.turn_completion_length or g.max_completion_length}
+    if inner:
+        kw.update(max_steps=g.turn_steps or g.max_steps, environment="")
+    return replace(cfg, grpo=replace(g, turn_completion_length=0, **kw))
+
+
+def _turn_phase(
+    cfg: HermesConfig, data: str | os.PathLike[str], out: Path, start_adapter: str, parent_run_id: str | None
+) -> TrainResult | None:
+    """grpo.turns after a prompt set: ``grpo.turn_steps`` more steps on the conversations' turns, continuing the
+    prompt set's adapter, under ``<output>/turns/``; None (said in the log) when no conversation has a turn to
+    train on (a round whose traffic held none)."""
+    src = Path(data) if Path(data).is_dir() else out / "prep"
+    try:
+        return train(cfg, src, out / "turns", parent_run_id, start_adapter, evaluate_heldout=False, turns_only=True)
+    except ValueError as e:
+        if "no assistant turn to train on" not in str(e):
+            raise
+        log.info("the turn phase is skipped: %s", e)
+        return None
 
 
 # ------------------------------------------------------------------------------------------ callback
@@ -330,6 +346,7 @@ def train(
     evaluate_heldout: bool = True,
     eval_tasks_per_family: int | None = None,
     resume: bool = False,
+    turns_only: bool = False,
 ) -> TrainResult:
     """Run one GRPO + LoRA training. Returns where the adapter is and what happened.
 
@@ -350,7 +367,17 @@ def train(
     set_seed(cfg.grpo.seed)
     runs_dir = cfg.round.runs_dir
     # bad data paths and reward names fail here, before minutes of model loading
-    ds = load_prompt_set(data, cfg, out)
+    # grpo.turns beside a prompt set: this phase trains the prompt set, the turn phase follows (turn_phase); without
+    # one (a conversations-only log) or inside the turn phase (turns_only), this phase is the turn rows
+    if cfg.grpo.turns and Path(data).is_file():
+        data = _run_prep(Path(data), cfg, out)  # once: its prompt set and its conversations
+    turn_phase = bool(cfg.grpo.turns) and not turns_only and _has_prompt_set(data)
+    if turn_phase:
+        ds = load_prompt_set(data, replace(cfg, grpo=replace(cfg.grpo, turns="")), out)
+    else:
+        if cfg.grpo.turns:
+            cfg = turn_config(cfg, inner=turns_only)
+        ds = load_prompt_set(data, cfg, out)
     samples = rewards.SampleLog()
     funcs, weights = rewards.get_reward_funcs(cfg, samples)
     base = P.resolve_model_name(cfg.model.base_model, runs_dir, cfg.model.seed)
@@ -359,13 +386,12 @@ def train(
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    if cfg.grpo.turns:  # turn-level: one row per chosen assistant turn of the logged conversations
+    if cfg.grpo.turns and not turn_phase:  # turn-level: one row per chosen assistant turn of the conversations
         from hermes_lab.train.turns import turn_dataset
 
-        ds = turn_dataset(ds, cfg, tok, required=False)
-        if ds is not None and cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
+        ds = turn_dataset(ds, cfg, tok)
+        if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
             ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
-        ds = _beside_prompt_set(ds, data, cfg, out)
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
     log_path, trl_dir = out / "train_log.jsonl", out / "trl"
     marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
@@ -441,6 +467,13 @@ def train(
             gj = rewards.group_judge_of(funcs)
             h["group_judge"] = gj.to_dict() if gj is not None else None  # malformed replies, retries, fallbacks
             write_json_atomic(out / "health.json", h)
+            if turn_phase:  # the conversations' turns continue this adapter; theirs is the next phase's start
+                tp = _turn_phase(cfg, data, out, str(adapter_dir), parent_run_id)
+                if tp is not None:
+                    shutil.rmtree(adapter_dir)
+                    shutil.copytree(tp.adapter_dir, adapter_dir)
+                    result.warnings += tp.warnings
+                    result.turns = tp.turns
             if cfg.grpo.environment and int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 callback._warn("episodes_multiprocess", "the episode phase runs single-process: skipped under torchrun")
             elif cfg.grpo.environment:
@@ -471,7 +504,10 @@ def train(
             }
             if "prompt_source" in ds.column_names:  # grpo.turns: the turn rows, and those on logged tokens
                 sources = list(ds["prompt_source"])
-                meta.update(turn_rows=sum(x is not None for x in sources), turn_rows_logged=sources.count("logged"))
+                result.turns = {"turn_rows": len(sources), "turn_rows_logged": sources.count("logged")}
+                result.turns.update(steps=result.steps)
+            if result.turns:
+                meta["turns"] = result.turns
             write_json_atomic(out / "run.json", meta)
             health_detail = "; ".join(callback.warnings) or "no warnings"
             write_verdict(
@@ -629,7 +665,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-steps",
         type=int,
         default=None,
-        help="override grpo.max_steps; also caps grpo.episode_steps (a smoke run is short in both phases)",
+        help="override grpo.max_steps; also caps grpo.turn_steps and grpo.episode_steps (a smoke run is short in "
+        "every phase)",
     )
     p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
     p.add_argument(
@@ -656,6 +693,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides or None)
     if args.max_steps and cfg.grpo.episode_steps > args.max_steps:  # 0 already means grpo.max_steps
         cfg.grpo.episode_steps = args.max_steps
+    if args.max_steps and cfg.grpo.turn_steps > args.max_steps:
+        cfg.grpo.turn_steps = args.max_steps
     start_adapter = resolve_adapter(args.start_adapter, "--start-adapter", cfg)  # a train output dir: its adapter/
 
     try:

@@ -2,8 +2,9 @@
 
 Reads prep's ``conversations/`` dataset (``runs/round-NN/prep/conversations/``, or the one prep writes for a
 trajectories file given to ``train --data``); writes nothing itself: ``hermes_lab.train.grpo`` trains on the rows
-``turn_dataset`` returns when ``grpo.turns`` is set (beside the prompt set's rows when there is one), and writes what
-it always writes under ``--output``.
+``turn_dataset`` returns when ``grpo.turns`` is set, and writes what it always writes under ``--output``. Beside a
+prompt set (a live round's traffic: string tasks and conversations) the turns are a phase of their own after the
+prompt set's: ``grpo.turn_steps`` steps under ``<output>/turns/``, continuing its adapter, before the episode phase.
 
     hermes-lab train --config params/embedded.yaml --data tests/fixtures/hermes/trajectory_samples.jsonl \\
         --output runs/turns --set grpo.turns=all --set reward.types=[tool_call,comparison]
@@ -109,30 +110,23 @@ def turn_prompts(
     return rows
 
 
-def turn_dataset(conversations: Any, cfg: HermesConfig, tok: Any, required: bool = True) -> Any:
-    """The ``grpo.turns`` rows of a conversations dataset's train split (a ``datasets.Dataset``); none: a ValueError,
-    or None when not ``required`` (a prompt set beside them trains alone)."""
+def turn_dataset(conversations: Any, cfg: HermesConfig, tok: Any) -> Any:
+    """The ``grpo.turns`` rows of a conversations dataset's train split (a ``datasets.Dataset``; none: ValueError).
+    ``cfg``: the turn phase's (``train.grpo.turn_config``: its completion length is the turns')."""
     from datasets import Dataset
 
-    budget = cfg.data.max_seq_len - completion_length(cfg)
+    budget = cfg.data.max_seq_len - cfg.grpo.max_completion_length
     rows: list[dict[str, Any]] = []
     for rec in conversations:
         if rec.get("split", "train") != "train":
             continue
         rows += turn_prompts(rec, cfg.grpo.turns, tok, budget, cfg.reward.success_threshold)
-    if not rows and not required:
-        return None
     if not rows:
         raise ValueError(
             f"grpo.turns={cfg.grpo.turns!r}: no assistant turn to train on in the conversations' train split "
             f"({len(conversations)} conversations)"
         )
     return Dataset.from_list(rows)
-
-
-def completion_length(cfg: HermesConfig) -> int:
-    """The completions' length of a training with turn rows: a logged tool call needs more than a string answer."""
-    return max(cfg.grpo.max_completion_length, cfg.grpo.turn_completion_length if cfg.grpo.turns else 0)
 
 
 def trainer_class(ds: Any) -> type:
