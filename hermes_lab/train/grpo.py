@@ -174,16 +174,17 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
     return ds.select(keep), flagged, completion
 
 
-def _has_prompt_set(data: str | os.PathLike[str]) -> bool:
-    """Whether a prep dir holds a prompt set beside its conversations: then grpo.turns trains the turns in a phase
-    of their own, after the prompt set's."""
-    from datasets import load_from_disk
-
+def _prompt_set_beside(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
+    """A prep dir's prompt set as training would take it (the agent family's rows left to the episode phase), when
+    it holds a row: then grpo.turns trains the conversations' turns in a phase of their own, after it. Else None."""
     p = Path(data)
+    if not (p.is_dir() and (p / "grpo_dataset").is_dir()):
+        return None
     try:
-        return p.is_dir() and (p / "grpo_dataset").is_dir() and len(load_from_disk(str(p / "grpo_dataset"))) > 0
+        ds = load_prompt_set(p, replace(cfg, grpo=replace(cfg.grpo, turns="")), work_dir)
     except (IndexError, FileNotFoundError, ValueError):  # an empty dataset dir: no prompt set
-        return False
+        return None
+    return ds if len(ds) else None
 
 
 def turn_config(cfg: HermesConfig, inner: bool) -> HermesConfig:
@@ -371,9 +372,10 @@ def train(
     # one (a conversations-only log) or inside the turn phase (turns_only), this phase is the turn rows
     if cfg.grpo.turns and Path(data).is_file():
         data = _run_prep(Path(data), cfg, out)  # once: its prompt set and its conversations
-    turn_phase = bool(cfg.grpo.turns) and not turns_only and _has_prompt_set(data)
+    prompts = _prompt_set_beside(data, cfg, out) if cfg.grpo.turns and not turns_only else None
+    turn_phase = prompts is not None
     if turn_phase:
-        ds = load_prompt_set(data, replace(cfg, grpo=replace(cfg.grpo, turns="")), out)
+        ds = prompts
     else:
         if cfg.grpo.turns:
             cfg = turn_config(cfg, inner=turns_only)
