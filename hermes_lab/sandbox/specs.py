@@ -41,6 +41,7 @@ import hashlib
 import json
 import re
 import secrets
+import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -437,7 +438,9 @@ class Outcome:
 
 def _compile_error(source: str) -> str | None:
     try:
-        compile(source, "solution.py", "exec", dont_inherit=True)
+        with warnings.catch_warnings():  # a policy's code is not ours to warn about ("'int' object is not callable")
+            warnings.simplefilter("ignore")
+            compile(source, "solution.py", "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
         return f"{type(e).__name__}: {getattr(e, 'msg', e)} (line {getattr(e, 'lineno', '?')})"
     except (RecursionError, MemoryError) as e:
