@@ -27,8 +27,9 @@ from fake_openai import free_port  # noqa: E402
 from openai_stub import OpenAIStub  # noqa: E402
 
 from hermes_lab.config.schema import load_config  # noqa: E402
-from hermes_lab.live.arms import ArmPool, UpstreamError, resolve_arm  # noqa: E402
+from hermes_lab.live.arms import UpstreamError, resolve_arm  # noqa: E402
 from hermes_lab.live.gateway import Gateway  # noqa: E402
+from hermes_lab.live.local import ArmPool  # noqa: E402
 from hermes_lab.live.switch import Switchboard  # noqa: E402
 from hermes_lab.tasks import agent as A  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402

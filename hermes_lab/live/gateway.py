@@ -1,7 +1,7 @@
 """The live A/B gateway: an OpenAI-compatible server that routes each request to baseline or candidate.
 
 Stage: validate (live A/B on real traffic). Reads the two arms (``hermes_lab.live.arms``: an upstream
-OpenAI-compatible server or a policy served in-process). Writes its log dir (default
+OpenAI-compatible server, or ``hermes_lab.live.local``: a policy served in-process). Writes its log dir (default
 ``runs/live/<experiment>/``; ``hermes_lab.live.log``): requests.jsonl, tools.jsonl, feedback.jsonl, experiment.json.
 
     hermes-lab serve --params params/embedded.yaml --baseline embedded:tiny --candidate latest
@@ -56,17 +56,9 @@ from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ConfigError, HermesConfig
 from hermes_lab.live import experiment as X
 from hermes_lab.live import log as L
-from hermes_lab.live.arms import (
-    ARMS,
-    Answer,
-    ArmPool,
-    ArmSpec,
-    CallAssembler,
-    UpstreamError,
-    build_arms,
-    flatten_messages,
-)
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, CallAssembler, UpstreamError, flatten_messages
 from hermes_lab.live.conversations import Link, Tracker, tool_errors
+from hermes_lab.live.local import ArmPool, build_arms
 
 log = logging.getLogger("hermes_lab.serve")
 ARM_HEADER = {0: b"baseline", 1: b"candidate"}

@@ -9,7 +9,7 @@ The switchboard is the ASGI app uvicorn serves. It holds the *current* gateway (
 log dir, rollout) and hands every request to it. ``swap`` puts the next experiment in without a restart:
 
 1. the new gateway is built off the event loop (its in-process policies come from one shared
-   ``hermes_lab.live.arms.ArmPool``: the new adapter is loaded beside the running ones, the champion is
+   ``hermes_lab.live.local.ArmPool``: the new adapter is loaded beside the running ones, the champion is
    not loaded twice; a vLLM arm loads its adapter through the runtime LoRA API at start) and started;
 2. one assignment makes it current: the next new conversation is routed by the new experiment;
 3. the old gateway drains: a request that continues one of its open conversations still goes to it (a
@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 from starlette.responses import HTMLResponse
 
-from hermes_lab.live.arms import ArmPool
 from hermes_lab.live.gateway import Gateway, _Raw, _Refused, build_app
+from hermes_lab.live.local import ArmPool
 from hermes_lab.live.page import render
 
 log = logging.getLogger("hermes_lab.serve")

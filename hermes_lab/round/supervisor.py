@@ -524,7 +524,7 @@ class Supervisor:
     async def run(self) -> int:
         import uvicorn
 
-        from hermes_lab.live.arms import ArmPool
+        from hermes_lab.live.local import ArmPool
         from hermes_lab.live.serve import bind
         from hermes_lab.live.switch import Switchboard
 

@@ -1,0 +1,322 @@
+"""The gateway's in-process arms: a policy in this process, answered as it is trained, and the one generation thread.
+
+Stage: validate (live A/B, ``hermes-lab serve``). Reads the arms' models (a model dir, a LoRA adapter dir, a train
+output dir, ``embedded:tiny``: ``hermes_lab.live.arms.resolve_arm``); writes nothing (the gateway logs what an answer
+returns, its tokens included).
+
+``LocalArm`` answers with the loop's one rendering and parser (``hermes_lab.policy.turn``); ``GenerationWorker`` is the
+one thread that renders, samples (micro-batched: requests within ``serve.batch_wait_ms`` share one ``generate``) and
+parses for every in-process arm, never on the event loop; ``ArmPool`` keeps the loaded policies of a process across
+experiments (``hermes_lab.live.switch``); ``build_arms`` makes an experiment's two arms, upstream or in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from hermes_lab.config.schema import HermesConfig
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, Chunk, UpstreamArm
+
+
+@dataclass
+class _Job:
+    """One request for the generation thread. ``prepare`` renders its prompt ids and ``finish`` reads the sampled
+    turn back, both in the thread (the arm's rendering and parsing, never on the event loop); the future gets what
+    ``finish`` returns."""
+
+    policy: Any
+    prepare: Callable[[], list[int]]
+    finish: Callable[[list[int], list[int], list[float] | None], dict[str, Any]]
+    temperature: float
+    max_new_tokens: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    prompt: list[int] = field(default_factory=list)
+
+
+class GenerationWorker:
+    """One thread generating for every in-process arm: jobs that arrive within ``wait_s`` of the first
+    one form a batch (split by policy and sampling settings), one ``generate`` each (``policy.turn.sample``)."""
+
+    def __init__(self, wait_s: float, max_batch: int):
+        self.wait_s, self.max_batch = wait_s, max_batch
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._seed = 0
+        self._thread = threading.Thread(target=self._run, name="hermes-generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import torch
+
+        # one core stays with the event loop: torch's default (every core) made a 16-token generate of the
+        # tiny policy ~10x slower on a busy 2-core machine (1.1 s vs 0.12 s), its threads spin-waiting
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            batch, deadline = [job], time.monotonic() + self.wait_s
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._q.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            groups: dict[tuple[int, float, int], list[_Job]] = {}
+            for j in batch:
+                try:
+                    j.prompt = j.prepare()
+                except Exception as e:  # a conversation the template cannot render: that request's 500
+                    j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+                    continue
+                groups.setdefault((id(j.policy), j.temperature, j.max_new_tokens), []).append(j)
+            for jobs in groups.values():
+                self._generate(jobs)
+
+    def _generate(self, jobs: list[_Job]) -> None:
+        from hermes_lab.policy import turn
+
+        p = jobs[0].policy
+        room = p.model.config.max_position_embeddings
+        for j in [j for j in jobs if len(j.prompt) >= room]:
+            msg = f"the conversation renders to {len(j.prompt)} tokens: the policy's context holds {room}"
+            j.loop.call_soon_threadsafe(_settle, j.future, None, ValueError(msg))
+        jobs = [j for j in jobs if len(j.prompt) < room]
+        if not jobs:
+            return
+        self._seed += 1
+        try:
+            import torch
+
+            torch.manual_seed(self._seed)
+            done = turn.sample(
+                p.model, p.tokenizer, [j.prompt for j in jobs], jobs[0].temperature, jobs[0].max_new_tokens, True
+            )
+        except Exception as e:  # the requests get a 500 naming it; the worker lives on
+            for j in jobs:
+                j.loop.call_soon_threadsafe(_settle, j.future, None, e)
+            return
+        for j, (completion, logprobs) in zip(jobs, done):
+            try:
+                out, exc = j.finish(j.prompt, completion, logprobs), None
+            except Exception as e:
+                out, exc = None, e
+            j.loop.call_soon_threadsafe(_settle, j.future, out, exc)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return  # the client went away
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class _Events:
+    """A local arm's stream: the chunks, and the answer's tokens for the log (read once the stream ended)."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk], tokens: dict[str, Any]):
+        self.chunks, self.tokens = chunks, tokens
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self.chunks
+
+
+class LocalArm:
+    """A policy in this process, answered in OpenAI's chat.completion / chunk format with the loop's one rendering
+    and parser (``hermes_lab.policy.turn``): the request's messages and tools through the policy's chat template
+    (a lone user message without tools: its text, the string tasks' form), a conversation continued from the
+    tokens of the turns this arm answered (``turn.Splicer``), the answer read by TRL's parser into ``tool_calls``
+    (ids, type function, arguments as JSON text; ``finish_reason: tool_calls``; streamed as tool-call deltas).
+    A conversation longer than the policy's context (less a string answer's ``execute.max_new_tokens``) loses its
+    earliest messages first (``turn.fit``, as turn-level training cuts one). Every answer carries its prompt and
+    completion token ids and the sampled tokens' logprobs for the log."""
+
+    needs_prompt = False  # it renders the request's messages itself, in the generation thread
+
+    def __init__(self, spec: ArmSpec, policy: Any, worker: GenerationWorker, cfg: HermesConfig):
+        from hermes_lab.policy.turn import Splicer
+
+        self.spec, self.name, self.policy, self.worker = spec, spec.name, policy, worker
+        self.served_model, self.public = spec.served_model, cfg.serve.public_model
+        self.temperature, self.default_tokens = cfg.execute.temperature, cfg.execute.max_new_tokens
+        self.turn_tokens = cfg.grpo.turn_completion_length or cfg.grpo.max_completion_length  # as turns are trained
+        self.cap = cfg.serve.max_new_tokens
+        self.splicer = Splicer(policy.tokenizer)  # touched only in the generation thread
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def _generate(self, payload: dict[str, Any], rid: str) -> dict[str, Any]:
+        from hermes_lab.policy import turn
+
+        t = payload.get("temperature")
+        temperature = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else self.temperature
+        messages = payload.get("messages") or []
+        tools = turn.tool_list(payload.get("tools"))
+        m0 = messages[0] if len(messages) == 1 and isinstance(messages[0], dict) else {}
+        single = m0.get("role") == "user" and not tools  # the completion form: the string tasks' answer length
+        mt = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        asked = int(mt) if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
+        tokens = min(asked or (self.default_tokens if single else self.turn_tokens), self.cap)
+        tok, seen = self.policy.tokenizer, {}
+        room = self.policy.model.config.max_position_embeddings - self.default_tokens  # a string answer's room left
+
+        def prepare() -> list[int]:
+            seen["msgs"] = msgs = [turn.chat_message(m) for m in messages if isinstance(m, dict)]
+            ids, seen["spliced"] = self.splicer.prompt_ids(msgs, tools)
+            seen["truncated"] = len(ids) > room
+            if seen["truncated"]:  # longer than the context: its latest part, cut as turn-level training cuts it
+                ids, seen["spliced"] = turn.prompt_ids(tok, turn.fit(tok, msgs, tools, room)[0], tools), False
+            return ids
+
+        def finish(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> dict[str, Any]:
+            msgs = seen["msgs"]
+            form = turn.is_completion(msgs, tools)
+            msg = turn.parse(tok, completion, prompt, tools, form)
+            if msg.get("tool_calls") and not tools:  # no tools offered: no tool calls (OpenAI's rule), the text
+                msg = {"role": "assistant", "content": tok.decode(completion, skip_special_tokens=True)}
+            answer = turn.to_openai(msg, rid)
+            self.splicer.remember(msgs, tools, turn.chat_message(answer), prompt + completion)
+            ended = bool(completion) and completion[-1] == tok.eos_token_id
+            finish_reason = "tool_calls" if answer.get("tool_calls") else ("stop" if ended else "length")
+            ids = {"prompt_ids": prompt, "completion_ids": completion, "logprobs": logprobs}
+            ids.update(spliced=seen["spliced"], truncated=seen["truncated"])
+            return {"message": answer, "finish_reason": finish_reason, "tokens": ids}
+
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.worker.submit(_Job(self.policy, prepare, finish, temperature, tokens, fut, loop))
+        return await fut
+
+    def _usage(self, out: dict[str, Any]) -> dict[str, int]:
+        p, c = len(out["tokens"]["prompt_ids"]), len(out["tokens"]["completion_ids"])
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def complete(self, payload: dict[str, Any], prompt: str, rid: str) -> Answer:
+        out = await self._generate(payload, rid)
+        usage, msg = self._usage(out), out["message"]
+        body = {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.public,
+            "choices": [{"index": 0, "message": msg, "finish_reason": out["finish_reason"]}],
+            "usage": usage,
+        }
+        text, calls = msg.get("content") or "", msg.get("tool_calls")
+        return Answer(200, orjson.dumps(body), text, usage, None, out["finish_reason"], calls, tokens=out["tokens"])
+
+    async def stream(
+        self, payload: dict[str, Any], prompt: str, rid: str
+    ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
+        """The finished answer as OpenAI chunks: a role chunk, content pieces, each tool call as deltas (its id,
+        type and name first, then its arguments in pieces), the finish, usage."""
+        so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
+        out = await self._generate(payload, rid)
+        usage, created, msg = self._usage(out), int(time.time()), out["message"]
+
+        def ev(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": self.public}
+            obj.update(choices=[choice] if delta is not None else [], **extra)
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+        async def events() -> AsyncIterator[Chunk]:
+            text = msg.get("content") or ""
+            yield Chunk(ev({"role": "assistant", "content": ""}))
+            for i in range(0, len(text), 8):  # a few characters a chunk, as a token stream would come
+                yield Chunk(ev({"content": text[i : i + 8]}), text=text[i : i + 8])
+            for k, c in enumerate(msg.get("tool_calls") or []):
+                f = c["function"]
+                head = [
+                    {"index": k, "id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": ""}}
+                ]
+                yield Chunk(ev({"tool_calls": head}), calls=head)
+                for i in range(0, len(f["arguments"]), 8):
+                    piece = [{"index": k, "function": {"arguments": f["arguments"][i : i + 8]}}]
+                    yield Chunk(ev({"tool_calls": piece}), calls=piece)
+            yield Chunk(ev({}, out["finish_reason"]), finish_reason=out["finish_reason"])
+            yield Chunk(ev(None, usage=usage) if so.get("include_usage") else b"", usage=usage)
+
+        return None, _Events(events(), out["tokens"])
+
+
+class ArmPool:
+    """The in-process policies and the one generation thread of a process. One pool serves every experiment
+    of a long-running gateway (``hermes_lab.live.switch``): a new experiment's arms are loaded beside the
+    running ones (the champion, already loaded, is not loaded again) and the switch is one reference swap."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[tuple[str, str | None], Any] = {}
+        self.worker: GenerationWorker | None = None
+
+    def policy(self, cfg: HermesConfig, spec: ArmSpec) -> Any:
+        key = (spec.base, spec.adapter)
+        if key not in self.loaded:
+            from hermes_lab.policy.model import load_policy
+
+            self.loaded[key] = load_policy(
+                spec.base,
+                adapter=spec.adapter,
+                runs_dir=cfg.round.runs_dir,
+                seed=cfg.model.seed,
+                dtype=cfg.model.dtype,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
+        if self.worker is None:
+            self.worker = GenerationWorker(cfg.serve.batch_wait_ms / 1000, cfg.serve.max_batch)
+        return self.loaded[key]
+
+    def keep(self, specs: list[ArmSpec]) -> None:
+        """Unload the policies no listed arm serves (an experiment that drained)."""
+        used = {(a.base, a.adapter) for a in specs if a.kind == "local"}
+        for key in [k for k in self.loaded if k not in used]:
+            del self.loaded[key]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def build_arms(
+    cfg: HermesConfig, specs: dict[str, ArmSpec], pool: ArmPool | None = None
+) -> tuple[dict[str, Any], GenerationWorker | None]:
+    """The arm objects; in-process policies are loaded once per (base, adapter), so an A/A shares one. With
+    a shared ``pool`` they come from (and stay in) it, and the worker returned is None: not this
+    experiment's to close."""
+    own = pool is None
+    pool = pool or ArmPool()
+    arms: dict[str, Any] = {}
+    for name in ARMS:
+        spec = specs[name]
+        if spec.kind == "upstream":
+            arms[name] = UpstreamArm(spec, cfg)
+        else:
+            policy = pool.policy(cfg, spec)
+            arms[name] = LocalArm(spec, policy, pool.worker, cfg)
+    return arms, (pool.worker if own else None)
