@@ -427,7 +427,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         return serve(int(sys.argv[2]))
     print("usage: python -I -S -B launcher.py --serve FD  (started by hermes_lab.sandbox.local)")
-    return 2
+    return 0 if sys.argv[1:] in (["--help"], ["-h"]) else 2
 
 
 if __name__ == "__main__":
