@@ -1,28 +1,32 @@
-"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 and 5,000,000 trajectories,
-and on 100,000 Hermes-shaped agent conversations.
+"""Benchmark: prep (ingest + validate + dedup + split + datasets on disk) on 1,000,000 seed records, 100,000
+Hermes-shaped agent conversations and issue 44's formats, each beside ``datasets.load_dataset("json")`` of the same
+file, and before / after in one run.
 
-Goals: at most 60 s for 1M records on 2 cores; peak memory (RSS) at most 1.5 GiB for 5M records, whatever
-the input size (prep streams within ``data.memory_budget_mb``). Each size runs prep in a fresh child process;
-its peak RSS is the child's ``ru_maxrss`` (os.wait4), so the parent's generator and the other size do not
-count. Time is reported against a bare ``datasets.load_dataset("json", ...)`` of the same file at the first
-size, measured in the same run (a lower bound: it parses, but validates, dedups and splits nothing). Plots are
-skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via ``make bench``
-(generating 5M lines takes a few minutes on a loaded machine).
+Goals (issue 45, on 2 cores): 1,000,000 seed records in <= 2.5x ``load_dataset`` with peak RSS <= 0.26 GiB;
+100,000 Hermes conversations (~10 KB each) in <= 4x with peak RSS <= 1.22 GiB; and at 5,000,000 records (``--records
+1000000 5000000``) peak RSS <= 1.5 GiB (prep streams within ``data.memory_budget_mb``). Each measurement runs prep in
+a fresh child process; its peak RSS is the child's ``ru_maxrss`` (os.wait4: the largest of it and the worker
+processes it reaped), so the parent's generator does not count. ``load_dataset`` of each file is timed once, in
+the same run, with a cold cache (a lower bound: it parses, but validates, dedups and splits nothing). Plots are
+skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via ``make bench``.
 
-Conversations (``--conversations``, default 100,000): Hermes Agent ShareGPT trajectories shaped like the real
-ones (tests/fixtures/hermes/trajectory_samples.jsonl: the system turn with its <tools> schemas, the task, a
-<think> + <tool_call> turn, a <tool_response>, the answer; ~10 KB a line, every one distinct but 1% repeated
-lines), through the same prep in a child: conversations/s and peak RSS, beside ``datasets.load_dataset("json")``
-of the same file (which parses it and nothing else). Peak RSS counts the pages of the memory-mapped Arrow files
-datasets writes and reads (the kernel reclaims those); the heap (RssAnon, sampled in the child) is what
-``data.memory_budget_mb`` bounds.
+``--before DIR``: the same measurements with another checkout of the package (its ``hermes_lab`` first on the
+child's path), alternating with this one's on the same files, so that before / after are measured in one run
+(``git archive <commit> | tar -x -C /tmp/before``). ``--profile``: this checkout's prep under cProfile once per
+input kind (a separate child, not the timed one): where the remaining time goes, own time and cumulative.
 
-Issue 44's formats (``--formats``, default 20,000 each): a Hermes ``sessions export`` file, a Claude Code /
-Agent Trace file, Atropos scored groups, made from the real fixtures' lines (``write_format``), one line each:
-conversations/s and the ratio to ``datasets.load_dataset("json")`` of the same file.
+Seed records (``write_records``): half embedded tasks (family from the prompt; a few distinct wrong answers make
+~40% of lines exact duplicates), half synthetic support tickets with a family field; every 100th line repeated.
+Conversations (``write_conversations``): Hermes Agent ShareGPT trajectories shaped like the real ones
+(tests/fixtures/hermes/trajectory_samples.jsonl: the system turn with its <tools> schemas, the task, a <think> +
+<tool_call> turn, a <tool_response>, the answer; ~10 KB a line, 1% repeated lines). Issue 44's formats
+(``--formats``, default 20,000 each; ``write_format``): a Hermes ``sessions export`` file, a Claude Code / Agent
+Trace file, Atropos scored groups, made from the real fixtures' lines. Peak RSS counts the pages of the
+memory-mapped Arrow files datasets writes and reads (the kernel reclaims those); the heap (RssAnon, sampled in the
+child) is what ``data.memory_budget_mb`` bounds.
 
-    .venv/bin/python benchmarks/bench_prep.py [--records 1000000 5000000] [--conversations 100000] [--formats 20000]
-                                             [--budget-mb 512] [--keep DIR]
+    .venv/bin/python benchmarks/bench_prep.py [--records 1000000] [--conversations 100000] [--formats 20000]
+                                             [--before DIR] [--profile] [--budget-mb 512] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def write_records(path: Path, n: int, seed: int = 0) -> None:
@@ -60,7 +66,7 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
                 rec = {
                     "prompt": t.prompt,
                     "response": resp,
-                    "reward": tasks.verify(t.prompt, resp),
+                    "reward": tasks.score(t.answer, resp),  # the verifier's formula; no sandbox for the code family
                     "task_id": t.task_id,
                 }
             else:
@@ -161,8 +167,8 @@ def write_format(path: Path, fmt: str, n: int) -> int:
 
 
 ROOT = Path(__file__).resolve().parents[1]
-GOAL_S = 60.0  # at 1M records
-GOAL_RSS_GIB = 1.5  # at 5M records
+GOALS = {"records": (2.5, 0.26), "conversations": (4.0, 1.22)}  # (x load_dataset, peak RSS GiB) at 1M / 100k
+GOAL_RSS_GIB_5M = 1.5
 CHILD = """
 import json, sys, threading, time
 from hermes_lab.config.schema import load_config
@@ -179,30 +185,98 @@ def sample():  # the heap's peak (RssAnon); ru_maxrss also counts the pages of m
         time.sleep(0.1)
 threading.Thread(target=sample, daemon=True).start()
 cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
+prof = None
+if sys.argv[4] == "1":
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
 t = time.perf_counter()
 res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "summary": res.summary, "anon_kb": anon[0]}, default=str))
+took = time.perf_counter() - t
+top = []
+if prof is not None:
+    import pstats
+    prof.disable()
+    st = pstats.Stats(prof).stats
+    for key in ("tottime", "cumtime"):
+        k = 2 if key == "tottime" else 3
+        rows = sorted(st.items(), key=lambda kv: -kv[1][k])
+        if key == "cumtime":  # the package's own steps, not the interpreter's wrappers
+            rows = [kv for kv in rows if "hermes_lab" in kv[0][0]]
+        top.append([key, [[f"{f.split('hermes_lab/')[-1].split('site-packages/')[-1]}:{l}({n})", round(v[k], 3), v[1]]
+                          for (f, l, n), v in rows[:14]]])
+print(json.dumps({"seconds": took, "summary": res.summary, "anon_kb": anon[0], "profile": top}, default=str))
 """
 
 
-def run_child(data: Path, out: Path, budget_mb: int) -> tuple[dict, float]:
-    """prep in a fresh interpreter: (its result, its peak RSS in GiB)."""
+def run_child(data: Path, out: Path, budget_mb: int, root: Path = ROOT, profile: bool = False) -> tuple[dict, float]:
+    """prep in a fresh interpreter on ``root``'s package: (its result, its peak RSS in GiB)."""
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(data), str(out), str(budget_mb)],
+        [sys.executable, "-c", CHILD, str(data), str(out), str(budget_mb), "1" if profile else "0"],
         stdout=subprocess.PIPE,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        env=dict(os.environ, PYTHONPATH=path),
     )
     stdout = proc.stdout.read()  # type: ignore[union-attr]
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
-        raise SystemExit(f"prep child failed with exit code {proc.returncode}")
+        raise SystemExit(f"prep child ({root}) failed with exit code {proc.returncode}")
+    shutil.rmtree(out, ignore_errors=True)
     return json.loads(stdout.decode().strip().splitlines()[-1]), usage.ru_maxrss / 2**20  # KiB on Linux
+
+
+def load_dataset_seconds(data: Path, cache: Path) -> tuple[float | None, str]:
+    """``datasets.load_dataset('json')`` of the file, cold cache: (seconds, what it read), or (None, why not)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    t = time.perf_counter()
+    try:
+        ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(cache))
+    except Exception as e:  # pyarrow's JSON reader may refuse mixed shapes: reported, not fatal
+        return None, f"cannot read it ({type(e).__name__}: {str(e)[:80]})"
+    took = time.perf_counter() - t
+    n = len(ds)
+    del ds
+    shutil.rmtree(cache, ignore_errors=True)
+    return took, f"{took:.1f} s for {n:,} rows"
+
+
+def measure(name: str, data: Path, n: int, args: Any, root_dir: Path, goal: tuple[float, float] | None) -> bool:
+    """One input: load_dataset once, then prep per variant (this checkout, and --before's), a line each; the goal
+    checked on this checkout's; its profile with --profile. True when the goal is met (or there is none)."""
+    size = data.stat().st_size
+    t_hf, hf = load_dataset_seconds(data, root_dir / f"hf-{data.stem}")
+    print(f"{name}: {n:,} ({size / 2**20:.0f} MiB); datasets.load_dataset('json'): {hf}", flush=True)
+    variants = [("after", ROOT)] + ([("before", Path(args.before))] if args.before else [])
+    met = True
+    for label, root in variants:
+        res, rss = run_child(data, root_dir / f"prep-{data.stem}", args.budget_mb, root)
+        t, s = res["seconds"], res["summary"]
+        k = s["counts"]
+        ratio = f"{t / t_hf:.2f}x load_dataset" if t_hf else "no load_dataset figure"
+        print(
+            f"  {label:6s} prep {t:6.1f} s ({ratio}; {s['timing_s']}), {n / t:,.0f}/s -> {k['accepted']:,} accepted, "
+            f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; peak RSS {rss:.2f} GiB, heap "
+            f"{res['anon_kb'] / 2**20:.2f} GiB ({s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
+            flush=True,
+        )
+        if label == "after" and goal is not None and t_hf:
+            ok = t / t_hf <= goal[0] and rss <= goal[1]
+            met &= ok
+            print(f"  goal <= {goal[0]}x load_dataset and peak RSS <= {goal[1]} GiB: {'met' if ok else 'MISSED'}")
+    if args.profile:
+        res, _ = run_child(data, root_dir / f"prof-{data.stem}", args.budget_mb, ROOT, profile=True)
+        print(f"  profile of this checkout's prep ({res['seconds']:.1f} s under cProfile):")
+        for key, rows in res["profile"]:
+            print(f"    by {key}: " + "; ".join(f"{fn} {sec:.2f} s" for fn, sec, _ in rows[:10]))
+    return met
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, nargs="*", default=[1_000_000, 5_000_000], help="seed records (none: skip)")
+    ap.add_argument("--records", type=int, nargs="*", default=[1_000_000], help="seed records (none: skip)")
     ap.add_argument("--conversations", type=int, default=100_000, help="Hermes conversations (0: skip)")
     ap.add_argument(
         "--formats",
@@ -210,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         default=20_000,
         help="conversations per issue-44 format (hermes_export, claude_code, atropos; 0: skip)",
     )
+    ap.add_argument("--before", default=None, metavar="DIR", help="another checkout: before / after in one run")
+    ap.add_argument("--profile", action="store_true", help="profile this checkout's prep once per input kind")
     ap.add_argument("--budget-mb", type=int, default=512, help="data.memory_budget_mb for prep")
     ap.add_argument("--keep", default=None, help="write into this dir instead of a temp dir")
     args = ap.parse_args(argv)
@@ -217,108 +293,31 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.keep) if args.keep else Path(tmp_ctx.name)
     root.mkdir(parents=True, exist_ok=True)
     ok = True
-    for i, n in enumerate(args.records or []):
+    for n in args.records or []:
         data = root / f"trajectories-{n}.jsonl"
         t = time.perf_counter()
         write_records(data, n)
-        size = data.stat().st_size
-        print(f"wrote {n:,} records, {size / 2**20:.1f} MiB in {time.perf_counter() - t:.1f} s", flush=True)
-        res, rss = run_child(data, root / f"prep-{n}", args.budget_mb)
-        t_prep, s = res["seconds"], res["summary"]
-        k = s["counts"]
-        print(
-            f"prep {n:,}: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
-            f"{k['rejected']:,} rejected, {k['duplicates']:,} duplicates, "
-            f"{s['split']['grpo_prompts']:,} GRPO / {s['split']['heldout_prompts']:,} held-out prompts; "
-            f"{n / t_prep / 1e3:.0f} k records/s; peak RSS {rss:.2f} GiB, heap {res['anon_kb'] / 2**20:.2f} GiB "
-            f"({rss * 2**30 / size:.2f}x the input; "
-            f"{s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
-            flush=True,
-        )
-        if n == 1_000_000:
-            met = t_prep <= GOAL_S
-            ok &= met
-            print(f"goal <= {GOAL_S:.0f} s at 1M: {'met' if met else 'MISSED'}")
+        print(f"wrote {n:,} records in {time.perf_counter() - t:.1f} s", flush=True)
+        ok &= measure("seed records", data, n, args, root, GOALS["records"] if n == 1_000_000 else None)
         if n == 5_000_000:
-            met = rss <= GOAL_RSS_GIB
+            _, rss = run_child(data, root / "prep-5m", args.budget_mb)
+            met = rss <= GOAL_RSS_GIB_5M
             ok &= met
-            print(f"goal peak RSS <= {GOAL_RSS_GIB} GiB at 5M: {'met' if met else 'MISSED'}")
-        if i == 0:
-            import datasets
-
-            datasets.disable_progress_bars()
-            t = time.perf_counter()
-            ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache"))
-            t_hf = time.perf_counter() - t
-            print(f"datasets.load_dataset('json'): {t_hf:.1f} s for {len(ds):,} rows (cold cache)")
-            print(f"ratio prep / load_dataset: {t_prep / t_hf:.2f}x")
-            del ds
+            print(f"  goal peak RSS <= {GOAL_RSS_GIB_5M} GiB at 5M: {'met' if met else 'MISSED'} ({rss:.2f} GiB)")
         data.unlink()
     if args.conversations:
-        bench_conversations(root, args.conversations, args.budget_mb)
+        n = args.conversations
+        data = root / f"hermes-{n}.jsonl"
+        write_conversations(data, n)
+        ok &= measure("Hermes conversations", data, n, args, root, GOALS["conversations"] if n == 100_000 else None)
+        data.unlink()
     for fmt in ("hermes_export", "claude_code", "atropos") if args.formats else ():
-        bench_format(root, fmt, args.formats, args.budget_mb)
+        data = root / f"{fmt}-{args.formats}.jsonl"
+        n = write_format(data, fmt, args.formats)
+        measure(f"{fmt} conversations", data, n, args, root, None)
+        data.unlink()
     tmp_ctx.cleanup()
     return 0 if ok else 1
-
-
-def bench_conversations(root: Path, n: int, budget_mb: int) -> None:
-    """One line: prep on n Hermes conversations (conversations/s, peak RSS) beside load_dataset('json')."""
-    data = root / f"hermes-{n}.jsonl"
-    t = time.perf_counter()
-    write_conversations(data, n)
-    size = data.stat().st_size
-    took = time.perf_counter() - t
-    print(f"wrote {n:,} Hermes conversations, {size / 2**20:.1f} MiB ({size / n / 1024:.1f} KiB each) in {took:.1f} s")
-    res, rss = run_child(data, root / f"prep-hermes-{n}", budget_mb)
-    t_prep, s = res["seconds"], res["summary"]
-    k, conv = s["counts"], s["conversations"]
-    import datasets
-
-    datasets.disable_progress_bars()
-    t = time.perf_counter()
-    ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / "hf-cache-conv"))
-    t_hf = time.perf_counter() - t
-    print(
-        f"prep {n:,} Hermes conversations: {t_prep:.1f} s ({s['timing_s']}) -> {k['accepted']:,} accepted, "
-        f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; {n / t_prep:,.0f} conversations/s, "
-        f"{conv['tool_calls']['total']:,} tool calls; peak RSS {rss:.2f} GiB, of it heap {res['anon_kb'] / 2**20:.2f} "
-        f"GiB (the rest: mapped Arrow files; input {size / 2**30:.2f} GiB, {s['memory']['partitions']} partitions, "
-        f"budget {budget_mb} MiB) | datasets.load_dataset('json'): "
-        f"{t_hf:.1f} s for {len(ds):,} rows ({n / t_hf:,.0f}/s); ratio prep / load_dataset {t_prep / t_hf:.2f}x",
-        flush=True,
-    )
-    del ds
-    data.unlink()
-
-
-def bench_format(root: Path, fmt: str, n: int, budget_mb: int) -> None:
-    """One line: prep on n conversations of one format (conversations/s, peak RSS) beside load_dataset('json') of
-    the same file (which may refuse a file whose lines differ in shape: said so)."""
-    data = root / f"{fmt}-{n}.jsonl"
-    n = write_format(data, fmt, n)
-    size = data.stat().st_size
-    res, rss = run_child(data, root / f"prep-{fmt}", budget_mb)
-    t_prep, s = res["seconds"], res["summary"]
-    k = s["counts"]
-    import datasets
-
-    datasets.disable_progress_bars()
-    t = time.perf_counter()
-    try:
-        ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(root / f"hf-{fmt}"))
-        t_hf = time.perf_counter() - t
-        hf = f"{t_hf:.1f} s for {len(ds):,} rows; ratio prep / load_dataset {t_prep / t_hf:.2f}x"
-        del ds
-    except Exception as e:  # pyarrow's JSON reader may refuse mixed shapes: reported, not fatal
-        hf = f"cannot read it ({type(e).__name__}: {str(e)[:80]})"
-    print(
-        f"prep {n:,} {fmt} conversations ({size / 2**20:.0f} MiB): {t_prep:.1f} s -> {k['accepted']:,} accepted, "
-        f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; {n / t_prep:,.0f} conversations/s; peak RSS "
-        f"{rss:.2f} GiB | datasets.load_dataset('json'): {hf}",
-        flush=True,
-    )
-    data.unlink()
 
 
 if __name__ == "__main__":

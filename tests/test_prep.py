@@ -412,7 +412,7 @@ def test_review_queue_stratified_deterministic(mixed, tmp_path):
         assert r["review_id"] == hashlib.sha1((r["task_id"] + r["prompt"] + r["response"]).encode()).hexdigest()[:12]
         band = "low" if r["reward"] < 1.5 else "high" if r["reward"] >= 3 else "mid"
         assert r["reward_band"] == band
-        if r["family"] == "unknown":
+        if r["family"] in ("unknown", "code"):  # a code task's tests run in the gate, when it simulates
             assert r["simulated_label"] is None
         else:
             assert r["simulated_label"] == tasks.verify(r["prompt"], r["response"])
@@ -858,3 +858,117 @@ def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
     assert g["add"] == {"weight_share": 0.6, "mixed": 30, "left_out": 2, "before": 0.3, "after": 0.45, "gain": 15.0}
     assert g["upper"]["gain"] == -1.0 and g["unknown"]["gain"] is None  # a user's own family: no held-out eval
     assert g["reverse"]["weight_share"] is None and g["reverse"]["gain"] == 10.0
+
+
+# ----------------------------------------------------------------- columns and workers (issue 45) = line by line
+def _outputs(out: Path) -> dict:
+    import datasets
+
+    files = {n: (out / f"{n}.jsonl").read_bytes() for n in ("accepted", "duplicates", "rejects", "outliers")}
+    files["review"] = sorted((out / "review_queue.jsonl").read_text().splitlines())
+    for name in ("grpo_dataset", "heldout_dataset", "conversations"):
+        if any((out / name).glob("*.arrow")):
+            files[name] = datasets.load_from_disk(str(out / name)).to_list()
+    s = json.loads((out / "summary.json").read_text())
+    files["counts"] = s["counts"], s["by_reason"], s["families"], s["split"], s["conversations"]["reward_sources"]
+    return files
+
+
+def test_seed_lines_in_columns_give_what_line_by_line_gives(tmp_path, monkeypatch):
+    """The column path (hermes_lab.data.columns: Arrow's reader, checks in columns) against the per-line path on the
+    same hostile mix (the fuzz test's lines between valid records, a lone `null` line: Arrow's reader crashes on
+    one, so none reaches it): every output byte for byte, every count."""
+    from test_prep_fuzz import make_line
+
+    from hermes_lab.data import columns
+
+    rng = random.Random(45)
+    good = good_records(400, seed=45)
+    raw = []
+    for i, rec in enumerate(good):
+        raw.append(line(rec) + (b"\r" if i % 9 == 0 else b""))
+        if i % 3 == 0:
+            raw.append(make_line(rng.randrange(2**32)))
+        if i % 40 == 0:
+            raw += [line(rec), b"null", line({**rec, "task_id": 1000 + i}), line({**rec, "family": ""})]
+    p = tmp_path / "mix.jsonl"
+    p.write_bytes(b"\n".join(raw) + b"\n")
+    c = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 16384})
+    run_prep([p], tmp_path / "cols", c, make_plots=False)
+    monkeypatch.setattr(columns, "fast_block", lambda data: False)  # every line through lines.decode / check_record
+    run_prep([p], tmp_path / "lines", c, make_plots=False)
+    a, b = _outputs(tmp_path / "cols"), _outputs(tmp_path / "lines")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+    k = a["counts"][0]
+    assert k["read"] == k["accepted"] + k["rejected"] + k["duplicates"] and k["rejected"] > 50 and k["accepted"] > 400
+
+
+def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_path, monkeypatch):
+    """A conversation file past PARALLEL_MIN is converted by worker processes (fork, results taken in order):
+    the same outputs as one process, rejects and duplicates included."""
+    from hermes_lab.data import conv_ingest
+
+    fix = REPO / "tests" / "fixtures" / "hermes"
+    good = [x for x in (fix / "batch_trajectories.jsonl").read_bytes().splitlines() if x.strip()]
+    hostile = __import__("gzip").decompress((fix / "hostile.jsonl.gz").read_bytes()).splitlines()
+    raw = []
+    for i in range(300):
+        rec = json.loads(good[i % len(good)])
+        rec["conversations"][1]["value"] += f" (run {i})"
+        raw.append(json.dumps(rec).encode())
+        if i % 25 == 0:
+            raw += [hostile[(i // 25) % 4], raw[-1], b""]  # a hostile line, an exact duplicate, a blank line
+    p = tmp_path / "traj.jsonl"
+    p.write_bytes(b"\n".join(raw) + b"\n")
+    c = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0})
+    monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1)
+    monkeypatch.setattr(conv_ingest, "TASK_BYTES", 64 << 10)  # many tasks in flight
+    res = run_prep([p], tmp_path / "workers", c, make_plots=False)
+    monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1 << 60)
+    run_prep([p], tmp_path / "one", c, make_plots=False)
+    a, b = _outputs(tmp_path / "workers"), _outputs(tmp_path / "one")
+    assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+    k = res.summary["counts"]
+    assert (k["accepted"], k["duplicates"], k["rejected"], k["blank"]) == (300, 12, 12, 12)
+
+
+def test_prompt_rows_are_the_sums_of_their_records(tmp_path):
+    """The prompt sets' numbers, summed in columns (distill), against a plain loop over accepted.jsonl and the
+    duplicates: per prompt its logged records, samples (duplicates counted), passes, mean, reference, task_id."""
+    from datasets import load_from_disk
+
+    rng = random.Random(7)
+    recs = []
+    for _ in range(900):
+        p = f"Summarise ticket #{rng.randrange(60)} in one line."
+        recs.append({"prompt": p, "response": f"r{rng.randrange(6)}", "reward": float(rng.randrange(6)),
+                     "task_id": f"t{rng.randrange(80)}"})  # fmt: skip
+    f = tmp_path / "g.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = load_config(None, overrides={"data.min_samples": 1, "data.holdout_fraction": 0.3})
+    run_prep([f], tmp_path / "out", c, make_plots=False)
+    out = tmp_path / "out"
+    rows = {r["prompt"]: r for n in ("grpo_dataset", "heldout_dataset") for r in load_from_disk(str(out / n)).to_list()}
+    acc = [json.loads(x) for x in (out / "accepted.jsonl").read_text().splitlines()]
+    copies = {}
+    for d in (json.loads(x) for x in (out / "duplicates.jsonl").read_text().splitlines()):
+        copies[d["duplicate_of"]] = copies.get(d["duplicate_of"], 0) + 1
+    seen = {}
+    for r in acc:
+        origin = f"{f}:{recs.index(r) + 1}"
+        g = seen.setdefault(r["prompt"], {"n": 0, "ns": 0, "pass": 0, "total": 0.0, "ref": None, "rmax": -1})
+        k = 1 + copies.get(origin, 0)
+        g["n"] += 1
+        g["ns"] += k
+        g["pass"] += k * (r["reward"] >= c.reward.success_threshold)
+        g["total"] += r["reward"]
+        if r["reward"] > g["rmax"]:
+            g["ref"], g["rmax"] = r["response"], r["reward"]
+    assert set(rows) == set(seen)
+    for p, g in seen.items():
+        row = rows[p]
+        assert (row["n_logged"], row["n_samples"], row["n_pass"]) == (g["n"], g["ns"], g["pass"])
+        assert row["mean_logged_reward"] == g["total"] / g["n"] and (row["reference"], row["ref_reward"]) == (
+            g["ref"],
+            g["rmax"],
+        )

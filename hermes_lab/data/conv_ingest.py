@@ -16,13 +16,17 @@ Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its 
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
+import os
 import sqlite3
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import orjson
+from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
 from hermes_lab.data.conversation import (
@@ -33,7 +37,7 @@ from hermes_lab.data.conversation import (
     review_key,
     task_prompt_of,
 )
-from hermes_lab.data.lines import split_of
+from hermes_lab.data.lines import decode, record_tests, split_of
 from hermes_lab.data.outcomes import assign_reward
 
 RAW_KEEP = 4096  # bytes of a rejected record's raw text kept when it is cut
@@ -42,8 +46,129 @@ BATCH_LINES = 16384  # records held before one vectorised duplicate lookup
 LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
 
 
+PARALLEL_MIN = 8 << 20  # a conversation file from this size on is converted by worker processes
+TASK_BYTES = 1 << 20  # lines sent to a worker at once
+BOM = b"\xef\xbb\xbf"
+
+
+class LineWork:
+    """What converting one line of a conversation format needs (a worker inherits it when the pool forks)."""
+
+    __slots__ = ("feedback", "file", "fmt", "max_chars", "role", "round_no", "rules", "scale")
+
+    def __init__(self, **kw: Any):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[Any, ...]:
+    """One line of a conversation JSONL, every check made: ("blank",), ("reject", reason, detail, raw, cut),
+    ("defer", record, text) for the judge, or ("item", the batch's item, the record when ``keep``)."""
+    line = line.rstrip(b"\r")
+    if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
+        line = line[3:]
+    if not line.strip():
+        return ("blank",)
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return ("reject", "not valid UTF-8", f"{e.reason} at byte {e.start}", line, False)
+    try:
+        obj = decode(text, line)
+        rec = readers.parse_line(obj, w.fmt, w.file, lineno, w.scale, w.max_chars)
+        if (tests := record_tests(obj, task_prompt_of(rec["messages"]))) is not None:
+            rec["tests"] = tests
+    except Invalid as e:
+        cut = e.reason == "message too long"  # keep its first 4 KiB, as for a line too long
+        return ("reject", e.reason, e.detail, line[:RAW_KEEP] if cut else line, cut)
+    if w.role == "negative":
+        rec["negative"] = {"file": w.file, "round": w.round_no}
+    if not assign_reward(rec, w.feedback, w.rules, w.scale):
+        return ("defer", rec, text)
+    return ("item", _conv_item(lineno, rec), rec if keep else None)
+
+
+_WORK: list[LineWork] = []  # the forked workers' LineWork
+
+
+def _convert_lines(first: int, lines: list[bytes]) -> list[tuple[Any, ...]]:
+    w = _WORK[0]
+    return [convert(w, first + k, line) for k, line in enumerate(lines)]
+
+
 class ConversationIngest:
     """The ingest's conversation methods (``Ingest`` inherits them; its attributes are theirs)."""
+
+    def line_work(self, ctx: Any) -> LineWork:
+        return LineWork(
+            fmt=ctx.conv,
+            file=ctx.st["file"],
+            role=ctx.role,
+            round_no=ctx.round_no,
+            scale=self.scale,
+            max_chars=self.conv_cfg.max_message_chars,
+            feedback=self.feedback,
+            rules=self.conv_cfg,
+        )
+
+    def pool(self, ctx: Any, size: int) -> list[Any] | None:
+        """Worker processes for a large conversation file (both cores: the conversion is ~90% of its time; the
+        judge's queue needs the records here, so not with conversations.reward: judge); None: convert here.
+        [pool, results in flight, the last line number sent]."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if ctx.conv is None or self.judge is not None or size < PARALLEL_MIN or cores < 2:
+            return None
+        import multiprocessing
+
+        _WORK[:] = [self.line_work(ctx)]  # inherited by the forked workers: no pickling of the feedback
+        return [multiprocessing.get_context("fork").Pool(cores), deque(), 0]
+
+    def _conv_block(self, ctx: Any, pool: list[Any], lines: list[bytes]) -> None:
+        """A block's lines sent to the workers in tasks of ~TASK_BYTES; results taken in order, a few in flight
+        (the file is not read ahead into memory)."""
+        p, flight = pool[0], pool[1]
+        if not flight:
+            pool[2] = ctx.lineno
+        start, size = 0, 0
+        for k, line in enumerate(lines):
+            size += len(line)
+            if size >= TASK_BYTES or k == len(lines) - 1:
+                flight.append(p.apply_async(_convert_lines, (pool[2] + 1, lines[start : k + 1])))
+                pool[2] += k + 1 - start
+                start, size = k + 1, 0
+                while len(flight) > 2 * p._processes:
+                    self._take_task(ctx, flight.popleft())
+
+    def _take_task(self, ctx: Any, result: Any) -> None:
+        for res in result.get():
+            ctx.lineno += 1
+            self._take(ctx, ctx.lineno, res)
+
+    def _drain(self, ctx: Any, pool: list[Any] | None) -> None:
+        while pool is not None and pool[1]:
+            self._take_task(ctx, pool[1].popleft())
+
+    def _take(self, ctx: Any, lineno: int, res: tuple[Any, ...]) -> None:
+        """A converted line: a blank, a reject, the judge's, or an item of the batch."""
+        if res[0] == "blank":
+            ctx.blank += 1
+            return
+        ctx.read += 1
+        st = ctx.st
+        if res[0] == "reject":
+            _, reason, detail, raw, cut = res
+            self._reject(st, lineno, reason, detail, raw, **({"raw_truncated": True} if cut else {}))
+            return
+        if res[0] == "defer":
+            self.judge.defer(ctx.fidx, ctx.role, lineno, res[1], res[2])  # type: ignore[union-attr]
+            return
+        item = res[1]
+        if self.judge is not None:
+            self.judge.offer(res[2], res[2]["reward"])
+        ctx.pending.append(item)
+        ctx.pending_bytes += 2 * len(item[1]) + len(item[2]) + len(item[3])
+        if len(ctx.pending) >= BATCH_LINES or ctx.pending_bytes >= self.batch_bytes:
+            self._flush_pending(ctx)
 
     def _add_conv(
         self,
@@ -144,10 +269,10 @@ class ConversationIngest:
         sink = self.sinks["negatives" if role == "negative" else "accepted"]
         c, cc = self.cols, self.conv_cols
         parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
-        seq, dups, sha1 = self.n, 0, hashlib.sha1
-        seed_hash = hashlib.sha1(f"{self.seed}:".encode())
+        seq, dups = self.n, 0
         for j, item in enumerate(pending):
-            lineno, text, prompt, response, rec, key = item[:6]
+            lineno, text, prompt, response, info, key = item[:6]
+            cid, fam, reward, task_id, turns, tool_calls, tool_errors, reward_source, tests = info
             o, kind = -1, ""
             for k, (name, _, col) in enumerate(kinds):
                 o = found[k][j] if found[k][j] >= 0 else first[k].get(item[col], -1)
@@ -161,7 +286,7 @@ class ConversationIngest:
                 line = "null" if lineno is None else lineno
                 self.sinks["duplicates"].write(
                     f'{{"file": {enc(st["file"])}, "line": {line}, "duplicate_of": {where}, "kind": "{kind}", '
-                    f'"conversation_id": {enc(rec["conversation_id"])}, "raw": {enc(text)}}}\n'
+                    f'"conversation_id": {enc(cid)}, "raw": {enc(text)}}}\n'
                 )
                 continue
             for k, (*_, col) in enumerate(kinds):
@@ -169,40 +294,28 @@ class ConversationIngest:
             new_rows.append(j)
             new_seqs.append(seq)
             sink.write(text + "\n")
-            fam = rec["family"]
             fid = self.families.get(fam)
             if fid is None:
                 fid = self.families[fam] = len(self.families)
-            c["reward"].append(rec["reward"])
+            c["reward"].append(reward)
             c["origin"].append(fidx << LINE_BITS | (lineno or 0))
             c["copies"].append(0)
             c["family"].append(fid)
-            c["held"].append(split_of(rec["task_id"], self.holdout, self._split_cache))
+            c["held"].append(split_of(task_id, self.holdout, self._split_cache))
             c["negative"].append(role == "negative")
-            if role == "negative":
-                c["rank"].append(0)
-            else:
-                h = seed_hash.copy()
-                h.update(sha1(key).hexdigest()[:12].encode())
-                c["rank"].append(int.from_bytes(h.digest()[:8], "big"))
-            o = rec["outcome"]
-            src = rec["reward_source"].split(":", 1)[0]
+            c["rank"].append(0 if role == "negative" else xxh3_64_intdigest(key, self.rank_seed))
+            src = reward_source.split(":", 1)[0]
             sid = self.reward_sources.setdefault(src, len(self.reward_sources))
-            for k, v in (
-                ("seq", seq),
-                ("turns", o["turns"]),
-                ("tool_calls", o["tool_calls"]),
-                ("tool_errors", o["tool_errors"]),
-                ("source", sid),
-            ):
+            for k, v in (("seq", seq), ("turns", turns), ("tool_calls", tool_calls), ("tool_errors", tool_errors),
+                         ("source", sid)):  # fmt: skip
                 cc[k].append(v)
-            if rec["conversation_id"] in self.feedback:
+            if cid in self.feedback:
                 self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
             part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
-            for col, v in zip(part, (seq, prompt, response, rec["task_id"], text, rec.get("tests"))):
+            for col, v in zip(part, (seq, prompt, response, task_id, item[9], tests)):  # the dataset row's text
                 col.append(v)
             seq += 1
-            self.text_bytes += len(prompt) + len(response) + len(text)
+            self.text_bytes += len(prompt) + len(response) + len(item[9])
         self.n = seq
         if new_rows:
             idx = np.asarray(new_rows, dtype=np.int64)
@@ -266,13 +379,85 @@ class ConversationIngest:
 
 
 def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
-    """A conversation in a batch: (line, record text, prompt, response, record, review key, exact digest,
-    near digest, id digest)."""
+    """A conversation in a batch: (line, record text, prompt, response, what the columns need, review key, exact
+    digest, near digest, id digest, its conversations/ row as text); no record object (pickled cheaply)."""
     msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
-    text, key = record_text(rec), review_key(rec["task_id"], cid)
-    digests = content_digest(msgs, tools), content_digest(msgs, tools, near=True)
-    cid_digest = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), rec, key, *digests, cid_digest)
+    text, key = _text(rec), review_key(rec["task_id"], cid)
+    o = rec["outcome"]
+    info = (cid, rec["family"], rec["reward"], rec["task_id"], o["turns"], o["tool_calls"], o["tool_errors"])
+    info += (rec["reward_source"], rec.get("tests"))
+    cid_digest = xxh3_128_digest(cid.encode("utf-8", "surrogatepass"))
+    row = {**rec, "tools": _tools_text(tools), "meta": json_text(rec.get("meta") or {})}
+    row["negative"] = bool(rec.get("negative"))
+    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), info, key, *digests(msgs, tools), cid_digest,
+            _text(row))  # fmt: skip
+
+
+def _text(v: Any) -> str:
+    """``conversation.record_text``, scanning the text for U+2028 / U+2029 once (their shared UTF-8 prefix)."""
+    try:
+        data = orjson.dumps(v)
+    except (TypeError, orjson.JSONEncodeError):
+        return record_text(v)
+    text = data.decode()
+    return record_text(v) if b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data else text
+
+
+def digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[bytes, bytes]:
+    """(exact, near) 16-byte digests of what was said, as ``conversation.content_digest`` defines them (exact: roles,
+    text, reasoning, call ids and arguments, the schemas; near: the exchange up to whitespace, case, reasoning,
+    call ids, system prompt and schemas), in one pass: XXH3-128 of the parts as JSON (unambiguous, C-fast)."""
+    exact, near = [], []
+    try:
+        for m in messages:
+            role, text = m["role"], m.get("content") or ""
+            calls = m.get("tool_calls") or ()
+            exact.append((role, text, m.get("reasoning") or "", m.get("tool_call_id") or "",
+                          [(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]))  # fmt: skip
+            if role != "system":
+                near.append((role, " ".join(text.split()).lower(), [_norm_args(c) for c in calls]))
+        return (xxh3_128_digest(orjson.dumps(exact) + _tools_key(tools)), xxh3_128_digest(orjson.dumps(near)))
+    except (TypeError, orjson.JSONEncodeError):  # a lone surrogate (a session file's): the standard digests
+        return content_digest(messages, tools), content_digest(messages, tools, near=True)
+
+
+def _norm_args(call: dict[str, Any]) -> tuple[str, str]:
+    args = call["function"]["arguments"]
+    with contextlib.suppress(orjson.JSONDecodeError):
+        args = orjson.dumps(orjson.loads(args), option=orjson.OPT_SORT_KEYS).decode().lower()
+    return call["function"]["name"], args
+
+
+_TOOLS: dict[int, tuple[Any, bytes, str]] = {}  # id -> (the list, kept alive; its digest; its JSON text)
+
+
+def _tools_cached(tools: list[dict[str, Any]]) -> tuple[bytes, str]:
+    """A tool list's digest and JSON text, once per list object (a Hermes run's lines share one parsed list)."""
+    hit = _TOOLS.get(id(tools))
+    if hit is not None and hit[0] is tools:
+        return hit[1], hit[2]
+    text = json_text(tools)
+    d = xxh3_128_digest(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)) if tools else b""
+    if len(_TOOLS) >= 256:
+        _TOOLS.clear()
+    _TOOLS[id(tools)] = (tools, d, text)
+    return d, text
+
+
+def json_text(v: Any) -> str:
+    """A dataset row's JSON text column (tools, meta): orjson's, the standard encoder's for what it refuses."""
+    try:
+        return orjson.dumps(v).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(v, ensure_ascii=False)
+
+
+def _tools_key(tools: list[dict[str, Any]]) -> bytes:
+    return _tools_cached(tools)[0]
+
+
+def _tools_text(tools: list[dict[str, Any]]) -> str:
+    return _tools_cached(tools)[1]
 
 
 def cut_raw(raw: Any, reason: str) -> tuple[Any, dict[str, Any]]:

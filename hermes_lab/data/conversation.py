@@ -53,6 +53,8 @@ import hashlib
 import json
 from typing import Any
 
+import orjson
+
 ROLES = ("system", "user", "assistant", "tool")
 FORMATS = (
     "seed",
@@ -145,9 +147,12 @@ def is_tool_error(content: str | None) -> bool:
     s = content.strip()
     if s[:1] in "{[":
         try:
-            obj = json.loads(s)
-        except json.JSONDecodeError:
-            obj = None
+            obj = orjson.loads(s)  # C; what it refuses, json reads as before (NaN, which json accepts)
+        except orjson.JSONDecodeError:
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError:
+                obj = None
         if isinstance(obj, dict):
             inner = obj.get("content")
             return (

@@ -31,7 +31,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.data.conversation import dataset_row, dataset_schema, record_of, review_key
+from hermes_lab.data.conversation import dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id
 from hermes_lab.data.selection import Selection
 from hermes_lab.tasks import suite as tasks
@@ -135,9 +135,11 @@ def _review_line(
     scale: float,
     thr: float,
     conv: dict[str, Any] | None = None,
+    label: float | None = None,
 ) -> str:
     """A review item; for a conversation (``conv``) its id is the conversation's and it carries the
-    messages, tools, conversation_id and reward_source the widget shows."""
+    messages, tools, conversation_id and reward_source the widget shows. ``label``: the simulated label of an
+    embedded task's record (``_review_lines`` scores them together; None: not one of them)."""
     band = "low" if reward < 0.3 * scale else "high" if reward >= thr else "mid"
     if conv is not None:  # a conversation: its id names the review item, the person labels it whole
         from hermes_lab.policy.episodes import score_messages  # the agent family's verifier (None: not one)
@@ -146,7 +148,6 @@ def _review_line(
         label = score_messages(conv["messages"], scale)
     else:
         rid = review_id(task_id, prompt, response)
-        label = tasks.verify(prompt, response, scale) if tasks.family_of(prompt) else None
     rec = {
         "review_id": rid,
         "task_id": task_id,
@@ -160,6 +161,34 @@ def _review_line(
     if conv is not None:
         rec.update({k: conv[k] for k in ("conversation_id", "reward_source", "messages", "tools", "outcome")})
     return json.dumps(rec)  # ASCII escapes: readers that splitlines() must not split on U+2028
+
+
+def _review_lines(
+    items: list[tuple[Any, ...]], c: dict[str, Any], seq: Any, fam_names: list[str], scale: float, thr: float
+) -> list[str]:
+    """The review items of a partition's picks ((row, prompt, response, task_id, conversation text)), with the
+    embedded tasks' simulated labels (their verifiers, scored together). A code task's label is left to the
+    review gate's simulated reviewer (``review.gate.simulate_labels`` runs its tests when ``review.simulate`` is
+    on): prep runs no sandbox for a label nobody may read."""
+    known: dict[str, Any] = {}
+    todo = []
+    for k, (_, p, _resp, _, conv) in enumerate(items):
+        if conv is None:
+            if p not in known:
+                known[p] = tasks.parse_prompt(p)
+            if known[p] is not None and known[p].family != "code":
+                todo.append(k)
+    labels: dict[int, float] = {}
+    if todo:
+        scores = tasks.score_tasks([known[items[k][1]] for k in todo], [items[k][2] for k in todo], scale)
+        labels = dict(zip(todo, scores))
+    out = []
+    for k, (i, p, resp, tid, conv) in enumerate(items):
+        s = int(seq[i])
+        fam, r = fam_names[int(c["family"][s])], float(c["reward"][s])
+        rec = row_record(conv) if conv is not None else None
+        out.append(_review_line(p, resp, tid, fam, r, scale, thr, rec, labels.get(k)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ grouping
@@ -258,6 +287,55 @@ def _conv_batch(rows: list[dict[str, Any]]) -> Any:
     return pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))
 
 
+def _conv_rows(texts: Any, split: Any, seqs: Any) -> Any:
+    """Rows of the conversations dataset from their text (``conv_ingest``'s: the record with tools and meta as JSON
+    text) parsed by Arrow's JSON reader straight into the dataset's schema, with their split and seq; a batch
+    Arrow refuses (a lone surrogate's escape) parsed row by row."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    schema = dataset_schema()
+    fields = [f for f in schema if f.name != "split"]
+    lines = pc.binary_join_element_wise(texts, "", "\n")  # each text and a newline: their bytes are the JSONL
+    lines = lines.combine_chunks() if isinstance(lines, pa.ChunkedArray) else lines
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset : lines.offset + len(lines) + 1]
+    data = lines.buffers()[2][int(offsets[0]) : int(offsets[-1])]
+    block = max(8 << 20, int(np.diff(offsets).max()) + 1)  # blocks parsed on both cores; a row never straddles two
+    try:
+        t = pj.read_json(
+            pa.BufferReader(data),
+            read_options=pj.ReadOptions(block_size=block),
+            parse_options=pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"),
+        )
+        if t.num_rows != len(split):
+            raise ValueError("a row is not one line")
+    except (pa.ArrowInvalid, ValueError):
+        rows = [record_of(x) | {"split": s, "seq": int(q)} for x, s, q in zip(texts.to_pylist(), split, seqs)]
+        return _conv_batch(rows)
+    t = t.add_column(schema.get_field_index("split"), "split", pa.array(split.tolist(), pa.string()))
+    cols = [c.chunk(0) if c.num_chunks == 1 else pa.concat_arrays(c.chunks) for c in t.combine_chunks().columns]
+    return pa.RecordBatch.from_arrays(
+        [*cols, pa.array(seqs, pa.int64())], schema=schema.append(pa.field("seq", pa.int64()))
+    )
+
+
+def row_record(text: str) -> dict[str, Any]:
+    """A conversations/ row's text as its record (tools and meta back to lists and dicts): a review item's."""
+    rec = record_of(text)
+    rec["tools"], rec["meta"] = json.loads(rec["tools"]), json.loads(rec["meta"])
+    return rec
+
+
+def _fingerprint() -> str:
+    """A new dataset's fingerprint: random, as datasets gives an in-memory table it cannot hash cheaply (hashing
+    the rows would cost more than writing them)."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
 def _tid_hash(task_id: str | None) -> int:
     return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
 
@@ -292,86 +370,111 @@ class Distill:
         self.sel.plan()
 
     def _partition(self, table: Any, review: SortedSpill, outliers: SortedSpill) -> None:
+        """One partition's prompt rows, in columns: each prompt's numbers summed over its records at once
+        (numpy, in seq order: the sums are the ones a record-by-record loop gives), then one ``_Prompt`` per
+        prompt; per record only the outliers, the review picks and the conversations."""
+        import numpy as np
         import pyarrow as pa
+        import pyarrow.compute as pc
 
         c, files = self.cols, self.ing.files
         scale, thr = float(self.cfg.reward.scale), float(self.cfg.reward.success_threshold)
         med, sigma = self.z["median"], self.z["sigma"]
-        seq_all = table.column("seq").to_numpy()
-        held_all = c["held"][seq_all]
-        held_prompts = set(table.column("prompt").filter(pa.array(held_all)).to_pylist())
+        seq = table.column("seq").to_numpy()  # ascending: the partition's rows in the order they were accepted
+        n = len(seq)
+        r, held, neg = c["reward"][seq], c["held"][seq], c["negative"][seq]
+        k = 1 + c["copies"][seq].astype(np.int64)  # a record and its duplicate lines: samples of its group
+        enc = pc.dictionary_encode(table.column("prompt")).combine_chunks()
+        code = enc.indices.to_numpy().astype(np.int64)
+        prompts = enc.dictionary.to_pylist()  # in order of first record
+        n_g = len(prompts)
+        held_g = np.zeros(n_g, dtype=bool)
+        held_g[code[held]] = True  # a prompt seen under a held-out task_id is held out whole
+        h = held_g[code]
+        self.moved += int((h & ~held).sum())
+
+        def first_of(mask: Any) -> Any:  # per prompt: the first row where mask holds (n: none)
+            out = np.full(n_g, n, dtype=np.int64)
+            rows = np.flatnonzero(mask)
+            np.minimum.at(out, code[rows], rows)
+            return out
+
+        def total(w: Any) -> Any:
+            return np.bincount(code, weights=w, minlength=n_g)
+
+        first = first_of(np.ones(n, dtype=bool))
+        rmax = np.full(n_g, -np.inf)
+        np.maximum.at(rmax, code, r)
+        rmin = np.full(n_g, np.inf)
+        np.minimum.at(rmin, code, r)
+        ref = first_of(r == rmax[code])  # the reference: the highest-reward response, the first on ties
+        tid_row = np.where(held_g, first_of(held), first)  # a held prompt's task_id: its first held-out record's
+        tests = table.column("tests")
+        test_row = first_of(tests.is_valid().to_numpy(zero_copy_only=False))
+        neg_row = first_of(neg)
+        sums = {
+            "n": np.bincount(code, minlength=n_g),
+            "total": total(r),
+            "ns": total(k),
+            "s1": total(k * r),
+            "sq": total(k * r * r),
+            "n_pass": total(k * (r >= thr)),
+            "n_out": total(self.is_out[seq]),
+        }
+        tids, resps = table.column("task_id"), table.column("response")
+        fam_of = np.asarray(self.fam_names, dtype=object)[c["family"][seq[first]]] if n_g else []
+        tid_of = tids.take(pa.array(tid_row)).to_pylist()
+        ref_resp = resps.take(pa.array(ref)).to_pylist()
+        test_of = tests.take(pa.array(np.minimum(test_row, n - 1))).to_pylist()
+        origin = c["origin"][seq]
         groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
-        conv_rows: list[dict[str, Any]] = []
-        conv_batches: list[Any] = []
-        conv_bytes = 0
-        for batch in table.to_batches(max_chunksize=ROW_BATCH):
-            sq = batch.column(0).to_numpy()
-            cols = zip(
-                sq.tolist(),
-                batch.column(1).to_pylist(),
-                batch.column(2).to_pylist(),
-                batch.column(3).to_pylist(),
-                batch.column("tests").to_pylist(),
-                c["reward"][sq].tolist(),
-                c["held"][sq].tolist(),
-                c["negative"][sq].tolist(),
-                c["family"][sq].tolist(),
-                c["origin"][sq].tolist(),
-                self.is_out[sq].tolist(),
-                self.picked[sq].tolist(),
-                c["copies"][sq].tolist(),
-                batch.column("conv").to_pylist(),
+        cols = {name: v.tolist() for name, v in sums.items()}
+        for j, p in enumerate(prompts):
+            g = _Prompt(int(seq[first[j]]), tid_of[j], fam_of[j], ref_resp[j], float(r[ref[j]]))
+            g.n, g.total, g.s1, g.sq = cols["n"][j], cols["total"][j], cols["s1"][j], cols["sq"][j]
+            g.ns, g.n_pass, g.n_out = int(cols["ns"][j]), int(cols["n_pass"][j]), int(cols["n_out"][j])
+            g.rmin, g.rmax = float(rmin[j]), float(rmax[j])
+            if test_row[j] < n:
+                g.tests = test_of[j]
+            if neg_row[j] < n:
+                f = files[int(origin[neg_row[j]]) >> LINE_BITS]
+                g.neg_source, g.neg_round = f["file"], f["round"]
+            groups[int(held_g[j])][p] = g
+        for i in np.flatnonzero(self.is_out[seq]).tolist():  # outliers: few, in input order
+            o = int(origin[i])
+            z = round((float(r[i]) - med) / sigma, 3)
+            rec = {"file": files[o >> LINE_BITS]["file"], "line": o & ((1 << LINE_BITS) - 1),
+                   "task_id": tids[i].as_py(), "reward": float(r[i]), "z": z}  # fmt: skip
+            outliers.add(int(seq[i]), json.dumps(rec))
+        conv_col = table.column("conv")
+        picks = np.flatnonzero(self.picked[seq])
+        if len(picks):
+            at = pa.array(picks)
+            rows = zip(
+                picks.tolist(),
+                [prompts[x] for x in code[picks].tolist()],
+                resps.take(at).to_pylist(),
+                tids.take(at).to_pylist(),
+                conv_col.take(at).to_pylist(),
             )
-            for seq, p, resp, tid, tests_json, r, held, neg, fid, origin, out, pick, dup, conv_text in cols:
-                fam = self.fam_names[fid]
-                h = held or p in held_prompts
-                self.moved += h and not held
-                g = groups[h].get(p)
-                if g is None:
-                    g = groups[h][p] = _Prompt(seq, tid if held or not h else None, fam, resp, r)
-                elif r > g.ref_reward:  # reference: the highest-reward logged response (the first one on ties)
-                    g.reference, g.ref_reward = resp, r
-                if g.task_id is None and held:
-                    g.task_id = tid
-                if g.tests is None and tests_json is not None:
-                    g.tests = tests_json
-                g.n += 1
-                g.total += r
-                k = 1 + dup
-                g.ns += k
-                g.s1 += k * r
-                g.sq += k * r * r
-                g.n_pass += k * (r >= thr)
-                if r < g.rmin:
-                    g.rmin = r
-                elif r > g.rmax:
-                    g.rmax = r
-                g.n_out += out
-                fidx = origin >> LINE_BITS
-                if neg and g.neg_source is None:
-                    g.neg_source, g.neg_round = files[fidx]["file"], files[fidx]["round"]
-                if out:
-                    line = origin & ((1 << LINE_BITS) - 1)
-                    z = round((r - med) / sigma, 3)
-                    rec = {"file": files[fidx]["file"], "line": line, "task_id": tid, "reward": r, "z": z}
-                    outliers.add(seq, json.dumps(rec))
-                conv = None
-                if conv_text is not None:  # a conversation: its row of conversations/, in its split
-                    conv = record_of(conv_text)
-                    split = "heldout" if h else "train"
-                    self.conv_split[split] += 1
-                    conv_rows.append(dataset_row(conv, split) | {"seq": seq})
-                    conv_bytes += len(conv_text)
-                    if conv_bytes >= self.conv_batch_bytes:  # parsed records weigh ~5x their text: Arrow them
-                        conv_batches.append(_conv_batch(conv_rows))
-                        conv_rows, conv_bytes = [], 0
-                if pick:
-                    key = int(c["rank"][seq]) << LINE_BITS | seq
-                    review.add(key, _review_line(p, resp, tid, fam, r, scale, thr, conv))
+            items = [(i, p, resp, tid, conv) for i, p, resp, tid, conv in rows]
+            for (i, *_), line in zip(items, _review_lines(items, c, seq, self.fam_names, scale, thr)):
+                review.add(int(c["rank"][seq[i]]) << LINE_BITS | int(seq[i]), line)
+        conv_batches: list[Any] = []
+        rows = np.flatnonzero(conv_col.is_valid().to_numpy(zero_copy_only=False))  # conversations: their rows
+        if len(rows):
+            texts = conv_col if len(rows) == n else conv_col.take(pa.array(rows))  # a conversations' file: all
+            split = np.where(h[rows], "heldout", "train")
+            self.conv_split["heldout"] += int(h[rows].sum())
+            self.conv_split["train"] += int(len(rows) - h[rows].sum())
+            sizes = np.cumsum(pc.binary_length(texts).to_numpy(zero_copy_only=False))
+            cut = np.searchsorted(
+                sizes, np.arange(1, int(sizes[-1]) // self.conv_batch_bytes + 1) * self.conv_batch_bytes
+            )
+            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(rows)]):
+                if b > a:
+                    conv_batches.append(_conv_rows(texts.slice(a, b - a), split[a:b], seq[rows[a:b]]))
         self.sel.count(groups[0])
-        if conv_rows:
-            conv_batches.append(_conv_batch(conv_rows))
-            del conv_rows
         if conv_batches:
             t = pa.Table.from_batches(conv_batches)
             del conv_batches
@@ -436,7 +539,8 @@ class Distill:
                 spill = left if name == "grpo_dataset" else None
                 if not parts or not isinstance(parts[0], Path):  # one partition: rows already in first-record order
                     table = self.sel.finish(parts[0] if parts else _table({}, self.sel), spill)
-                    datasets.Dataset(table.drop_columns(["first_seq"])).save_to_disk(str(paths[name]))
+                    ds = datasets.Dataset(table.drop_columns(["first_seq"]), fingerprint=_fingerprint())
+                    ds.save_to_disk(str(paths[name]))
                     continue
                 # several partitions: each finished (the cap) into a new Arrow file, memory-mapped, one ordered
                 # pass (save_to_disk batches it)
@@ -474,7 +578,8 @@ class Distill:
             schema = dataset_schema().append(pa.field("seq", pa.int64()))
             table = parts[0] if parts else schema.empty_table()
             order = np.argsort(table.column("seq").to_numpy(), kind="stable")
-            datasets.Dataset(table.take(order).drop_columns(["seq"])).save_to_disk(str(path))
+            ds = datasets.Dataset(table.take(order).drop_columns(["seq"]), fingerprint=_fingerprint())
+            ds.save_to_disk(str(path))
             return path
         # several: memory-mapped Arrow files, one ordered pass (save_to_disk batches it), as for the prompt sets
         ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in parts])

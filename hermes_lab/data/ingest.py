@@ -8,16 +8,19 @@ dir, through temp files renamed into place at the end: ``accepted.jsonl``, ``neg
 accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.data.distill``.
 
 Two paths, chosen per input (``hermes_lab.data.readers.detect`` or ``conversations.format``): the seed's
-``{prompt, response, reward, task_id}`` lines take the fast path below, unchanged; every other shape becomes a
-canonical conversation record (``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by
-conversation_id (``hermes_lab.data.conv_ingest``, this class's mixin). Its projection for the prompt tables is
-(first user message, final answer); the whole record rides along in the spill for the conversations
-dataset and the review queue.
+``{prompt, response, reward, task_id}`` lines are read a block at a time (``hermes_lab.data.columns.read_blocks``)
+and parsed and checked in columns (``hermes_lab.data.columns``, this class's mixin), the lines that need a rule
+one by one (``_line``); every other shape becomes a canonical conversation record
+(``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by conversation_id
+(``hermes_lab.data.conv_ingest``, the other mixin; a large file's lines converted by worker processes). Its
+projection for the prompt tables is (first user message, final answer); its conversations/ row rides along in the
+spill for the conversations dataset and the review queue.
 
-Memory is bounded: lines are validated in batches (at most ``BATCH_LINES`` lines or a sixteenth of
-``data.memory_budget_mb``), duplicates are found through a 16-byte blake2b digest of (prompt, response,
-task_id) held in sorted numpy runs (``DigestIndex``), and what is kept for the whole input is a handful of
-fixed-size fields per accepted record (reward, origin, family id, split, review hash, duplicate count: ~64 bytes).
+Memory is bounded: lines are read in blocks (``columns.BLOCK_BYTES``) and validated in batches (at most
+``BATCH_LINES`` lines or a sixteenth of ``data.memory_budget_mb``), duplicates are found through a 16-byte XXH3-128
+digest of (task_id, prompt, response), their lengths first, held in sorted numpy runs (``DigestIndex``), and
+what is kept for the whole input is a handful of fixed-size fields per accepted record (reward, origin, family
+id, split, review rank (XXH3-64 of the same key, seeded with ``data.seed``), duplicate count: ~40 bytes).
 
 Validation, every field of every line: ``hermes_lab.data.lines`` (JSON, the seed record) and
 ``hermes_lab.data.readers`` / ``hermes_lab.data.conversation`` (every other shape); a bad line is a reject with
@@ -32,20 +35,18 @@ Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.data.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
-import zlib
 from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from xxhash import xxh3_64_intdigest, xxh3_128_digest
+
 from hermes_lab.data import readers
-from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, RAW_KEEP, ConversationIngest
-from hermes_lab.data.conversation import (
-    task_prompt_of,
-)
+from hermes_lab.data.columns import Corrupt, SeedColumns, read_blocks
+from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, RAW_KEEP, ConversationIngest, convert
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
     REQUIRED,
@@ -69,7 +70,31 @@ _CACHE_MAX = 200_000  # entries of the per-prompt family / per-task split caches
 
 
 # ------------------------------------------------------------------------------------------- ingest
-class Ingest(ConversationIngest):
+class _Scan:
+    """Where the scan of one JSONL input stands: its counts and the batch not yet flushed."""
+
+    __slots__ = (
+        "blank",
+        "conv",
+        "fidx",
+        "lineno",
+        "pending",
+        "pending_bytes",
+        "read",
+        "role",
+        "round_no",
+        "st",
+        "stop",
+    )
+
+    def __init__(self, st: dict[str, Any], fidx: int, role: str, round_no: int | None, conv: str | None):
+        self.st, self.fidx, self.role, self.round_no, self.conv = st, fidx, role, round_no, conv
+        self.lineno = self.read = self.blank = self.pending_bytes = 0
+        self.pending: list[tuple[Any, ...]] = []
+        self.stop = False
+
+
+class Ingest(SeedColumns, ConversationIngest):
     """Streams every line of every file into the four JSONL sinks, the fixed-size columns and the spill."""
 
     def __init__(
@@ -90,6 +115,7 @@ class Ingest(ConversationIngest):
         self.scale, self.cap, self.batch_bytes = scale, cap, max(1 << 20, budget_bytes // 16)
         self.n_parts = max(1, n_parts)
         self.holdout, self.seed = cfg.data.holdout_fraction, cfg.data.seed
+        self.rank_seed = cfg.data.seed % (1 << 64)  # the review rank: xxh3_64 of the record's key, seeded
         self.files: list[dict[str, Any]] = []
         self.index = DigestIndex()
         self.n = 0  # accepted records so far (their seq numbers)
@@ -126,6 +152,9 @@ class Ingest(ConversationIngest):
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
         self._writers = [pa.ipc.new_stream(str(p), self.schema) for p in self.part_paths]
+        # the seed's fields as columns (hermes_lab.data.columns); task_id's type is read from the data
+        s = pa.string()
+        self.seed_schema = pa.schema([("prompt", s), ("response", s), ("reward", pa.float64()), ("family", s)])
 
     # ----------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -212,113 +241,98 @@ class Ingest(ConversationIngest):
         self.files.append(st)
         if fmt not in readers.JSONL_FORMATS:  # sessions, state.db, exports, traces, groups: whole records
             return self._scan_records(path, st, fidx, role, fmt)
-        conv = None if fmt == "seed" else fmt
-        max_chars = self.conv_cfg.max_message_chars
+        ctx = _Scan(st, fidx, role, round_no, None if fmt == "seed" else fmt)
         size = path.stat().st_size
-        bar = tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            desc=f"prep {path.name}",
-            disable=size < PROGRESS_MIN,
-            mininterval=1.0,
-        )
-        scale, cap = self.scale, self.cap
-        pending: list[tuple[Any, ...]] = []
-        pending_bytes = 0
-        lineno = read = blank = 0
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"prep {path.name}", disable=size < PROGRESS_MIN,
+                   mininterval=1.0)  # fmt: skip
         last_pos = 0
         with open(path, "rb") as raw_f:
             f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
-            readline = f.readline
-            while True:
-                try:
-                    raw = readline(cap + 1)  # bounded: a 1 GiB line never sits in memory whole
-                    if len(raw) > cap and not raw.endswith(b"\n"):
-                        total, chunk = len(raw), raw
-                        while chunk and not chunk.endswith(b"\n"):
-                            chunk = readline(1 << 20)
-                            total += len(chunk)
+            pool = self.pool(ctx, size)
+            try:
+                for block, plain in read_blocks(f, self.cap):
+                    if ctx.conv is None:
+                        self._seed_block(ctx, block, plain)
+                    elif pool is not None and plain:
+                        self._conv_block(ctx, pool, block)
                     else:
-                        total = 0
-                except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz: what was read is kept
-                    lineno += 1
-                    read += 1
-                    self._reject(st, lineno, "corrupt gzip stream", f"{type(e).__name__}: {e}"[:200], b"")
-                    break
-                if not raw:
-                    break
-                lineno += 1
-                if not lineno & 0x1FFF and not bar.disable:  # tell() of the raw file: compressed bytes for .gz
-                    pos = raw_f.tell()
-                    bar.update(pos - last_pos)
-                    last_pos = pos
-                if total:
-                    read += 1
-                    self._reject(
-                        st,
-                        lineno,
-                        "line too long",
-                        f"{total} bytes > data.max_line_bytes {cap}",
-                        raw[:RAW_KEEP],
-                        raw_truncated=True,
-                    )
-                    continue
-                line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw.rstrip(b"\r")
-                if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
-                    line = line[3:]
-                if not line.strip():
-                    blank += 1
-                    continue
-                read += 1
-                try:
-                    text = line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    self._reject(st, lineno, "not valid UTF-8", f"{e.reason} at byte {e.start}", line)
-                    continue
-                try:
-                    obj = decode(text)
-                    if conv is None:
-                        prompt, response, reward, task_id, fam = check_record(obj, scale)
-                        tests_json = record_tests(obj, prompt)
-                    else:
-                        rec = readers.parse_line(obj, conv, st["file"], lineno, scale, max_chars)
-                        if (conv_tests := record_tests(obj, task_prompt_of(rec["messages"]))) is not None:
-                            rec["tests"] = conv_tests
-                except Bad as e:
-                    cut = e.reason == "message too long"  # keep its first 4 KiB, as for a line too long
-                    self._reject(st, lineno, e.reason, e.detail, line[:RAW_KEEP] if cut else line, **_cut(cut))
-                    continue
-                if conv is not None:
-                    pending_bytes += self._add_conv(st, fidx, role, round_no, lineno, rec, text, pending)
-                    if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
-                        self._flush_conv(st, fidx, role, pending)
-                        pending, pending_bytes = [], 0
-                    continue
-                out_text = text
-                if role == "negative":
-                    obj["_negative"] = {"file": st["file"], "round": round_no}
-                    try:  # ASCII escapes: extra fields may hold characters some readers split lines on
-                        out_text = json.dumps(obj)
-                    except (RecursionError, ValueError):
-                        self._reject(st, lineno, "malformed JSON", "nested too deeply", line)
-                        continue
-                joined = (task_id + prompt + response).encode()  # the review id's bytes too
-                h = hashlib.blake2b(f"{len(task_id)},{len(prompt)},".encode(), digest_size=16)
-                h.update(joined)  # unambiguous: the lengths say where task_id and prompt end
-                pending.append(
-                    (lineno, text, out_text, prompt, response, reward, task_id, fam, joined, h.digest(), tests_json)
-                )
-                pending_bytes += len(text) + len(joined) + (len(out_text) if out_text is not text else 0)
-                if len(pending) >= BATCH_LINES or pending_bytes >= self.batch_bytes:
-                    self._flush(st, fidx, role, pending)
-                    pending, pending_bytes = [], 0
-        (self._flush if conv is None else self._flush_conv)(st, fidx, role, pending)
+                        self._drain(ctx, pool)
+                        for line in block:
+                            self._line(ctx, line)
+                    if ctx.stop:
+                        break
+                    if not bar.disable:  # tell() of the raw file: compressed bytes for .gz
+                        pos = raw_f.tell()
+                        bar.update(pos - last_pos)
+                        last_pos = pos
+                self._drain(ctx, pool)
+            finally:
+                if pool is not None:
+                    pool[0].terminate()
+        self._flush_pending(ctx)
         if not bar.disable:
             bar.update(max(0, size - last_pos))
         bar.close()
-        st.update(lines=lineno, read=read, blank=blank)
+        st.update(lines=ctx.lineno, read=ctx.read, blank=ctx.blank)
         return st
+
+    def _flush_pending(self, ctx: _Scan) -> None:
+        (self._flush if ctx.conv is None else self._flush_conv)(ctx.st, ctx.fidx, ctx.role, ctx.pending)
+        ctx.pending, ctx.pending_bytes = [], 0
+
+    def _line(self, ctx: _Scan, line: Any) -> None:
+        """One line through every check (``lines.decode``, ``check_record`` or the format's reader): a reject
+        with its number and reason, or an item of the batch (flushed at ``BATCH_LINES`` or a sixteenth of the
+        memory budget)."""
+        st, scale, cap = ctx.st, self.scale, self.cap
+        ctx.lineno += 1
+        lineno = ctx.lineno
+        if type(line) is not bytes:
+            ctx.read += 1
+            if isinstance(line, Corrupt):  # a truncated or corrupt .gz: what was read is kept
+                e = line.error
+                self._reject(st, lineno, "corrupt gzip stream", f"{type(e).__name__}: {e}"[:200], b"")
+                ctx.stop = True
+            else:
+                detail = f"{line.total} bytes > data.max_line_bytes {cap}"
+                self._reject(st, lineno, "line too long", detail, line.head[:RAW_KEEP], raw_truncated=True)
+            return
+        if ctx.conv is not None:  # a conversation's line: hermes_lab.data.conv_ingest
+            self._take(ctx, lineno, convert(self.line_work(ctx), lineno, line, keep=self.judge is not None))
+            return
+        line = line.rstrip(b"\r")
+        if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
+            line = line[3:]
+        if not line.strip():
+            ctx.blank += 1
+            return
+        ctx.read += 1
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self._reject(st, lineno, "not valid UTF-8", f"{e.reason} at byte {e.start}", line)
+            return
+        try:
+            obj = decode(text, line)
+            prompt, response, reward, task_id, fam = check_record(obj, scale)
+            tests_json = record_tests(obj, prompt)
+        except Bad as e:
+            self._reject(st, lineno, e.reason, e.detail, line)
+            return
+        out_text = text
+        if ctx.role == "negative":
+            obj["_negative"] = {"file": st["file"], "round": ctx.round_no}
+            try:  # ASCII escapes: extra fields may hold characters some readers split lines on
+                out_text = json.dumps(obj)
+            except (RecursionError, ValueError):
+                self._reject(st, lineno, "malformed JSON", "nested too deeply", line)
+                return
+        keyed = f"{len(task_id)},{len(prompt)},{task_id}{prompt}{response}".encode()  # lengths: unambiguous
+        item = (lineno, text, out_text, prompt, response, reward, task_id, fam, keyed, xxh3_128_digest(keyed))
+        ctx.pending.append((*item, tests_json))
+        ctx.pending_bytes += len(text) + len(keyed) + (len(out_text) if out_text is not text else 0)
+        if len(ctx.pending) >= BATCH_LINES or ctx.pending_bytes >= self.batch_bytes:
+            self._flush_pending(ctx)
 
     def _flush(self, st: dict[str, Any], fidx: int, role: str, pending: list[tuple[Any, ...]]) -> None:
         """Duplicate lookup for a batch (vectorised), then the sinks, the columns and the spill, in line order."""
@@ -347,7 +361,7 @@ class Ingest(ConversationIngest):
         )
         negative = role == "negative"
         families, fam_cache, split_cache, holdout = self.families, self._fam_cache, self._split_cache, self.holdout
-        seed_hash, sha1 = hashlib.sha1(f"{self.seed}:".encode()), hashlib.sha1
+        rank_seed = self.rank_seed
         # seq, prompt, response, task_id, conv (none on this path: a null column), tests
         parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
         k_parts = self.n_parts
@@ -399,12 +413,7 @@ class Ingest(ConversationIngest):
             c_fam.append(fid)
             c_held.append(held)
             c_neg.append(negative)
-            if negative:
-                c_rank.append(0)
-            else:  # review_rank(seed, review_id(...)), inlined
-                h = seed_hash.copy()
-                h.update(sha1(joined).hexdigest()[:12].encode())
-                c_rank.append(int.from_bytes(h.digest()[:8], "big"))
+            c_rank.append(0 if negative else xxh3_64_intdigest(joined, rank_seed))
             part = parts[hash(prompt) % k_parts if k_parts > 1 else 0]
             part[0].append(seq)
             part[1].append(prompt)

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from hermes_lab.data.conversation import Invalid
 from hermes_lab.sandbox.specs import SpecError, parse_tests
 
@@ -85,8 +87,51 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
-def decode(text: str) -> Any:
-    """The JSON value of one line; Bad (reason, detail) for anything the checks above refuse."""
+_DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
+_LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, Python as an int
+
+
+def decode(text: str, raw: bytes | None = None) -> Any:
+    """The JSON value of one line; Bad (reason, detail) for anything the checks above refuse. orjson (C) reads
+    it first; the standard decoder with every check (``decode_exact``) reads what orjson refuses (and so names
+    the fault) or might read otherwise: deep nesting, a 64-bit-plus integer, a duplicate key (``_keys_unique``)."""
+    raw = text.encode("utf-8", "surrogatepass") if raw is None else raw  # ``raw``: the line's bytes, when at hand
+    if raw.count(b"[") + raw.count(b"{") <= 500 and b"\\u003" not in raw and _LONG_INT not in raw.translate(_DIGITS):
+        try:
+            obj = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if _keys_unique(text, obj):
+                return obj
+    return decode_exact(text)
+
+
+def _keys_unique(text: str, obj: Any) -> bool:
+    """No object of ``obj`` had a key twice: the line's colons are its objects' key separators plus the colons
+    inside its strings, so a key that a later one overwrote leaves the count short (``\\u003a``, a colon that
+    is no colon in the text, is excluded by ``decode``)."""
+    n = 0
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if type(v) is str:
+            n += v.count(":")
+        elif type(v) is dict:
+            n += len(v)
+            for k, x in v.items():
+                n += k.count(":")
+                if type(x) is str:
+                    n += x.count(":")
+                elif type(x) is dict or type(x) is list:
+                    stack.append(x)
+        elif type(v) is list:
+            stack.extend(v)
+    return n == text.count(":")
+
+
+def decode_exact(text: str) -> Any:
+    """``decode`` with the standard decoder and every check, value by value."""
     try:
         try:
             obj, end = _SCAN(text, _WS(text, 0).end())
@@ -191,12 +236,13 @@ def review_id(task_id: str, prompt: str, response: str, joined: bytes | None = N
     return hashlib.sha1(joined if joined is not None else (task_id + prompt + response).encode()).hexdigest()[:12]
 
 
-def review_rank(seed: int | Any, rid: str) -> int:
-    """The review sample's seeded hash rank of a record: the first 8 bytes of sha1(f"{seed}:{rid}").
-    ``seed`` may be ``hashlib.sha1(f"{seed}:".encode())``, copied instead of rehashing the prefix."""
-    h = hashlib.sha1(f"{seed}:".encode()) if isinstance(seed, int) else seed.copy()
-    h.update(rid.encode())
-    return int.from_bytes(h.digest()[:8], "big")
+def review_rank(seed: int, key: bytes) -> int:
+    """The review sample's seeded hash rank of a record: XXH3-64 of its key (a seed record's
+    ``"{len(task_id)},{len(prompt)},{task_id}{prompt}{response}"``, a conversation's ``review_key``), seeded with
+    ``data.seed`` (the ingest computes it inline; the sample is the lowest ranks per stratum)."""
+    from xxhash import xxh3_64_intdigest
+
+    return xxh3_64_intdigest(key, seed % (1 << 64))
 
 
 # ------------------------------------------------------------------------------------ duplicate index

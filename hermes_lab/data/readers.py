@@ -39,9 +39,12 @@ import functools
 import gzip
 import hashlib
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import orjson
 
 from hermes_lab.data.conversation import (
     Invalid,
@@ -248,36 +251,51 @@ def from_openai(obj: dict[str, Any], file: str, line: int | None, scale: float, 
 
 
 # ------------------------------------------------------------------------------------- Hermes ShareGPT
+@functools.lru_cache(maxsize=8)
+def _tags(kinds: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("<(/?)(" + "|".join(map(re.escape, kinds)) + ")>")
+
+
 def _blocks(value: str, kinds: tuple[str, ...], at: str) -> list[tuple[str | None, str]]:
     """``value`` split into (tag, body) blocks of the given tags and (None, text) around them. Inside a block
     only its own closing tag counts (a <think> may mention <tool_call>); an unclosed or stray tag is Invalid."""
     out: list[tuple[str | None, str]] = []
     pos = 0
-    while True:
-        starts = [(value.find(f"<{k}>", pos), k) for k in kinds]
-        starts = [(i, k) for i, k in starts if i >= 0]
-        stray = [(value.find(f"</{k}>", pos), k) for k in kinds]
-        stray = [(i, k) for i, k in stray if i >= 0]
-        if not starts:
-            if stray:
-                i, k = min(stray)
-                raise Invalid("broken tag", f"{at}: </{k}> at character {i} closes nothing")
-            out.append((None, value[pos:]))
-            return out
-        i, k = min(starts)
-        if stray and min(stray)[0] < i:
-            j, sk = min(stray)
-            raise Invalid("broken tag", f"{at}: </{sk}> at character {j} closes nothing")
-        out.append((None, value[pos:i]))
-        body_at = i + len(k) + 2
-        end = value.find(f"</{k}>", body_at)
-        if end < 0:
-            raise Invalid("broken tag", f"{at}: <{k}> at character {i} is never closed")
-        out.append((k, value[body_at:end]))
-        pos = end + len(k) + 3
+    open_k, open_at = None, 0  # the block being read: its tag and where its body starts
+    for m in _tags(kinds).finditer(value):
+        closing, k = m.group(1), m.group(2)
+        if open_k is None:
+            if closing:
+                raise Invalid("broken tag", f"{at}: </{k}> at character {m.start()} closes nothing")
+            out.append((None, value[pos : m.start()]))
+            open_k, open_at, pos = k, m.end(), m.start()
+        elif closing and k == open_k:
+            out.append((k, value[open_at : m.start()]))
+            open_k, pos = None, m.end()
+    if open_k is not None:
+        raise Invalid("broken tag", f"{at}: <{open_k}> at character {pos} is never closed")
+    out.append((None, value[pos:]))
+    return out
 
 
 def _json_body(body: str, what: str, at: str) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = _NOT_READ
+    if obj is _NOT_READ or _LONG_INT in body.encode("utf-8", "surrogatepass").translate(_DIGITS):
+        obj = _json_exact(body, what, at)  # what orjson refuses (NaN, which json reads) or reads otherwise
+    if not isinstance(obj, dict):
+        raise Invalid(f"malformed {what}", f"{at}: a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+_NOT_READ = object()
+_DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
+_LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, json as an int
+
+
+def _json_exact(body: str, what: str, at: str) -> Any:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
