@@ -172,8 +172,8 @@ def row_checks(t: Any, scale: float) -> tuple[Any, Any]:
         return np.zeros(n, dtype=bool), None
     for col in (t.column("prompt"), t.column("response"), tid):
         ok &= col.is_valid().to_numpy(zero_copy_only=False)
-    r = t.column("reward").fill_null(-1.0).to_numpy()
-    ok &= (r >= 0) & (r <= scale)  # NaN fails both
+    r = t.column("reward").to_numpy(zero_copy_only=False)  # a null: NaN, which fails both (fill_null: 30x slower)
+    ok &= (r >= 0) & (r <= scale)
     for col in (t.column("prompt"), tid):  # empty or whitespace only (str.strip's rule): printable ASCII is neither
         seen = pc.match_substring_regex(col, "[!-~]").fill_null(True).to_numpy(zero_copy_only=False)
         for i in np.flatnonzero(~seen & ok).tolist():

@@ -266,6 +266,9 @@ class Ingest(SeedColumns, ConversationIngest):
                         bar.update(pos - last_pos)
                         last_pos = pos
                 self._drain(ctx, pool)
+                if pool is not None:  # reaped: their CPU is the command's
+                    pool[0].close()
+                    pool[0].join()
             finally:
                 if pool is not None:
                     pool[0].terminate()
