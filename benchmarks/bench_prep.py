@@ -213,8 +213,8 @@ print(json.dumps({"seconds": took, "summary": res.summary, "anon_kb": anon[0], "
 def run_child(data: Path, out: Path, budget_mb: int, root: Path = ROOT, profile: bool = False) -> tuple[dict, float]:
     """prep in a fresh interpreter on ``root``'s package: (its result, its peak RSS in GiB)."""
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(data), str(out), str(budget_mb), "1" if profile else "0"],
+    proc = subprocess.Popen(  # -P: the cwd's package (a checkout run from) does not shadow ``root``'s
+        [sys.executable, "-P", "-c", CHILD, str(data), str(out), str(budget_mb), "1" if profile else "0"],
         stdout=subprocess.PIPE,
         env=dict(os.environ, PYTHONPATH=path),
     )

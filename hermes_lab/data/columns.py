@@ -145,6 +145,7 @@ def parse_run(lines: list[bytes], schema: Any) -> Any:
             io.BytesIO(b"\n".join(lines)),
             read_options=pj.ReadOptions(block_size=BLOCK_BYTES),
             parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="infer"),
+            memory_pool=pa.system_memory_pool(),  # malloc's: a block's buffers go back when freed (mimalloc keeps them)
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError):
         return None

@@ -293,6 +293,10 @@ def run_prep(
         if not f.is_file():
             raise PrepError(f"feedback file not found: {f}")
     tmp = Path(tempfile.mkdtemp(prefix=".prep-", dir=out))  # sinks in progress and spills; removed whatever happens
+    import pyarrow as pa
+
+    pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())  # malloc's: Arrow's buffers go back when freed (mimalloc keeps them)
     try:
         ing = Ingest(
             tmp,
@@ -332,6 +336,7 @@ def run_prep(
         _distill(ing, cfg, summary, paths, out, tmp, make_plots, arrays)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        pa.set_memory_pool(pool)
     t_distill = time.perf_counter()
     counts = summary["counts"]
     summary["gates"] = evaluate_gates(
