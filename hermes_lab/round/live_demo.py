@@ -23,7 +23,7 @@ What happens, a line at each transition (the supervisor's ``[live ...]`` lines, 
 Then the traffic stops, and the supervisor closes its gateway once it has paused (so no request of the agent is
 refused at the end). At the end it checks what the demo is for: the gateway's pid and address never changed, no
 request failed, and prints the champion's live agent success round after round.
-The clock: x360 (``--time-scale``): the 30% stage of 2 h takes 20 s (up to 40 s extended), the 1 h cooldown 10 s.
+The clock: x360 (``--time-scale``): the 50% stage of 2 h takes 20 s (up to 40 s extended), the 1 h cooldown 10 s.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from hermes_lab.round.supervisor import describe_agent
 DEMO_KEYS: dict[str, dict[str, Any]] = {
     "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
     "data": {"min_samples": 300, "cooldown_hours": 1},  # 300 conversations; the cooldown shown, not waited out
-    # one tested stage at 30% (2 h = 20 s at x360), then 100%: at the ~30 requests/s the tiny policy serves here,
-    # a 10% first stage sees ~120 candidate requests, too few to decide a +14-point round 2 before its hard end
-    "ab": {"request_rate": 0.1, "stages": [[0.3, 7200], [1.0, 0]]},
+    # one tested stage at 50% (2 h = 20 s at x360), then 100%: the A/B counts conversations, and an agent episode
+    # is two requests, so the stage sees ~200 conversations; at 30% a smaller round 2 (+0.27 on the 5 scale, 61
+    # candidate conversations) was still undecided at its hard end (a 10% stage: ~120 candidate string requests)
+    "ab": {"request_rate": 0.1, "stages": [[0.5, 7200], [1.0, 0]]},
     "validate": {"eval_tasks_per_family": 48},  # half the held-out set: the regression gate in half the time
 }
 
