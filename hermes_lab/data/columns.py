@@ -286,11 +286,11 @@ class SeedColumns:
                 raw = enc(raws[d].decode())
                 out.append(f'{{"file": {file_js}, "line": {ln}, "duplicate_of": {where}, "raw": {raw}}}\n')
             del orig
-            self.sinks["duplicates"].write("".join(out))
+            self.sinks["duplicates"].write("".join(out).encode())
             st["duplicates"] += len(dups)
         if not k:
             return
-        self.sinks["accepted"].write(b"\n".join([raws[i] for i in new_idx.tolist()]).decode() + "\n")
+        self.sinks["accepted"].write(b"\n".join([raws[i] for i in new_idx.tolist()]) + b"\n")
         rewards = t.column("reward").to_numpy()[new_idx]
         c["reward"].frombytes(rewards.astype(np.float64).tobytes())
         c["origin"].frombytes(((fidx << 40) | linenos[new_idx]).astype(np.int64).tobytes())

@@ -284,16 +284,17 @@ class ConversationIngest:
                 c["copies"][o] += 1
                 where = enc(self.origin_str(c["origin"][o]))
                 line = "null" if lineno is None else lineno
-                self.sinks["duplicates"].write(
+                dup = (
                     f'{{"file": {enc(st["file"])}, "line": {line}, "duplicate_of": {where}, "kind": "{kind}", '
-                    f'"conversation_id": {enc(cid)}, "raw": {enc(text)}}}\n'
+                    f'"conversation_id": {enc(cid)}, "raw": {enc(text.decode())}}}\n'
                 )
+                self.sinks["duplicates"].write(dup.encode())
                 continue
             for k, (*_, col) in enumerate(kinds):
                 first[k][item[col]] = seq
             new_rows.append(j)
             new_seqs.append(seq)
-            sink.write(text + "\n")
+            sink.write(text + b"\n")
             fid = self.families.get(fam)
             if fid is None:
                 fid = self.families[fam] = len(self.families)
@@ -393,14 +394,16 @@ def _conv_item(lineno: int | None, rec: dict[str, Any]) -> tuple[Any, ...]:
             _text(row))  # fmt: skip
 
 
-def _text(v: Any) -> str:
-    """``conversation.record_text``, scanning the text for U+2028 / U+2029 once (their shared UTF-8 prefix)."""
+def _text(v: Any) -> bytes:
+    """``conversation.record_text`` as UTF-8 bytes (what the sinks and the spill take), the U+2028 / U+2029 test
+    made on orjson's bytes."""
     try:
         data = orjson.dumps(v)
     except (TypeError, orjson.JSONEncodeError):
-        return record_text(v)
-    text = data.decode()
-    return record_text(v) if b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data else text
+        return record_text(v).encode("utf-8", "surrogatepass")
+    if b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data:
+        return record_text(v).encode()
+    return data
 
 
 def digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[bytes, bytes]:

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from hermes_lab.data.conversation import Invalid, check_messages, make_record, outcome_of
 from hermes_lab.data.grouping import Bad, Kept, read_lines
 from hermes_lab.data.readers import SESSION_GLOB, system_tools, tools_of, where
@@ -164,17 +166,25 @@ def chain_messages(segments: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
     """A chain's messages, session after session, without the hand-off a compression replays into its
     continuation (a message of a later session already seen earlier in the chain)."""
     out: list[dict[str, Any]] = []
-    seen: set[str] = set()
+    seen: set[Any] = set()
     for k, rows in enumerate(segments):
         for r in rows:
             m = {c: r[c] for c in MESSAGE_COLUMNS if r.get(c) is not None}
             m["content"] = _db_content(m.get("content"))
-            key = json.dumps([m.get("role"), m.get("content"), m.get("tool_call_id"), m.get("tool_calls")], default=str)
+            key = _key([m.get("role"), m.get("content"), m.get("tool_call_id"), m.get("tool_calls")])
             if k and key in seen:
                 continue
             seen.add(key)
             out.append(m)
     return out
+
+
+def _key(parts: list[Any]) -> bytes | str:
+    """A message's identity for the hand-off test: orjson's text, json's (str for the rest) when orjson refuses."""
+    try:
+        return orjson.dumps(parts)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(parts, default=str)
 
 
 def tools_for(

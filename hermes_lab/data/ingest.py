@@ -133,7 +133,7 @@ class Ingest(SeedColumns, ConversationIngest):
         self._fam_cache: dict[str, str] = {}
         self._split_cache: dict[str, bool] = {}
         self.tmp_sinks = {n: tmp / f"{n}.jsonl" for n in SINKS}
-        self.sinks = {n: open(p, "w", encoding="utf-8", newline="\n") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
+        self.sinks = {n: open(p, "wb") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
         # the conversations: their own near-duplicate index, their stats (accepted ones, in seq order), rewards
         self.conv_cfg, self.feedback, self.feedback_info = cfg.conversations, *load_feedback(feedback_files, scale)
         self.near_index, self.id_index = DigestIndex(), DigestIndex()
@@ -209,7 +209,7 @@ class Ingest(SeedColumns, ConversationIngest):
             "raw": raw,
             **extra,
         }
-        self.sinks["rejects"].write(json.dumps(rec) + "\n")
+        self.sinks["rejects"].write((json.dumps(rec) + "\n").encode())
 
     # ---------------------------------------------------------------------------------------- scan
     def detect(self, path: Path) -> str:
@@ -391,13 +391,14 @@ class Ingest(SeedColumns, ConversationIngest):
                 dups += 1
                 c_copies[o] += 1
                 first = enc(self.origin_str(c_orig[o]))
-                dup_out.write(f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {first}, "raw": {enc(text)}}}\n')
+                line = f'{{"file": {file_js}, "line": {lineno}, "duplicate_of": {first}, "raw": {enc(text)}}}\n'
+                dup_out.write(line.encode())
                 continue
             origin = fidx << LINE_BITS | lineno
             first_in_batch[digest] = seq
             new_rows.append(j)
             new_seqs.append(seq)
-            sink.write(out_text + "\n")
+            sink.write((out_text + "\n").encode())
             if fam is None:
                 fam = fam_cache.get(prompt)
                 if fam is None:

@@ -125,8 +125,12 @@ def _keys_unique(text: str, obj: Any) -> bool:
                     n += x.count(":")
                 elif type(x) is dict or type(x) is list:
                     stack.append(x)
-        elif type(v) is list:
-            stack.extend(v)
+        elif type(v) is list:  # only what can hold a colon or a key goes on the stack (not a group's token ids)
+            for x in v:
+                if type(x) is str:
+                    n += x.count(":")
+                elif type(x) is dict or type(x) is list:
+                    stack.append(x)
     return n == text.count(":")
 
 
