@@ -14,7 +14,7 @@ HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
 setup: $(STAMP)
 
 # torch first, from requirements/torch-cpu.txt: the CPU wheel. Installing the package afterwards finds
-# torch satisfied and never pulls a CUDA build. GPU users: see README.
+# torch satisfied and never pulls a CUDA build. GPU users: see docs/gpu.md.
 $(STAMP): pyproject.toml requirements/torch-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -49,7 +49,7 @@ live-demo: setup
 
 ## the suite on every core, and one worker more (pytest-xdist: whole files per worker, the longest first:
 ## tests/conftest.py). Many tests wait (servers starting, a rollout's wall-clock stages, a killed process's
-## restart): with one worker a core, 10% of the CPU stayed idle; one more keeps it busy (563 s -> 535 s, 2 cores).
+## restart): with one worker a core, 10% of the CPU stayed idle; one more keeps it busy.
 ## On a fresh clone the tiny policy most tests share builds in the background while the files that need none run;
 ## the 15 slowest tests are listed at the end (where the time goes)
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))

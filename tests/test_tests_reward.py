@@ -130,7 +130,7 @@ def test_mbpp_share_and_all_or_nothing(executor):
 
 def test_humaneval_continuation_full_function_and_all_or_nothing(executor):
     """check(candidate) passes or fails as a whole, as HumanEval's grader has it: its asserts build on each other
-    and a stub passes its edge cases (``longest([]) is None``), so a share of them is no evidence (README)."""
+    and a stub passes its edge cases (``longest([]) is None``), so a share of them is no evidence (docs/rewards.md)."""
     spec = parse_tests({"test": HE_TEST, "entry_point": "below_zero"}, HE_PROMPT).to_json()
     full = HE_PROMPT + HE_BODY  # a chat model writes the whole function: the prompt's definitions stay
     wrong = "    return sum(ops) < 0\n"  # right on 3 of the 4 asserts: [1, 2, -4, 5, 6] ends positive

@@ -24,7 +24,7 @@ import errno
 import socket
 import tempfile
 
-# why each group is refused (doctor and the README say it in these words)
+# why each group is refused (doctor and docs/sandbox.md say it in these words)
 REFUSED: dict[str, tuple[str, ...]] = {
     "network (every socket but socketpair(AF_UNIX))": ("socket",),
     "memory outside the run's cgroup or outliving it": ("memfd_create", "memfd_secret", "shmget", "shmat", "shmctl"),

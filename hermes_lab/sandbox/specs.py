@@ -421,7 +421,7 @@ class Outcome:
     detail: str = ""
     marks: str = ""  # per test: 1 pass, n pass without calling the candidate (not counted), 0 assertion failed,
     # e error, m MemoryError, t timeout, - not run
-    partial: bool = True  # whether a share of the tests earns its share (not for check: see the README)
+    partial: bool = True  # whether a share of the tests earns its share (not for check: see docs/rewards.md)
 
     @property
     def share(self) -> float:
