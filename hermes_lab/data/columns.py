@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import zlib
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -31,6 +32,7 @@ from hermes_lab.data.lines import TEST_FIELDS, split_of
 from hermes_lab.tasks import suite as tasks
 
 BLOCK_BYTES = 4 << 20  # bytes read and parsed at once
+PREFETCH = 2  # blocks prepared ahead of the one being ingested
 MIN_RUN = 64  # a refused block is split down to this many lines, then read line by line
 MAX_BRACKETS = 500  # a line with more open brackets takes the per-line path (Python's nesting limit)
 SUSPECT = (b"\xef\xbb\xbf", b"NaN", b"Infinity", b"\\u003a", b"\\u003A")
@@ -182,40 +184,83 @@ def row_checks(t: Any, scale: float) -> tuple[Any, Any]:
     return ok, tid
 
 
+NOT_PLAIN, NOT_PARSED = object(), object()  # a run that is one line not for Arrow; a run not parsed yet
+
+
+def parse_checked(run: list[bytes], schema: Any, scale: float) -> Any:
+    """(table, rows the columns accept, task_id as text) of a run of plain lines, or None when Arrow refuses it."""
+    t = parse_run(run, schema)
+    return None if t is None else (t, *row_checks(t, scale))
+
+
+def prepare_block(lines: list[Any], fast: bool, schema: Any, scale: float) -> tuple[list[Any], Any]:
+    """A block's work that needs no ingest state (pure: the prefetch thread does it): (its lines, its runs), runs
+    None when every line takes the per-line path (a block that fails ``fast_block``, holds a long line or a
+    broken .gz, or is a negative file's: ``fast`` False), else (start, end, ``parse_checked`` of the run) in line
+    order, NOT_PLAIN for a line that is not plain."""
+    import numpy as np
+
+    data = b"\n".join(lines) if fast else b""
+    if not data or not fast_block(data):
+        return lines, None
+    if b"\r" in data:
+        lines = [line.rstrip(b"\r") for line in lines]
+        data = b"\n".join(lines)
+    plain = plain_lines(data)
+    runs: list[tuple[int, int, Any]] = []
+    i, n = 0, len(lines)
+    while i < n:
+        if not plain[i]:
+            runs.append((i, i + 1, NOT_PLAIN))
+            i += 1
+            continue
+        j = i + int(np.argmin(plain[i:])) if not plain[i:].all() else n
+        runs.append((i, j, parse_checked(lines[i:j], schema, scale)))
+        i = j
+    return lines, runs
+
+
 class SeedColumns:
     """The ingest's column path for seed lines (``Ingest`` inherits it; its attributes are theirs)."""
 
-    def _seed_block(self, ctx: Any, lines: list[Any], plain_block: bool) -> None:
-        """One block: runs of rows in columns, the lines that need a rule through ``_line``, in line order."""
+    def seed_blocks(self, blocks: Iterator[tuple[list[Any], bool]], ctx: Any) -> Iterator[tuple[list[Any], Any]]:
+        """``read_blocks``' blocks with their ingest-free work done one block ahead in a thread (``prepare_block``:
+        the block tests, Arrow's parse and the row checks release the GIL), so both cores work: (lines, runs)."""
+        from concurrent.futures import ThreadPoolExecutor
 
-        data = b"\n".join(lines) if ctx.role == "input" and plain_block else b""  # block-level tests first
-        if not data or not fast_block(data):
+        fast, schema, scale = ctx.role == "input", self.seed_schema, self.scale
+        ahead: deque[Any] = deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="prep-parse") as ex:
+            try:
+                for lines, plain in blocks:
+                    ahead.append(ex.submit(prepare_block, lines, plain and fast, schema, scale))
+                    if len(ahead) > PREFETCH:
+                        yield ahead.popleft().result()
+                while ahead:
+                    yield ahead.popleft().result()
+            finally:  # a corrupt .gz stops the scan: what is in flight is dropped
+                for fut in ahead:
+                    fut.cancel()
+
+    def _seed_block(self, ctx: Any, lines: list[Any], runs: Any) -> None:
+        """One prepared block: runs of rows in columns, the lines that need a rule through ``_line``, in line
+        order."""
+        if runs is None:
             for line in lines:
                 self._line(ctx, line)
             return
-        if b"\r" in data:
-            lines = [line.rstrip(b"\r") for line in lines]
-            data = b"\n".join(lines)
-        plain = plain_lines(data)
-        self._runs(ctx, lines, plain)
-
-    def _runs(self, ctx: Any, lines: list[bytes], plain: Any) -> None:
-        """Lines in order: consecutive plain ones parsed together (halved while Arrow refuses), the rest per line."""
-        import numpy as np
-
-        i, n = 0, len(lines)
-        while i < n:
-            if not plain[i]:
+        for i, j, parsed in runs:
+            if parsed is NOT_PLAIN:
                 self._line(ctx, lines[i])
-                i += 1
-                continue
-            j = i + int(np.argmin(plain[i:])) if not plain[i:].all() else n
-            self._parse(ctx, lines[i:j])
-            i = j
+            else:
+                self._parse(ctx, lines[i:j], parsed)
 
-    def _parse(self, ctx: Any, run: list[bytes]) -> None:
-        t = parse_run(run, self.seed_schema)
-        if t is None:
+    def _parse(self, ctx: Any, run: list[bytes], parsed: Any = NOT_PARSED) -> None:
+        """A run of plain lines: its rows in columns (``parsed``: ``parse_checked``'s, when done ahead), halved
+        while Arrow refuses it, the rows that need a rule line by line."""
+        if parsed is NOT_PARSED:
+            parsed = parse_checked(run, self.seed_schema, self.scale)
+        if parsed is None:
             if len(run) <= MIN_RUN:
                 for line in run:
                     self._line(ctx, line)
@@ -224,7 +269,7 @@ class SeedColumns:
             self._parse(ctx, run[:half])
             self._parse(ctx, run[half:])
             return
-        ok, tid = row_checks(t, self.scale)
+        t, ok, tid = parsed
         i, n = 0, len(run)
         while i < n:
             if not ok[i]:

@@ -250,8 +250,9 @@ class Ingest(SeedColumns, ConversationIngest):
             f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
             pool = self.pool(ctx, size)
             try:
-                for block, plain in read_blocks(f, self.cap):
-                    if ctx.conv is None:
+                blocks = read_blocks(f, self.cap)
+                for block, plain in self.seed_blocks(blocks, ctx) if ctx.conv is None else blocks:
+                    if ctx.conv is None:  # ``plain``: the block's runs, prepared a block ahead
                         self._seed_block(ctx, block, plain)
                     elif pool is not None and plain:
                         self._conv_block(ctx, pool, block)
