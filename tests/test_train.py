@@ -111,7 +111,7 @@ def _ds(prompts):
 
 def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
     from hermes_lab.policy.model import build_tokenizer  # one token per character: lengths are easy to reason about
-    from hermes_lab.train.grpo import filter_long_prompts
+    from hermes_lab.train.prompts import filter_long_prompts
 
     tok = build_tokenizer()
     cfg = load_config(None, {"data.max_seq_len": 64, "grpo.max_completion_length": 16})  # room for 48 tokens
@@ -139,7 +139,7 @@ def test_filter_long_prompts_flags_too_long_and_keeps_the_rest():
 
 def _callback(tmp_path, is_main=True, **overrides):
     from hermes_lab.rewards.registry import SampleLog
-    from hermes_lab.train.grpo import make_callback
+    from hermes_lab.train.callback import make_callback
 
     # the guard thresholds set here, not taken from a YAML that may be retuned
     cfg = load_config(
@@ -160,7 +160,7 @@ def _log(cb, step, **logs):
 
 
 def test_kl_guards_and_nan_loss(tmp_path):
-    from hermes_lab.train.grpo import TrainingHealthError
+    from hermes_lab.train.callback import TrainingHealthError
 
     cb = _callback(tmp_path)
     for step, kl in enumerate([0.01, 0.012, 0.011, 0.02], start=1):

@@ -16,7 +16,9 @@ files are written atomically.
     hermes-lab train --config params/embedded.yaml --data trajectories.jsonl --output checkpoints/round-01
     hermes-lab train ... --resume          # a killed training continues from its last checkpoint
 
-The user's keys map onto TRL's GRPOConfig and PEFT's LoraConfig in ``hermes_lab.config.trl`` (a table there).
+The user's keys map onto TRL's GRPOConfig and PEFT's LoraConfig in ``hermes_lab.config.trl`` (a table there). The
+prompt set comes from ``hermes_lab.train.prompts``; TRL's log lines and the health guards are
+``hermes_lab.train.callback``'s.
 
 Round N+1 continues from the champion: with ``model.adapter`` (or ``start_adapter``) set, that adapter
 is loaded trainable and TRL keeps a frozen copy of it as the KL reference ("ref" adapter), so KL
@@ -33,12 +35,11 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,15 @@ from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
 from hermes_lab.tasks import agent as A
 from hermes_lab.train import episodes as EP
+from hermes_lab.train.callback import TrainingHealthError, make_callback
+from hermes_lab.train.prompts import (
+    _no_data,
+    _prompt_set_beside,
+    _run_prep,
+    filter_long_prompts,
+    load_prompt_set,
+    turn_config,
+)
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
@@ -57,10 +67,6 @@ log = logging.getLogger("hermes_lab.train")
 
 # the train stage's metrics that are not TRL's per-step curves (all are logged as train/<name>)
 SUMMARY_METRICS = ("seconds", "eval_pass_rate_before", "eval_pass_rate_after", "judge_requests")
-
-
-class TrainingHealthError(RuntimeError):
-    """Training was stopped by a health guard (NaN loss)."""
 
 
 @dataclass
@@ -81,123 +87,6 @@ class TrainResult:
     turns: dict[str, Any] | None = None  # turn rows trained (grpo.turns): how many, how many on logged tokens, steps
 
 
-# ------------------------------------------------------------------------------------------------ data
-def _no_data(data: str | os.PathLike[str]) -> FileNotFoundError:
-    return FileNotFoundError(f"--data {data}: no such file or directory")
-
-
-def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
-    """The GRPO prompt set as a ``datasets.Dataset`` (columns: prompt, reference, ref_reward, ...)."""
-    from datasets import Dataset, load_from_disk
-
-    p = Path(data)
-    table = "conversations" if cfg.grpo.turns else "grpo_dataset"  # grpo.turns: turn-level, from conversations
-    if p.is_dir() and (p / table).is_dir():
-        p = p / table
-    elif cfg.grpo.turns and p.is_dir() and (p / "grpo_dataset").is_dir():  # a prep dir without conversations
-        return Dataset.from_dict({"messages": []})  # no conversation: no turn to train on
-    if p.is_dir():
-        try:
-            ds = load_from_disk(str(p))
-        except (IndexError, FileNotFoundError, ValueError):
-            if not cfg.grpo.turns or p.name != "conversations":
-                raise
-            ds = Dataset.from_dict({"messages": []})  # prep wrote no conversation (an empty dataset dir)
-    elif p.is_file():
-        out = _run_prep(p, cfg, work_dir)
-        if not (out / table).is_dir():
-            raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
-        ds = load_from_disk(str(out / table))
-    else:
-        raise _no_data(data)
-    if cfg.grpo.turns:
-        if "messages" not in ds.column_names:
-            raise ValueError(f"--data {data}: grpo.turns needs prep's conversations (columns: {ds.column_names})")
-        return ds  # train() turns it into turn prompts with the policy's chat template (train.turns)
-    if "prompt" not in ds.column_names:
-        raise ValueError(f"--data {data}: the dataset has no 'prompt' column (columns: {ds.column_names})")
-    if cfg.grpo.environment and "family" in ds.column_names:
-        # agent conversations are trained whole, in the episode phase: their first user turn is no string prompt
-        ds = ds.filter(lambda fam: fam != "agent", input_columns="family")
-    if "weight" in ds.column_names:  # hard (negative) prompts are repeated
-        from hermes_lab.data.prep import expand_by_weight
-
-        ds = expand_by_weight(ds)
-    if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
-        ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
-    return ds if isinstance(ds, Dataset) else Dataset.from_list(list(ds))
-
-
-def _run_prep(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
-    """A trajectories file given as --data, through prep into ``work_dir/prep``; its output dir."""
-    from hermes_lab.data import prep
-
-    try:
-        res = prep.run_prep([path], work_dir / "prep", cfg, make_plots=False)
-    except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
-        res = e.result
-        log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
-    return Path(res.output_dir)
-
-
-def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any, list[dict[str, Any]], int]:
-    """Leave out prompts with no room for a full completion (prompt + max_completion_length > max_seq_len);
-    return the kept set, the left-out prompts flagged, and the completion length.
-
-    The completion length is never shortened to fit a long prompt: one long prompt would otherwise cut
-    every completion of the run short. (config.py refuses a completion length that leaves no room at all.)"""
-    budget, completion = cfg.data.max_seq_len, cfg.grpo.max_completion_length
-    prompts = list(ds["prompt"])
-    if "prompt_ids" in ds.column_names:  # turn rows: the tokens the trainer takes as they are
-        given = list(ds["prompt_ids"])
-        lens = [
-            len(x) if x else len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p, x in zip(prompts, given)
-        ]
-    else:
-        lens = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    keep = [i for i, n in enumerate(lens) if n + completion <= budget]
-    kept = set(keep)
-    flagged = [
-        {
-            "prompt": prompts[i][:200],
-            "prompt_tokens": lens[i],
-            "reason": f"prompt + completion ({lens[i]} + {completion}) > data.max_seq_len {budget}",
-        }
-        for i in range(len(lens))
-        if i not in kept
-    ]
-    if not keep:
-        raise ValueError(
-            f"every prompt is longer than data.max_seq_len={budget} allows "
-            f"(with grpo.max_completion_length={completion}); raise it"
-        )
-    return ds.select(keep), flagged, completion
-
-
-def _prompt_set_beside(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
-    """A prep dir's prompt set as training would take it (the agent family's rows left to the episode phase), when
-    it holds a row: then grpo.turns trains the conversations' turns in a phase of their own, after it. Else None."""
-    p = Path(data)
-    if not (p.is_dir() and (p / "grpo_dataset").is_dir()):
-        return None
-    try:
-        ds = load_prompt_set(p, replace(cfg, grpo=replace(cfg.grpo, turns="")), work_dir)
-    except (IndexError, FileNotFoundError, ValueError):  # an empty dataset dir: no prompt set
-        return None
-    return ds if len(ds) else None
-
-
-def turn_config(cfg: HermesConfig, inner: bool) -> HermesConfig:
-    """The turn rows' phase: completions of grpo.turn_completion_length (a tool call is longer than a string
-    answer); ``inner`` (the phase after a prompt set's): grpo.turn_steps steps and no episode phase of its own (the
-    outer training runs it after)."""
-    g = cfg.grpo
-    kw: dict[str, Any] = {"max_completion_length": g.turn_completion_length or g.max_completion_length}
-    if inner:
-        kw.update(max_steps=g.turn_steps or g.max_steps, environment="")
-    return replace(cfg, grpo=replace(g, turn_completion_length=0, **kw))
-
-
 def _turn_phase(
     cfg: HermesConfig, data: str | os.PathLike[str], out: Path, start_adapter: str, parent_run_id: str | None
 ) -> TrainResult | None:
@@ -212,108 +101,6 @@ def _turn_phase(
             raise
         log.info("the turn phase is skipped: %s", e)
         return None
-
-
-# ------------------------------------------------------------------------------------------ callback
-def make_callback(
-    cfg: HermesConfig, log_path: Path, samples: Any, is_main: bool, judge: Any = None, sandbox: Any = None
-) -> Any:
-    """TRL log line -> train_log.jsonl + ``train/<TRL name>`` MLflow metrics + health guards (+ the judge's
-    failure counts).
-
-    The JSONL gets every line at once; MLflow gets them in batches (``tracking.MetricBuffer``: a write to
-    the SQL store costs more than a tiny-policy step can spare) and at the end, also after a guard stop."""
-    from transformers import TrainerCallback
-
-    from hermes_lab.core import tracking
-
-    class HermesCallback(TrainerCallback):
-        def __init__(self) -> None:
-            self.warnings: list[str] = []
-            self.kl_hist: list[float] = []
-            self.zero_hist: list[float] = []
-            self._warned: set[str] = set()
-            self._file: Any = None  # train_log.jsonl, opened on the first line
-            self.metrics = tracking.MetricBuffer("train")
-
-        def _warn(self, key: str, msg: str) -> None:
-            if key not in self._warned:  # once per kind, or a long run prints a wall of warnings
-                self._warned.add(key)
-                self.warnings.append(msg)
-                log.warning(msg)
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            # completions are generated and scored inside the step: label them with the step they belong
-            # to, the number train_log.jsonl and MLflow give that step once it ends
-            samples.step = state.global_step + 1
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            logs = dict(logs or {})
-            step = state.global_step
-            if judge is not None and "loss" in logs:  # cumulative, so a curve shows when the judge faltered
-                logs["judge_failures"] = judge.failures  # -> train/judge_failures in MLflow
-                logs["judge_failure_rate"] = round(judge.rate, 4)
-            if sandbox is not None and "loss" in logs:  # cumulative completions by kind: train/tests_timeout...
-                logs.update(sandbox.metrics())
-            loss = logs.get("loss")
-            if loss is not None and not math.isfinite(float(loss)):
-                raise TrainingHealthError(
-                    f"NaN/inf loss at step {step}: look for reward outliers (prep's outlier report), normalise or "
-                    f"clip rewards, and lower the learning rate ({cfg.grpo.learning_rate}) before rerunning."
-                )
-            self._guard_kl(logs.get("kl"), step)
-            self._guard_zero_std(logs.get("frac_reward_zero_std"), step)
-            if not is_main:
-                return
-            if self._file is None:
-                self._file = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-            self._file.write(json.dumps({"step": step, "epoch": state.epoch, **logs}) + "\n")
-            self._file.flush()  # inspect may read it live; a crash keeps every finished step
-            self.metrics.log(logs, step)
-
-        def _guard_kl(self, kl: Any, step: int) -> None:
-            if kl is None or not math.isfinite(kl):
-                return
-            hist = self.kl_hist[-5:]
-            med = sorted(hist)[len(hist) // 2] if hist else None
-            if kl > cfg.grpo.kl_warn:
-                self._warn(
-                    "kl_high",
-                    f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
-                    f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.",
-                )
-            elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
-                self._warn(
-                    "kl_rising",
-                    f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
-                    f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).",
-                )
-            self.kl_hist.append(kl)
-
-        def _guard_zero_std(self, zero: Any, step: int) -> None:
-            if zero is None:
-                return
-            # averaged over the last 5 logs: with a few prompts per step one batch can be all-solved by chance
-            self.zero_hist.append(zero)
-            avg = sum(self.zero_hist[-5:]) / len(self.zero_hist[-5:])
-            if len(self.zero_hist) >= 5 and avg > cfg.grpo.zero_std_warn:
-                self._warn(
-                    "zero_std",
-                    f"{avg:.0%} of groups had identical rewards over the 5 logs to step {step}: "
-                    f"their advantage is zero; raise temperature (now {cfg.grpo.temperature}) or group_size.",
-                )
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.close()
-
-        def close(self) -> None:
-            """Close train_log.jsonl and write the buffered MLflow metrics (also when a guard stopped training)."""
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-            self.metrics.flush(wait=True)
-
-    return HermesCallback()
 
 
 # --------------------------------------------------------------------------------------------- train

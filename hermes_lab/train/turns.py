@@ -112,7 +112,7 @@ def turn_prompts(
 
 def turn_dataset(conversations: Any, cfg: HermesConfig, tok: Any) -> Any:
     """The ``grpo.turns`` rows of a conversations dataset's train split (a ``datasets.Dataset``; none: ValueError).
-    ``cfg``: the turn phase's (``train.grpo.turn_config``: its completion length is the turns')."""
+    ``cfg``: the turn phase's (``train.prompts.turn_config``: its completion length is the turns')."""
     from datasets import Dataset
 
     budget = cfg.data.max_seq_len - cfg.grpo.max_completion_length
