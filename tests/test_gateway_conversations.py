@@ -3,7 +3,7 @@ per conversation; the log through prep as whole conversations.
 
 The tracker on its own (linking by message prefixes, explicit ids, eviction), then a real gateway
 (`python -m hermes_lab.live.serve` on 127.0.0.1, both arms the scripted tool-calling upstream of
-tests/openai_stub.py) driven by the openai SDK with tools: sync, async, streamed and not.
+tests/fake_openai.py) driven by the openai SDK with tools: sync, async, streamed and not.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hermes_lab.live.conversations import Tracker, encode
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from openai_stub import OpenAIStub  # noqa: E402
+from fake_openai import FakeOpenAI  # noqa: E402
 from test_serve import Gateway, formula_arm  # noqa: E402
 
 TOOLS = [
@@ -114,7 +114,7 @@ def test_encoding_ignores_what_clients_change():
 # ------------------------------------------------------------------------------- a gateway, the openai SDK
 @pytest.fixture(scope="module")
 def agent_stub():
-    s = OpenAIStub(models=("base-model", "cand-model"))
+    s = FakeOpenAI(models=("base-model", "cand-model"))
     s.agent = True
     s.start()
     yield s
@@ -327,7 +327,7 @@ def test_real_hermes_agent_through_the_gateway(hermes_py, tmp_path):
     """Hermes Agent (streams, sends tools, no ids) pointed at `hermes-lab serve` under its own model name: each
     conversation on one arm, every tool call it made in the log, feedback by one request id each, prep whole."""
     py, mf = hermes_py
-    stub = OpenAIStub(models=("base-model", "cand-model"))
+    stub = FakeOpenAI(models=("base-model", "cand-model"))
     stub.agent, stub.plans = True, {k: list(v) for k, v in mf.PLANS.items()}
     stub.start()
     args = ["--ratio", "0.5", "--set", "serve.rollout=false"]

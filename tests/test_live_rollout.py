@@ -1,5 +1,5 @@
 """The live staged rollout inside `hermes-lab serve`, on a time-scaled wall clock: a real uvicorn gateway
-subprocess, real OpenAI-compatible upstreams (tests/openai_stub.py), traffic and feedback over HTTP.
+subprocess, real OpenAI-compatible upstreams (tests/fake_openai.py), traffic and feedback over HTTP.
 
 A "perfect" stub answers every embedded task right (verifier score 5), a "bad" one answers "no idea" (0), a
 failing one answers 500. Stages are short in experiment seconds and the clock runs 10x, so a rollout takes
@@ -21,7 +21,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from openai_stub import OpenAIStub  # noqa: E402
+from fake_openai import FakeOpenAI  # noqa: E402
 from test_serve import Gateway, formula_arm  # noqa: E402
 
 from hermes_lab.tasks import agent as A  # noqa: E402
@@ -32,15 +32,15 @@ SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
 
 @pytest.fixture(scope="module")
 def perfect():
-    s = OpenAIStub(models=("good",)).start()
+    s = FakeOpenAI(models=("good",)).start()
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def bad():
-    s = OpenAIStub(models=("bad",))
-    s.reply = "no idea"
+    s = FakeOpenAI(models=("bad",))
+    s.chat_reply = "no idea"
     s.start()
     yield s
     s.stop()
@@ -54,7 +54,7 @@ def params(tmp: Path, stages: list, look_every: float, rate: float = 2.0, **serv
     return p
 
 
-def arms(baseline: OpenAIStub, b_model: str, candidate: OpenAIStub, c_model: str) -> list[str]:
+def arms(baseline: FakeOpenAI, b_model: str, candidate: FakeOpenAI, c_model: str) -> list[str]:
     return [
         "--baseline",
         baseline.url,
@@ -220,7 +220,7 @@ def test_better_candidate_is_promoted_through_every_stage(tmp_path, perfect, bad
 def test_failing_candidate_is_rolled_back_at_the_first_look_and_fallback_hides_it(tmp_path, perfect):
     """The candidate upstream answers 500. With serve.fallback: baseline the client never sees an error, and
     the candidate's errors still count: the error guardrail rolls it back at the first look."""
-    failing = OpenAIStub(models=("good",))
+    failing = FakeOpenAI(models=("good",))
     failing.fail = True
     failing.start()
     stages = [[0.5, 120], [1.0, 0]]

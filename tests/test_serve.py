@@ -1,6 +1,6 @@
 """hermes-lab serve, the live A/B gateway: a real uvicorn subprocess on 127.0.0.1, driven by the openai SDK.
 
-Upstreams are real: the in-process tiny policy and an aiohttp OpenAI-compatible server (tests/openai_stub.py).
+Upstreams are real: the in-process tiny policy and an aiohttp OpenAI-compatible server (tests/fake_openai.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from fake_openai import PROXY_ENV_VARS, free_port  # noqa: E402
-from openai_stub import OpenAIStub  # noqa: E402
+from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port  # noqa: E402
 
 GATEWAY_KEY = "gw-test-key-8f3a91c2d7"
 UPSTREAM_KEY = "sk-upstream-5b7e0d44a1c9"
@@ -105,7 +104,7 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def stub():
-    s = OpenAIStub(models=("cand-model",), api_key=UPSTREAM_KEY).start()
+    s = FakeOpenAI(models=("cand-model",), api_key=UPSTREAM_KEY).start()
     yield s
     s.stop()
 
@@ -158,9 +157,9 @@ def test_sdk_sync_routes_and_logs(mixed, stub):
             assert r["model"] == ("cand-model" if arm == "candidate" else "embedded:tiny")
             assert r["usage"]["total_tokens"] > 0 and r["latency_ms"] > 0 and r["ratio"] == 0.5
     # the stub got its own key, never the gateway's, and the gateway's model name was replaced
-    chats = [r for r in stub.requests if r["path"] == "/v1/chat/completions"]
-    assert chats and all(r["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}" for r in chats)
-    assert all(r["body"]["model"] == "cand-model" for r in chats)
+    chats = [r for r in stub.requests if r.path == "/v1/chat/completions"]
+    assert chats and all(r.headers["authorization"] == f"Bearer {UPSTREAM_KEY}" for r in chats)
+    assert all(r.body["model"] == "cand-model" for r in chats)
 
 
 def test_sdk_async_and_streaming(mixed):
@@ -299,7 +298,7 @@ def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp
 def test_no_key_in_any_log(mixed, stub):
     """Run last in this module: the gateway key and the upstream key appear in no file the gateway wrote,
     and the client's key (the gateway key) never reached the upstream."""
-    assert stub.requests and all(GATEWAY_KEY not in json.dumps(r) for r in stub.requests)
+    assert stub.requests and all(GATEWAY_KEY not in json.dumps(vars(r)) for r in stub.requests)
     h = mixed.http()
     h.post("/v1/chat/completions", json={"model": "hermes", "messages": [{"role": "user", "content": "up k="}]})
     texts = [p.read_text(errors="replace") for p in mixed.log_dir.iterdir()] + [mixed.output()]
@@ -412,8 +411,8 @@ def test_kill9_loses_no_answered_request(stub, tmp_path, durability):
 
 def test_experiment_decision_is_hermes_lab_ab_on_feedback(stub, tmp_path):
     """A bad baseline vs a perfect candidate: /v1/experiment's interval lies above 0, computed by ab.stats."""
-    bad = OpenAIStub(models=("bad-model",))
-    bad.reply = "no idea"
+    bad = FakeOpenAI(models=("bad-model",))
+    bad.chat_reply = "no idea"
     bad.start()
     args = ["--ratio", "0.5", "--baseline", bad.url, "--baseline-model", "bad-model", "--candidate", stub.url]
     args += ["--candidate-model", "cand-model", "--candidate-key-env", "K", "--set", "ab.min_per_arm=10"]

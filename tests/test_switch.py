@@ -1,6 +1,6 @@
 """The live flywheel's hot swap (hermes_lab.live.switch): one uvicorn server on 127.0.0.1, one experiment after
 another, under load. In-process arms: the tiny policy and a LoRA adapter of it (the adapter loaded beside the
-running policy, the base not loaded twice). vLLM arms: tests/openai_stub.py with vLLM's runtime LoRA API
+running policy, the base not loaded twice). vLLM arms: tests/fake_openai.py with vLLM's runtime LoRA API
 (POST /v1/load_lora_adapter), the gateway switching the model name.
 """
 
@@ -23,8 +23,7 @@ import uvicorn
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from fake_openai import free_port  # noqa: E402
-from openai_stub import OpenAIStub  # noqa: E402
+from fake_openai import FakeOpenAI, free_port  # noqa: E402
 
 from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.live.arms import UpstreamError, resolve_arm  # noqa: E402
@@ -216,9 +215,9 @@ def test_swap_in_process_under_load(tmp_path, adapter):
 def test_swap_vllm_runtime_lora(tmp_path, adapter):
     """serve.lora_upstream: the new adapter goes into the vLLM server through its runtime LoRA API and the
     candidate asks for it by name; a server without runtime updating refuses, and the old experiment serves on."""
-    vllm = OpenAIStub(models=("base-model",)).start()
+    vllm = FakeOpenAI(models=("base-model",)).start()
     vllm.loras = {}
-    off = OpenAIStub(models=("base-model",)).start()  # a vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    off = FakeOpenAI(models=("base-model",)).start()  # a vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING
     try:
         cfg = config(**{"serve.lora_upstream": vllm.url, "serve.lora_base_model": "base-model"})
         pool = ArmPool()
@@ -255,7 +254,7 @@ def test_swap_vllm_runtime_lora(tmp_path, adapter):
                     )
                     assert r.status_code == 200
         assert vllm.loras == {"hermes-round-07": str(adapter.resolve())}
-        sent = [q["body"] for q in vllm.requests if q["path"] == "/v1/chat/completions" and q["body"].get("tools")]
+        sent = [q.body for q in vllm.requests if q.path == "/v1/chat/completions" and q.body.get("tools")]
         assert len(sent) == 8 and {b["model"] for b in sent} <= {"base-model", "hermes-round-07"}
         assert all({k: b[k] for k in agent} == agent for b in sent)  # tools passed through, untouched
         assert not [d for d in load.done if d["status"] != 200]
@@ -264,7 +263,7 @@ def test_swap_vllm_runtime_lora(tmp_path, adapter):
         cand_recs = [r for r in records(tmp_path / "b") if r["arm"] == "candidate"]
         assert cand_recs and all(r["model"] == "hermes-round-07" for r in cand_recs)
         assert all(r["response"].startswith("hermes-round-07: ") for r in cand_recs if r["status"] == "ok")
-        asked = {q["body"]["model"] for q in vllm.requests if q["path"] == "/v1/chat/completions"}
+        asked = {q.body["model"] for q in vllm.requests if q.path == "/v1/chat/completions"}
         assert asked == {"base-model", "hermes-round-07"}
     finally:
         vllm.stop()
