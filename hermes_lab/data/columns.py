@@ -403,7 +403,7 @@ class SeedColumns:
         import pyarrow as pa
 
         k_parts = self.n_parts
-        null = pa.nulls(len(seqs), pa.string())
+        null, no_conv = pa.nulls(len(seqs), pa.string()), pa.nulls(len(seqs), pa.int64())
         if k_parts == 1:
             parts = [(self._writers[0], np.arange(len(seqs)))]
         else:
@@ -417,7 +417,7 @@ class SeedColumns:
             pick = pa.array(idx)
             batch = [pa.array(seqs[idx], pa.int64())]
             batch += [cols[c] if whole else cols[c].take(pick) for c in ("prompt", "response", "task_id")]
-            batch += [null if whole else null.take(pick)] * 2
+            batch += [no_conv if whole else no_conv.take(pick), null if whole else null.take(pick)]
             w.write_batch(pa.record_batch([_flat(a) for a in batch], schema=self.schema))
 
 

@@ -32,7 +32,9 @@ from hermes_lab.data import atropos, hermes_store, readers, traces
 from hermes_lab.data.conversation import (
     Invalid,
     content_digest,
+    dataset_schema,
     final_answer,
+    record_of,
     record_text,
     review_key,
     task_prompt_of,
@@ -91,9 +93,54 @@ def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[
 _WORK: list[LineWork] = []  # the forked workers' LineWork
 
 
-def _convert_lines(first: int, lines: list[bytes]) -> list[tuple[Any, ...]]:
+def _convert_lines(first: int, lines: list[bytes]) -> tuple[list[tuple[Any, ...]], Any]:
+    """A worker's task: its lines converted, and its items' conversations/ rows parsed into one Arrow table (sent
+    as an IPC stream; an item holds its row's index there instead of the row's text)."""
     w = _WORK[0]
-    return [convert(w, first + k, line) for k, line in enumerate(lines)]
+    out = [convert(w, first + k, line) for k, line in enumerate(lines)]
+    texts = [r[1][9] for r in out if r[0] == "item"]
+    if not texts:
+        return out, None
+    import pyarrow as pa
+
+    table, k = row_table(texts, threads=False), 0  # two workers: a core each
+    for i, r in enumerate(out):
+        if r[0] == "item":
+            out[i] = ("item", (*r[1][:9], k), None)
+            k += 1
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return out, sink.getvalue()
+
+
+def row_schema() -> Any:
+    """The conversations/ rows as the ingest keeps them: the dataset's schema without its split (known at distill)."""
+    import pyarrow as pa
+
+    return pa.schema([f for f in dataset_schema() if f.name != "split"])
+
+
+def row_table(texts: list[bytes], threads: bool = True) -> Any:
+    """conversations/ rows from their text (``_conv_item``'s: the record with tools and meta as JSON text) as one
+    Arrow table, parsed by Arrow's JSON reader straight into ``row_schema``; a batch Arrow refuses (a lone
+    surrogate's escape) row by row through ``record_of``."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    schema = row_schema()
+    try:
+        t = pj.read_json(
+            pa.BufferReader(b"\n".join(texts) + b"\n"),
+            read_options=pj.ReadOptions(block_size=max(4 << 20, max(map(len, texts)) + 1), use_threads=threads),
+            parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+        )
+        if t.num_rows != len(texts):
+            raise ValueError("a row is not one line")
+    except (pa.ArrowInvalid, ValueError):
+        rows = [record_of(x.decode("utf-8", "surrogatepass")) for x in texts]
+        return pa.Table.from_batches([pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))])
+    return t
 
 
 class ConversationIngest:
@@ -140,8 +187,15 @@ class ConversationIngest:
                     self._take_task(ctx, flight.popleft())
 
     def _take_task(self, ctx: Any, result: Any) -> None:
-        for res in result.get():
+        results, rows = result.get()
+        if rows is not None:
+            import pyarrow as pa
+
+            rows = pa.ipc.open_stream(rows).read_all()
+        for res in results:
             ctx.lineno += 1
+            if res[0] == "item":  # its conversations/ row: (the task's table, its index)
+                res = ("item", (*res[1][:9], (rows, res[1][9])), None)
             self._take(ctx, ctx.lineno, res)
 
     def _drain(self, ctx: Any, pool: list[Any] | None) -> None:
@@ -270,6 +324,8 @@ class ConversationIngest:
         c, cc = self.cols, self.conv_cols
         parts: list[tuple[list[Any], ...]] = [([], [], [], [], [], []) for _ in range(self.n_parts)]
         seq, dups = self.n, 0
+        at = sink.tell()  # each accepted record's offset in its sink (a review pick is read back from there)
+        row_refs: list[Any] = []
         for j, item in enumerate(pending):
             lineno, text, prompt, response, info, key = item[:6]
             cid, fam, reward, task_id, turns, tool_calls, tool_errors, reward_source, tests = info
@@ -295,6 +351,7 @@ class ConversationIngest:
             new_rows.append(j)
             new_seqs.append(seq)
             sink.write(text + b"\n")
+            row_refs.append(item[9])
             fid = self.families.get(fam)
             if fid is None:
                 fid = self.families[fam] = len(self.families)
@@ -313,18 +370,44 @@ class ConversationIngest:
             if cid in self.feedback:
                 self.feedback_info["matched"] = self.feedback_info.get("matched", 0) + 1
             part = parts[hash(prompt) % self.n_parts if self.n_parts > 1 else 0]
-            for col, v in zip(part, (seq, prompt, response, task_id, item[9], tests)):  # the dataset row's text
+            for col, v in zip(part, (seq, prompt, response, task_id, at, tests)):
                 col.append(v)
+            at += len(text) + 1
             seq += 1
-            self.text_bytes += len(prompt) + len(response) + len(item[9])
+            self.text_bytes += len(prompt) + len(response) + len(text)
         self.n = seq
         if new_rows:
             idx = np.asarray(new_rows, dtype=np.int64)
             for (_, ix, _), k in zip(kinds, keys):
                 ix.add(k[idx, 0].copy(), k[idx, 1].copy(), np.asarray(new_seqs, dtype=np.int64))
         self._write_parts(parts)
+        if new_seqs:
+            self._write_rows(row_refs, new_seqs)
         st["accepted"] += len(new_rows)
         st["duplicates"] += dups
+
+    def _write_rows(self, refs: list[Any], seqs: list[int]) -> None:
+        """The accepted conversations' conversations/ rows, in seq order, into the ingest's Arrow file: a worker's
+        rows taken from its task's table, the others' (row text) parsed here."""
+        import pyarrow as pa
+
+        pieces, i, n = [], 0, len(refs)
+        while i < n:
+            j = i + 1
+            if type(refs[i]) is bytes:
+                while j < n and type(refs[j]) is bytes:
+                    j += 1
+                pieces.append(row_table(refs[i:j]))
+            else:
+                table = refs[i][0]
+                while j < n and type(refs[j]) is not bytes and refs[j][0] is table:
+                    j += 1
+                pieces.append(table.take(pa.array([r[1] for r in refs[i:j]], pa.int64())))
+            i = j
+        t = pa.concat_tables(pieces).append_column("seq", pa.array(seqs, pa.int64()))
+        if self._conv_writer is None:
+            self._conv_writer = pa.ipc.new_stream(str(self.conv_path), t.schema)
+        self._conv_writer.write_table(t)
 
     def conversation_stats(self) -> dict[str, Any]:
         """The accepted conversations' numbers for summary.json and MLflow: turns, tool calls and errors per

@@ -16,8 +16,8 @@ How the memory stays bounded: a prompt's records all sit in one partition, so th
 one partition at a time; rows keep the seq of their prompt's first record, and the datasets are written in
 that order (the order the whole input would give). The outliers (in input order) and the review sample (in
 seeded-hash order) go through ``SortedSpill``: lines bucketed on disk by key range, each bucket sorted in
-memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column). A partition's
-conversations are parsed a batch at a time (a parsed record weighs ~5x its text).
+memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column). The
+conversations' rows come from the ingest as Arrow, in acceptance order (memory-mapped): distill adds their split.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def _review_lines(
     for k, (i, p, resp, tid, conv) in enumerate(items):
         s = int(seq[i])
         fam, r = fam_names[int(c["family"][s])], float(c["reward"][s])
-        rec = row_record(conv) if conv is not None else None
+        rec = record_of(conv) if conv is not None else None
         out.append(_review_line(p, resp, tid, fam, r, scale, thr, rec, labels.get(k)))
     return out
 
@@ -279,55 +279,6 @@ def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> An
     )
 
 
-def _conv_batch(rows: list[dict[str, Any]]) -> Any:
-    """Rows of the conversations dataset (``dataset_row``s plus their seq) as one Arrow record batch."""
-    import pyarrow as pa
-
-    schema = dataset_schema().append(pa.field("seq", pa.int64()))
-    return pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))
-
-
-def _conv_rows(texts: Any, split: Any, seqs: Any) -> Any:
-    """Rows of the conversations dataset from their text (``conv_ingest``'s: the record with tools and meta as JSON
-    text) parsed by Arrow's JSON reader straight into the dataset's schema, with their split and seq; a batch
-    Arrow refuses (a lone surrogate's escape) parsed row by row."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.json as pj
-
-    schema = dataset_schema()
-    fields = [f for f in schema if f.name != "split"]
-    lines = pc.binary_join_element_wise(texts, "", "\n")  # each text and a newline: their bytes are the JSONL
-    lines = lines.combine_chunks() if isinstance(lines, pa.ChunkedArray) else lines
-    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset : lines.offset + len(lines) + 1]
-    data = lines.buffers()[2][int(offsets[0]) : int(offsets[-1])]
-    block = max(8 << 20, int(np.diff(offsets).max()) + 1)  # blocks parsed on both cores; a row never straddles two
-    try:
-        t = pj.read_json(
-            pa.BufferReader(data),
-            read_options=pj.ReadOptions(block_size=block),
-            parse_options=pj.ParseOptions(explicit_schema=pa.schema(fields), unexpected_field_behavior="ignore"),
-        )
-        if t.num_rows != len(split):
-            raise ValueError("a row is not one line")
-    except (pa.ArrowInvalid, ValueError):
-        rows = [record_of(x) | {"split": s, "seq": int(q)} for x, s, q in zip(texts.to_pylist(), split, seqs)]
-        return _conv_batch(rows)
-    t = t.add_column(schema.get_field_index("split"), "split", pa.array(split.tolist(), pa.string()))
-    cols = [c.chunk(0) if c.num_chunks == 1 else pa.concat_arrays(c.chunks) for c in t.combine_chunks().columns]
-    return pa.RecordBatch.from_arrays(
-        [*cols, pa.array(seqs, pa.int64())], schema=schema.append(pa.field("seq", pa.int64()))
-    )
-
-
-def row_record(text: str) -> dict[str, Any]:
-    """A conversations/ row's text as its record (tools and meta back to lists and dicts): a review item's."""
-    rec = record_of(text)
-    rec["tools"], rec["meta"] = json.loads(rec["tools"]), json.loads(rec["meta"])
-    return rec
-
-
 def _fingerprint() -> str:
     """A new dataset's fingerprint: random, as datasets gives an in-memory table it cannot hash cheaply (hashing
     the rows would cost more than writing them)."""
@@ -344,6 +295,8 @@ class Distill:
     """Builds the prompt tables partition by partition, feeding the outlier and review spills on the way."""
 
     def __init__(self, ing: Any, cols: dict[str, Any], cfg: Any, is_out: Any, picked: Any, z: dict[str, Any]):
+        import numpy as np
+
         self.ing, self.cols, self.cfg, self.is_out, self.picked, self.z = ing, cols, cfg, is_out, picked, z
         self.fam_names = ing.family_names()
         self.moved = 0
@@ -353,9 +306,9 @@ class Distill:
         self.tids: dict[str, Any] = {"grpo_dataset": array("Q"), "heldout_dataset": array("Q")}
         self.n_negative_grpo = 0
         self.sel = Selection(cfg)
-        self.conversations: list[Any] = []  # per partition: an Arrow table (one partition) or file of rows
-        self.conv_batch_bytes = (cfg.data.memory_budget_mb << 20) // 32  # record text parsed at once
+        self.conv_held = np.zeros(ing.n, dtype=bool)  # by seq: a conversation held out (its prompt's split)
         self.conv_split = {"train": 0, "heldout": 0}
+        self._sinks: dict[int, Any] = {}  # the accepted / negatives sink, opened for a review pick's record
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
         import pyarrow as pa
@@ -446,7 +399,7 @@ class Distill:
             rec = {"file": files[o >> LINE_BITS]["file"], "line": o & ((1 << LINE_BITS) - 1),
                    "task_id": tids[i].as_py(), "reward": float(r[i]), "z": z}  # fmt: skip
             outliers.add(int(seq[i]), json.dumps(rec))
-        conv_col = table.column("conv")
+        conv_at = table.column("conv_at")  # a conversation's record: its offset in its sink (null: a seed line)
         picks = np.flatnonzero(self.picked[seq])
         if len(picks):
             at = pa.array(picks)
@@ -455,36 +408,17 @@ class Distill:
                 [prompts[x] for x in code[picks].tolist()],
                 resps.take(at).to_pylist(),
                 tids.take(at).to_pylist(),
-                conv_col.take(at).to_pylist(),
+                [self._record_at(x) for x in conv_at.take(at).to_pylist()],
             )
             items = [(i, p, resp, tid, conv) for i, p, resp, tid, conv in rows]
             for (i, *_), line in zip(items, _review_lines(items, c, seq, self.fam_names, scale, thr)):
                 review.add(int(c["rank"][seq[i]]) << LINE_BITS | int(seq[i]), line)
-        conv_batches: list[Any] = []
-        rows = np.flatnonzero(conv_col.is_valid().to_numpy(zero_copy_only=False))  # conversations: their rows
+        rows = np.flatnonzero(conv_at.is_valid().to_numpy(zero_copy_only=False))  # conversations: their rows
         if len(rows):
-            texts = conv_col if len(rows) == n else conv_col.take(pa.array(rows))  # a conversations' file: all
-            split = np.where(h[rows], "heldout", "train")
+            self.conv_held[seq[rows]] = h[rows]
             self.conv_split["heldout"] += int(h[rows].sum())
             self.conv_split["train"] += int(len(rows) - h[rows].sum())
-            sizes = np.cumsum(pc.binary_length(texts).to_numpy(zero_copy_only=False))
-            cut = np.searchsorted(
-                sizes, np.arange(1, int(sizes[-1]) // self.conv_batch_bytes + 1) * self.conv_batch_bytes
-            )
-            for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(rows)]):
-                if b > a:
-                    conv_batches.append(_conv_rows(texts.slice(a, b - a), split[a:b], seq[rows[a:b]]))
         self.sel.count(groups[0])
-        if conv_batches:
-            t = pa.Table.from_batches(conv_batches)
-            del conv_batches
-            if len(self.ing.part_paths) == 1:
-                self.conversations.append(t)
-            else:
-                f = self.ing.tmp / f"conversations-{len(self.conversations):04d}.arrow"
-                with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
-                    writer.write_table(t)
-                self.conversations.append(f)
         for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
             if not grp:
                 continue
@@ -499,6 +433,17 @@ class Distill:
                 writer.write_table(t)
             self.tables[name].append(f)
         self.n_negative_grpo += sum(g.neg_source is not None for g in groups[0].values())
+
+    def _record_at(self, at: int | None) -> bytes | None:
+        """A review pick's conversation: its record's line, read back from the accepted sink (review picks are
+        never negatives)."""
+        if at is None:
+            return None
+        f = self._sinks.get(0)
+        if f is None:
+            f = self._sinks[0] = open(self.ing.committed["accepted"], "rb")  # noqa: SIM115  (closed in save)
+        f.seek(at)
+        return f.readline()
 
     def split_summary(self) -> dict[str, Any]:
         import numpy as np
@@ -567,23 +512,26 @@ class Distill:
 
     def _save_conversations(self, path: Path) -> Path:
         """``conversations/``: every accepted conversation in acceptance order (empty, schema only, for seed
-        input: those records are the prompt sets' one-turn rows)."""
+        input: those records are the prompt sets' one-turn rows): the ingest's rows (already in seq order,
+        memory-mapped) with their split."""
         import datasets
-        import numpy as np
         import pyarrow as pa
+        import pyarrow.compute as pc
 
+        for f in self._sinks.values():
+            f.close()
         shutil.rmtree(path, ignore_errors=True)
-        parts = self.conversations
-        if not parts or not isinstance(parts[0], Path):  # one partition: in memory, ordered by seq
-            schema = dataset_schema().append(pa.field("seq", pa.int64()))
-            table = parts[0] if parts else schema.empty_table()
-            order = np.argsort(table.column("seq").to_numpy(), kind="stable")
-            ds = datasets.Dataset(table.take(order).drop_columns(["seq"]), fingerprint=_fingerprint())
+        schema = dataset_schema()
+        if not self.ing.conv_path.exists():
+            ds = datasets.Dataset(schema.empty_table(), fingerprint=_fingerprint())
             ds.save_to_disk(str(path))
             return path
-        # several: memory-mapped Arrow files, one ordered pass (save_to_disk batches it), as for the prompt sets
-        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in parts])
-        order = np.argsort(np.asarray(ds.data.column("seq")), kind="stable")
-        ds.select(order).remove_columns(["seq"]).save_to_disk(str(path))
-        del ds
+        with pa.memory_map(str(self.ing.conv_path)) as src:
+            t = pa.ipc.open_stream(src).read_all()
+        held = pa.array(self.conv_held[t.column("seq").to_numpy()])
+        split = pc.if_else(held, "heldout", "train")
+        t = t.drop_columns(["seq"]).add_column(schema.get_field_index("split"), "split", split)
+        ds = datasets.Dataset(t, fingerprint=_fingerprint())
+        ds.save_to_disk(str(path))
+        del ds, t
         return path

@@ -13,8 +13,9 @@ and parsed and checked in columns (``hermes_lab.data.columns``, this class's mix
 one by one (``_line``); every other shape becomes a canonical conversation record
 (``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by conversation_id
 (``hermes_lab.data.conv_ingest``, the other mixin; a large file's lines converted by worker processes). Its
-projection for the prompt tables is (first user message, final answer); its conversations/ row rides along in the
-spill for the conversations dataset and the review queue.
+projection for the prompt tables is (first user message, final answer); its conversations/ row goes, as Arrow, to
+one file in acceptance order (``conversations.arrows`` in the temp dir: distill adds the split), and the spill
+keeps its record's offset in its sink (a review pick is read back from there).
 
 Memory is bounded: lines are read in blocks (``columns.BLOCK_BYTES``) and validated in batches (at most
 ``BATCH_LINES`` lines or a sixteenth of ``data.memory_budget_mb``), duplicates are found through a 16-byte XXH3-128
@@ -146,12 +147,15 @@ class Ingest(SeedColumns, ConversationIngest):
                 ("prompt", pa.string()),
                 ("response", pa.string()),
                 ("task_id", pa.string()),
-                ("conv", pa.string()),  # the canonical record (JSON) of a conversation; null for a seed line
+                ("conv_at", pa.int64()),  # a conversation's record: its byte offset in its sink; null for a seed line
                 ("tests", pa.string()),  # the task's tests (``TestSpec.to_json``); null without any
             ]
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
         self._writers = [pa.ipc.new_stream(str(p), self.schema) for p in self.part_paths]
+        # the accepted conversations' conversations/ rows (Arrow, seq order; their split is added at distill)
+        self.conv_path, self._conv_writer = tmp / "conversations.arrows", None
+        self.committed: dict[str, Path] = {}
         # the seed's fields as columns (hermes_lab.data.columns); task_id's type is read from the data
         s = pa.string()
         self.seed_schema = pa.schema([("prompt", s), ("response", s), ("reward", pa.float64()), ("family", s)])
@@ -163,11 +167,15 @@ class Ingest(SeedColumns, ConversationIngest):
         for w in self._writers:
             w.close()
         self._writers = []
+        if self._conv_writer is not None:
+            self._conv_writer.close()
+            self._conv_writer = None
 
     def commit(self, final: dict[str, Path]) -> None:
         """Move the finished sinks into place (after close): a reader sees the old file or the new one."""
         for n, tmp in self.tmp_sinks.items():
             os.replace(tmp, final[n])
+        self.committed = final  # distill reads a review pick's conversation back from its sink
 
     def columns(self) -> dict[str, Any]:
         """The fixed-size columns as numpy arrays indexed by seq (views on the arrays, no copy)."""
@@ -436,12 +444,12 @@ class Ingest(SeedColumns, ConversationIngest):
         st["duplicates"] += dups
 
     def _write_parts(self, parts: list[tuple[list[Any], ...]]) -> None:
-        """A batch's rows into the partitions: per partition the lists (seq, prompt, response, task_id, conv,
-        tests); conv empty for seed lines (a null column)."""
+        """A batch's rows into the partitions: per partition the lists (seq, prompt, response, task_id, conv_at,
+        tests); conv_at empty for seed lines (a null column)."""
         pa = self.pa
         for w, (seqs, ps, rs, ts, convs, tests) in zip(self._writers, parts):
             if seqs:
-                conv = pa.array(convs, pa.string()) if convs else pa.nulls(len(seqs), pa.string())
+                conv = pa.array(convs, pa.int64()) if convs else pa.nulls(len(seqs), pa.int64())
                 cols = [pa.array(seqs, pa.int64()), pa.array(ps, pa.string()), pa.array(rs, pa.string())]
                 cols += [pa.array(ts, pa.string()), conv, pa.array(tests, pa.string())]
                 w.write_batch(pa.record_batch(cols, schema=self.schema))
