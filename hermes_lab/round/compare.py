@@ -11,7 +11,7 @@ Which rounds: every round directory with a ``summary.json`` or a ``progress.json
 inside its own round, before the runner writes that round's ``summary.json``; so a round in flight (its
 progress says ``running``, or ``failed``) is read from what its stages left instead: ``progress.json``
 (parent run id, completed stages) and the stage verdicts (``train/verdict.json`` carries the held-out
-eval, ``ab/verdict.json`` the A/B outcome), with the rules ``hermes_lab.round.runner._finish`` applies. A round
+eval, ``ab/verdict.json`` the A/B outcome), with the rules ``hermes_lab.round.outcome._finish`` applies. A round
 that skipped training (data gate) or stopped early is a row too, with its status: a tick, not a gap.
 
     papermill notebooks/50_round_compare.ipynb runs/compare.ipynb -p config_path params/embedded.yaml
