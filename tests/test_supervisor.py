@@ -14,7 +14,8 @@ import yaml
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.state import FlywheelState, state_path
-from hermes_lab.round.supervisor import FeedbackCounter, Supervisor, live_params
+from hermes_lab.round.live_rounds import FeedbackCounter, live_params
+from hermes_lab.round.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_agent_success_per_arm_and_the_round_line(tmp_path):
     """The agent family's live figures a decided round prints: its agent conversations (tools on the first turn) with
     feedback, per arm, the latest feedback of the source counting once; string tasks left out."""
     from hermes_lab.live.log import agent_success
-    from hermes_lab.round.supervisor import describe_agent
+    from hermes_lab.round.live_rounds import describe_agent
 
     reqs = [
         {"conversation_id": "a1", "turn": 0, "tools_hash": "h", "arm": "baseline"},

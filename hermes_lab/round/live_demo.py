@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from hermes_lab.round.supervisor import describe_agent
+from hermes_lab.round.live_rounds import describe_agent
 
 DEMO_KEYS: dict[str, dict[str, Any]] = {
     "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
