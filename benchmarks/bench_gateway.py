@@ -9,21 +9,24 @@ each run prints the ratios it measured.
 
 Measured per gateway variant (upstream client x durability):
 - concurrency 1 (1,000 requests): added p50 / p99 latency, gateway minus direct;
-- concurrency 64 (5,000 requests): throughput and p99, and throughput as a share of direct.
-Goal on 2 cores: added p50 <= 0.5 ms at concurrency 1; >= 3,000 req/s, >= 50% of direct and p99 <= 40 ms
-at concurrency 64.
+- concurrency 64 (5,000 requests): throughput and p99, throughput as a share of direct, the gateway's CPU per request.
 
-Agent conversations (issue 28; the default variant, streamed and not): 20-turn tool-calling conversations
-whose requests carry the whole history (a 30 KB system prompt and tool schemas, then one tool call and a 1 KB
-tool result per turn: 31 KB at turn 1, 52 KB at turn 20), each answered with the same tool call, so the gateway
-links every turn by its message prefix, logs only the new messages and the assembled tool call. Lines: added
-p50 at concurrency 1 next to the single-turn request's measured in the same run (goal: within 1 ms), and
-throughput with 64 conversations in flight (goal: >= 2,000 req/s).
+Agent conversations (issue 28; the first variant, streamed and not): 20-turn tool-calling conversations whose
+requests carry the whole history (a 30 KB system prompt and tool schemas, then one tool call and a 1 KB tool
+result per turn: 31 KB at turn 1, 52 KB at turn 20), each answered with the same tool call, so the gateway links
+every turn by its message prefix, logs only the new messages and the assembled tool call. Lines: added p50 at
+concurrency 1 next to the single-turn request's measured in the same run, and throughput with 64 conversations in
+flight.
 
-    python benchmarks/bench_gateway.py [--quick] [--variants aiohttp:write,aiohttp:fsync,httpx:write]
-    # before / after in one run: a variant may name another checkout of the package (client:durability@DIR)
-    git archive <commit> | tar -x -C /tmp/before
-    python benchmarks/bench_gateway.py --quick --variants aiohttp:write,aiohttp:write@/tmp/before
+Done when (issue 45), printed at the end with met / missed: at c=64 single-turn >= 50% of direct with p99 <= 40
+ms; 20-turn conversations >= 2,500 req/s, streamed and not. ``--before DIR``: the same lines for another checkout
+of the package (its default client, aiohttp) in the same run; ``--profile``: then the gateway under cProfile,
+its CPU by part (server, upstream client, JSON, log, routing, event loop) and its top functions.
+
+    python benchmarks/bench_gateway.py                      # the goals' figures
+    git worktree add /tmp/gw-before <commit>                # before / after in one run, and where the time goes
+    python benchmarks/bench_gateway.py --before /tmp/gw-before --profile
+    python benchmarks/bench_gateway.py --quick --variants httptools:write,httptools:fsync,aiohttp:write,httpx:write
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -264,6 +268,7 @@ def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], 
         }
     n = (n64 // blocks) * blocks
     out["cpu_us"] = {k: v / n * 1e6 for k, v in cpu.items()}
+    out["gw_cores"] = cpu["gateway"] / res["gateway"]["wall"]  # one process: at most 1.0
     return out
 
 
@@ -317,14 +322,17 @@ async def conv_burst(url: str, n_conv: int, concurrency: int, stream: bool, offs
         return done, time.perf_counter() - t0, errors
 
 
-def measure_conversations(direct: str, gateway: str, n1: int, n64: int, log_dir: Path) -> list[tuple[str, dict]]:
+def measure_conversations(
+    direct: str, gateway: str, n1: int, n64: int, log_dir: Path, pid: int
+) -> list[tuple[str, dict]]:
     rows = []
     for stream in (False, True):
         seq = asyncio.run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
         res = {}
         for name, url in (("direct", direct), ("gateway", gateway)):
+            before = cpu_seconds(pid)
             n, wall, err = asyncio.run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
-            res[name] = (n / wall, err)
+            res[name] = (n / wall, err, (cpu_seconds(pid) - before) / n * 1e6, (cpu_seconds(pid) - before) / wall)
         rows.append(
             (
                 "streamed" if stream else "not streamed",
@@ -333,6 +341,8 @@ def measure_conversations(direct: str, gateway: str, n1: int, n64: int, log_dir:
                     "added_p50_single": pct(seq["gateway1"], 0.5) - pct(seq["direct1"], 0.5),
                     "direct_rps": res["direct"][0],
                     "rps": res["gateway"][0],
+                    "cpu_us": res["gateway"][2],
+                    "gw_cores": res["gateway"][3],
                     "errors": res["direct"][1] + res["gateway"][1],
                 },
             )
@@ -350,15 +360,40 @@ def measure_conversations(direct: str, gateway: str, n1: int, n64: int, log_dir:
     return rows
 
 
+# the gateway under cProfile from its start: SIGUSR2 notes each function's internal time so far (the start-up's,
+# taken off later), SIGUSR1 writes both and exits (uvicorn keeps SIGTERM for itself)
+PROFILED = """
+import cProfile, marshal, os, runpy, signal, sys
+pr, warm = cProfile.Profile(), {}
+def label(code):  # as cProfile's own
+    return ("~", 0, code) if isinstance(code, str) else (code.co_filename, code.co_firstlineno, code.co_name)
+def note(*_):
+    warm.update({label(e.code): e.inlinetime for e in pr.getstats()})
+def dump(*_):
+    pr.disable()
+    pr.dump_stats(OUT)
+    with open(OUT + ".warm", "wb") as f:
+        marshal.dump(warm, f)
+    os._exit(0)
+signal.signal(signal.SIGUSR2, note)
+signal.signal(signal.SIGUSR1, dump)
+sys.argv = ["serve", *sys.argv[1:]]
+pr.enable()
+runpy.run_module("hermes_lab.live.serve", run_name="__main__")
+"""
+
+
 def start_gateway(
-    stub_url: str, client: str, durability: str, log_dir: str, repo: Path = REPO
+    stub_url: str, client: str, durability: str, log_dir: str, repo: Path = REPO, profile: str = ""
 ) -> tuple[subprocess.Popen, str]:
+    """The gateway as ``hermes-lab serve`` runs it; ``profile``: with cProfile, on from SIGUSR2, its stats written
+    to that file on SIGUSR1 (uvicorn keeps SIGTERM for itself)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(repo)}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
-    cmd += [
+    args = ["--port", str(port), "--log-dir", log_dir, "--ratio", "0.5"]
+    args += [
         "--baseline",
         stub_url,
         "--baseline-model",
@@ -368,106 +403,187 @@ def start_gateway(
         "--candidate-model",
         "stub-c",
     ]
-    cmd += ["--set", f"serve.upstream_client={client}", "--set", f"serve.durability={durability}"]
+    args += ["--set", f"serve.upstream_client={client}", "--set", f"serve.durability={durability}"]
+    if profile:
+        wrapper = PROFILED.replace("OUT", repr(profile))
+        cmd = [sys.executable, "-c", wrapper, *args]
+    else:
+        cmd = [sys.executable, "-m", "hermes_lab.live.serve", *args]
     # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (a variant's other checkout must win)
     proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_up(f"http://127.0.0.1:{port}/healthz", proc)
     return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
+# where a profile's time is counted: the first rule a function's file or name matches
+GROUPS = (
+    ("JSON (orjson)", ("orjson",)),
+    ("conversation digest (xxhash)", ("xxhash", "live/conversations.py")),
+    ("server (uvicorn, httptools)", ("uvicorn", "httptools", "starlette", "h11")),
+    ("upstream client", ("live/upstream.py", "aiohttp", "httpx", "httpcore", "live/arms.py")),
+    ("log (records, tally, writes)", ("live/log.py", "posix.write", "ab/covariates", "tasks/suite")),
+    ("routing and request handling", ("live/gateway.py", "ab/stats", "hashlib", "live/experiment")),
+    ("event loop (uvloop's C: epoll, socket reads and writes)", ("uvloop", "asyncio", "runners.py")),
+)
+
+
+def profile(stub_url: str, client: str, n: int) -> None:
+    """The gateway under cProfile for single-turn requests and agent conversations (streamed and not) at c=64:
+    where its CPU goes (internal time of each function, grouped; cProfile slows Python code, not C, down)."""
+    import marshal
+    import pstats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "gateway.prof")
+        gw, url = start_gateway(stub_url, client, "write", tmp, profile=out)
+        try:
+            asyncio.run(burst(url, 300, 64))  # start-up and warm-up: not counted
+            gw.send_signal(signal.SIGUSR2)
+            time.sleep(0.5)
+            asyncio.run(burst(url, n, 64))
+            asyncio.run(conv_burst(url, max(n // TURNS // 2, 64), 64, False, 300_000))
+            asyncio.run(conv_burst(url, max(n // TURNS // 2, 64), 64, True, 400_000))
+        finally:
+            gw.send_signal(signal.SIGUSR1)
+            gw.wait(60)
+        st = pstats.Stats(out)
+        warm = marshal.loads(Path(out + ".warm").read_bytes())
+    rows = []
+    for (file, line, name), (_, _, tt, _, _) in st.stats.items():  # type: ignore[attr-defined]
+        tt -= warm.get((file, line, name), 0.0)
+        rows.append((tt, f"{file}:{line}({name})" if file != "~" else name))
+    total = sum(tt for tt, _ in rows) or 1.0
+    shares: dict[str, float] = {}
+    for tt, where in rows:
+        group = next((g for g, keys in GROUPS if any(k in where for k in keys)), "other")
+        shares[group] = shares.get(group, 0.0) + tt
+    print(f"\nprofile of the gateway ({client}; {n} single-turn requests + conversations, c=64): CPU by part")
+    for group, tt in sorted(shares.items(), key=lambda x: -x[1]):
+        print(f"  {100 * tt / total:5.1f}%  {group}")
+    print("  top functions (internal time):")
+    for tt, where in sorted(rows, reverse=True)[:TOP]:
+        print(f"  {100 * tt / total:5.1f}%  {where.replace(str(REPO) + '/', '')[-110:]}")
+
+
+TOP = 15
+GOALS = "c=64 single-turn >= 50% of direct, p99 <= 40 ms; 20-turn conversations >= 2,500 req/s, streamed and not"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (200 / 1,000): a smoke run")
-    ap.add_argument("--variants", default="aiohttp:write,aiohttp:fsync,httpx:write", help="client:durability list")
+    ap.add_argument("--variants", default="httptools:write", help="client:durability[@DIR] list (first: the goals')")
+    ap.add_argument("--before", default="", metavar="DIR", help="also measure the checkout in DIR (aiohttp:write@DIR)")
     ap.add_argument("--no-conversations", action="store_true", help="skip the agent-conversation lines")
     ap.add_argument(
         "--conversations-all", action="store_true", help="conversation lines for every variant (default: the first)"
     )
+    ap.add_argument("--profile", action="store_true", help="then profile the first variant's gateway (cProfile)")
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
     if args.stub:
         run_stub(args.stub)
         return 0
     n1, n64 = (200, 1000) if args.quick else (1000, 5000)
+    variants = args.variants.split(",") + ([f"aiohttp:write@{args.before}"] if args.before else [])
     sport = free_port()
     stub = subprocess.Popen([sys.executable, __file__, "--stub", str(sport)], stdout=subprocess.DEVNULL)
     stub_url = f"http://127.0.0.1:{sport}"
     try:
         wait_up(stub_url + "/v1/chat/completions", stub)
-        print(f"gateway benchmark: {n1} requests at concurrency 1, {n64} at 64; cores: {os.cpu_count()} (shared)")
+        load = "load {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+        print(f"gateway benchmark: {n1} requests at concurrency 1, {n64} at 64; cores: {os.cpu_count()}, {load}")
         print("direct and gateway requests alternate (c=1) or alternate in blocks (c=64): same machine load")
         rows = []
-        for variant in args.variants.split(","):
+        for variant in variants:
             spec, _, other = variant.partition("@")
             client, durability = spec.split(":")
             with tempfile.TemporaryDirectory() as tmp:
                 gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
                 try:
                     m = measure(stub_url + "/v1/chat/completions", url, n1, n64, {"gateway": gw.pid, "stub": stub.pid})
-                    if (not rows or args.conversations_all) and not args.no_conversations:  # agent conversations
-                        m["conv"] = measure_conversations(stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp))
+                    with_conv = not rows or args.conversations_all or (args.before and variant == variants[-1])
+                    if with_conv and not args.no_conversations:  # agent conversations
+                        m["conv"] = measure_conversations(
+                            stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp), gw.pid
+                        )
                 finally:
                     gw.terminate()
                     gw.wait(30)
                 m["logged"] = len((Path(tmp) / "requests.jsonl").read_bytes().splitlines())
             rows.append((variant, m))
-        print(
-            f"\n{'variant':14s} {'direct p50':>10s} {'+p50 c1':>8s} {'+p99 c1':>8s} {'direct/s':>9s} {'gw req/s':>9s}"
-            f" {'of direct':>9s} {'p99 c64':>8s} {'gw CPU':>7s} {'stub CPU':>8s} logged"
-        )
-        for variant, m in rows:
-            d, g, c = m["direct"], m["gateway"], m["cpu_us"]
-            print(
-                f"{variant:14s} {d['p50_c1']:8.3f}ms {g['p50_c1'] - d['p50_c1']:6.3f}ms"
-                f" {g['p99_c1'] - d['p99_c1']:6.2f}ms"
-                f" {d['rps']:9,.0f} {g['rps']:9,.0f} {g['rps'] / d['rps']:9.0%} {g['p99_c64']:6.1f}ms"
-                f" {c['gateway']:5.0f}us {c['stub']:6.0f}us {m['logged']} (errors {d['errors'] + g['errors']})"
-            )
-        variant, m = rows[0]
-        d, g = m["direct"], m["gateway"]
-        goals = [
-            ("added p50 at c=1 <= 0.5 ms", g["p50_c1"] - d["p50_c1"] <= 0.5),
-            ("throughput at c=64 >= 3,000 req/s", g["rps"] >= 3000),
-            ("throughput at c=64 >= 50% of direct", g["rps"] >= 0.5 * d["rps"]),
-            ("p99 at c=64 <= 40 ms", g["p99_c64"] <= 40),
-        ]
-        print(f"\ngoals for the default ({variant}); on a shared machine the ratios are the figures to compare:")
-        for name, ok in goals:
-            print(f"  {'met   ' if ok else 'missed'} {name}")
-        for variant, m in rows:
-            if "conv" not in m:
-                continue
-            conv = m["conv"]
-            print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
-            head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
-            print(f"{'':14s} {head}")
-            for name, c in conv[:2]:
-                diff = c["added_p50"] - c["added_p50_single"]
-                print(
-                    f"{name:14s} {c['added_p50']:6.3f}ms {c['added_p50_single']:6.3f}ms {diff:5.2f}ms"
-                    f" {c['direct_rps']:9,.0f} {c['rps']:9,.0f} {c['rps'] / c['direct_rps']:9.0%}"
-                    f" (errors {c['errors']})"
-                )
-                goals = [
-                    (f"{name}: added p50 at c=1 within 1 ms of a single-turn request", diff <= 1.0),
-                    (f"{name}: throughput at c=64 >= 2,000 req/s", c["rps"] >= 2000),
-                ]
-                for g, ok in goals:
-                    print(f"  {'met   ' if ok else 'missed'} {g}")
-            lg = conv[2][1]
-            print(
-                f"log: {lg['turns']} conversation turns, {lg['linked']} linked to their conversation at the right turn,"
-                f" {lg['calls']} with the tool call assembled; {lg['bytes'] / max(lg['turns'], 1) / 1024:.1f} KB a"
-                " record (only the new messages)"
-            )
-        best = max(rows, key=lambda r: r[1]["gateway"]["rps"])
-        print(
-            f"fastest variant at c=64: {best[0]}; gw CPU = the gateway process' CPU per request (load-independent-ish)"
-        )
+        report(rows)
+        if args.profile:
+            profile(stub_url, variants[0].partition("@")[0].split(":")[0], n64)
     finally:
         stub.terminate()
         stub.wait(10)
     return 0
+
+
+def report(rows: list[tuple[str, dict]]) -> None:
+    w = max(14, *(len(v) for v, _ in rows))
+    print(
+        f"\n{'variant':{w}s} {'direct p50':>10s} {'+p50 c1':>8s} {'+p99 c1':>8s} {'direct/s':>9s} {'gw req/s':>9s}"
+        f" {'of direct':>9s} {'p99 c64':>8s} {'gw CPU':>7s} {'stub CPU':>8s} logged"
+    )
+    for variant, m in rows:
+        d, g, c = m["direct"], m["gateway"], m["cpu_us"]
+        print(
+            f"{variant:{w}s} {d['p50_c1']:8.3f}ms {g['p50_c1'] - d['p50_c1']:6.3f}ms"
+            f" {g['p99_c1'] - d['p99_c1']:6.2f}ms"
+            f" {d['rps']:9,.0f} {g['rps']:9,.0f} {g['rps'] / d['rps']:9.0%} {g['p99_c64']:6.1f}ms"
+            f" {c['gateway']:5.0f}us {c['stub']:6.0f}us {m['logged']} (errors {d['errors'] + g['errors']})"
+        )
+    for variant, m in rows:
+        if "conv" not in m:
+            continue
+        conv = m["conv"]
+        print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
+        head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
+        print(f"{'':14s} {head} {'gw CPU':>7s}")
+        for name, c in conv[:2]:
+            diff = c["added_p50"] - c["added_p50_single"]
+            print(
+                f"{name:14s} {c['added_p50']:6.3f}ms {c['added_p50_single']:6.3f}ms {diff:5.2f}ms"
+                f" {c['direct_rps']:9,.0f} {c['rps']:9,.0f} {c['rps'] / c['direct_rps']:9.0%}"
+                f" {c['cpu_us']:5.0f}us (errors {c['errors']})"
+            )
+        lg = conv[2][1]
+        print(
+            f"log: {lg['turns']} conversation turns, {lg['linked']} linked to their conversation at the right turn,"
+            f" {lg['calls']} with the tool call assembled; {lg['bytes'] / max(lg['turns'], 1) / 1024:.1f} KB a"
+            " record (only the new messages)"
+        )
+    variant, m = rows[0]
+    d, g = m["direct"], m["gateway"]
+    print(f"\ndone when (issue 45), {variant}: {GOALS}")
+    print(
+        f"  {'met   ' if g['rps'] >= 0.5 * d['rps'] and g['p99_c64'] <= 40 else 'missed'} single-turn at c=64:"
+        f" {g['rps'] / d['rps']:.0%} of direct ({g['rps']:,.0f} / {d['rps']:,.0f} req/s), p99 {g['p99_c64']:.1f} ms;"
+        f" gateway {m['cpu_us']['gateway']:.0f} us CPU a request, {m['gw_cores']:.2f} of a core busy"
+    )
+    for name, c in m.get("conv", [])[:2]:
+        print(
+            f"  {'met   ' if c['rps'] >= 2500 else 'missed'} 20-turn conversations, {name}: {c['rps']:,.0f} req/s"
+            f" ({c['rps'] / c['direct_rps']:.0%} of direct); gateway {c['cpu_us']:.0f} us CPU a request,"
+            f" {c['gw_cores']:.2f} of a core busy"
+        )
+    goals = [
+        ("added p50 at c=1 <= 0.5 ms (issue 12)", g["p50_c1"] - d["p50_c1"] <= 0.5),
+        *(
+            (
+                f"{name}: added p50 at c=1 within 1 ms of a single-turn request's (issue 28)",
+                c["added_p50"] - c["added_p50_single"] <= 1.0,
+            )
+            for name, c in m.get("conv", [])[:2]
+        ),
+    ]
+    print("other goals:")
+    for name, ok in goals:
+        print(f"  {'met   ' if ok else 'missed'} {name}")
+    print("on a shared machine the ratios are the figures to compare; gw CPU: the gateway process' CPU per request")
+    print("machine load at the end: {:.1f} {:.1f} {:.1f} (1, 5, 15 min)".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":

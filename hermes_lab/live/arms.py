@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -239,18 +240,26 @@ def read_completion(status: int, body: bytes, content_type: str) -> Answer:
     )
 
 
-def parse_event(raw: bytes) -> tuple[str | None, Any]:
-    """('data', obj) / ('done', None) / (None, None) for one SSE event's bytes."""
-    for line in raw.splitlines():
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data == b"[DONE]":
+def parse_event(data: bytes, start: int = 0, end: int | None = None) -> tuple[str | None, Any]:
+    """('data', obj) / ('done', None) / (None, None) for one SSE event, ``data[start:end]`` (its first data line)."""
+    end = len(data) if end is None else end
+    pos = start
+    while pos < end:
+        nl = data.find(b"\n", pos, end)
+        nl = end if nl == -1 else nl
+        if data.startswith(b"data:", pos, nl):
+            line = memoryview(data)[pos + 5 : nl]  # parsed where it lies (orjson skips the whitespace)
+            if len(line) < 16 and bytes(line).strip() == b"[DONE]":
                 return "done", None
             try:
-                return "data", orjson.loads(data)
+                return "data", orjson.loads(line)
             except orjson.JSONDecodeError:
                 return None, None
+        pos = nl + 1
     return None, None
+
+
+_KEEP = b"+"  # chunk_of's raw for an event: whether it is forwarded shows as raw kept or b''
 
 
 def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
@@ -317,6 +326,7 @@ class UpstreamArm:
                 )
             self.headers["Authorization"] = f"Bearer {self._key}"
         self._session: Any = None
+        self._pool: Any = None  # serve.upstream_client httptools: hermes_lab.live.upstream.Pool
         self._proxy: str | None = None
 
     async def start(self) -> None:
@@ -346,6 +356,9 @@ class UpstreamArm:
         )
 
     async def _post(self, url: str, body: bytes) -> tuple[int, str]:
+        if self._pool is not None:
+            status, raw, _ = await self._pool.post(body, urlsplit(url).path)
+            return status, raw.decode("utf-8", "replace")
         if self.client_kind == "httpx":
             r = await self._session.post(url, content=body, headers=self.headers)
             return r.status_code, r.text
@@ -353,7 +366,12 @@ class UpstreamArm:
             return r.status, await r.text()
 
     def _open(self) -> None:
-        if self.client_kind == "httpx":
+        found = proxy_for(self.spec.url)
+        if self.client_kind == "httptools" and not found:  # through a proxy: aiohttp's client
+            from hermes_lab.live.upstream import Pool
+
+            self._pool = Pool(self.spec.url, self.headers, self.connections, self.timeout)
+        elif self.client_kind == "httpx":
             import httpx
 
             lim = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
@@ -368,10 +386,11 @@ class UpstreamArm:
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
-            found = proxy_for(self.spec.url)
             self._proxy = found[1] if found else None
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
         if self._session is not None:
             await (self._session.aclose() if self.client_kind == "httpx" else self._session.close())
 
@@ -387,7 +406,9 @@ class UpstreamArm:
     async def complete(self, payload: dict[str, Any], prompt: str = "", rid: str = "") -> Answer:
         data = self._payload(payload)
         try:
-            if self.client_kind == "httpx":
+            if self._pool is not None:
+                status, body, ctype = await self._pool.post(data)
+            elif self.client_kind == "httpx":
                 r = await self._session.post(self.spec.url, content=data, headers=self.headers)
                 status, body, ctype = r.status_code, r.content, r.headers.get("content-type", "")
             else:
@@ -408,7 +429,9 @@ class UpstreamArm:
         wants_usage = bool(so.get("include_usage"))
         data = self._payload({**payload, "stream": True, "stream_options": {**so, "include_usage": True}})
         try:
-            if self.client_kind == "httpx":
+            if self._pool is not None:
+                status, chunks, closer = await self._pool.post_stream(data)
+            elif self.client_kind == "httpx":
                 req = self._session.build_request("POST", self.spec.url, content=data, headers=self.headers)
                 r = await self._session.send(req, stream=True)
                 status, chunks, closer = r.status_code, r.aiter_raw(), r.aclose
@@ -423,23 +446,42 @@ class UpstreamArm:
             return Answer(status, body, error=redact(f"upstream status {status}: {body[:300]!r}", self._key)), None
 
         async def events() -> AsyncIterator[Chunk]:
-            buf = b""
+            held = b""  # the start of an event whose end is in a later piece
             try:
                 async for piece in chunks:
-                    buf += piece
-                    while True:  # an event ends at a blank line; upstream chunks split events anywhere
-                        i, n = buf.find(b"\n\n"), 2
-                        j = buf.find(b"\r\n\r\n")
-                        if j != -1 and (i == -1 or j < i):
-                            i, n = j, 4
-                        if i == -1:
+                    data = held + piece if held else piece
+                    start, spans, out, done = 0, [], [], False
+                    cr = b"\r" in data
+                    while True:  # an event ends at a blank line; upstream pieces split events anywhere
+                        end, n = data.find(b"\n\n", start), 2
+                        if cr:
+                            j = data.find(b"\r\n\r\n", start)
+                            if j != -1 and (end == -1 or j < end):
+                                end, n = j, 4
+                        if end == -1:
                             break
-                        raw, buf = buf[: i + n], buf[i + n :]
-                        kind, obj = parse_event(raw)
+                        kind, obj = parse_event(data, start, end)
                         if kind == "done":
-                            return
+                            done = True
+                            break
                         if kind == "data":
-                            yield chunk_of(raw, obj, wants_usage)
+                            ch = chunk_of(_KEEP, obj, wants_usage)
+                            if ch.raw:
+                                if spans and spans[-1][1] == start:
+                                    spans[-1] = (spans[-1][0], end + n)
+                                else:
+                                    spans.append((start, end + n))
+                                ch.raw = b""
+                            out.append(ch)
+                        start = end + n
+                    held = b"" if done else data[start:]
+                    if spans:  # forwarded in one write: the piece itself when its events are all forwarded
+                        whole = spans == [(0, len(data))]
+                        out[-1].raw = data if whole else b"".join([data[a:b] for a, b in spans])
+                    for c in out:
+                        yield c
+                    if done:
+                        return
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as e:

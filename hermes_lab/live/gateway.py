@@ -49,7 +49,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from hermes_lab.ab import stats as ab
@@ -72,6 +72,46 @@ class _Raw(Response):
     def __init__(self, body: bytes, status: int, headers: list[tuple[bytes, bytes]]):
         self.body, self.status_code, self.background = body, status, None
         self.raw_headers = [_JSON, (b"content-length", str(len(body)).encode()), *headers]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class _Events:
+    """A streamed answer (SSE) as a plain ASGI app. The client going away cancels the task that streams, as
+    Starlette's StreamingResponse does, with one watcher task instead of a task group per request."""
+
+    def __init__(self, body: Any, headers: list[tuple[bytes, bytes]]):
+        self.body = body
+        self.raw_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *headers]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        task, state = asyncio.current_task(), {"over": False, "gone": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["over"]:
+                state["gone"] = True
+                task.cancel()  # type: ignore[union-attr]
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for piece in self.body:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            state["over"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            if hasattr(task, "uncancel"):  # the client left: nothing more to send (3.11+: the task goes on)
+                task.uncancel()
+        finally:
+            state["over"] = True
+            watcher.cancel()
+            await self.body.aclose()  # a generator left mid-way records what its client got
 
 
 class _Refused(Exception):
@@ -315,7 +355,7 @@ class Gateway:
         user = payload.get("user") or payload.get("safety_identifier") or hdr.get(b"x-hermes-user", b"").decode()
         return str(user or rid)
 
-    async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Response:
+    async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Response | _Events:
         t_start = time.perf_counter()
         raw_rid = hdr.get(b"x-request-id")
         rid = raw_rid.decode("latin-1") if raw_rid else f"{self._rid_prefix}{next(self._rid_seq):x}"
@@ -436,7 +476,7 @@ class Gateway:
         headers: list[tuple[bytes, bytes]],
         t_start: float,
         ctx: tuple[Any, Link, int],
-    ) -> Response:
+    ) -> Response | _Events:
         rec["stream"] = True
         opened = await self._call(self.arms[ARMS[arm]].stream, payload, prompt, rid)
         err, events = opened if isinstance(opened, tuple) else (opened, None)
@@ -494,8 +534,7 @@ class Gateway:
             else:
                 yield b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n"
 
-        hdrs = {k.decode(): v.decode() for k, v in headers} | {"cache-control": "no-cache"}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=hdrs)
+        return _Events(body(), headers)
 
     async def feedback(self, request: Request) -> Response:
         try:

@@ -33,7 +33,6 @@ reader (and counted); the next writer starts on a fresh line. Reading a log dir 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import os
 import threading
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from hermes_lab.ab.covariates import Encoder
 from hermes_lab.core.jsonl import write_json_atomic
@@ -165,8 +165,8 @@ class ToolsLog:
     def add(self, tools: Any) -> str | None:
         if not tools:
             return None
-        raw = orjson.dumps(tools)
-        th = hashlib.blake2b(raw, digest_size=8).hexdigest()
+        raw = orjson.dumps(tools)  # (cheaper than comparing the parsed list with a known one: measured)
+        th = xxhash.xxh3_64_hexdigest(raw)
         if th not in self.seen:
             self.seen.add(th)
             self.writer.append_nowait(b'{"tools_hash":"' + th.encode() + b'","tools":' + raw + b"}\n")
@@ -225,6 +225,10 @@ class Tally:
         # the requests' covariate codes (ab.covariates, request and conversation units): ab-run's adjusted rule
         self.covariates = Encoder(covariates) if covariates else None
         self.cov: list[tuple[int, int]] = []
+        # the requests whose covariate codes are still to be worked out: at the next look (columns), in its thread,
+        # not on the event loop (parsing each prompt for its task was 7% of the gateway's time per request)
+        self._cov_todo: list[tuple[Any, Any]] = []
+        self._cov_lock = threading.Lock()
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
             k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit", "conv")
@@ -272,8 +276,8 @@ class Tally:
         tr["tool_errors"].append(int(rec.get("tool_errors") or 0))
         tr["tokens"].append(int(u.get("total_tokens") or 0) if isinstance(u, dict) else 0)
         tr["finish"].append(rec.get("finish_reason"))
-        if self.covariates:  # one row per request, kept aligned with the reward's rows
-            self.cov.append(self.covariates.row(rec)[:2])  # (cell, task): no history on live traffic
+        if self.covariates:  # one row per request, kept aligned with the reward's rows (at the next look)
+            self._cov_todo.append((rec.get("prompt"), rec.get("messages")))
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
@@ -281,6 +285,15 @@ class Tally:
             self.reward.append(0.0 if err else math.nan)
         self.n[arm] += 1
         self.errors[arm] += err
+
+    def _cov_rows(self) -> None:
+        """The covariate codes of the requests added since the last look, in arrival order: (cell, task), no
+        history on live traffic. Any thread; one at a time (codes are numbered in order of first sight)."""
+        with self._cov_lock:
+            todo = self._cov_todo[:]  # the event loop may append meanwhile: those wait for the next look
+            for prompt, messages in todo:
+                self.cov.append(self.covariates.row({"prompt": prompt, "messages": messages})[:2])  # type: ignore[union-attr]
+            del self._cov_todo[: len(todo)]
 
     def conversation_of(self, request_id: str) -> str | None:
         i = self.index.get(request_id)
@@ -391,6 +404,8 @@ class Tally:
             if families:
                 f = T.family_of(rec.get("prompt") if isinstance(rec.get("prompt"), str) else "")
                 t.family.append(fam_index.get(f or "", len(fam_index)))
+        if t.covariates:
+            t._cov_rows()
         t.torn["requests"], bad = len(bad), []
         for _, rec in read_jsonl(Path(log_dir) / FEEDBACK, bad):
             if isinstance(rec.get("reward"), (int, float)):
@@ -404,7 +419,11 @@ class Tally:
         left out of the reward's statistics and count in the guardrails and SRM (``ab.look_path``)."""
         import numpy as np
 
+        if self.covariates:
+            self._cov_rows()
         n = len(self.reward)  # a snapshot: the event loop may append while a thread analyses
+        if self.covariates:
+            n = min(n, len(self.cov))
         r = np.asarray(self.reward[:n], np.float64)
         cols = {k: np.asarray(v[:n]) for k, v in self.cols.items() if k != "conv"}
         keep = np.ones(n, bool) if stage is None else cols["stage"] == stage
