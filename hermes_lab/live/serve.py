@@ -19,7 +19,8 @@ import sys
 from hermes_lab.config.schema import HermesConfig, load_config, set_overrides
 from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS, resolve_arm
-from hermes_lab.live.gateway import Gateway, build_app, log
+from hermes_lab.live.gateway import Gateway, log
+from hermes_lab.live.routes import build_app
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -34,9 +34,11 @@ from typing import Any
 import orjson
 from starlette.responses import HTMLResponse
 
-from hermes_lab.live.gateway import Gateway, _Raw, _Refused, build_app
+from hermes_lab.live.gateway import Gateway
+from hermes_lab.live.handling import _Raw, _Refused
 from hermes_lab.live.local import ArmPool
 from hermes_lab.live.page import render
+from hermes_lab.live.routes import build_app
 
 log = logging.getLogger("hermes_lab.serve")
 DRAIN_POLL_S = 0.5
