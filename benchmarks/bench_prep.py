@@ -12,8 +12,12 @@ skipped (make_plots=False); the review sample is included. Not a test: run it by
 
 ``--before DIR``: the same measurements with another checkout of the package (its ``hermes_lab`` first on the
 child's path), alternating with this one's on the same files, so that before / after are measured in one run
-(``git archive <commit> | tar -x -C /tmp/before``). ``--profile``: this checkout's prep under cProfile once per
-input kind (a separate child, not the timed one): where the remaining time goes, own time and cumulative.
+(``git worktree add /tmp/prep-before feed864~1``: the code before issue 45). ``--profile``: this checkout's prep
+under cProfile once per input kind, in one process (a separate child, not the timed one; the conversions the
+worker processes make are then in it): where the remaining time goes, own time and cumulative. Each timed line
+also gives the CPU time of prep's process (its threads: Arrow's too) and of its worker processes. The run ends
+with issue 45's "done when" lines: the two ratios and the two peak RSS figures against their goals (exit 1 when
+one is missed).
 
 Seed records (``write_records``): half embedded tasks (family from the prompt; a few distinct wrong answers make
 ~40% of lines exact duplicates), half synthetic support tickets with a family field; every 100th line repeated.
@@ -169,8 +173,9 @@ def write_format(path: Path, fmt: str, n: int) -> int:
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"records": (2.5, 0.26), "conversations": (4.0, 1.22)}  # (x load_dataset, peak RSS GiB) at 1M / 100k
 GOAL_RSS_GIB_5M = 1.5
+PROFILE_CONVERSATIONS = 10_000  # --profile: a conversation file's first lines (one process: ~1.5 ms a line)
 CHILD = """
-import json, sys, threading, time
+import json, os, resource, sys, threading, time
 import datasets, pyarrow.json  # imported before the clock starts, as in a warm process (a notebook's)
 from hermes_lab.config.schema import load_config
 from hermes_lab.data.prep import run_prep
@@ -187,13 +192,16 @@ def sample():  # the heap's peak (RssAnon); ru_maxrss also counts the pages of m
 threading.Thread(target=sample, daemon=True).start()
 cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb": int(sys.argv[3])})
 prof = None
-if sys.argv[4] == "1":
+if sys.argv[4] == "1":  # one process: the conversions the workers make are in the profile
     import cProfile
+    from hermes_lab.data import conv_ingest
+    conv_ingest.PARALLEL_MIN = 1 << 62
     prof = cProfile.Profile()
     prof.enable()
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 res = run_prep([sys.argv[1]], sys.argv[2], cfg, make_plots=False)
-took = time.perf_counter() - t
+took, cpu = time.perf_counter() - t, time.process_time() - cpu
+kids = resource.getrusage(resource.RUSAGE_CHILDREN)
 top = []
 if prof is not None:
     import pstats
@@ -206,7 +214,8 @@ if prof is not None:
             rows = [kv for kv in rows if "hermes_lab" in kv[0][0]]
         top.append([key, [[f"{f.split('hermes_lab/')[-1].split('site-packages/')[-1]}:{l}({n})", round(v[k], 3), v[1]]
                           for (f, l, n), v in rows[:14]]])
-print(json.dumps({"seconds": took, "summary": res.summary, "anon_kb": anon[0], "profile": top}, default=str))
+print(json.dumps({"seconds": took, "summary": res.summary, "anon_kb": anon[0], "profile": top, "cpu": cpu,
+                  "workers_cpu": kids.ru_utime + kids.ru_stime}, default=str))
 """
 
 
@@ -232,28 +241,28 @@ def load_dataset_seconds(data: Path, cache: Path) -> tuple[float | None, str]:
     import datasets
 
     datasets.disable_progress_bars()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(cache))
     except Exception as e:  # pyarrow's JSON reader may refuse mixed shapes: reported, not fatal
         return None, f"cannot read it ({type(e).__name__}: {str(e)[:80]})"
-    took = time.perf_counter() - t
+    took, cpu = time.perf_counter() - t, time.process_time() - cpu
     n = len(ds)
     del ds
     shutil.rmtree(cache, ignore_errors=True)
-    return took, f"{took:.1f} s for {n:,} rows"
+    return took, f"{took:.1f} s (CPU {cpu:.1f} s) for {n:,} rows"
 
 
 def measure(
     name: str, data: Path, n: int, args: Any, root_dir: Path, goal: tuple[float, float] | None, before: bool = True
-) -> bool:
+) -> str | None:
     """One input: load_dataset once, then prep per variant (this checkout, and --before's), a line each; the goal
-    checked on this checkout's; its profile with --profile. True when the goal is met (or there is none)."""
+    checked on this checkout's; its profile with --profile. The done-when line of a goal's input (None: none)."""
     size = data.stat().st_size
     t_hf, hf = load_dataset_seconds(data, root_dir / f"hf-{data.stem}")
     print(f"{name}: {n:,} ({size / 2**20:.0f} MiB); datasets.load_dataset('json'): {hf}", flush=True)
     variants = [("after", ROOT)] + ([("before", Path(args.before))] if args.before and before else [])
-    met = True
+    verdict = None
     for label, root in variants:
         res, rss = run_child(data, root_dir / f"prep-{data.stem}", args.budget_mb, root)
         t, s = res["seconds"], res["summary"]
@@ -262,19 +271,31 @@ def measure(
         print(
             f"  {label:6s} prep {t:6.1f} s ({ratio}; {s['timing_s']}), {n / t:,.0f}/s -> {k['accepted']:,} accepted, "
             f"{k['duplicates']:,} duplicates, {k['rejected']:,} rejected; peak RSS {rss:.2f} GiB, heap "
-            f"{res['anon_kb'] / 2**20:.2f} GiB ({s['memory']['partitions']} partitions, budget {args.budget_mb} MiB)",
+            f"{res['anon_kb'] / 2**20:.2f} GiB ({s['memory']['partitions']} partitions, budget {args.budget_mb} MiB); "
+            f"CPU {res['cpu']:.1f} s, workers {res['workers_cpu']:.1f} s",
             flush=True,
         )
-        if label == "after" and goal is not None and t_hf:
-            ok = t / t_hf <= goal[0] and rss <= goal[1]
-            met &= ok
-            print(f"  goal <= {goal[0]}x load_dataset and peak RSS <= {goal[1]} GiB: {'met' if ok else 'MISSED'}")
+        if label == "after" and goal is not None:
+            ratio_ok = bool(t_hf) and t / t_hf <= goal[0]
+            verdict = (
+                f"{name} ({n:,}): {f'{t / t_hf:.2f}x' if t_hf else 'no'} load_dataset (goal <= {goal[0]}x): "
+                f"{'met' if ratio_ok else 'MISSED'}; peak RSS {rss:.2f} GiB (goal <= {goal[1]} GiB): "
+                f"{'met' if rss <= goal[1] else 'MISSED'}"
+            )
+            print(f"  {verdict}", flush=True)
     if args.profile:
-        res, _ = run_child(data, root_dir / f"prof-{data.stem}", args.budget_mb, ROOT, profile=True)
-        print(f"  profile of this checkout's prep ({res['seconds']:.1f} s under cProfile):")
+        src, what = data, f"{n:,}"
+        if name != "seed records" and n > PROFILE_CONVERSATIONS:  # one process under cProfile: its first lines
+            src, what = root_dir / f"head-{data.name}", f"the first {PROFILE_CONVERSATIONS:,} lines"
+            with open(data, "rb") as f, open(src, "wb") as out:
+                out.writelines(line for _, line in zip(range(PROFILE_CONVERSATIONS), f))
+        res, _ = run_child(src, root_dir / f"prof-{data.stem}", args.budget_mb, ROOT, profile=True)
+        if src != data:
+            src.unlink()
+        print(f"  profile of this checkout's prep in one process, {what} ({res['seconds']:.1f} s under cProfile):")
         for key, rows in res["profile"]:
-            print(f"    by {key}: " + "; ".join(f"{fn} {sec:.2f} s" for fn, sec, _ in rows[:10]))
-    return met
+            print(f"    by {key}: " + "; ".join(f"{fn} {sec:.2f} s" for fn, sec, _ in rows[:12]))
+    return verdict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,24 +316,27 @@ def main(argv: list[str] | None = None) -> int:
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench-prep-")
     root = Path(args.keep) if args.keep else Path(tmp_ctx.name)
     root.mkdir(parents=True, exist_ok=True)
-    ok = True
+    done: list[str] = []
     for n in args.records or []:
         data = root / f"trajectories-{n}.jsonl"
         t = time.perf_counter()
         write_records(data, n)
         print(f"wrote {n:,} records in {time.perf_counter() - t:.1f} s", flush=True)
-        ok &= measure("seed records", data, n, args, root, GOALS["records"] if n == 1_000_000 else None)
+        done.append(measure("seed records", data, n, args, root, GOALS["records"] if n == 1_000_000 else None))
         if n == 5_000_000:
             _, rss = run_child(data, root / "prep-5m", args.budget_mb)
             met = rss <= GOAL_RSS_GIB_5M
-            ok &= met
-            print(f"  goal peak RSS <= {GOAL_RSS_GIB_5M} GiB at 5M: {'met' if met else 'MISSED'} ({rss:.2f} GiB)")
+            done.append(f"seed records (5,000,000): peak RSS {rss:.2f} GiB (goal <= {GOAL_RSS_GIB_5M} GiB): "
+                        f"{'met' if met else 'MISSED'}")  # fmt: skip
+            print(f"  {done[-1]}")
         data.unlink()
     if args.conversations:
         n = args.conversations
         data = root / f"hermes-{n}.jsonl"
         write_conversations(data, n)
-        ok &= measure("Hermes conversations", data, n, args, root, GOALS["conversations"] if n == 100_000 else None)
+        done.append(
+            measure("Hermes conversations", data, n, args, root, GOALS["conversations"] if n == 100_000 else None)
+        )
         data.unlink()
     for fmt in ("hermes_export", "claude_code", "atropos") if args.formats else ():
         data = root / f"{fmt}-{args.formats}.jsonl"
@@ -320,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         measure(f"{fmt} conversations", data, n, args, root, None, before=False)  # issue 44's: no "before"
         data.unlink()
     tmp_ctx.cleanup()
-    return 0 if ok else 1
+    lines = [x for x in done if x]
+    if lines:  # issue 45's "done when" (prep half), as measured in this run
+        print(f"done when (on {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.1f}):")
+        for x in lines:
+            print(f"  {x}")
+    return 0 if all("MISSED" not in x for x in lines) else 1
 
 
 if __name__ == "__main__":

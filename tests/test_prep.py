@@ -932,6 +932,87 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     assert (k["accepted"], k["duplicates"], k["rejected"], k["blank"]) == (300, 12, 12, 12)
 
 
+def test_fast_decode_reads_what_the_exact_decoder_reads():
+    """lines.decode reads a line with orjson and its checks on the bytes (key count, nesting, a float where a
+    long integer may hide) and gives the rest to the exact decoder: on the fuzz test's hostile lines and
+    conversation-shaped ones (nesting around the limit, shallow lines with many brackets, a key twice deep down,
+    integers past 64 bits beside floats, an escaped colon), the same value (its JSON, ints and floats apart) or
+    the same reject as the exact decoder alone."""
+    from test_prep_fuzz import make_line
+
+    from hermes_lab.data.lines import EXACT, Bad, decode, decode_exact, fast_decode
+
+    turn = '{"from": "gpt", "value": "a: b"}'
+    lines = [make_line(seed) for seed in range(3000)]
+    lines += [('{"a": ' * d + "1" + "}" * d).encode() for d in (498, 499, 500, 501, 990, 1023)] + [
+        ("[" * d + "]" * d).encode() for d in (500, 501, 1024)
+    ]
+    lines += [
+        ('{"conversations": [' + ", ".join([turn] * 300) + "]}").encode(),  # 600+ brackets, shallow
+        ('{"c": [' + ", ".join(["[1, 2.5]"] * 400) + "]}").encode(),
+        b'{"a": {"b": [{"c": 1, "c": 2}]}, "d": "x:y"}',
+        b'{"a": {"b": [{"c": 1, "d\\u003a": 2, "c": 3}]}}',
+        b'{"a": [1.5, 123456789012345678901234]}',
+        b'{"a": [1, 123456789012345678901234]}',
+        b'{"a": 18446744073709551615, "b": 18446744073709551616, "c": 0.5}',
+        b'{"a": -9223372036854775809}',
+        b'{"a": "' + b"1" * 30 + b'", "b": 2.0}',
+        b'{"a": 1e400}',
+        b'{"k": "\\ud800"}',
+        '{"k": "é:日本", "é": {"x": "\u2028"}}'.encode(),
+    ]
+
+    def read(fn, text):
+        try:
+            return "ok", json.dumps(fn(text))
+        except Bad as e:
+            return "bad", e.reason, e.detail
+
+    exact_paths = 0
+    for raw in lines:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            assert fast_decode(raw) is EXACT  # orjson refuses it too: the reject names the bytes
+            continue
+        exact_paths += fast_decode(raw) is EXACT
+        assert read(lambda t, raw=raw: decode(t, raw), text) == read(decode_exact, text), raw[:200]
+    assert 200 < exact_paths < len(lines) - 800
+
+
+def test_conversation_rows_from_dicts_are_the_rows_from_text():
+    """A worker builds its conversations/ rows with pa.array from the row dicts, one process with Arrow's JSON
+    reader from their text: the same table on Hermes trajectories, OpenAI lines (tool calls, reasoning, odd but
+    accepted numbers, U+2028), and a value pa.array refuses (then the text path)."""
+    from hermes_lab.data.conv_ingest import LineWork, convert, dict_rows, row_table
+
+    c = load_config(None)
+    fix = REPO / "tests" / "fixtures" / "hermes"
+    out = []
+    for name, fmt in (("batch_trajectories.jsonl", "hermes_trajectory"), ("trajectory_samples.jsonl",
+                      "hermes_trajectory"), ("compressed_trajectories.jsonl", "hermes_trajectory"),
+                      ("openai_messages.jsonl", "openai")):  # fmt: skip
+        w = LineWork(fmt=fmt, file=name, role="input", round_no=None, scale=5.0, feedback={},
+                     max_chars=c.conversations.max_message_chars, rules=c.conversations)  # fmt: skip
+        lines = [x for x in (fix / name).read_bytes().splitlines() if x.strip()]
+        base = {"messages": [{"role": "user", "content": "hi\u2028"}, {"role": "assistant", "content": "yo"}]}
+        odd = [dict(base, id=f"odd-{i}", **x) for i, x in enumerate([{"api_calls": 1.0}, {"reward": 3},
+               {"end_reason": "stop", "completed": False}, {"model": "m", "meta": {"n": 2**70}}])]  # fmt: skip
+        lines += [json.dumps(o).encode() for o in odd] if fmt == "openai" else []
+        for k, line in enumerate(lines):
+            w.as_dict = True
+            res = convert(w, k + 1, line)
+            w.as_dict = False
+            if res[0] == "item":
+                out.append((res[1][9], convert(w, k + 1, line)[1][9]))
+    dicts, texts = [d for d, _ in out], [t for _, t in out]
+    assert len(out) >= 15 and any(b"\\u2028" in t for t in texts)
+    assert dict_rows(dicts).equals(row_table(texts))
+    refused = [dict(dicts[0], outcome=dict(dicts[0]["outcome"], api_calls="3"))]  # pa.array refuses a text int
+    with pytest.raises(Exception, match="int64"):
+        dict_rows(refused)
+
+
 def test_prompt_rows_are_the_sums_of_their_records(tmp_path):
     """The prompt sets' numbers, summed in columns (distill), against a plain loop over accepted.jsonl and the
     duplicates: per prompt its logged records, samples (duplicates counted), passes, mean, reference, task_id."""

@@ -85,6 +85,9 @@ class Invalid(ValueError):
 
 
 # ------------------------------------------------------------------------------------------- helpers
+_json_text = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(v, ensure_ascii=False), its encoder built once
+
+
 def text_of(content: Any, where: str) -> str | None:
     """Message content as text: a string as is, OpenAI content parts joined (images as "[image]")."""
     if content is None or isinstance(content, str):
@@ -102,14 +105,14 @@ def text_of(content: Any, where: str) -> str | None:
                 raise Invalid("bad message content", f"{where}: a content part is neither text nor an image")
         return "\n".join(out)
     if isinstance(content, (dict, int, float, bool)):  # a tool result logged as JSON: keep it as JSON text
-        return json.dumps(content, ensure_ascii=False)
+        return _json_text(content)
     raise Invalid("bad message content", f"{where}: content is a JSON {type(content).__name__}")
 
 
 def arguments_text(args: Any, where: str) -> str:
     """A tool call's arguments as OpenAI sends them: the JSON text of an object."""
     if isinstance(args, dict):
-        return json.dumps(args, ensure_ascii=False)
+        return _json_text(args)
     if isinstance(args, str):
         try:
             parsed = json.loads(args) if args.strip() else {}

@@ -93,28 +93,45 @@ _LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, Py
 
 def decode(text: str, raw: bytes | None = None) -> Any:
     """The JSON value of one line; Bad (reason, detail) for anything the checks above refuse. orjson (C) reads
-    it first; the standard decoder with every check (``decode_exact``) reads what orjson refuses (and so names
-    the fault) or might read otherwise: deep nesting, a 64-bit-plus integer, a duplicate key (``_keys_unique``)."""
-    raw = text.encode("utf-8", "surrogatepass") if raw is None else raw  # ``raw``: the line's bytes, when at hand
-    if raw.count(b"[") + raw.count(b"{") <= 500 and b"\\u003" not in raw and _LONG_INT not in raw.translate(_DIGITS):
-        try:
-            obj = orjson.loads(text)
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if _keys_unique(text, obj):
-                return obj
-    return decode_exact(text)
+    it first (``fast_decode``); the standard decoder with every check (``decode_exact``) reads what orjson refuses
+    (and so names the fault) or might read otherwise: deep nesting, a 64-bit-plus integer, a duplicate key."""
+    obj = fast_decode(text.encode("utf-8", "surrogatepass") if raw is None else raw)  # ``raw``: the line's bytes
+    return decode_exact(text) if obj is EXACT else obj
 
 
-def _keys_unique(text: str, obj: Any) -> bool:
-    """No object of ``obj`` had a key twice: the line's colons are its objects' key separators plus the colons
-    inside its strings, so a key that a later one overwrote leaves the count short (``\\u003a``, a colon that
-    is no colon in the text, is excluded by ``decode``)."""
-    n = 0
-    stack = [obj]
+EXACT = object()  # fast_decode's answer for a line only the exact decoder may read
+MAX_DEPTH = 500  # nesting orjson reads (to 1024) and the standard decoder too (Python's recursion limit: ~990)
+
+
+def fast_decode(raw: bytes) -> Any:
+    """``decode`` of a line's bytes by orjson, or ``EXACT`` when the line is for ``decode_exact``: orjson refuses
+    it (invalid UTF-8, a lone surrogate, NaN, a number a double cannot hold, bad JSON: the exact decoder names
+    the fault), it holds ``\\u003a`` (a colon the key count below cannot see), a key twice (``_keys_unique``),
+    nesting past ``MAX_DEPTH``, or a float where a run of 19 digits may be an integer orjson read as one."""
+    if b"\\u003" in raw:
+        return EXACT
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return EXACT
+    ok = _keys_unique(raw, obj)
+    if ok is None:  # a float: an integer past 64 bits reads as one in orjson, as an int in Python
+        ok = _LONG_INT not in raw.translate(_DIGITS)
+    return obj if ok else EXACT
+
+
+def _keys_unique(raw: bytes, obj: Any) -> bool | None:
+    """No object of ``obj`` had a key twice and none is nested past ``MAX_DEPTH``: the line's colons are its
+    objects' key separators plus the colons inside its strings, so a key that a later one overwrote leaves the
+    count short (``\\u003a``, a colon that is no colon in the text, is excluded by ``fast_decode``; a colon byte
+    is never part of a multi-byte UTF-8 character). None when the count holds and a float was read."""
+    n, floats = 0, False
+    stack = [(obj, 1)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return False
+        depth += 1
         if type(v) is str:
             n += v.count(":")
         elif type(v) is dict:
@@ -124,14 +141,22 @@ def _keys_unique(text: str, obj: Any) -> bool:
                 if type(x) is str:
                     n += x.count(":")
                 elif type(x) is dict or type(x) is list:
-                    stack.append(x)
+                    stack.append((x, depth))
+                elif type(x) is float:
+                    floats = True
         elif type(v) is list:  # only what can hold a colon or a key goes on the stack (not a group's token ids)
             for x in v:
                 if type(x) is str:
                     n += x.count(":")
                 elif type(x) is dict or type(x) is list:
-                    stack.append(x)
-    return n == text.count(":")
+                    stack.append((x, depth))
+                elif type(x) is float:
+                    floats = True
+        elif type(v) is float:
+            floats = True
+    if n != raw.count(b":"):
+        return False
+    return None if floats else True
 
 
 def decode_exact(text: str) -> Any:
