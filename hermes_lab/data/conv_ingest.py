@@ -8,8 +8,9 @@ log's reward, else feedback joined by conversation_id, else the outcome rules or
 reasoning included), near (the exchange up to whitespace, case, reasoning, call ids, system prompt and tool
 schemas: a run's trajectory line and its session snapshot) and by conversation_id (a run and its compressed
 copy). Writes what the ingest writes (the sinks, the fixed-size columns, the partitions: ``Ingest`` holds them;
-this is its mixin), and counts per input what the readers report (blank lines, skipped lines, Atropos groups,
-where tool schemas came from).
+this is its mixin) and each accepted conversation's conversations/ row, as Arrow, in acceptance order (a large
+file's lines are converted by forked worker processes, which build their rows' Arrow table too), and counts per
+input what the readers report (blank lines, skipped lines, Atropos groups, where tool schemas came from).
 
 Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
