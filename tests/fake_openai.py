@@ -162,6 +162,7 @@ class FakeOpenAI:
             finally:
                 ready.set()
             loop.run_forever()
+            loop.close()  # stop() ended the loop
 
         threading.Thread(target=run, daemon=True, name="fake-openai").start()
         if not ready.wait(30) or failed:
