@@ -103,6 +103,33 @@ def test_every_link_and_backticked_path_resolves(doc):
     assert not missing, "pointers that lead nowhere:\n" + "\n".join(missing)
 
 
+def test_the_readme_layout_names_every_package_and_nothing_else():
+    """The README's layout tree: each folder and notebook it lists exists, and it lists every package of
+    hermes_lab/ and every notebook (a package or notebook renamed or added shows here)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    tree = re.search(r"^## Layout\n+```text\n(.*?)^```", text, re.S | re.M)
+    assert tree, "README.md has no ```text layout block under '## Layout'"
+    top, listed, missing = None, set(), []
+    for line in tree.group(1).splitlines():
+        if line and not line[0].isspace():
+            top = line.split()[0]
+            if not (REPO / top).exists():
+                missing.append(top)
+        elif top and line.startswith("  ") and not line.startswith("   "):
+            for name in line.split():
+                if not name.endswith(("/", ".ipynb")):
+                    break
+                listed.add((top, name.rstrip("/")))
+                if not (REPO / top / name).exists():
+                    missing.append(top + name)
+    assert not missing, f"the README's layout lists what does not exist: {missing}"
+    packages = {p.parent.name for p in (REPO / "hermes_lab").glob("*/__init__.py")}
+    in_tree = {name for t, name in listed if t == "hermes_lab/"}
+    assert in_tree == packages, f"not in the layout: {sorted(packages - in_tree)}; gone: {sorted(in_tree - packages)}"
+    notebooks = {p.name for p in (REPO / "notebooks").glob("*.ipynb")}
+    assert {name for t, name in listed if t == "notebooks/"} == notebooks, "the layout's notebooks are not notebooks/'s"
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path):
     """The checks themselves: a stale path, a stale module name and a dead link are found; placeholders not."""
     doc = tmp_path / "x.md"
