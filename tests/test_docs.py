@@ -1,5 +1,6 @@
-"""The docs point at what exists: README.md stays a newcomer's page (at most MAX_README_LINES lines), and every
-relative link and every backticked repo path or ``hermes_lab`` module name in README.md and docs/*.md resolves.
+"""The docs point at what exists: README.md stays a newcomer's page (at most MAX_README_LINES lines) whose layout
+tree names every package and notebook, and every relative link and every backticked repo path or ``hermes_lab``
+module name in README.md and docs/*.md resolves.
 
 A backticked path is checked when its first part is a top-level entry of the checkout (``hermes_lab/``,
 ``tests/``, ``params/``, ``Makefile``...), ``runs/`` excepted (a round's outputs, git-ignored); a dotted name
