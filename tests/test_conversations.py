@@ -407,7 +407,7 @@ def test_seed_and_conversation_lines_carry_their_tests_into_the_prompt_sets(tmp_
     do not parse reject the line on either path."""
     from datasets import load_from_disk
 
-    from hermes_lab.sandbox.specs import parse_tests
+    from hermes_lab.sandbox.shapes import parse_tests
 
     asserts = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
     seed = tmp_path / "seed.jsonl"

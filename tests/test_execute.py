@@ -23,7 +23,7 @@ def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
     assert len({r["request_id"] for r in rows}) == 520
     assert {r["family"] for r in rows} == set(T.FAMILIES)
     # a code task's record carries its hidden tests, as a user's code task would; the others carry none
-    from hermes_lab.sandbox.specs import parse_tests
+    from hermes_lab.sandbox.shapes import parse_tests
 
     code = [r for r in rows if r["family"] == "code"]
     assert code and all(

@@ -19,7 +19,8 @@ from hermes_lab.rewards import adversarial as A
 from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox import harness
 from hermes_lab.sandbox.local import LocalExecutor
-from hermes_lab.sandbox.specs import TestSpec, harness_outcome, job_of
+from hermes_lab.sandbox.shapes import TestSpec, job_of
+from hermes_lab.sandbox.specs import harness_outcome
 
 RIGHT = {  # the honest answer to every probe of the set
     "mbpp": "def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n",

@@ -16,7 +16,7 @@ from hermes_lab.config.schema import REWARD_TYPES, ConfigError, load_config
 from hermes_lab.rewards import registry as R
 from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox.local import LocalExecutor
-from hermes_lab.sandbox.specs import SpecError, TestSpec, extract_code, parse_tests
+from hermes_lab.sandbox.shapes import SpecError, TestSpec, extract_code, parse_tests
 from hermes_lab.tasks import suite as T
 
 MBPP_REC = {

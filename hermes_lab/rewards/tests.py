@@ -38,7 +38,8 @@ from hermes_lab.config.schema import HermesConfig
 from hermes_lab.sandbox.executor import Executor, Limits
 from hermes_lab.sandbox.fusion import FusionExecutor
 from hermes_lab.sandbox.local import LocalExecutor
-from hermes_lab.sandbox.specs import KINDS, Outcome, SpecError, TestRunner, TestSpec, extract_code, parse_tests
+from hermes_lab.sandbox.shapes import SpecError, TestSpec, extract_code, parse_tests
+from hermes_lab.sandbox.specs import KINDS, Outcome, TestRunner
 
 WINDOW = 200  # scored completions over which sandbox.max_error_rate is measured
 MIN_DECIDE = 16

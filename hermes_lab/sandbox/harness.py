@@ -529,7 +529,7 @@ def main():
 
 if __name__ == "__main__":
     if sys.argv[1:2] in (["--help"], ["-h"]):
-        print("usage: python harness.py < job  (the tests reward's grading program: hermes_lab.sandbox.specs.job_of)")
+        print("usage: python harness.py < job  (the tests reward's grading program: hermes_lab.sandbox.shapes.job_of)")
         sys.exit(0)
     main()
     os._exit(0)  # no interpreter shutdown: nothing left to flush, and nothing the candidate set up runs here
