@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.ab import stats as ab
-from hermes_lab.config.sections import ABSection
+from hermes_lab.config.gates import ABSection
 from hermes_lab.core.command import CommandError
 from hermes_lab.core.jsonl import iter_objects
 

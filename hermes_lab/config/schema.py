@@ -3,9 +3,12 @@
 Reads one YAML file (``params/*.yaml``); writes nothing. Every stage module takes a ``HermesConfig``.
 
 The user's file (model / lora / grpo / reward / data) is accepted exactly as docs/SPEC.md shows it. The
-workbench adds optional sections (execute / conversations / review / validate / ab / round / serve, declared in
-hermes_lab.config.sections with their bounds) whose defaults fit the embedded task suite, so the user's file
-alone is a complete config.
+workbench adds optional sections (execute / conversations / review / validate / ab / round / serve / sandbox)
+whose defaults fit the embedded task suite, so the user's file alone is a complete config. The sections are
+declared by job, each with its fields' help texts and bounds and its own checks: ``config.training`` (model,
+lora, grpo), ``config.scoring`` (reward, sandbox), ``config.round_data`` (data, execute, conversations),
+``config.gates`` (review, validate, ab), ``config.serving`` (serve); round here, beside ``HermesConfig``, the
+loader and the cross-field checks.
 
 Rules, the way TRL's GRPOConfig documents itself and open-r1 maps YAML onto it:
 - every field has a help text (``field_help`` / ``hermes-lab config --explain``);
@@ -27,276 +30,41 @@ Secrets never live here: ``api_key_env`` holds the *name* of the environment var
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import re
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from hermes_lab.config.sections import (
-    ABSection,
-    ConversationsSection,
-    ExecuteSection,
-    ReviewSection,
-    RoundSection,
-    SandboxSection,
-    ServeSection,
-    ValidateSection,
-    conversations_problems,
-    sandbox_problems,
-    serve_problems,
-)
+from hermes_lab.config.gates import ABSection, ReviewSection, ValidateSection, ab_stage_problems
+from hermes_lab.config.round_data import ConversationsSection, DataSection, ExecuteSection, conversations_problems
+from hermes_lab.config.scoring import REWARD_TYPES, RewardSection, SandboxSection, sandbox_problems
+from hermes_lab.config.serving import ServeSection, serve_problems
+from hermes_lab.config.training import EMBEDDED_MODEL, GrpoSection, LoraSection, ModelSection, trl_choices
 from hermes_lab.core import paths
 from hermes_lab.core.yaml_typed import ConfigError, bound_problems, build, read_yaml
 from hermes_lab.core.yaml_typed import field_with as _f
 from hermes_lab.tasks import suite as tasks
 
-EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 META = ("source", "explicit")  # HermesConfig fields that are not config keys
-# The names reward.types accepts, with their help. hermes_lab.rewards.registry implements exactly these (a test
-# pins it); they are named here, below the rewards, so that a config is checked without importing them.
-REWARD_TYPES: dict[str, str] = {
-    "system": "system feedback, 'the tests pass' (reward.system: the embedded verifiers or 'module:function')",
-    "comparison": "comparison feedback: the completion judged against the logged reference (reward.model's judge, "
-    "or the local one)",
-    "tests": "system feedback from execution: the completion's code runs against its task's tests in the sandbox "
-    "(sandbox.*); the share passed on reward.scale (reward.tests_score); rows without tests score None",
-    "group_comparison": "the group-relative comparison judge (RULER-like): one judge call scores a group's "
-    "samples together on 0..scale; malformed replies are retried (reward.group_judge_retries), then the group "
-    "falls back to the pointwise local judge; no reward.model: the local judge",
-    "tool_call": "tool-call validity of a sampled assistant turn (turn-level GRPO, grpo.turns): its <tool_call> "
-    "blocks parse, name a tool of the conversation's schema, and their arguments satisfy it; no call: None",
-}
 
 
 @dataclass
-class ModelSection:
-    base_model: str = _f(
-        EMBEDDED_MODEL,
-        "Policy to train: a Hugging Face id, a local path, or 'embedded:tiny' "
-        "(the tiny local policy the embedded default builds itself).",
+class RoundSection:
+    runs_dir: str = _f("runs", "Where rounds, the MLflow store and the policies live.")
+    simulated_clock: bool = _f(False, "Use a simulated clock (embedded flywheel: cooldown without waiting a day).")
+    experiment: str = _f("hermes-lab", "MLflow experiment name.")
+    registered_model: str = _f("hermes-policy", "MLflow registered model holding the 'champion' alias.")
+    on_held: Literal["new", "continue"] = _f(
+        "new",
+        "A candidate whose A/B stage reached its hard end undecided ('candidate held: undecided'). new: the next "
+        "round trains a new candidate from the champion. continue: the next round continues that experiment "
+        "instead (the same candidate, its stage's data kept, its confidence sequence carried on for another "
+        "stage length with extension; no training, so no cooldown). A continued experiment that ends undecided "
+        "again is not continued twice.",
     )
-    base_url: str | None = _f(None, "OpenAI-compatible API root for a remotely served policy (optional).")
-    api_key_env: str = _f(
-        "TAOTOKEN_API_KEY",
-        "NAME of the environment variable holding the API key (the key itself is never written in a config).",
-    )
-    adapter: str | None = _f(
-        None,
-        "LoRA adapter to start from (a path). Empty: the round uses the champion "
-        "adapter if there is one, else the bare base model.",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Torch dtype to load the policy in.")
-    trust_remote_code: bool = _f(False, "Pass trust_remote_code to from_pretrained (off: never run hub code).")
-    seed: int = _f(0, "Seed of the embedded tiny policy (its build is deterministic by seed).")
-
-
-@dataclass
-class LoraSection:
-    r: int = _f(16, "LoRA rank.", ge=1)
-    lora_alpha: int = _f(32, "LoRA scaling alpha (effective scale alpha/r).", gt=0)
-    lora_dropout: float = _f(0.05, "Dropout on the LoRA path.", ge=0, lt=1)
-    target_modules: list[str] = _f(["q_proj", "v_proj", "k_proj", "o_proj"], "Module names LoRA wraps.")
-    bias: Literal["none", "all", "lora_only"] = _f("none", "Which biases train.")
-    task_type: str = _f("CAUSAL_LM", "PEFT task type (peft.TaskType; checked by config --check).")
-
-
-@dataclass
-class GrpoSection:
-    group_size: int = _f(
-        8, "Completions sampled per prompt (TRL num_generations).", ge=2, why="GRPO needs a group for advantages"
-    )
-    kl_coefficient: float = _f(
-        0.04,
-        "KL penalty (TRL beta). TRL's default 0.0 disables KL and the reference model; we always pass this value.",
-        ge=0,
-    )
-    clip_range: float = _f(0.2, "Policy-ratio clipping (TRL epsilon).", gt=0, lt=1)
-    learning_rate: float = _f(1.0e-5, "AdamW learning rate (TRL's default 1e-6 is too low for LoRA).", gt=0, lt=1)
-    max_steps: int = _f(300, "Optimizer steps.", ge=1)
-    per_device_batch_size: int = _f(
-        2,
-        "Prompts per device per micro-batch (TRL counts completions: we multiply by group_size when mapping).",
-        ge=1,
-    )
-    gradient_accumulation: int = _f(8, "Micro-batches per optimizer step.", ge=1)
-    temperature: float = _f(0.9, "Sampling temperature; 0.8-1.0 keeps groups diverse.", gt=0, le=2)
-    max_completion_length: int = _f(256, "Max new tokens per completion (prompt + this <= data.max_seq_len).", ge=1)
-    num_iterations: int = _f(1, "PPO-style updates per generation batch (TRL num_iterations).", ge=1)
-    loss_type: str = _f("dapo", "TRL loss_type (the values the installed TRL accepts).")
-    scale_rewards: Literal["group", "batch", "none"] = _f("group", "TRL scale_rewards.")
-    logging_steps: int = _f(1, "Log every N steps (every TRL metric goes to MLflow).", ge=1)
-    seed: int = _f(0, "Training seed.")
-    gradient_checkpointing: bool = _f(True, "Trade compute for memory (TRL's default). Off for tiny models on CPU.")
-    use_vllm: bool = _f(False, "GPU only: generate with vLLM (TRL use_vllm).")
-    vllm_mode: Literal["colocate", "server"] = _f("colocate", "vLLM mode when use_vllm.")
-    kl_warn: float = _f(0.5, "Health guard: warn 'raise kl_coefficient' when KL exceeds this.", gt=0)
-    zero_std_warn: float = _f(
-        0.8, "Health guard: warn 'raise temperature' when frac_reward_zero_std exceeds this.", ge=0, le=1
-    )
-    max_train_prompts: int = _f(0, "Cap on GRPO prompts per round (0: all).", ge=0)
-    save_steps: int = _f(
-        0,
-        "Save a checkpoint (LoRA adapter + optimizer state) under <output>/trl/ every N steps, so `train "
-        "--resume` continues from the last one. 0: about four times a run (ceil(max_steps / 4), at most 50).",
-        ge=0,
-    )
-    save_total_limit: int = _f(
-        2, "Checkpoints kept under <output>/trl/ (the oldest are deleted).", ge=1, why="--resume needs the last one"
-    )
-    environment: str = _f(
-        "",
-        "Episode-level GRPO: 'package.module:Class', an environment in TRL's contract (reset(**row) returns None or "
-        "text for the user turn; its public, typed and documented methods are the tools; get_reward() or "
-        "_hermes_score(final_answer) scores the episode). After the prompt set, train runs episode_steps more steps on "
-        "whole episodes (TRL's multi-turn tool calling), continuing the same adapter. Empty: no episode phase. "
-        "The embedded agent family: hermes_lab.tasks.agent:TimeEnv.",
-    )
-    max_turns: int = _f(
-        2, "Episode mode: tool-calling turns per episode at most (TRL max_tool_calling_iterations).", ge=1, le=16
-    )
-    episode_steps: int = _f(0, "Episode mode: optimizer steps of the episode phase (0: grpo.max_steps).", ge=0)
-    episode_completion_length: int = _f(
-        144,
-        "Episode mode: tokens an episode may add after its prompt, tool results included (TRL max_completion_length; "
-        "a tool result that would pass it is dropped by TRL and the episode ends there).",
-        ge=8,
-    )
-    episode_tasks: int = _f(256, "Episode mode: training episodes' tasks (each sampled group_size times).", ge=1)
-    turns: Literal["", "all", "last", "failed", "first_tool"] = _f(
-        "",
-        "Turn-level GRPO on logged conversations (prep's conversations/): which assistant turns become prompts "
-        "(the conversation before the turn, with the real tool results, rendered with the policy's chat template "
-        "and the conversation's tools; the group samples that turn, the loss covers only it). all: every "
-        "assistant turn; last: each conversation's last; failed: every turn of conversations whose reward is "
-        "below reward.success_threshold; first_tool: each conversation's first turn that calls a tool. Rewards: "
-        "tool_call (validity), comparison (the judge against the logged turn, the conversation's reward as its "
-        "ref_reward: the outcome credited to the turn). A turn answered by the gateway's in-process arm is trained "
-        "on the tokens it logged (no re-tokenization). Data with a prompt set too (a live round's traffic): the "
-        "turns are a phase of their own after the prompt set's (turn_steps). Empty: the prompt sets only, as "
-        "before. The live flywheel sets all unless the params say otherwise.",
-    )
-    turn_completion_length: int = _f(
-        0,
-        "grpo.turns: max new tokens of a sampled turn (a tool call with its arguments is longer than a string "
-        "task's answer). 0: max_completion_length.",
-        ge=0,
-    )
-    turn_steps: int = _f(
-        0,
-        "grpo.turns beside a prompt set: optimizer steps of the turn phase, which continues the prompt set's "
-        "adapter before the episode phase (0: grpo.max_steps).",
-        ge=0,
-    )
-
-
-@dataclass
-class RewardSection:
-    model: str | None = _f(
-        None, "Judge model id for the comparison reward (OpenAI-compatible). Empty or 'local': the local judge."
-    )
-    base_url: str | None = _f(None, "OpenAI-compatible API root of the judge.")
-    api_key_env: str = _f("TAOTOKEN_API_KEY", "NAME of the environment variable holding the judge's key.")
-    types: list[str] = _f(
-        ["system", "comparison"],
-        "Reward functions: system (tests pass / verifier), comparison (judge vs the reference response), "
-        "tests (the task's tests run on the completion's code), or 'module:function'.",
-    )
-    weights: list[float] | None = _f(None, "One weight per entry of types (default: all 1).")
-    system: str = _f("verifier", "System feedback: 'verifier' (embedded task verifiers) or 'module:function'.")
-    scale: float = _f(5, "Reward scale: rewards lie in 0..scale.", gt=0)
-    success_threshold: float = _f(3, "A score >= this is a success (docs/SPEC.md: 3 on the 5 scale).", gt=0)
-    judge_concurrency: int = _f(8, "Concurrent judge requests.", ge=1)
-    judge_timeout_s: float = _f(30.0, "Judge request timeout in seconds.", gt=0)
-    judge_retries: int = _f(4, "Retries on 429/5xx/timeouts, with exponential backoff.", ge=0)
-    max_judge_failure_rate: float = _f(
-        0.2,
-        "Training stops when more than this share of the last judge_failure_window judged samples failed "
-        "(a 429/5xx after the retries, a timeout, a reply without a score). Below it a failed sample falls "
-        "back to its group's mean judge score, or to the system reward alone (see hermes_lab.rewards.registry).",
-        ge=0,
-        le=1,
-    )
-    judge_failure_window: int = _f(200, "Judged samples over which max_judge_failure_rate is measured.", ge=1)
-    group_judge_retries: int = _f(
-        2,
-        "group_comparison: times a group is asked again when the judge's reply has the wrong number of scores "
-        "(or none it can read); then the group falls back to the pointwise local judge (counted, never fatal).",
-        ge=0,
-    )
-    tests_score: Literal["share", "all"] = _f(
-        "share",
-        "The tests reward: share (scale x the share of tests passed) or all (scale when every test passes, else "
-        "0). Compile errors, timeouts, crashes, memory and output limits score 0 either way.",
-    )
-    code_from: Literal["auto", "fenced", "whole"] = _f(
-        "auto",
-        "The tests reward: the code of a completion. fenced: its last ```python block (none: scores 0, no_code); "
-        "whole: the completion as it is; auto: the fenced block if there is one, else the whole completion.",
-    )
-    audit: Literal["block", "warn"] = _f(
-        "block",
-        "The reward audit before every training (hermes_lab.rewards.audit): each reward scores built-in adversarial "
-        "completions (attacks on the tests' grader, requests for a high score, useless tool calls, an empty answer, "
-        "the prompt echoed...). block: a completion paid above audit_threshold stops the round before training, "
-        "named with its reward; warn: they are named and the round goes on.",
-    )
-    audit_threshold: float = _f(
-        0.4,
-        "The reward audit: an adversarial completion paid more than this share of scale is a finding (2 on the 5 "
-        "scale). The verifier's partial credit and the local judge pay an echoed embedded prompt up to 0.32 of it.",
-        ge=0,
-        le=1,
-    )
-
-
-@dataclass
-class DataSection:
-    min_samples: int = _f(500, "New samples needed to trigger a training round.", ge=1)
-    cooldown_hours: float = _f(24, "Minimum hours between two trainings (hard constraint).", ge=0)
-    max_seq_len: int = _f(4096, "Max tokens of prompt + completion; longer prompts are flagged and left out.", ge=8)
-    max_bad_fraction: float = _f(0.2, "Stop ingest when more than this share of lines is rejected.", ge=0, le=1)
-    holdout_fraction: float = _f(0.1, "Share of task_ids held out as the regression set.", ge=0, le=1)
-    review_fraction: float = _f(0.1, "Share of new records sampled for human spot-check.", ge=0, le=1)
-    outlier_z: float = _f(4.0, "Robust z-score (median/MAD) past which a reward counts as an outlier.", gt=0)
-    negative_weight: int = _f(2, "Times a negative (rolled-back round) prompt is repeated as a hard prompt.", ge=1)
-    select: Literal["all", "mixed"] = _f(
-        "mixed",
-        "GRPO prompt selection from each prompt's logged outcomes (its samples grouped by prompt text). all: "
-        "every prompt once. mixed: prompts whose samples both pass and fail (the groups GRPO learns from) are "
-        "repeated mixed_weight times; prompts whose samples all pass or all fail (zero-signal groups) keep at "
-        "most uniform_share of the set, the rest is left out and listed in left_out.jsonl; one-sample "
-        "prompts (outcome unknown) weigh 1, negatives negative_weight (a mixed negative: the larger weight). "
-        "Report: selection.json.",
-    )
-    mixed_weight: int = _f(
-        2, "select: mixed: times a prompt with mixed outcomes (some samples pass, some fail) is repeated.", ge=1
-    )
-    uniform_share: float = _f(
-        0.2,
-        "select: mixed: most share of the GRPO prompt set's weight that prompts whose samples all pass or all "
-        "fail may take (1: keep them all); which ones stay is a seeded hash of the prompt (data.seed).",
-        ge=0,
-        le=1,
-    )
-    max_line_bytes: int = _f(
-        16 * 2**20,
-        "Trajectory lines longer than this many bytes are rejected as 'line too "
-        "long' (read in bounded memory); valid lines below it are accepted however long.",
-        ge=1024,
-    )
-    memory_budget_mb: int = _f(
-        512,
-        "Prep's memory budget for record text, in MiB: lines are read in batches and the per-prompt tables "
-        "are built in on-disk partitions sized to fit it, so peak memory does not grow with the input's size "
-        "(only ~60 bytes of fixed-size fields per accepted record are kept for the whole input).",
-        ge=64,
-    )
-    seed: int = _f(0, "Seed of the human review sample (the same data and seed give the same sample).")
 
 
 @dataclass
@@ -340,55 +108,6 @@ class HermesConfig:
 
 
 # ------------------------------------------------------------------------------------------- checks
-@cache
-def trl_choices(name: str) -> tuple[str, ...] | None:
-    """The values the installed TRL's GRPOConfig accepts for ``name``: its ``Literal`` type, else the
-    "Supported values are ..." sentence of the field's help. Read from TRL's source (no import: TRL pulls
-    torch in); None when TRL is absent or says nothing we can read, and the check is skipped."""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("trl")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "trainer" / "grpo_config.py"
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return None
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name):
-            continue
-        ann = node.annotation
-        if isinstance(ann, ast.Subscript) and "Literal" in ast.unparse(ann.value):
-            vals = [e.value for e in ast.walk(ann.slice) if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            return tuple(vals) or None
-        text = ""
-        for kw in ast.walk(node.value) if node.value is not None else []:
-            if isinstance(kw, ast.keyword) and kw.arg == "metadata" and isinstance(kw.value, ast.Dict):
-                for k, v in zip(kw.value.keys, kw.value.values):
-                    if isinstance(k, ast.Constant) and k.value == "help" and isinstance(v, ast.Constant):
-                        text = str(v.value)
-        m = re.search(r"Supported values are:?\s*(.*?)\.(?:\s|$)", text)
-        vals = re.findall(r"[`'\"]([a-z][a-z0-9_]*)['\"`]", m.group(1)) if m else []
-        return tuple(vals) or None
-    return None
-
-
-def ab_stage_problems(stages: Any, where: str = "ab.stages") -> list[str]:
-    """The rollout plan: [ratio, seconds] pairs; ratios in (0, 1], starting below 1, never decreasing."""
-    if not stages or any(not isinstance(s, list) or len(s) != 2 for s in stages):
-        return [f"{where} must be a list of [ratio, seconds] pairs, got {stages!r}"]
-    ratios, secs = [s[0] for s in stages], [s[1] for s in stages]
-    out = []
-    if any(not 0 < r <= 1 for r in ratios) or ratios[0] >= 1 or any(b < a for a, b in itertools.pairwise(ratios)):
-        out.append(
-            f"{where} ratios must lie in (0, 1], start below 1 (a test needs a baseline) and never decrease "
-            f"(a monotone ramp keeps candidate units candidates), got {ratios}"
-        )
-    if any(s < 0 for s in secs) or secs[0] <= 0:
-        out.append(f"{where} seconds must be >= 0, and > 0 for the first stage (it is tested), got {secs}")
-    return out
 
 
 def _callable_spec(value: str) -> bool:
