@@ -32,7 +32,7 @@ from hermes_lab.data.lines import TEST_FIELDS, split_of
 from hermes_lab.tasks import suite as tasks
 
 BLOCK_BYTES = 4 << 20  # bytes read and parsed at once
-PREFETCH = 2  # blocks prepared ahead of the one being ingested
+PREFETCH = 1  # blocks prepared ahead of the one being ingested (one keeps the parse beside the main thread)
 MIN_RUN = 64  # a refused block is split down to this many lines, then read line by line
 MAX_BRACKETS = 500  # a line with more open brackets takes the per-line path (Python's nesting limit)
 SUSPECT = (b"\xef\xbb\xbf", b"NaN", b"Infinity", b"\\u003a", b"\\u003A")
