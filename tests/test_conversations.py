@@ -191,6 +191,28 @@ def test_hostile_variants_are_rejected_by_line_with_reasons(tmp_path):
     assert s["counts"] | {"accepted": 2, "rejected": 5, "read": 7} == s["counts"]
 
 
+def test_outcome_fields_of_the_wrong_type_are_rejected_by_line_not_at_the_dataset_build(tmp_path):
+    """A log's completed / partial / end_reason / api_calls become typed columns of the conversations dataset: a
+    string "yes" or a count as text is a reject with its reason (it crashed prep's dataset build), on the line and
+    in its outcome object alike; the valid lines beside them are accepted."""
+    convo = lambda i: [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]  # noqa: E731
+    bad = [("completed", "yes"), ("api_calls", "3"), ("end_reason", 5), ("partial", 1), ("api_calls", True)]
+    bad += [("api_calls", -2)]
+    rows = [{"messages": convo(i)} for i in range(6)]
+    rows += [{"messages": convo(10 + i), k: v} for i, (k, v) in enumerate(bad)]
+    rows += [{"messages": convo(20 + i), "outcome": {k: v}} for i, (k, v) in enumerate(bad)]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s, out = prep(tmp_path, [f], over={"data.max_bad_fraction": 1})
+    rej = lines(out / "rejects.jsonl")
+    assert [(Path(r["file"]).name, r["line"], r["reason"]) for r in rej] == [
+        ("chat.jsonl", n, "bad outcome field") for n in range(7, 19)
+    ]
+    assert "completed must be true or false, got a JSON str" in rej[0]["detail"]
+    assert "api_calls must be an integer, got a JSON bool" in rej[4]["detail"] and ">= 0" in rej[5]["detail"]
+    assert s["counts"]["accepted"] == 6 and s["counts"]["conversations"] == 6
+
+
 def test_a_damaged_state_db_is_one_reject_and_a_session_file_that_is_not_json_another(tmp_path):
     db = tmp_path / "state.db"
     db.write_bytes((FIX / "state.db").read_bytes()[:4096])  # the header page only: SQLite calls it malformed

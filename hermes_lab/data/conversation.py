@@ -250,6 +250,17 @@ def check_messages(raw: Any, max_chars: int, where: str = "") -> list[dict[str, 
     return out
 
 
+# the logged outcome signals a reader may pass on, with the JSON type each must have (the conversations dataset's
+# columns): a log holding another type is rejected here, by line, rather than failing the dataset's build
+SIGNAL_TYPES: dict[str, type] = {
+    "completed": bool,
+    "partial": bool,
+    "end_reason": str,
+    "finish_reason": str,
+    "api_calls": int,
+}
+
+
 def outcome_of(messages: list[dict[str, Any]], tools: list[dict[str, Any]], **logged: Any) -> dict[str, Any]:
     """The outcome signals: what the log said (``logged``), else completed / partial read off the messages."""
     declared = {t["function"]["name"] for t in tools}
@@ -272,6 +283,15 @@ def outcome_of(messages: list[dict[str, Any]], tools: list[dict[str, Any]], **lo
         "unknown_tools": sorted({c["function"]["name"] for c in calls} - declared) if declared else [],
         "compressed": any((m["content"] or "").startswith(SUMMARY_PREFIXES) for m in messages if m["role"] != "tool"),
     }
+    for k, v in logged.items():
+        want = SIGNAL_TYPES.get(k)
+        if v is None or want is None:
+            continue
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):  # a JSON true is no call count
+            name = {bool: "true or false", str: "text", int: "an integer"}[want]
+            raise Invalid("bad outcome field", f"{k} must be {name}, got a JSON {type(v).__name__}")
+        if want is int and v < 0:
+            raise Invalid("bad outcome field", f"{k} must be >= 0, got {v}")
     out.update({k: v for k, v in logged.items() if v is not None})
     if out["completed"] is None:  # the log says nothing: a final text answer is a finished conversation
         last = messages[-1]
