@@ -421,9 +421,12 @@ GROUPS = (
     ("conversation digest (xxhash)", ("xxhash", "live/conversations.py")),
     ("server (uvicorn, httptools)", ("uvicorn", "httptools", "starlette", "h11")),
     ("upstream client", ("live/upstream.py", "aiohttp", "httpx", "httpcore", "live/arms.py")),
-    ("log (records, tally, writes)", ("live/log.py", "posix.write", "ab/covariates", "tasks/suite")),
-    ("routing and request handling", ("live/gateway.py", "ab/stats", "hashlib", "live/experiment")),
-    ("event loop (uvloop's C: epoll, socket reads and writes)", ("uvloop", "asyncio", "runners.py")),
+    ("log (records, tally, writes)", ("live/records.py", "live/log.py", "posix.write", "ab/covariates", "tasks/suite")),
+    (
+        "routing and request handling",
+        ("live/handling.py", "live/routes.py", "live/gateway.py", "ab/stats", "hashlib", "live/experiment"),
+    ),
+    ("event loop (uvloop's C: epoll, socket reads, tasks)", ("uvloop", "asyncio", "runners.py")),
 )
 
 

@@ -32,8 +32,9 @@ policy's byte-level one has not: serve it in-process)::
     hermes-lab serve --baseline http://127.0.0.1:8000 --baseline-model Qwen/Qwen2.5-0.5B-Instruct \\
         --candidate http://127.0.0.1:8000 --candidate-model round-01
 
-Upstream HTTP client: aiohttp by default (``serve.upstream_client``); httpx is kept switchable because the
-choice is a measurement (benchmarks/bench_gateway.py prints both).
+Upstream HTTP client (``serve.upstream_client``): the gateway's own kept-alive client by default
+(``hermes_lab.live.upstream``, httptools' parser; aiohttp for an arm behind a proxy); aiohttp and httpx are kept
+switchable because the choice is a measurement (``benchmarks/bench_gateway.py --variants`` prints each).
 """
 
 from __future__ import annotations

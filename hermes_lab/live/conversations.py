@@ -85,8 +85,8 @@ def encode(m: Any) -> bytes:
     if role != "assistant":
         text = c if type(c) is str else _text(c)
         if role == "tool":
-            return b"tool\x1f" + str(m.get("tool_call_id") or "").encode() + b"\x1f" + _utf8(text) + _SEP
-        return str(role).encode() + b"\x1f" + _utf8(text) + _SEP
+            return b"".join((b"tool\x1f", str(m.get("tool_call_id") or "").encode(), b"\x1f", _utf8(text), _SEP))
+        return b"".join((str(role).encode(), b"\x1f", _utf8(text), _SEP))  # one copy of a long text, not two
     parts = [b"assistant", _utf8(_text(c).strip())]
     calls = m.get("tool_calls")
     if isinstance(calls, list):

@@ -44,6 +44,10 @@ class _Raw(Response):
         await send({"type": "http.response.body", "body": self.body})
 
 
+class _Last(bytes):
+    """A stream's last piece: sent with the end of the response."""
+
+
 class _Events:
     """A streamed answer (SSE) as a plain ASGI app. The client going away cancels the task that streams, as
     Starlette's StreamingResponse does, with one watcher task instead of a task group per request."""
@@ -66,9 +70,14 @@ class _Events:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for piece in self.body:
+                if type(piece) is _Last:  # the answer's end and the stream's in one write
+                    state["over"] = True
+                    await send({"type": "http.response.body", "body": piece, "more_body": False})
+                    break
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
-            state["over"] = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                state["over"] = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise
@@ -298,8 +307,8 @@ class ChatHandling:
                     rec["ttft_ms"] = ttft
             await self._commit(rec, link=ctx)  # durable (and linkable) before the last byte ([DONE]) goes out
             if error is None:
-                yield b"data: [DONE]\n\n"
+                yield _Last(b"data: [DONE]\n\n")
             else:
-                yield b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n"
+                yield _Last(b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n")
 
         return _Events(body(), headers)
