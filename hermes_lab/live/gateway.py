@@ -135,9 +135,11 @@ class Gateway(Routes, ChatHandling, RequestRecords):
         # the cyclic GC took 18% of the gateway's CPU (bench_gateway's load, timed by gc.callbacks): full collections
         # walking every object of the modules (the warm-up's scipy and statsmodels, a local arm's torch) again and
         # again, young ones every 700 allocations (a conversation's parsed request is hundreds). The objects there
-        # once warm are frozen out of it, and a young collection waits for 20,000 allocations: 1%
+        # once warm are frozen out of it, and a young collection waits for 20,000 allocations: 1%. Once per process:
+        # a later experiment's gateway (the flywheel's hot swap) would freeze the drained one's garbage for good
         gc.set_threshold(max(gc.get_threshold()[0], 20_000), 20, 10)
-        self._warm.add_done_callback(lambda _: gc.freeze())
+        if not gc.get_freeze_count():
+            self._warm.add_done_callback(lambda _: gc.freeze())
         if s.mlflow_traces:
             from hermes_lab.live.traces import TraceSink
 
