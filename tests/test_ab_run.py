@@ -415,7 +415,7 @@ def test_notebook_helper_reuses_an_existing_report(tmp_path, monkeypatch):
 
 
 def test_round_moves_the_champion_only_on_promotion(tmp_path):
-    """round._finish: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
+    """round.outcome.finish_round: "widen" (a stage passed, traffic below 100%) is not a promotion (issue #14)."""
     from hermes_lab.core.state import FlywheelState
     from hermes_lab.core.verdict import gate, write_verdict
     from hermes_lab.round import outcome
@@ -430,7 +430,7 @@ def test_round_moves_the_champion_only_on_promotion(tmp_path):
         ab_report.write_ab_verdict(report, rd / "ab")
         state = FlywheelState()
         prog = {"completed": ["train", "validate", "ab"], "timings": {}, "parent_run_id": "x"}
-        summary = outcome._finish(cfg, STAGES, state, rd, 1, prog, "completed")
+        summary = outcome.finish_round(cfg, STAGES, state, rd, 1, prog, "completed")
         assert (state.champion_adapter == adapter) is promoted and (state.champion_adapter is None) is not promoted
         assert summary["status"] == ("promoted" if promoted else "candidate held (widen)")
         assert summary["ab"]["promoted"] is promoted and summary["ab"]["final_ratio"] == ratio

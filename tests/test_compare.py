@@ -71,7 +71,7 @@ def _eval(before: float, after: float, tasks: int = 300, per_task: int = 2) -> d
 
 
 def _finished(cfg, n: int, status: str, decision, promoted: bool, ev, ab_delta=None) -> None:
-    """A finished round as round._finish leaves it: summary.json, its parent run and stage runs."""
+    """A finished round as round.outcome.finish_round leaves it: summary.json, its parent run and stage runs."""
     tracking.setup(cfg.round.runs_dir, cfg.round.experiment)
     parent = tracking.start_round_run(f"round-{n:02d}", {"round.number": n})
     if ab_delta is not None:

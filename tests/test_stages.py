@@ -282,7 +282,7 @@ def test_a_kill_at_any_write_leaves_progress_and_state_consistent(params, mlflow
     assert state.last_train_time is not None and state.negative_files == [] and state.progress is None
     assert state.last_round == 1 and state.champion_adapter == str(rd / "fit" / "adapter")
     versions = client.search_model_versions("name = 'hermes-policy'")
-    assert len(versions) == 1  # registered once, however often _finish ran
+    assert len(versions) == 1  # registered once, however often finish_round ran
     assert client.get_model_version_by_alias("hermes-policy", "champion").version == versions[0].version
 
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from hermes_lab.config.serving import _ENV_NAME
+from hermes_lab.config.serving import ENV_NAME
 from hermes_lab.core.yaml_typed import field_with as _f
 
 # The names reward.types accepts, with their help. hermes_lab.rewards.registry implements exactly these (a test
@@ -159,7 +159,7 @@ def sandbox_problems(s: SandboxSection) -> list[str]:
         out.append(
             f"sandbox.url must be the http(s) root of a run_code server when sandbox.executor is fusion, got {s.url!r}"
         )
-    if s.api_key_env and not _ENV_NAME.match(s.api_key_env):  # never echo it: it may be the key
+    if s.api_key_env and not ENV_NAME.match(s.api_key_env):  # never echo it: it may be the key
         out.append("sandbox.api_key_env must be the NAME of an environment variable, not the key itself")
     if s.python and not (os.path.isfile(s.python) and os.access(s.python, os.X_OK)):
         out.append(f"sandbox.python must be a Python interpreter (a virtualenv's bin/python), got {s.python!r}")

@@ -16,7 +16,7 @@ from typing import Literal
 
 from hermes_lab.core.yaml_typed import field_with as _f
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass
@@ -174,7 +174,7 @@ def serve_problems(s: ServeSection) -> list[str]:
     if s.lora_upstream and not s.lora_upstream.startswith(("http://", "https://")):
         out.append(f"serve.lora_upstream must be the http(s) root of a vLLM server, got {s.lora_upstream!r}")
     for key in ("api_key_env", "baseline_key_env", "candidate_key_env", "lora_upstream_key_env"):
-        if getattr(s, key) and not _ENV_NAME.match(getattr(s, key)):  # never echo it: it may be the key
+        if getattr(s, key) and not ENV_NAME.match(getattr(s, key)):  # never echo it: it may be the key
             out.append(f"serve.{key} must be the NAME of an environment variable, not the key itself")
     for arm in ("baseline", "candidate"):
         spec = getattr(s, arm).strip()

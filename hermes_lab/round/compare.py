@@ -11,7 +11,7 @@ Which rounds: every round directory with a ``summary.json`` or a ``progress.json
 inside its own round, before the runner writes that round's ``summary.json``; so a round in flight (its
 progress says ``running``, or ``failed``) is read from what its stages left instead: ``progress.json``
 (parent run id, completed stages) and the stage verdicts (``train/verdict.json`` carries the held-out
-eval, ``ab/verdict.json`` the A/B outcome), with the rules ``hermes_lab.round.outcome._finish`` applies. A round
+eval, ``ab/verdict.json`` the A/B outcome), with the rules ``hermes_lab.round.outcome.finish_round`` applies. A round
 that skipped training (data gate) or stopped early is a row too, with its status: a tick, not a gap.
 
     papermill notebooks/50_round_compare.ipynb runs/compare.ipynb -p config_path params/embedded.yaml
@@ -102,7 +102,7 @@ def _round_dirs(runs_dir: str | Path) -> list[tuple[int, Path]]:
 
 def _in_flight(n: int, rd: Path, prog: dict[str, Any], stages: Sequence[Stage]) -> dict[str, Any]:
     """A summary-shaped record of a round with no (current) summary.json, from its stage files: the
-    same rules as ``round._finish`` (the last completed stage with a candidate / an eval wins), with the
+    same rules as ``round.outcome.finish_round`` (the last completed stage with a candidate / an eval wins), with the
     status so far. It changes nothing: the champion, the negatives and the registry are the runner's."""
     verdicts = {s.name: read_verdict(rd / s.verdict) if s.verdict else None for s in stages}
     completed = list(prog.get("completed") or [])

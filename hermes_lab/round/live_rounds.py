@@ -70,7 +70,7 @@ class FeedbackCounter:
         return len(self.ids)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the worker, before exec: SIGKILL when the supervisor dies (Linux prctl PR_SET_PDEATHSIG)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
@@ -93,14 +93,14 @@ def describe_agent(a: dict[str, Any]) -> str:
     return "; ".join(parts) or "no agent conversation"
 
 
-def _next_stage(prog: dict[str, Any]) -> str | None:
+def next_stage(prog: dict[str, Any]) -> str | None:
     from hermes_lab.round.stages import STAGES
 
     done = set(prog.get("completed", []))
     return next((s.name for s in STAGES if s.name not in done), None)
 
 
-def _read_json(p: Path) -> dict[str, Any]:
+def read_json_or_empty(p: Path) -> dict[str, Any]:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError):

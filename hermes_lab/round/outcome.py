@@ -46,7 +46,7 @@ def _gates(stages: Sequence[Stage], verdicts: dict[str, Any], prog: dict[str, An
     return out
 
 
-def _finish(
+def finish_round(
     cfg: HermesConfig,
     stages: Sequence[Stage],
     state: FlywheelState,
@@ -165,7 +165,7 @@ def _register_champion(cfg: HermesConfig, rd: Path, run_id: str | None) -> None:
     client.set_registered_model_alias(name, "champion", mv.version)
 
 
-def _log_round(prog: dict[str, Any], rd: Path, summary: dict[str, Any]) -> None:
+def log_round(prog: dict[str, Any], rd: Path, summary: dict[str, Any]) -> None:
     """The round's notebooks, summary, gate tags and timings on its parent MLflow run."""
     from hermes_lab.core import tracking
 

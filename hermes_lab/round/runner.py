@@ -45,7 +45,7 @@ from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.paths import PACKAGE_REPO
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
-from hermes_lab.round.outcome import _finish, _log_round, print_summary
+from hermes_lab.round.outcome import finish_round, log_round, print_summary
 from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 
 NOTEBOOKS = PACKAGE_REPO / "notebooks"  # the stage notebooks of this checkout
@@ -323,8 +323,8 @@ def run_round(
             if stage.starts_cooldown:  # the cooldown counts from the training, whatever the A/B says
                 state.last_train_time = state.clock(cfg.round.simulated_clock).now().isoformat()
             _commit(state, runs, rd, prog)
-        summary = _finish(cfg, stages, state, rd, n, prog, status)
-        _log_round(prog, rd, summary)  # idempotent: a kill before the commit below only repeats it
+        summary = finish_round(cfg, stages, state, rd, n, prog, status)
+        log_round(prog, rd, summary)  # idempotent: a kill before the commit below only repeats it
         # awaiting review / live A/B: the same round continues (--resume) once the labels / the decision are in
         prog["status"] = status if status in WAITING else "done"
         if status not in WAITING:

@@ -67,12 +67,12 @@ from hermes_lab.live import log as L
 from hermes_lab.live import round as live_round
 from hermes_lab.round.live_rounds import (
     FeedbackCounter,
-    _die_with_parent,
-    _next_stage,
-    _read_json,
     describe,
     describe_agent,
+    die_with_parent,
     live_params,
+    next_stage,
+    read_json_or_empty,
     worker,
 )
 from hermes_lab.round.runner import RoundLock, RoundLocked
@@ -249,7 +249,7 @@ class Supervisor:
             stdout=logf,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         logf.close()
         self.worker_round, self._seen_stages = n, set(prog.get("completed", []) if resuming else [])
@@ -271,7 +271,7 @@ class Supervisor:
             self.say(f"round {n:02d}: awaiting review labels (notebooks/review.ipynb); it resumes when they are in")
             return
         if fw.last_round >= n:
-            summary = _read_json(self.runs / f"round-{n:02d}" / "summary.json")
+            summary = read_json_or_empty(self.runs / f"round-{n:02d}" / "summary.json")
             ev = summary.get("eval") or {}
             row = {
                 "round": n,
@@ -301,7 +301,7 @@ class Supervisor:
     def _agent_figures(self, n: int, experiment: str | None) -> dict[str, Any] | None:
         """The agent family's figures of a decided round: held-out episode success before and after (train's
         eval.json) and live success per arm (the experiment's agent conversations with feedback)."""
-        ev = _read_json(self.runs / f"round-{n:02d}" / "train" / "eval.json").get("agent") or {}
+        ev = read_json_or_empty(self.runs / f"round-{n:02d}" / "train" / "eval.json").get("agent") or {}
         live = L.agent_success(self.runs / "live" / experiment, self.cfg.reward.success_threshold) if experiment else {}
         if not ev and not live:
             return None
@@ -354,7 +354,7 @@ class Supervisor:
             if self.worker.returncode is not None:
                 await self.worker_done()
             else:
-                stage = _next_stage(prog)
+                stage = next_stage(prog)
                 self.waiting = [f"round {self.worker_round:02d} to finish its offline stages (now: {stage})"]
             return
         fw = self.flywheel_state()
@@ -429,7 +429,7 @@ class Supervisor:
         prog = fw.progress or {}
         rnd = None
         if self.worker is not None:
-            rnd = {"number": self.worker_round, "stage": _next_stage(prog), "pid": self.worker.pid}
+            rnd = {"number": self.worker_round, "stage": next_stage(prog), "pid": self.worker.pid}
             rnd["since"] = self._worker_since
         have = (self.counter.count() if self.counter else 0) - int(self.state["consumed"])
         last = parse_time(fw.last_train_time)

@@ -53,11 +53,11 @@ from hermes_lab.tasks import agent as A
 from hermes_lab.train import episodes as EP
 from hermes_lab.train.callback import TrainingHealthError, make_callback
 from hermes_lab.train.prompts import (
-    _no_data,
-    _prompt_set_beside,
-    _run_prep,
     filter_long_prompts,
     load_prompt_set,
+    no_data_error,
+    prep_data_file,
+    prompt_set_beside,
     turn_config,
 )
 from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
@@ -158,8 +158,8 @@ def train(
     # grpo.turns beside a prompt set: this phase trains the prompt set, the turn phase follows (turn_phase); without
     # one (a conversations-only log) or inside the turn phase (turns_only), this phase is the turn rows
     if cfg.grpo.turns and Path(data).is_file():
-        data = _run_prep(Path(data), cfg, out)  # once: its prompt set and its conversations
-    prompts = _prompt_set_beside(data, cfg, out) if cfg.grpo.turns and not turns_only else None
+        data = prep_data_file(Path(data), cfg, out)  # once: its prompt set and its conversations
+    prompts = prompt_set_beside(data, cfg, out) if cfg.grpo.turns and not turns_only else None
     turn_phase = prompts is not None
     if turn_phase:
         ds = prompts
@@ -489,7 +489,7 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         # a mistyped --data fails here, after the config's own errors and before train() imports TRL and PEFT (~10 s)
         if not Path(args.data).exists():
-            raise _no_data(args.data)
+            raise no_data_error(args.data)
         res = train(
             cfg,
             args.data,

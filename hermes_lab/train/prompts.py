@@ -21,7 +21,7 @@ log = logging.getLogger("hermes_lab.train")
 
 
 # ------------------------------------------------------------------------------------------------ data
-def _no_data(data: str | os.PathLike[str]) -> FileNotFoundError:
+def no_data_error(data: str | os.PathLike[str]) -> FileNotFoundError:
     return FileNotFoundError(f"--data {data}: no such file or directory")
 
 
@@ -43,12 +43,12 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
                 raise
             ds = Dataset.from_dict({"messages": []})  # prep wrote no conversation (an empty dataset dir)
     elif p.is_file():
-        out = _run_prep(p, cfg, work_dir)
+        out = prep_data_file(p, cfg, work_dir)
         if not (out / table).is_dir():
             raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
         ds = load_from_disk(str(out / table))
     else:
-        raise _no_data(data)
+        raise no_data_error(data)
     if cfg.grpo.turns:
         if "messages" not in ds.column_names:
             raise ValueError(f"--data {data}: grpo.turns needs prep's conversations (columns: {ds.column_names})")
@@ -67,7 +67,7 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     return ds if isinstance(ds, Dataset) else Dataset.from_list(list(ds))
 
 
-def _run_prep(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
+def prep_data_file(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
     """A trajectories file given as --data, through prep into ``work_dir/prep``; its output dir."""
     from hermes_lab.data import prep
 
@@ -113,7 +113,7 @@ def filter_long_prompts(ds: Any, tokenizer: Any, cfg: HermesConfig) -> tuple[Any
     return ds.select(keep), flagged, completion
 
 
-def _prompt_set_beside(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
+def prompt_set_beside(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: Path) -> Any:
     """A prep dir's prompt set as training would take it (the agent family's rows left to the episode phase), when
     it holds a row: then grpo.turns trains the conversations' turns in a phase of their own, after it. Else None."""
     p = Path(data)
