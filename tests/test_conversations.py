@@ -465,3 +465,14 @@ def test_seed_and_conversation_lines_carry_their_tests_into_the_prompt_sets(tmp_
     recs = [r for r in lines(out / "accepted.jsonl") if "messages" in r]
     assert [r.get("tests") for r in recs] == [rows["Write mul(a, b)."], None]  # the record keeps them
     assert s["counts"]["accepted"] == 4
+
+
+def test_the_config_and_prep_name_the_same_formats():
+    """conversations.format's choices (config layer: a Literal of its own) are the formats prep reads, plus auto."""
+    import typing
+
+    from hermes_lab.config.round_data import ConversationsSection
+    from hermes_lab.data.conversation import FORMATS
+
+    hint = typing.get_type_hints(ConversationsSection)["format"]
+    assert typing.get_args(hint) == ("auto", *FORMATS)

@@ -81,6 +81,7 @@ from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
+from hermes_lab.data.conversation import FORMATS
 from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
@@ -492,17 +493,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         default=None,
-        choices=(
-            "auto",
-            "seed",
-            "openai",
-            "hermes_trajectory",
-            "hermes_session",
-            "hermes_state",
-            "hermes_export",
-            "claude_code",
-            "atropos",
-        ),
+        choices=("auto", *FORMATS),
         help="the inputs' shape (default: conversations.format, auto = detected per input)",
     )
     parser.add_argument(
