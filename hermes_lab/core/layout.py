@@ -1,0 +1,354 @@
+"""The map of ``runs/``: every file and folder a round, a live experiment and the flywheel write, named once.
+
+Reads and writes nothing itself. A stage, the runner, compare, status, the supervisor, the gateway and the
+data readers ask these objects for a path instead of joining literal names, so a file is renamed here or
+nowhere (tests/test_layout.py fails on a round file's literal name anywhere else in ``hermes_lab/``)::
+
+    runs/                                  RunsLayout(runs_dir)
+      state.json  mlflow.db  mlartifacts/  .state .mlflow_db .mlartifacts (core.state, core.tracking)
+      policies/<name>/build.json           .policies, PolicyLayout (policy.model's built tiny policies)
+      review/labels.jsonl                  .labels (review.labels' store, every round's)
+      cache/judge.jsonl  cache/champion-vN .judge_cache, .champion_cache(n)
+      round-NN/                            .round(n) -> RoundLayout
+        trajectories.jsonl                 .trajectories (data.execute; data.gateway when live)
+        agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
+        NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
+        prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
+                                           conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
+                                           summary.json selection.json left_out.jsonl plots/ verdict.json
+        review/                            .review -> ReviewLayout: gate.json verdict.json
+        audit/                             .audit -> AuditLayout: audit.json verdict.json
+        train/                             .train -> TrainLayout: adapter/ train_log.jsonl samples.jsonl
+                                           eval.json health.json run.json config.yaml data_gain.json
+                                           trl/ (trl/hermes_resume.json) verdict.json; turns/ and
+                                           episodes/ are TrainLayouts of their own (the same files)
+        validate/                          .validate -> ValidateLayout: diagnostics.json regression.json plots/
+        ab/                                .ab -> ABLayout: requests.jsonl ab_report.json plots/ live/
+                                           live_trajectories.jsonl verdict.json
+        compare/                           .compare -> CompareLayout: its plots
+        summary.json  progress.json        .summary (round.outcome), .progress (round.runner)
+      live/<experiment>/                   .experiment(name) -> ExperimentLayout: requests.jsonl tools.jsonl
+                                           feedback.jsonl experiment.json ab_report.json plots/
+      live/flywheel/                       .flywheel -> FlywheelLayout: state.json status.json params.yaml
+                                           round-NN.yaml round-NN.log
+
+The shapes of three of these files are dataclasses: ``core.verdict.Verdict`` (a stage's verdict.json),
+``core.reports.EvalReport`` (train/eval.json) and ``core.reports.RoundSummary`` (summary.json).
+
+Names that are not the round's stay where they are used: third-party formats (HF / PEFT's
+``adapter_config.json``, ``tokenizer_config.json``, ``config.json``, ``trainer_state.json`` and TRL's
+``checkpoint-N/``), a Hermes Agent's own files (``data.hermes_store``), JupyterLab's settings
+(``cli.lab``), temporary files, and the stage's notebook names (``round.stages.STAGES``, whose executed copy
+``RoundLayout.notebook`` places). The stage names ("train", "prep") that MLflow metrics and verdicts carry
+are the stages' (``round.stages``), not folder names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# ------------------------------------------------------------------------------------------- names
+VERDICT = "verdict.json"  # every gated stage's, in its folder (core.verdict)
+_SUMMARY = "summary.json"
+_REQUESTS = "requests.jsonl"
+_REPORT = "ab_report.json"
+_STATE = "state.json"
+_PLOTS = "plots"
+TRL_RESUME = "hermes_resume.json"  # in train/trl/ (train.state: named in its messages)
+
+# a round's stage folders (the stage names of round.stages, as folders)
+_STAGE_DIRS = ("prep", "review", "audit", "train", "validate", "ab", "compare")
+
+# every literal file name of runs/: tests/test_layout.py finds none of them in hermes_lab/ outside this module
+FILE_NAMES = (
+    VERDICT,
+    _SUMMARY,
+    _REQUESTS,
+    _REPORT,
+    _STATE,
+    "trajectories.jsonl",
+    "agent_episodes.jsonl",
+    "progress.json",
+    "accepted.jsonl",
+    "review_queue.jsonl",
+    "selection.json",
+    "left_out.jsonl",
+    "reward_by_family.png",
+    "rejects_by_reason.png",
+    "selection_by_family.png",
+    "conversations.png",
+    "gate.json",
+    "audit.json",
+    "train_log.jsonl",
+    "samples.jsonl",
+    "eval.json",
+    "health.json",
+    "run.json",
+    "config.yaml",
+    "data_gain.json",
+    TRL_RESUME,
+    "diagnostics.json",
+    "regression.json",
+    "live_trajectories.jsonl",
+    "pass_rate_by_round.png",
+    "rounds.png",
+    "curves_by_round.png",
+    "tools.jsonl",
+    "feedback.jsonl",
+    "experiment.json",
+    "status.json",
+    "params.yaml",
+    "mlflow.db",
+    "labels.jsonl",
+    "judge.jsonl",
+    "build.json",
+)
+# folder names joined as paths (``/ "train"``): the same test finds none of them joined outside this module
+DIR_NAMES = (
+    *_STAGE_DIRS,
+    _PLOTS,
+    "adapter",
+    "trl",
+    "turns",
+    "episodes",
+    "grpo_dataset",
+    "heldout_dataset",
+    "conversations",
+    "live",
+    "flywheel",
+    "policies",
+    "cache",
+    "mlartifacts",
+)
+
+
+def round_name(n: int) -> str:
+    """``round-NN``: a round's folder, and the name of its live experiment and flywheel files."""
+    return f"round-{n:02d}"
+
+
+def round_number(name: str) -> int | None:
+    """NN of ``round-NN`` (a folder's name), None for another name."""
+    head, _, num = name.partition("-")
+    return int(num) if head == "round" and num.isdigit() else None
+
+
+def stage_verdict(stage: str) -> str:
+    """A stage's verdict file relative to its round dir (``<stage>/verdict.json``): ``round.stages``' rows."""
+    return f"{stage}/{VERDICT}"
+
+
+# ------------------------------------------------------------------------------------ a round's stages
+@dataclass(frozen=True)
+class _Dir:
+    """A folder of runs/, by its path (a str is made a Path)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+
+@dataclass(frozen=True)
+class PrepLayout(_Dir):
+    """``round-NN/prep/`` (data.prep: ingest then distill)."""
+
+    def sink(self, name: str) -> Path:
+        """A record sink of ingest (accepted, negatives, duplicates, rejects, outliers, review_queue)."""
+        return self.root / f"{name}.jsonl"
+
+    grpo_dataset = property(lambda self: self.root / "grpo_dataset")
+    heldout_dataset = property(lambda self: self.root / "heldout_dataset")
+    conversations = property(lambda self: self.root / "conversations")
+    accepted = property(lambda self: self.root / "accepted.jsonl")
+    review_queue = property(lambda self: self.root / "review_queue.jsonl")
+    summary = property(lambda self: self.root / _SUMMARY)
+    selection = property(lambda self: self.root / "selection.json")
+    left_out = property(lambda self: self.root / "left_out.jsonl")
+    plots = property(lambda self: self.root / _PLOTS)
+    plot_rewards = property(lambda self: self.plots / "reward_by_family.png")
+    plot_rejects = property(lambda self: self.plots / "rejects_by_reason.png")
+    plot_selection = property(lambda self: self.plots / "selection_by_family.png")
+    plot_conversations = property(lambda self: self.plots / "conversations.png")
+    verdict = property(lambda self: self.root / VERDICT)
+
+
+# the files prep writes about a round that are not records: a folder given as prep's input skips them
+PREP_REPORTS = (_SUMMARY, VERDICT, "selection.json")
+
+
+@dataclass(frozen=True)
+class ReviewLayout(_Dir):
+    """``round-NN/review/`` (review.gate)."""
+
+    gate = property(lambda self: self.root / "gate.json")
+    verdict = property(lambda self: self.root / VERDICT)
+
+
+@dataclass(frozen=True)
+class AuditLayout(_Dir):
+    """``round-NN/audit/`` (rewards.audit)."""
+
+    report = property(lambda self: self.root / "audit.json")
+    verdict = property(lambda self: self.root / VERDICT)
+
+
+@dataclass(frozen=True)
+class TrainLayout(_Dir):
+    """``round-NN/train/`` (train.grpo) and its phases' ``turns/`` and ``episodes/``, which hold the same files.
+    Any training output dir (``hermes-lab train --output``) has this layout."""
+
+    adapter = property(lambda self: self.root / "adapter")
+    train_log = property(lambda self: self.root / "train_log.jsonl")
+    samples = property(lambda self: self.root / "samples.jsonl")
+    eval = property(lambda self: self.root / "eval.json")
+    health = property(lambda self: self.root / "health.json")
+    run = property(lambda self: self.root / "run.json")
+    config = property(lambda self: self.root / "config.yaml")
+    data_gain = property(lambda self: self.root / "data_gain.json")  # round.compare's
+    trl = property(lambda self: self.root / "trl")  # TRL's output_dir: its checkpoint-N/ folders
+    resume = property(lambda self: self.trl / TRL_RESUME)  # what those checkpoints were trained with
+    verdict = property(lambda self: self.root / VERDICT)
+    prep = property(lambda self: PrepLayout(self.root / "prep"))  # a JSONL given as --data, prepared here
+
+    @property
+    def turns(self) -> TrainLayout:
+        return TrainLayout(self.root / "turns")
+
+    @property
+    def episodes(self) -> TrainLayout:
+        return TrainLayout(self.root / "episodes")
+
+
+@dataclass(frozen=True)
+class ValidateLayout(_Dir):
+    """``round-NN/validate/`` (evaluate.inspect, evaluate.validate)."""
+
+    diagnostics = property(lambda self: self.root / "diagnostics.json")
+    regression = property(lambda self: self.root / "regression.json")
+    plots = property(lambda self: self.root / _PLOTS)
+    verdict = property(lambda self: self.root / VERDICT)
+
+
+@dataclass(frozen=True)
+class ExperimentLayout(_Dir):
+    """A gateway's log dir, ``runs/live/<experiment>/`` (live.gateway, live.log, live.experiment, live.report),
+    read by data.gateway; a simulated A/B's ``round-NN/ab/`` holds the same requests and report."""
+
+    requests = property(lambda self: self.root / _REQUESTS)
+    tools = property(lambda self: self.root / "tools.jsonl")
+    feedback = property(lambda self: self.root / "feedback.jsonl")
+    experiment = property(lambda self: self.root / "experiment.json")
+    report = property(lambda self: self.root / _REPORT)
+    plots = property(lambda self: self.root / _PLOTS)
+
+
+@dataclass(frozen=True)
+class ABLayout(ExperimentLayout):
+    """``round-NN/ab/`` (ab.run + ab.report simulated, live.round live)."""
+
+    live = property(lambda self: self.root / "live")  # data.gateway's trajectories of the live experiment
+    live_trajectories = property(lambda self: self.root / "live_trajectories.jsonl")
+    verdict = property(lambda self: self.root / VERDICT)
+
+
+@dataclass(frozen=True)
+class CompareLayout(_Dir):
+    """``round-NN/compare/`` (round.compare)."""
+
+    pass_rate = property(lambda self: self.root / "pass_rate_by_round.png")
+    rounds = property(lambda self: self.root / "rounds.png")
+    curves = property(lambda self: self.root / "curves_by_round.png")
+
+
+# ------------------------------------------------------------------------------------------ a round
+@dataclass(frozen=True)
+class RoundLayout(_Dir):
+    """``runs/round-NN/``: built from the round dir (``RoundLayout(rd)``) or ``RunsLayout(runs).round(n)``."""
+
+    number = property(lambda self: round_number(self.root.name))
+    trajectories = property(lambda self: self.root / "trajectories.jsonl")
+    agent_episodes = property(lambda self: self.root / "agent_episodes.jsonl")
+    summary = property(lambda self: self.root / _SUMMARY)
+    progress = property(lambda self: self.root / "progress.json")
+    prep = property(lambda self: PrepLayout(self.root / "prep"))
+    review = property(lambda self: ReviewLayout(self.root / "review"))
+    audit = property(lambda self: AuditLayout(self.root / "audit"))
+    train = property(lambda self: TrainLayout(self.root / "train"))
+    validate = property(lambda self: ValidateLayout(self.root / "validate"))
+    ab = property(lambda self: ABLayout(self.root / "ab"))
+    compare = property(lambda self: CompareLayout(self.root / "compare"))
+
+    def notebook(self, name: str) -> Path:
+        """The executed copy of a stage's notebook (``Stage.notebook``, relative to notebooks/ or absolute)."""
+        return self.root / Path(name).name
+
+    def notebooks(self) -> list[Path]:
+        return sorted(self.root.glob("*.ipynb"))
+
+    def runs(self) -> RunsLayout:
+        return RunsLayout(self.root.parent)
+
+
+# ------------------------------------------------------------------------------------- live and runs/
+@dataclass(frozen=True)
+class FlywheelLayout(_Dir):
+    """``runs/live/flywheel/`` (round.supervisor, ``hermes-lab flywheel --live``)."""
+
+    state = property(lambda self: self.root / _STATE)  # the experiment served, conversations counted
+    status = property(lambda self: self.root / "status.json")  # what it waits for (the page, status)
+    params = property(lambda self: self.root / "params.yaml")  # the live rounds' base params
+
+    def round_params(self, n: int) -> Path:
+        return self.root / f"{round_name(n)}.yaml"
+
+    def round_log(self, n: int) -> Path:
+        return self.root / f"{round_name(n)}.log"
+
+
+@dataclass(frozen=True)
+class PolicyLayout(_Dir):
+    """A built policy, ``runs/policies/<name>/`` (policy.model)."""
+
+    build = property(lambda self: self.root / "build.json")
+
+
+@dataclass(frozen=True)
+class RunsLayout(_Dir):
+    """``runs/`` (``round.runs_dir``): the rounds, the live experiments and what every round shares."""
+
+    state = property(lambda self: self.root / _STATE)  # core.state's FlywheelState
+    mlflow_db = property(lambda self: self.root / "mlflow.db")
+    mlartifacts = property(lambda self: self.root / "mlartifacts")
+    policies = property(lambda self: self.root / "policies")
+    labels = property(lambda self: self.root / "review" / "labels.jsonl")  # review.labels: every round's
+    cache = property(lambda self: self.root / "cache")
+    judge_cache = property(lambda self: self.cache / "judge.jsonl")
+    live = property(lambda self: self.root / "live")
+    flywheel = property(lambda self: FlywheelLayout(self.live / "flywheel"))
+
+    def round(self, n: int) -> RoundLayout:
+        return RoundLayout(self.root / round_name(n))
+
+    def round_dir(self, n: int) -> Path:
+        return self.root / round_name(n)
+
+    def rounds(self) -> list[RoundLayout]:
+        """Every ``round-NN`` folder here, in round order."""
+        found = [(n, d) for d in self.root.glob("round-*") if (n := round_number(d.name)) is not None and d.is_dir()]
+        return [RoundLayout(d) for _, d in sorted(found)]
+
+    def experiment(self, name: str) -> ExperimentLayout:
+        return ExperimentLayout(self.live / name)
+
+    def collect(self, n: int) -> ExperimentLayout:
+        """The live flywheel's collection experiment before round n (``live/collect-NN``)."""
+        return self.experiment(f"collect-{n:02d}")
+
+    def champion_cache(self, version: int | str) -> Path:
+        """A registered champion's adapter fetched from MLflow's artifacts (policy.arms)."""
+        return self.cache / f"champion-v{version}"
+
+    def policy(self, name: str) -> PolicyLayout:
+        return PolicyLayout(self.policies / name)
