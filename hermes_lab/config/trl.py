@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import TrainLayout
 
 
 def lora_config(cfg: HermesConfig) -> Any:
@@ -65,7 +66,7 @@ def grpo_kwargs(
         else "gradient_checkpointing"
     )
     kw = dict(
-        output_dir=str(output_dir / "trl"),
+        output_dir=str(TrainLayout(output_dir).trl),
         num_generations=g.group_size,
         beta=g.kl_coefficient,
         epsilon=g.clip_range,

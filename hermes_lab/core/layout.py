@@ -51,8 +51,9 @@ from pathlib import Path
 # ------------------------------------------------------------------------------------------- names
 VERDICT = "verdict.json"  # every gated stage's, in its folder (core.verdict)
 _SUMMARY = "summary.json"
-_REQUESTS = "requests.jsonl"
-_REPORT = "ab_report.json"
+# a gateway log dir's files (live.log writes them, data.gateway reads them: the names both import)
+REQUESTS, FEEDBACK, TOOLS, EXPERIMENT = "requests.jsonl", "feedback.jsonl", "tools.jsonl", "experiment.json"
+AB_REPORT = "ab_report.json"  # an A/B's report: in a round's ab/ and in a live log dir
 _STATE = "state.json"
 _PLOTS = "plots"
 TRL_RESUME = "hermes_resume.json"  # in train/trl/ (train.state: named in its messages)
@@ -64,8 +65,11 @@ _STAGE_DIRS = ("prep", "review", "audit", "train", "validate", "ab", "compare")
 FILE_NAMES = (
     VERDICT,
     _SUMMARY,
-    _REQUESTS,
-    _REPORT,
+    REQUESTS,
+    FEEDBACK,
+    TOOLS,
+    EXPERIMENT,
+    AB_REPORT,
     _STATE,
     "trajectories.jsonl",
     "agent_episodes.jsonl",
@@ -94,9 +98,6 @@ FILE_NAMES = (
     "pass_rate_by_round.png",
     "rounds.png",
     "curves_by_round.png",
-    "tools.jsonl",
-    "feedback.jsonl",
-    "experiment.json",
     "status.json",
     "params.yaml",
     "mlflow.db",
@@ -174,10 +175,6 @@ class PrepLayout(_Dir):
     verdict = property(lambda self: self.root / VERDICT)
 
 
-# the files prep writes about a round that are not records: a folder given as prep's input skips them
-PREP_REPORTS = (_SUMMARY, VERDICT, "selection.json")
-
-
 @dataclass(frozen=True)
 class ReviewLayout(_Dir):
     """``round-NN/review/`` (review.gate)."""
@@ -236,11 +233,11 @@ class ExperimentLayout(_Dir):
     """A gateway's log dir, ``runs/live/<experiment>/`` (live.gateway, live.log, live.experiment, live.report),
     read by data.gateway; a simulated A/B's ``round-NN/ab/`` holds the same requests and report."""
 
-    requests = property(lambda self: self.root / _REQUESTS)
-    tools = property(lambda self: self.root / "tools.jsonl")
-    feedback = property(lambda self: self.root / "feedback.jsonl")
-    experiment = property(lambda self: self.root / "experiment.json")
-    report = property(lambda self: self.root / _REPORT)
+    requests = property(lambda self: self.root / REQUESTS)
+    tools = property(lambda self: self.root / TOOLS)
+    feedback = property(lambda self: self.root / FEEDBACK)
+    experiment = property(lambda self: self.root / EXPERIMENT)
+    report = property(lambda self: self.root / AB_REPORT)
     plots = property(lambda self: self.root / _PLOTS)
 
 
@@ -272,6 +269,7 @@ class RoundLayout(_Dir):
     agent_episodes = property(lambda self: self.root / "agent_episodes.jsonl")
     summary = property(lambda self: self.root / _SUMMARY)
     progress = property(lambda self: self.root / "progress.json")
+    live = property(lambda self: self.root / "live")  # execute.source live: data.gateway's join of the traffic
     prep = property(lambda self: PrepLayout(self.root / "prep"))
     review = property(lambda self: ReviewLayout(self.root / "review"))
     audit = property(lambda self: AuditLayout(self.root / "audit"))

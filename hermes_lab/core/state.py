@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import RunsLayout
 
 
 class Clock(Protocol):
@@ -85,4 +86,4 @@ class FlywheelState:
 
 
 def state_path(runs_dir: str | os.PathLike[str]) -> Path:
-    return Path(runs_dir) / "state.json"
+    return RunsLayout(runs_dir).state

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.core import redaction
+from hermes_lab.core.layout import RunsLayout
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def tracking_uri(runs_dir: str | os.PathLike[str] = "runs") -> str:
         return env
     from hermes_lab.core.paths import resolve
 
-    db = resolve(runs_dir) / "mlflow.db"  # a relative runs_dir is the project's, whatever the cwd
+    db = RunsLayout(resolve(runs_dir)).mlflow_db  # a relative runs_dir is the project's, whatever the cwd
     db.parent.mkdir(parents=True, exist_ok=True)
     if not db.exists():
         new_store(db)
@@ -77,7 +78,7 @@ def new_store(db: Path) -> bool:
             con.execute(
                 "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
                 "WHERE experiment_id = 0",
-                ((db.parent / "mlartifacts" / "0").as_uri(), now, now),
+                ((RunsLayout(db.parent).mlartifacts / "0").as_uri(), now, now),
             )
         os.link(tmp, db)  # never over a store that another process created meanwhile (FileExistsError)
         return True
@@ -132,7 +133,7 @@ def setup(runs_dir: str | os.PathLike[str] = "runs", experiment: str = "hermes-l
         if not user_uri:
             from hermes_lab.core.paths import resolve
 
-            art = (resolve(runs_dir) / "mlartifacts").as_uri()
+            art = RunsLayout(resolve(runs_dir)).mlartifacts.as_uri()
         exp_id = mlflow.create_experiment(experiment, artifact_location=art)
     else:
         exp_id = exp.experiment_id

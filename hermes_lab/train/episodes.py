@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import PrepLayout
 
 METRICS = (
     "episode_success",
@@ -59,7 +60,7 @@ def load_environment(spec: str) -> type:
 
 def _agent_rows_from_prep(data: Path, cfg: HermesConfig) -> list[dict[str, Any]]:
     """First user turns of the train split's agent conversations in a prep dir (none there: [])."""
-    conv = data / "conversations"
+    conv = PrepLayout(data).conversations
     if not conv.is_dir():
         return []
     from datasets import load_from_disk

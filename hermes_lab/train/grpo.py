@@ -45,10 +45,13 @@ from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, dump_config, load_config, set_overrides
 from hermes_lab.config.trl import grpo_kwargs, lora_config
+from hermes_lab.core.inputs import TRAIN
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import TrainLayout
 from hermes_lab.core.redaction import redact
+from hermes_lab.core.reports import EvalReport
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
-from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
+from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.tasks import agent as A
 from hermes_lab.train import episodes as EP
 from hermes_lab.train.callback import TrainingHealthError, make_callback
@@ -60,7 +63,7 @@ from hermes_lab.train.prompts import (
     prompt_set_beside,
     turn_config,
 )
-from hermes_lab.train.state import RESUME_FILE, health_report, mlflow_run, prepare_output, resume_marker
+from hermes_lab.train.state import health_report, mlflow_run, prepare_output, resume_marker
 
 log = logging.getLogger("hermes_lab.train")
 
@@ -93,9 +96,11 @@ def _turn_phase(
     """grpo.turns after a prompt set: ``grpo.turn_steps`` more steps on the conversations' turns, continuing the
     prompt set's adapter, under ``<output>/turns/``; None (said in the log) when no conversation has a turn to
     train on (a round whose traffic held none)."""
-    src = Path(data) if Path(data).is_dir() else out / "prep"
+    src = Path(data) if Path(data).is_dir() else TrainLayout(out).prep.root
     try:
-        return train(cfg, src, out / "turns", parent_run_id, start_adapter, evaluate_heldout=False, turns_only=True)
+        return train(
+            cfg, src, TrainLayout(out).turns.root, parent_run_id, start_adapter, evaluate_heldout=False, turns_only=True
+        )
     except ValueError as e:
         if "no assistant turn to train on" not in str(e):
             raise
@@ -182,7 +187,8 @@ def train(
         if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
             ds = ds.shuffle(seed=cfg.grpo.seed).select(range(cfg.grpo.max_train_prompts))
     ds, flagged, completion_len = filter_long_prompts(ds, tok, cfg)
-    log_path, trl_dir = out / "train_log.jsonl", out / "trl"
+    lay = TrainLayout(out)
+    log_path, trl_dir = lay.train_log, lay.trl
     marker = resume_marker(cfg, base, start_adapter, ds)  # a resume with other settings fails here, before the model
     ckpt, saved = prepare_output(trl_dir, log_path, marker, resume, is_main, cfg.grpo.max_steps)
     resumed_from = int(ckpt.name.rsplit("-", 1)[1]) if ckpt is not None else None
@@ -196,7 +202,7 @@ def train(
     gkw = grpo_kwargs(cfg, out, completion_len, weights)
     args = GRPOConfig(**gkw)
     if is_main:
-        dump_config(cfg, out / "config.yaml")
+        dump_config(cfg, lay.config)
     judge, sandbox = rewards.judge_faults(funcs), rewards.sandbox_tally(funcs)
     callback = make_callback(cfg, log_path, samples, is_main, judge, sandbox)
     run_id = None
@@ -219,7 +225,7 @@ def train(
             else:
                 tracking.set_tags({"train.resumed_from_step": str(resumed_from)})
         if is_main:
-            write_json_atomic(trl_dir / RESUME_FILE, {**marker, "mlflow_run_id": run_id})
+            write_json_atomic(lay.resume, {**marker, "mlflow_run_id": run_id})
         trainer = trainer_class(ds)(  # TRL's GRPOTrainer, the prompts' tokens the loop's (train.turns)
             model=model,
             reward_funcs=funcs,
@@ -236,13 +242,13 @@ def train(
             if is_main:  # a stopped run still says why, and how many judgements failed
                 step = trainer.state.global_step
                 h = health_report("stopped", callback.warnings, flagged, step, resumed_from, judge, sandbox)
-                write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
+                write_json_atomic(lay.health, {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
                 if isinstance(e, TrainingHealthError):  # the round runner reads this verdict: a gate stop, not a crash
                     write_verdict(out, "train", [gate("training_health", False, str(e))], STOP_HEALTH)
             raise
         finally:  # a run stopped by a guard keeps its curve up to the stop
             callback.close()
-        adapter_dir = out / "adapter"
+        adapter_dir = lay.adapter
         result = TrainResult(
             out, adapter_dir, run_id, trainer.state.global_step, 0.0, callback.warnings, flagged_prompts=len(flagged)
         )
@@ -251,11 +257,11 @@ def train(
         if is_main:
             trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
             tok.save_pretrained(str(adapter_dir))
-            _write_jsonl(out / "samples.jsonl", list(samples.rows))
+            _write_jsonl(lay.samples, list(samples.rows))
             h = health_report("completed", callback.warnings, flagged, result.steps, resumed_from, judge, sandbox)
             gj = rewards.group_judge_of(funcs)
             h["group_judge"] = gj.to_dict() if gj is not None else None  # malformed replies, retries, fallbacks
-            write_json_atomic(out / "health.json", h)
+            write_json_atomic(lay.health, h)
             if turn_phase:  # the conversations' turns continue this adapter; theirs is the next phase's start
                 tp = _turn_phase(cfg, data, out, str(adapter_dir), parent_run_id)
                 if tp is not None:
@@ -267,7 +273,7 @@ def train(
                 callback._warn("episodes_multiprocess", "the episode phase runs single-process: skipped under torchrun")
             elif cfg.grpo.environment:
                 # the episode phase continues this adapter; its adapter becomes the round's candidate
-                ep = train_episodes(cfg, out / "episodes", str(adapter_dir), parent_run_id, data)
+                ep = train_episodes(cfg, lay.episodes.root, str(adapter_dir), parent_run_id, data)
                 shutil.rmtree(adapter_dir)
                 shutil.copytree(ep.adapter_dir, adapter_dir)
                 result.warnings += ep.warnings
@@ -279,7 +285,7 @@ def train(
                 # user's environment has no held-out tasks known here: its episode metrics are in train_log.jsonl)
                 if cfg.grpo.environment == A.ENVIRONMENT:
                     result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
-                write_json_atomic(out / "eval.json", result.eval)
+                EvalReport.from_json(result.eval).write(lay.eval)
             result.seconds = round(time.time() - t0, 1)
             meta = {
                 "mlflow_run_id": run_id,
@@ -297,7 +303,7 @@ def train(
                 result.turns.update(steps=result.steps)
             if result.turns:
                 meta["turns"] = result.turns
-            write_json_atomic(out / "run.json", meta)
+            write_json_atomic(lay.run, meta)
             health_detail = "; ".join(callback.warnings) or "no warnings"
             write_verdict(
                 out,
@@ -348,8 +354,9 @@ def train_episodes(
     gkw.update(save_strategy="no")  # the phase is short; a killed round reruns it
     gkw.pop("save_steps", None)
     args = GRPOConfig(**gkw)
-    callback = make_callback(cfg, out / "train_log.jsonl", reward, True, None, reward)
-    (out / "train_log.jsonl").unlink(missing_ok=True)
+    lay = TrainLayout(out)
+    callback = make_callback(cfg, lay.train_log, reward, True, None, reward)
+    lay.train_log.unlink(missing_ok=True)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is TRL-experimental: said here
     with tracking.stage_run("train-episodes", parent_run_id, cfg.round.runs_dir, cfg.round.experiment) as run:
         with quiet.third_party_deprecations():
@@ -375,23 +382,23 @@ def train_episodes(
                 trainer.train()
             except Exception as e:
                 h = {"status": "stopped", "warnings": callback.warnings, "episodes": reward.to_dict()}
-                write_json_atomic(out / "health.json", {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
+                write_json_atomic(lay.health, {**h, "error": redact(f"{type(e).__name__}: {e}")[:2000]})
                 raise
             finally:
                 callback.close()
-        adapter_dir = out / "adapter"
+        adapter_dir = lay.adapter
         trainer.model.save_pretrained(str(adapter_dir), selected_adapters=["default"])
         tok.save_pretrained(str(adapter_dir))
-        _write_jsonl(out / "samples.jsonl", list(reward.rows))
+        _write_jsonl(lay.samples, list(reward.rows))
         steps = trainer.state.global_step
         health = {"status": "completed", "warnings": callback.warnings, "steps": steps, "episodes": reward.to_dict()}
-        write_json_atomic(out / "health.json", health)
+        write_json_atomic(lay.health, health)
         result = TrainResult(out, adapter_dir, run.info.run_id if run else None, steps, 0.0, callback.warnings)
         result.seconds = round(time.time() - t0, 1)
         result.episodes = {**reward.to_dict(), "steps": steps, "seconds": result.seconds}
         tracking.log_metrics("train", {"episode_seconds": result.seconds})
-        tracking.log_artifact(out / "train_log.jsonl")
-        tracking.log_artifact(out / "samples.jsonl")
+        tracking.log_artifact(lay.train_log)
+        tracking.log_artifact(lay.samples)
     return result
 
 
@@ -422,8 +429,9 @@ def _eval_before_after(
 def _log_artifacts(out: Path, result: TrainResult) -> None:
     from hermes_lab.core import tracking
 
-    for name in ("train_log.jsonl", "samples.jsonl", "config.yaml", "health.json", "eval.json"):
-        tracking.log_artifact(out / name)
+    lay = TrainLayout(out)
+    for path in (lay.train_log, lay.samples, lay.config, lay.health, lay.eval):
+        tracking.log_artifact(path)
     tracking.log_artifacts(result.adapter_dir, "adapter")
     summary = {"seconds": result.seconds}
     if result.judge:
@@ -443,33 +451,7 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "--params", dest="config", required=True, help="the training YAML (user's format)")
-    p.add_argument("--data", required=True, help="prep output dir, saved datasets dir, or trajectories JSONL")
-    p.add_argument("--output", required=True, help="output dir (adapter/, train_log.jsonl, ...)")
-    p.add_argument(
-        "--start-adapter", default=None, help=f"continue training this adapter (e.g. champion): {ADAPTER_KINDS}"
-    )
-    p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="override grpo.max_steps; also caps grpo.turn_steps and grpo.episode_steps (a smoke run is short in "
-        "every phase)",
-    )
-    p.add_argument("--no-eval", action="store_true", help="skip the held-out before/after pass-rate check")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the last checkpoint in <output>/trl/ (same settings and data); none there: start at 0",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set grpo.save_steps=5 or --set 'reward.types=[system,tool_call]' (repeatable)",
-    )
+    TRAIN.add_arguments(p)  # hermes_lab.core.inputs: the notebook's parameters and these, declared once
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import PrepLayout, TrainLayout
 
 log = logging.getLogger("hermes_lab.train")
 
@@ -30,23 +31,25 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
     from datasets import Dataset, load_from_disk
 
     p = Path(data)
-    table = "conversations" if cfg.grpo.turns else "grpo_dataset"  # grpo.turns: turn-level, from conversations
-    if p.is_dir() and (p / table).is_dir():
-        p = p / table
-    elif cfg.grpo.turns and p.is_dir() and (p / "grpo_dataset").is_dir():  # a prep dir without conversations
+    lay = PrepLayout(p)
+    table = lay.conversations if cfg.grpo.turns else lay.grpo_dataset  # grpo.turns: turn-level, from conversations
+    if p.is_dir() and table.is_dir():
+        p = table
+    elif cfg.grpo.turns and p.is_dir() and lay.grpo_dataset.is_dir():  # a prep dir without conversations
         return Dataset.from_dict({"messages": []})  # no conversation: no turn to train on
     if p.is_dir():
         try:
             ds = load_from_disk(str(p))
         except (IndexError, FileNotFoundError, ValueError):
-            if not cfg.grpo.turns or p.name != "conversations":
+            if not cfg.grpo.turns or p.name != table.name:
                 raise
             ds = Dataset.from_dict({"messages": []})  # prep wrote no conversation (an empty dataset dir)
     elif p.is_file():
         out = prep_data_file(p, cfg, work_dir)
-        if not (out / table).is_dir():
-            raise ValueError(f"--data {data}: prep found no {table} in it (grpo.turns={cfg.grpo.turns!r})")
-        ds = load_from_disk(str(out / table))
+        found = out / table.name
+        if not found.is_dir():
+            raise ValueError(f"--data {data}: prep found no {table.name} in it (grpo.turns={cfg.grpo.turns!r})")
+        ds = load_from_disk(str(found))
     else:
         raise no_data_error(data)
     if cfg.grpo.turns:
@@ -72,7 +75,7 @@ def prep_data_file(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
     from hermes_lab.data import prep
 
     try:
-        res = prep.run_prep([path], work_dir / "prep", cfg, make_plots=False)
+        res = prep.run_prep([path], TrainLayout(work_dir).prep.root, cfg, make_plots=False)
     except prep.GateRefused as e:  # a direct `train` call is an explicit decision to train
         res = e.result
         log.warning("data gates would refuse this round: %s (training anyway: explicit train call)", e)
@@ -117,7 +120,7 @@ def prompt_set_beside(data: str | os.PathLike[str], cfg: HermesConfig, work_dir:
     """A prep dir's prompt set as training would take it (the agent family's rows left to the episode phase), when
     it holds a row: then grpo.turns trains the conversations' turns in a phase of their own, after it. Else None."""
     p = Path(data)
-    if not (p.is_dir() and (p / "grpo_dataset").is_dir()):
+    if not (p.is_dir() and PrepLayout(p).grpo_dataset.is_dir()):
         return None
     try:
         ds = load_prompt_set(p, replace(cfg, grpo=replace(cfg.grpo, turns="")), work_dir)

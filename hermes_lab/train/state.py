@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import TRL_RESUME, TrainLayout
 
 log = logging.getLogger("hermes_lab.train")
 
-RESUME_FILE = "hermes_resume.json"  # in <output>/trl/: what the checkpoints there were trained with
+RESUME_FILE = TRL_RESUME  # in <output>/trl/: what the checkpoints there were trained with
 # keys that may change between a run and its --resume (how long, how often, how the judge is reached)
 RESUME_MAY_CHANGE = {"grpo.max_steps", "grpo.save_steps", "grpo.save_total_limit", "grpo.logging_steps"}
 
@@ -185,7 +186,7 @@ def sandbox_diagnostic(train_dir: str | Path) -> dict[str, Any] | None:
     warn: the sandbox failed on some completions, or a layer of the local sandbox is not enforced here
     (``sandbox.require_isolation: false`` on a machine that lacks it: the layers are named)."""
     try:
-        health = json.loads((Path(train_dir) / "health.json").read_text(encoding="utf-8"))
+        health = json.loads(TrainLayout(train_dir).health.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     s = health.get("sandbox") if isinstance(health, dict) else None
@@ -215,7 +216,7 @@ def judge_diagnostic(train_dir: str | Path, max_rate: float) -> dict[str, Any] |
     """The inspect stage's diagnostics entry for the API judge (rule ``judge_failures``), from health.json;
     None when the run used no API judge. warn: some judgements failed; fail: more than ``max_rate``."""
     try:
-        health = json.loads((Path(train_dir) / "health.json").read_text(encoding="utf-8"))
+        health = json.loads(TrainLayout(train_dir).health.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     j = health.get("judge") if isinstance(health, dict) else None
