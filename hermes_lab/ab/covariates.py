@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from hermes_lab.ab.adjust import COLUMNS
+from hermes_lab.core.layout import RoundLayout
 from hermes_lab.tasks import suite as T
 
 KINDS = ("family_level", "opening_turn", "task", "history")
@@ -152,13 +153,12 @@ def load_history(paths: Iterable[str | Path], scale: float, kinds: Sequence[str]
 def round_history(round_dir: str | Path, rounds: int) -> list[Path]:
     """The history logs of a round: its own execution log (the baseline's samples, written before the A/B)
     and the A/B request logs of the ``rounds`` rounds before it that have one."""
-    rd = Path(round_dir)
-    out = [rd / "trajectories.jsonl"]
-    m = re.fullmatch(r"round-(\d+)", rd.name)
-    if m and rounds > 0:
-        n = int(m.group(1))
+    rd = RoundLayout(round_dir)
+    out = [rd.trajectories]
+    n = rd.number
+    if n is not None and rounds > 0:
         for k in range(n - 1, max(0, n - 1 - rounds), -1):
-            out.append(rd.parent / f"round-{k:02d}" / "ab" / "requests.jsonl")
+            out.append(rd.runs().round(k).ab.requests)
     return [p for p in out if p.is_file()]
 
 

@@ -29,9 +29,9 @@ from hermes_lab.ab import stats as ab
 from hermes_lab.config.gates import ABSection
 from hermes_lab.core.command import CommandError
 from hermes_lab.core.jsonl import iter_objects
+from hermes_lab.core.layout import AB_REPORT, REQUESTS
 
-REPORT = "ab_report.json"
-LOG = "requests.jsonl"
+REPORT, LOG = AB_REPORT, REQUESTS  # a held A/B's folder: round-NN/ab/ or a live log dir (core.layout)
 
 
 class HeldError(CommandError):

@@ -41,7 +41,6 @@ approximation is used, and the plan says so per stage.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +52,7 @@ import numpy as np
 from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
 from hermes_lab.ab.traffic import plays_agent
+from hermes_lab.core.reports import EvalReport
 
 REPS = 200  # simulated experiments per stage and rate: a power of 0.8 to +-0.03 (one standard error)
 SKIP_ABOVE = 0.995  # a stage this sure to widen is not worth simulating
@@ -143,11 +143,13 @@ def effect_from_eval(path: str | Path | None, scale: float | None = None) -> tup
     if not path or not Path(path).is_file():
         return None
     try:
-        ev = json.loads(Path(path).read_text(encoding="utf-8"))
-        b, a = ev["before"], ev.get("after") or {}
+        ev = EvalReport.read(path)
+        if ev is None:
+            return None
+        b, a = ev.before, ev.after or {}
         if scale and "mean_reward" in b and "mean_reward" in a:
             return 100 * (float(a["mean_reward"]) - float(b["mean_reward"])) / scale, float(b["mean_reward"]) / scale
-        return float(ev["gain_points"]), float(b["pass_rate"])
+        return float(ev.gain_points), float(b["pass_rate"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -230,12 +232,14 @@ def _eval_cells(
     if not path or not Path(path).is_file():
         return None
     try:
-        ev = json.loads(Path(path).read_text(encoding="utf-8"))
-        before = ev["before"]
+        ev = EvalReport.read(path)
+        if ev is None:
+            return None
+        before = ev.before
         levels = before.get("per_level") or {"all": before}
         rows = [(float(v["n"]), float(v["pass_rate"]), float(v["mean_reward"]) / scale) for v in levels.values()]
-        if agent and rows and isinstance(ev.get("agent"), dict):
-            ag = ev["agent"]["before"]
+        if agent and rows and isinstance(ev.agent, dict):
+            ag = ev.agent["before"]
             families = len({k.split(":")[0] for k in levels})
             total = sum(n for n, _, _ in rows)
             rows.append((total / families, float(ag["episode_success"]), float(ag["mean_reward"]) / scale))

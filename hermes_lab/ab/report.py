@@ -25,9 +25,10 @@ from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core import tracking
+from hermes_lab.core.layout import AB_REPORT
 from hermes_lab.core.verdict import gate, write_verdict
 
-REPORT_NAME = "ab_report.json"  # the report's file, in a round's ab/ and in a live log dir
+REPORT_NAME = AB_REPORT  # the report's file, in a round's ab/ and in a live log dir (core.layout)
 
 
 @dataclass(frozen=True)

@@ -60,9 +60,11 @@ from hermes_lab.ab.report import (
 )
 from hermes_lab.ab.traffic import FAM_INDEX, FAM_NAMES, LOG_NAME, RequestLog, Traffic, plays_agent, read_log
 from hermes_lab.config.schema import HermesConfig, ab_stages, load_config
+from hermes_lab.core.inputs import AB
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import ExperimentLayout, RoundLayout
 from hermes_lab.policy import episodes as E
-from hermes_lab.policy.arms import POLICY_KINDS, ArmError, ArmSpec, load_args, resolve_arm
+from hermes_lab.policy.arms import ArmError, ArmSpec, load_args, resolve_arm
 from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
@@ -382,7 +384,7 @@ def run_ab(
             f"{held.stage.ratio:.0%}, its {len(held.rows)} requests kept): another {held.added:g} s from "
             f"t = {start:g} s, the same bets, covariates and history",
         )
-    pngs = make_plots(arr, report, log_dir / "plots", FAM_NAMES) if plots else []
+    pngs = make_plots(arr, report, ExperimentLayout(log_dir).plots, FAM_NAMES) if plots else []
     report["plots"] = [str(p) for p in pngs]
     write_json_atomic(output, report)
     write_ab_verdict(report, output.parent)
@@ -429,7 +431,7 @@ def resolve_arms(cfg: HermesConfig, round_dir: str | Path, baseline: str = "", c
     b: Any = resolve_arm(baseline, "baseline", cfg, root) if baseline else None
     c: Any = resolve_arm(candidate, "candidate", cfg, root) if candidate else None
     b = b or resolve_baseline(cfg)
-    c = c or candidate_from_train_dir(Path(round_dir) / "train", cfg)
+    c = c or candidate_from_train_dir(RoundLayout(round_dir).train.root, cfg)
     return b, c
 
 
@@ -448,19 +450,19 @@ def notebook_run(
     rewritten), else run the rollout; plots (PNG + MLflow) in an 'ab' run nested under the round's run."""
     from hermes_lab.core import tracking
 
-    out = Path(round_dir) / "ab"
-    report_path = out / REPORT_NAME
+    ab_dir = RoundLayout(round_dir).ab
+    out, report_path = ab_dir.root, ab_dir.report
     with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
-        if report_path.is_file() and (out / LOG_NAME).is_file():
+        if report_path.is_file() and ab_dir.requests.is_file():
             report = json.loads(report_path.read_text(encoding="utf-8"))
-            cols, fams = read_log(out / LOG_NAME)
-            paths = make_plots(cols, report, out / "plots", fams)
+            cols, fams = read_log(ab_dir.requests)
+            paths = make_plots(cols, report, ab_dir.plots, fams)
             write_ab_verdict(report, out)
-            log_to_mlflow(cfg, report, report_path, out / LOG_NAME)
+            log_to_mlflow(cfg, report, report_path, ab_dir.requests)
             _log_plan(report)
         else:
             b, c = resolve_arms(cfg, round_dir, baseline, candidate)
-            ev = Path(round_dir) / "train" / "eval.json"  # this round's held-out gain: what ab.plan_power sizes for
+            ev = RoundLayout(round_dir).train.eval  # this round's held-out gain: what ab.plan_power sizes for
             hist = ab_cov.round_history(round_dir, cfg.ab.history_rounds)  # the covariates' prior
             report = run_ab(
                 cfg,
@@ -473,54 +475,14 @@ def notebook_run(
                 history=hist,
                 continue_from=continue_from or None,  # round.on_held continue: an earlier round's held A/B
             )
-            cols, fams = read_log(out / LOG_NAME)
+            cols, fams = read_log(ab_dir.requests)
             paths = [Path(p) for p in report["plots"]]
     return {"report": report, "cols": cols, "families": fams, "plots": paths, "report_path": report_path}
 
 
 # ----------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--params",
-        default=None,
-        help="HermesConfig YAML (ab section: stages, request_rate, salt, alpha, "
-        "srm_alpha, guardrails, rule). Default: built-in defaults",
-    )
-    p.add_argument("--baseline", required=True, help=f"baseline policy: {POLICY_KINDS}")
-    p.add_argument("--candidate", required=True, help=f"candidate policy: {POLICY_KINDS}")
-    p.add_argument(
-        "--ratio", type=float, default=None, help="candidate share of the first stage (default: ab.traffic_ratio)"
-    )
-    p.add_argument(
-        "--duration", type=float, default=0, help="cap on simulated seconds (0: all stages; 7200: the first stage only)"
-    )
-    p.add_argument("--output", default=REPORT_NAME, help="report path (default: ab_report.json)")
-    p.add_argument(
-        "--replay", default=None, help="replay this request log (JSONL with 'prompt') instead of simulated traffic"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of traffic, sampling and latency")
-    p.add_argument("--log-dir", default=None, help="where requests.jsonl and plots/ go (default: beside --output)")
-    p.add_argument(
-        "--plan-eval", default=None, help="train's eval.json: the held-out gain ab.plan_power sizes the traffic for"
-    )
-    p.add_argument(
-        "--history",
-        default="",
-        help="comma-separated logs with rewards from before this A/B (trajectories, earlier A/B request logs): "
-        "the prior of the ab.covariates adjustment",
-    )
-    p.add_argument(
-        "--continue-from",
-        default=None,
-        help="an earlier run's A/B folder (ab_report.json, requests.jsonl) whose rollout ended undecided at a "
-        "stage's hard end: continue that experiment (its settings, rate, kept requests and covariates) for "
-        "another stage length instead of starting a new one",
-    )
-    p.add_argument("--parent-run-id", default="", help="MLflow run to nest under (the round's run)")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument(
-        "-v", "--verbose", action="store_true", help="DEBUG logging: one line per request (request_id, arm, status)"
-    )
+    AB.add_arguments(p, output={"default": REPORT_NAME})  # declared in hermes_lab.core.inputs
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -22,10 +22,11 @@ from hermes_lab.ab import adjust as ab_adjust
 from hermes_lab.ab import covariates as ab_cov
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.jsonl import iter_objects
+from hermes_lab.core.layout import REQUESTS
 from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
-LOG_NAME = "requests.jsonl"
+LOG_NAME = REQUESTS  # the request log, in a round's ab/ as in a live log dir (core.layout)
 COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
 FAM_INDEX = {f: i for i, f in enumerate((*T.FAMILIES, A.FAMILY))}
 FAM_NAMES = [*FAM_INDEX, "other"]

@@ -31,6 +31,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data.conversation import dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id
 from hermes_lab.data.selection import Selection
@@ -473,7 +474,7 @@ class Distill:
         datasets.disable_progress_bars()  # two "Saving the dataset" bars per round say nothing
         import pyarrow as pa
 
-        paths = {"left_out": out / "left_out.jsonl"}
+        paths = {"left_out": PrepLayout(out).left_out}
         tmp = self.ing.tmp
         budget = (self.cfg.data.memory_budget_mb << 20) // 8
         left = SortedSpill(tmp, "left_out", max(1, self.ing.n), self.sel.cap.get("left_out", 0) * 400, budget)
@@ -502,12 +503,13 @@ class Distill:
                 order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
                 ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
                 del ds, pieces
-            paths["conversations"] = self._save_conversations(out / "conversations")
+            paths["conversations"] = self._save_conversations(PrepLayout(out).conversations)
         finally:
             if bars:
                 datasets.enable_progress_bars()
-        left.write_sorted(tmp / "left_out.jsonl")
-        os.replace(tmp / "left_out.jsonl", paths["left_out"])
+        spilled = tmp / paths["left_out"].name
+        left.write_sorted(spilled)
+        os.replace(spilled, paths["left_out"])
         return paths
 
     def _save_conversations(self, path: Path) -> Path:

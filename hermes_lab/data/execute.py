@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, load_config
-from hermes_lab.policy.arms import ADAPTER_KINDS, resolve_adapter
+from hermes_lab.core.inputs import EXECUTE
+from hermes_lab.core.layout import RoundLayout
+from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.tasks import suite as T
 
 
@@ -58,7 +60,7 @@ def execute(
             res = gateway.execute_live(cfg, output, src)
             # the traffic's conversations (agent episodes, tool calls, several turns): prep's conversations, as
             # execute.agent_tasks' episodes are offline (round.stages.fresh_data hands the file on)
-            convs, dest = Path(res["live"]["conversations_file"]), Path(output).parent / AGENT_FILE
+            convs, dest = Path(res["live"]["conversations_file"]), RoundLayout(Path(output).parent).agent_episodes
             if res["live"]["conversations"]:
                 shutil.copyfile(convs, dest.with_suffix(".jsonl.tmp"))
                 os.replace(dest.with_suffix(".jsonl.tmp"), dest)
@@ -113,11 +115,8 @@ def execute(
     n = len(tasks_)
     res: dict[str, Any] = {"records": n, "pass_rate": round(passed / max(n, 1), 4), "output": str(out)}
     if ex.agent_tasks:
-        res.update(execute_agent(cfg, pol, out.parent / AGENT_FILE, seed, start, adapter))
+        res.update(execute_agent(cfg, pol, RoundLayout(out.parent).agent_episodes, seed, start, adapter))
     return res
-
-
-AGENT_FILE = "agent_episodes.jsonl"
 
 
 def execute_agent(
@@ -145,11 +144,7 @@ def execute_agent(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", default="params/embedded.yaml", help="config YAML")
-    p.add_argument("--output", required=True, help="trajectories JSONL to write")
-    p.add_argument("--adapter", default=None, help=f"LoRA adapter on the base (e.g. champion): {ADAPTER_KINDS}")
-    p.add_argument("--num-tasks", type=int, default=None, help="override execute.num_tasks")
-    p.add_argument("--seed", type=int, default=0, help="task and sampling seed")
+    EXECUTE.add_arguments(p)  # hermes_lab.core.inputs: the notebook's parameters and these, declared once
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,8 +43,8 @@ from typing import Any
 import orjson
 
 from hermes_lab.config.schema import ConfigError, HermesConfig
-
-REQUESTS, FEEDBACK, EXPERIMENT, TOOLS = "requests.jsonl", "feedback.jsonl", "experiment.json", "tools.jsonl"
+from hermes_lab.core import layout
+from hermes_lab.core.layout import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, RoundLayout, RunsLayout  # noqa: F401 (live.log's)
 
 
 def read_jsonl(path: str | os.PathLike[str], bad: list[int] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -345,8 +344,7 @@ def describe_gateway(info: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------- a live round's data
 def round_number(round_dir: str | os.PathLike[str]) -> int:
-    m = re.fullmatch(r"round-(\d+)", Path(round_dir).name)
-    return int(m.group(1)) if m else 0
+    return layout.round_number(Path(round_dir).name) or 0
 
 
 def source_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path | None:
@@ -356,7 +354,7 @@ def source_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path | N
     n = round_number(round_dir)
     if n <= 1:
         return None
-    return Path(cfg.round.runs_dir) / "live" / f"round-{n - 1:02d}"
+    return RunsLayout(cfg.round.runs_dir).experiment(layout.round_name(n - 1)).root
 
 
 def pending_samples(cfg: HermesConfig, round_dir: str | os.PathLike[str], default: int) -> int:
@@ -377,7 +375,7 @@ def execute_live(cfg: HermesConfig, output: str | os.PathLike[str], log_dir: str
             f"execute.source is live, but {src} holds no {REQUESTS} (set execute.live_dir to a gateway log dir, "
             "or run the previous round's live A/B first)"
         )
-    info = gateway_trajectories(src, out.parent / "live", cfg)
+    info = gateway_trajectories(src, RoundLayout(out.parent).live, cfg)
     tmp = out.with_suffix(out.suffix + ".tmp")
     shutil.copyfile(info["trajectories"], tmp)
     os.replace(tmp, out)  # a half-written file never looks like a finished execution log

@@ -13,16 +13,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.state import FlywheelState
 from hermes_lab.data import readers
 from hermes_lab.data.ingest import SINKS
 from hermes_lab.data.readers import SESSION_GLOB
 
+_PREP = PrepLayout(Path())  # prep's own output (core.layout), which a folder given as its input skips
 OUTPUT_FILES = (
-    *(f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue", "left_out")),
-    *("summary.json", "verdict.json", "selection.json"),
+    *(_PREP.sink(n).name for n in (*SINKS, "outliers", "review_queue", "left_out")),
+    *(p.name for p in (_PREP.summary, _PREP.verdict, _PREP.selection)),
 )
-OUTPUT_DIRS = ("grpo_dataset", "heldout_dataset", "conversations", "plots")
+OUTPUT_DIRS = tuple(p.name for p in (_PREP.grpo_dataset, _PREP.heldout_dataset, _PREP.conversations, _PREP.plots))
 
 
 class PrepError(Exception):

@@ -77,7 +77,9 @@ from typing import Any
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, load_config, set_overrides
 from hermes_lab.core import tracking
+from hermes_lab.core.inputs import PREP
 from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
+from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
@@ -192,7 +194,7 @@ def _plots(
     ax.set(xlabel="logged reward", ylabel="records", title="Reward distribution per family (8 largest)")
     if top:
         ax.legend(fontsize=8)
-    paths = {"plot_rewards": tracking.log_figure(fig, out / "plots" / "reward_by_family.png")}
+    paths = {"plot_rewards": tracking.log_figure(fig, PrepLayout(out).plot_rewards)}
     fig = Figure(figsize=(7, 3))
     ax = fig.subplots()
     if by_reason:
@@ -203,7 +205,7 @@ def _plots(
     else:
         ax.text(0.5, 0.5, "no rejected lines", ha="center", va="center")
         ax.set_axis_off()
-    paths["plot_rejects"] = tracking.log_figure(fig, out / "plots" / "rejects_by_reason.png")
+    paths["plot_rejects"] = tracking.log_figure(fig, PrepLayout(out).plot_rejects)
     return paths
 
 
@@ -287,7 +289,8 @@ def run_prep(
     inputs, gateway = expand_inputs(expand_folders(list(inputs), out, cfg.data.max_line_bytes), out, cfg)
     in_files, neg_files = resolve_inputs(inputs, negatives, state, out)  # before anything is opened or created
     out.mkdir(parents=True, exist_ok=True)
-    paths = {n: out / f"{n}.jsonl" for n in (*SINKS, "outliers", "review_queue")} | {"summary": out / "summary.json"}
+    lay = PrepLayout(out)
+    paths = {n: lay.sink(n) for n in (*SINKS, "outliers", "review_queue")} | {"summary": lay.summary}
     fmt = fmt or cfg.conversations.format
     fb_files = [Path(f) for f in [*cfg.conversations.feedback, *(feedback or [])]]
     for f in fb_files:
@@ -434,10 +437,10 @@ def _distill(
     summary["split"] = distill.split_summary()
     rep = ps.selection_report(distill.sel, cfg, summary["split"]["heldout_prompts"])
     rep["left_out_file"] = str(paths["left_out"])
-    paths["selection"] = write_json_atomic(out / "selection.json", rep)
+    paths["selection"] = write_json_atomic(PrepLayout(out).selection, rep)
     summary["selection"] = ps.selection_metrics(rep)
     if plots:
-        paths["plot_selection"] = ps.plot_selection(rep, out / "plots" / "selection_by_family.png")
+        paths["plot_selection"] = ps.plot_selection(rep, PrepLayout(out).plot_selection)
     fam_counts = np.bincount(cols["family"], minlength=len(fam_names)).tolist()
     summary["families"] = dict(Counter(dict(zip(fam_names, fam_counts))).most_common())
     summary["conversations"]["split"] = distill.conv_split
@@ -446,63 +449,13 @@ def _distill(
         paths.update(_plots(out, fam_names, cols["family"], rewards, by_reason, float(cfg.reward.scale)))
         if summary["conversations"]["conversations"]:
             paths["plot_conversations"] = plot_conversations(
-                conv_arrays, ing.reward_sources, rewards, float(cfg.reward.scale), out / "plots" / "conversations.png"
+                conv_arrays, ing.reward_sources, rewards, float(cfg.reward.scale), PrepLayout(out).plot_conversations
             )
 
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="FILE",
-        help="trajectories or conversations: JSONL (.gz) files (seed, OpenAI chat, Hermes trajectories and exports, "
-        "Claude Code / Agent Trace, Atropos groups), Hermes session folders or files, a Hermes state.db, gateway log "
-        "dirs, or any folder holding them",
-    )
-    parser.add_argument("--output", required=True, metavar="DIR", help="output dir (e.g. runs/round-01/prep)")
-    parser.add_argument("--params", metavar="YAML", default=None, help="config file (default: built-in defaults)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set data.min_samples=100 (repeatable)",
-    )
-    parser.add_argument(
-        "--negatives",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="trajectories of rolled-back rounds, carried as negative samples (added to state.negative_files)",
-    )
-    parser.add_argument(
-        "--state",
-        default=None,
-        metavar="JSON",
-        help="flywheel state (default: <round.runs_dir>/state.json when it exists)",
-    )
-    parser.add_argument("--simulated-now", default=None, metavar="ISO", help="use a simulated clock at this time")
-    parser.add_argument(
-        "--override-cooldown",
-        action="store_true",
-        help="train despite the cooldown (needs --reason; recorded in MLflow and summary.json)",
-    )
-    parser.add_argument("--reason", default="", metavar="TEXT", help="why the cooldown is overridden")
-    parser.add_argument(
-        "--format",
-        default=None,
-        choices=("auto", *FORMATS),
-        help="the inputs' shape (default: conversations.format, auto = detected per input)",
-    )
-    parser.add_argument(
-        "--feedback",
-        nargs="+",
-        default=[],
-        metavar="FILE",
-        help="feedback JSONL ({conversation_id, reward, source?}) joined into conversations by id",
-    )
+    PREP.add_arguments(parser, format={"choices": ("auto", *FORMATS)})  # declared in hermes_lab.core.inputs
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from hermes_lab.core.layout import REQUESTS
 from hermes_lab.data.conversation import (
     Invalid,
     arguments_text,
@@ -63,7 +64,7 @@ JSONL_FORMATS = ("seed", "openai", "hermes_trajectory")
 RECORD_FORMATS = ("hermes_session", "hermes_state", "hermes_export", "claude_code", "atropos")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SESSION_GLOB = "session_*.json"
-GATEWAY_REQUESTS = "requests.jsonl"  # hermes_lab.data.gateway's: a folder holding it is a gateway log dir
+GATEWAY_REQUESTS = REQUESTS  # hermes_lab.data.gateway's: a folder holding it is a gateway log dir
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 HERMES_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
 TRACE_META_TYPES = ("summary", "file-history-snapshot", "queue-operation")  # Claude Code lines outside the chain

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from hermes_lab.config.schema import EMBEDDED_MODEL, ConfigError, HermesConfig
+from hermes_lab.core.layout import RunsLayout, TrainLayout
 from hermes_lab.llm.client import normalize_base_url, proxy_for, redact, safe_url
 
 ARMS = ("baseline", "candidate")
@@ -104,12 +105,10 @@ class ArmSpec:
 
 def latest_round_adapter(runs_dir: str | os.PathLike[str]) -> Path | None:
     """The newest runs/round-NN/train that holds a trained adapter, or None."""
-    found = []
-    for d in Path(runs_dir).glob("round-*/train"):
-        m = re.fullmatch(r"round-(\d+)", d.parent.name)
-        if m and (d / "adapter" / "adapter_config.json").is_file():
-            found.append((int(m.group(1)), d))
-    return max(found)[1] if found else None
+    found = [
+        rd.train.root for rd in RunsLayout(runs_dir).rounds() if (rd.train.adapter / "adapter_config.json").is_file()
+    ]
+    return found[-1] if found else None
 
 
 def resolve_arm(
@@ -130,7 +129,7 @@ def resolve_arm(
     if spec == "latest":
         td = latest_round_adapter(cfg.round.runs_dir)
         spec = str(td) if td else EMBEDDED_MODEL
-    if Path(spec, "run.json").is_file() or Path(spec, "adapter", "adapter_config.json").is_file():
+    if TrainLayout(spec).run.is_file() or (TrainLayout(spec).adapter / "adapter_config.json").is_file():
         from hermes_lab.policy.arms import candidate_from_train_dir
 
         base, adapter = candidate_from_train_dir(spec, cfg)

@@ -402,7 +402,7 @@ class LiveRollout:
                     await asyncio.to_thread(L.save_experiment, self.log_dir, copy.deepcopy(self.state))
                     self.reporting = False
                     why = "; ".join(rep["reasons"][-2:])
-                    self.say(f"  report {self.log_dir / 'ab_report.json'}: {rep['decision']}; {why}")
+                    self.say(f"  report {self.log_dir / REPORT}: {rep['decision']}; {why}")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a look that fails must not take the gateway down; a restart retries it

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import ConfigError, HermesConfig
+from hermes_lab.core.layout import RunsLayout
 from hermes_lab.live import experiment as X
 from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS, ArmSpec
@@ -80,7 +81,7 @@ class Gateway(Routes, ChatHandling, RequestRecords):
         self.cfg, s = cfg, cfg.serve
         self.specs, self.say = specs, say
         self.name = experiment or s.experiment or default_experiment(specs)
-        self.log_dir = Path(log_dir or s.log_dir or Path(cfg.round.runs_dir) / "live" / self.name)
+        self.log_dir = Path(log_dir or s.log_dir or RunsLayout(cfg.round.runs_dir).experiment(self.name).root)
         self.stages, ratio = X.live_stages(cfg, self.log_dir, ratio)  # errors name the ab.* key
         self.public = s.public_model
         self.accepted = {self.public, *s.models} if s.models else None  # None: any model name is served

@@ -31,10 +31,11 @@ from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import AB_REPORT, ExperimentLayout
 from hermes_lab.live import log as L
 from hermes_lab.tasks import suite as T
 
-REPORT = "ab_report.json"
+REPORT = AB_REPORT  # in a live log dir, and the round's ab/ (core.layout)
 FAM_NAMES = [*T.FAMILIES, "other"]
 
 
@@ -140,7 +141,9 @@ def write_live_report(
     rw = np.isfinite(cols["reward"])  # score histograms: the rewarded requests
     scored = {k: v[rw] for k, v in cols.items()}
     report["plots"] = (
-        [str(p) for p in make_plots(scored, report, out / "plots", FAM_NAMES)] if plots and rw.any() else []
+        [str(p) for p in make_plots(scored, report, ExperimentLayout(out).plots, FAM_NAMES)]
+        if plots and rw.any()
+        else []
     )
     write_json_atomic(out / REPORT, report)
     return report, scored

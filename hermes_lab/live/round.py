@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import RoundLayout, RunsLayout, TrainLayout
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, gate, write_verdict
 from hermes_lab.data.gateway import gateway_trajectories
 from hermes_lab.live import log as L
@@ -40,7 +41,11 @@ class LiveABPending(Exception):
 
 # ------------------------------------------------------------------------------------------- the A/B stage
 def experiment_dir(cfg: HermesConfig, round_dir: str | os.PathLike[str]) -> Path:
-    return Path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(cfg.round.runs_dir) / "live" / Path(round_dir).name
+    return (
+        Path(cfg.serve.log_dir)
+        if cfg.serve.log_dir
+        else RunsLayout(cfg.round.runs_dir).experiment(Path(round_dir).name).root
+    )
 
 
 def prepare(cfg: HermesConfig, round_dir: str | os.PathLike[str], baseline: str, candidate: str) -> dict[str, Any]:
@@ -76,7 +81,7 @@ def status_line(cfg: HermesConfig, log_dir: str | os.PathLike[str]) -> str | Non
 def arm_spec(path: str) -> str:
     """A train output's adapter as its train dir (the gateway then takes the base from its run.json)."""
     a = Path(path)
-    return str(a.parent) if a.name == "adapter" and (a.parent / "run.json").is_file() else path
+    return str(a.parent) if a == TrainLayout(a.parent).adapter and TrainLayout(a.parent).run.is_file() else path
 
 
 def baseline_spec(cfg: HermesConfig, explicit: str = "") -> str:
@@ -99,16 +104,16 @@ def notebook_run(
 ) -> dict[str, Any]:
     """What 40_ab_analysis.ipynb does with ``ab.mode: live``: the gateway's decided rollout as the round's A/B
     (``LiveABPending`` while it decides: the round stops), in the result shape of ``ab.run.notebook_run``."""
-    from hermes_lab.ab.report import REPORT_NAME, log_to_mlflow, write_ab_verdict
+    from hermes_lab.ab.report import log_to_mlflow, write_ab_verdict
     from hermes_lab.core import tracking
 
-    out = Path(round_dir) / "ab"
+    out = RoundLayout(round_dir).ab
     with tracking.stage_run("ab", parent_run_id or None, cfg.round.runs_dir, cfg.round.experiment):
         report, cols = ab_stage(cfg, round_dir, baseline, candidate)
-        write_ab_verdict(report, out)
-        log_to_mlflow(cfg, report, out / REPORT_NAME, Path(report["log"]))
+        write_ab_verdict(report, out.root)
+        log_to_mlflow(cfg, report, out.report, Path(report["log"]))
     plots = [Path(p) for p in report["plots"]]
-    return {"report": report, "cols": cols, "families": FAM_NAMES, "plots": plots, "report_path": out / REPORT_NAME}
+    return {"report": report, "cols": cols, "families": FAM_NAMES, "plots": plots, "report_path": out.report}
 
 
 def ab_stage(
@@ -118,9 +123,10 @@ def ab_stage(
     its plots, and the rewarded requests' columns), or ``LiveABPending`` while the gateway decides."""
     from hermes_lab.live.report import write_live_report
 
-    candidate = arm_spec(candidate or str(Path(round_dir) / "train"))
+    candidate = arm_spec(candidate or str(RoundLayout(round_dir).train.root))
     state = prepare(cfg, round_dir, baseline_spec(cfg, baseline), candidate)
-    log_dir, out = experiment_dir(cfg, round_dir), Path(round_dir) / "ab"
+    ab_dir = RoundLayout(round_dir).ab
+    log_dir, out = experiment_dir(cfg, round_dir), ab_dir.root
     if state["status"] == "running":
         where = status_line(cfg, log_dir)
         msg = (
@@ -130,7 +136,7 @@ def ab_stage(
         write_verdict(out, "ab", [gate("ab_decision", None, msg)], stop=AWAITING)  # the round stops, resumable
         raise LiveABPending(msg)
     # the traffic as trajectories: the next round's fuel, and its negatives on a roll back (stages.py)
-    info = gateway_trajectories(log_dir, out / "live", cfg)
-    shutil.copyfile(info["trajectories"], out / "live_trajectories.jsonl")
+    info = gateway_trajectories(log_dir, ab_dir.live, cfg)
+    shutil.copyfile(info["trajectories"], ab_dir.live_trajectories)
     # rebuilt from the log dir alone: the same decisions the gateway took, in the round's ab/
     return write_live_report(cfg, log_dir, out)
