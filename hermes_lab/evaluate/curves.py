@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab.core.jsonl import iter_objects
+from hermes_lab.core.layout import RoundLayout, TrainLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -58,7 +59,7 @@ def load_train_log(path: str | Path) -> pd.DataFrame:
     """Curves from a ``train_log.jsonl`` as a DataFrame indexed by step (later lines win per step)."""
     p = Path(path)
     if p.is_dir():
-        p = p / "train_log.jsonl"
+        p = TrainLayout(p).train_log
     if not p.is_file():
         raise FileNotFoundError(f"training log not found: {p}")
     rows: dict[int, dict[str, float]] = {}
@@ -107,7 +108,7 @@ def load_mlflow_curves(run_id: str, tracking_uri: str | None = None) -> pd.DataF
 
 
 def read_run_json(train_dir: str | Path) -> dict[str, Any]:
-    p = Path(train_dir) / "run.json"
+    p = TrainLayout(train_dir).run
     if not p.is_file():
         return {}
     try:
@@ -151,7 +152,7 @@ def load_curves(
 def _with_logged_nans(df: pd.DataFrame, train_dir: str | Path | None) -> pd.DataFrame:
     """MLflow curves plus the NaN/inf cells of the JSONL: the train callback logs only finite values to
     MLflow, so a NaN would otherwise vanish from the curves the NaN rule looks at."""
-    log = Path(train_dir) / "train_log.jsonl" if train_dir is not None else None
+    log = TrainLayout(train_dir).train_log if train_dir is not None else None
     if log is None or not log.is_file():
         return df
     try:
@@ -190,9 +191,9 @@ def earlier_train_dirs(round_dir: str | Path) -> list[Path]:
         n = int(dm.group(1))
         if current is not None and n >= current:
             continue
-        t = d / "train"
-        if (t / "train_log.jsonl").is_file() or (t / "run.json").is_file():
-            out.append((n, t))
+        t = RoundLayout(d).train
+        if t.train_log.is_file() or t.run.is_file():
+            out.append((n, t.root))
     return [p for _, p in sorted(out)]
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import TrainLayout, ValidateLayout
 from hermes_lab.evaluate.curves import earlier_train_dirs, load_comparisons, load_curves
 from hermes_lab.evaluate.plots import plot_curves
 
@@ -421,8 +422,8 @@ def inspect_run(
         diags.append(judge)
     if (sandbox := sandbox_diagnostic(train_dir)) is not None:
         diags.append(sandbox)
-    out_dir = Path(out_dir)
-    plots = plot_curves(df, out_dir / "plots", compare=others, diagnostics=diags, close=close)
+    out_dir, out = Path(out_dir), ValidateLayout(out_dir)
+    plots = plot_curves(df, out.plots, compare=others, diagnostics=diags, close=close)
     report = {
         "train_dir": str(train_dir),
         "source": df.attrs.get("source"),
@@ -434,21 +435,22 @@ def inspect_run(
         "plots": {k: str(v) for k, v in plots.items()},
         "diagnostics": diags,
     }
-    ep_dir = Path(train_dir) / "episodes"
-    if (ep_dir / "train_log.jsonl").is_file():  # the episode phase: its own curves, diagnostics and table
+    ep = TrainLayout(train_dir).episodes
+    ep_dir = ep.root
+    if ep.train_log.is_file():  # the episode phase: its own curves, diagnostics and table
         ep_df = load_curves(ep_dir, runs_dir=runs_dir)
         ep_diags = [{**d, "rule": f"episodes:{d['rule']}"} for d in diagnose_with_config(ep_df, cfg)]
         diags += ep_diags
-        ep_plots = plot_curves(ep_df, out_dir / "plots" / "episodes", diagnostics=ep_diags, close=close)
+        ep_plots = plot_curves(ep_df, out.plots / ep_dir.name, diagnostics=ep_diags, close=close)
         report["episodes"] = {
             "n_steps": int(len(ep_df)),
             "plots": {k: str(v) for k, v in ep_plots.items()},
             "by_turns": episode_table(ep_dir).reset_index().to_dict("records"),
         }
         report["worst"] = worst(diags)
-        plots.update({f"episodes/{k}": v for k, v in ep_plots.items()})
+        plots.update({f"{ep_dir.name}/{k}": v for k, v in ep_plots.items()})
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "diagnostics.json"
+    path = out.diagnostics
     write_json_atomic(path, report)
     tracking.log_artifact(path)
     tracking.set_tags({"diagnostics.worst": report["worst"]})
@@ -473,7 +475,7 @@ def episode_table(episodes_dir: str | Path) -> pd.DataFrame:
     import pandas as pd
 
     rows = []
-    path = Path(episodes_dir) / "samples.jsonl"
+    path = TrainLayout(episodes_dir).samples
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         rec = json.loads(line)
         msgs = rec.get("episode") or []
@@ -537,7 +539,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"[{d['severity']:>4}] {d['rule']}: {d['message']}")
         if d["advice"] and d["severity"] != "ok":
             print(f"       advice: {d['advice']}")
-    print(f"diagnostics: {res['path']}  plots: {len(res['plots'])} in {Path(args.output) / 'plots'}")
+    print(f"diagnostics: {res['path']}  plots: {len(res['plots'])} in {ValidateLayout(args.output).plots}")
     return 3 if args.strict and res["worst"] == "fail" else 0
 
 

@@ -48,7 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hermes_lab.core.inputs import VALIDATE
 from hermes_lab.core.jsonl import safe_name, write_json_atomic
+from hermes_lab.core.layout import RoundLayout, ValidateLayout
 from hermes_lab.core.verdict import STOP_REGRESSION, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, ArmError, resolve_adapter, resolve_baseline
 from hermes_lab.tasks import agent as A
@@ -113,7 +115,7 @@ def regression_tasks(
     per_family = cfg.validate.eval_tasks_per_family
     fams = T.check_families(cfg.execute.families or None)
     if heldout_dir is None and round_dir is not None:
-        heldout_dir = Path(round_dir) / "prep" / "heldout_dataset"
+        heldout_dir = RoundLayout(round_dir).prep.heldout_dataset
     tasks: list[T.Task] = []
     note: dict[str, Any] = {"heldout_dataset": None, "from_dataset": 0, "unknown_prompts": 0}
     if heldout_dir is not None and Path(heldout_dir).exists():
@@ -398,9 +400,9 @@ def regression_gate(
     for w in report["warnings"]:
         warnings.warn(f"regression gate: {w}", UserWarning, stacklevel=2)
     if output_dir is None and round_dir is not None:
-        output_dir = Path(round_dir) / "validate"
+        output_dir = RoundLayout(round_dir).validate.root
     if output_dir is not None:
-        report["path"] = str(Path(output_dir) / "regression.json")
+        report["path"] = str(ValidateLayout(output_dir).regression)
         write_json_atomic(report["path"], report)  # the round runner reads it back
         detail = "; ".join(report["reasons"]) or "no family regressed"
         write_verdict(
@@ -468,19 +470,7 @@ def report_table(report: dict[str, Any]) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base", required=True, help="Base model: hub id, local path or embedded:tiny.")
-    p.add_argument("--candidate-adapter", required=True, help=f"The candidate: {ADAPTER_KINDS}.")
-    p.add_argument(
-        "--baseline-adapter",
-        default=None,
-        help=f"The baseline: {ADAPTER_KINDS} (default: the champion in runs/state.json, else "
-        "model.adapter, else the bare base).",
-    )
-    p.add_argument("--params", default=None, help="YAML config (validate section: tolerance, sampling).")
-    p.add_argument("--heldout", default=None, help="Held-out datasets dir (default: generated held-out tasks).")
-    p.add_argument("--output", required=True, help="Where regression.json goes.")
-    p.add_argument("--parent-run-id", default="", help="MLflow run to nest the validate run under.")
-    p.add_argument("--no-mlflow", action="store_true", help="Do not log to MLflow.")
+    VALIDATE.add_arguments(p)  # hermes_lab.core.inputs: the notebook's parameters and these, declared once
 
 
 def run_cli(args: argparse.Namespace) -> int:

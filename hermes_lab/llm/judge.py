@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.core.layout import RunsLayout
 from hermes_lab.llm.client import ApiAuthError, ApiClient, ApiConfigError, ApiError, ApiSkipped
 
 # the judge's warnings stay on the API's logger, where doctor --debug and users' logging settings look
@@ -184,7 +185,7 @@ class ApiJudge:
             )
         client = ApiClient.from_config(cfg, "reward", **client_kw)
         if cache_path is None:
-            cache_path = Path(cfg.round.runs_dir) / "cache" / "judge.jsonl"
+            cache_path = RunsLayout(cfg.round.runs_dir).judge_cache
         return cls(client, r.model, scale=r.scale, concurrency=r.judge_concurrency, cache_path=cache_path)
 
     def __repr__(self) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 from hermes_lab.config.schema import EMBEDDED_MODEL, HermesConfig
 from hermes_lab.core.command import CommandError
+from hermes_lab.core.layout import RoundLayout, RunsLayout, TrainLayout
 
 POLICY_KINDS = (
     "a model dir (config.json), a LoRA adapter dir (adapter_config.json), a train output dir (adapter/ inside), "
@@ -79,8 +80,9 @@ def _adapter_base(adapter: Path) -> str:
 def _dir_arm(path: Path, spec: str, flag: str, kinds: str) -> ArmSpec:
     if (path / "adapter_config.json").is_file():
         return ArmSpec("adapter dir", _adapter_base(path), str(path), spec)
-    if (path / "adapter" / "adapter_config.json").is_file():
-        return ArmSpec("train output", _adapter_base(path / "adapter"), str(path / "adapter"), spec)
+    adapter = TrainLayout(path).adapter
+    if (adapter / "adapter_config.json").is_file():
+        return ArmSpec("train output", _adapter_base(adapter), str(adapter), spec)
     if (path / "config.json").is_file():
         return ArmSpec("model dir", str(path), None, spec)
     raise ArmError(
@@ -108,8 +110,9 @@ def champion(cfg: HermesConfig) -> tuple[str | None, str]:
 def _registry_champion(cfg: HermesConfig) -> tuple[str | None, str]:
     """The MLflow registry's champion adapter on local disk, or (None, why not)."""
     runs = Path(cfg.round.runs_dir)
+    lay = RunsLayout(runs)
     # no store yet: nothing was ever registered (and opening one would create it: a second of migrations)
-    if not os.environ.get("MLFLOW_TRACKING_URI") and not (runs / "mlflow.db").is_file():
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not lay.mlflow_db.is_file():
         return None, "no MLflow store"
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -122,11 +125,11 @@ def _registry_champion(cfg: HermesConfig) -> tuple[str | None, str]:
         mv = mlflow.MlflowClient().get_model_version_by_alias(name, "champion")
     except MlflowException as e:
         return None, f"no registry alias 'champion' on {name} ({e.error_code})"
-    local = runs / str(mv.tags.get("round", "")) / "train" / "adapter"
+    local = RoundLayout(runs / str(mv.tags.get("round", ""))).train.adapter
     if mv.tags.get("round") and (local / "adapter_config.json").is_file():  # the round's copy is still here
         return str(local), f"registry {name} v{mv.version} (alias champion)"
-    dest = runs / "cache" / f"champion-v{mv.version}"
-    if not (dest / "adapter" / "adapter_config.json").is_file():
+    dest = lay.champion_cache(mv.version)
+    if not (TrainLayout(dest).adapter / "adapter_config.json").is_file():
         mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest))
     found = next((p.parent for p in dest.rglob("adapter_config.json")), None)
     if found is None:
@@ -188,14 +191,14 @@ def candidate_from_train_dir(train_dir: str | Path, cfg: Any) -> tuple[str, str]
     """(base model, adapter dir) of a training output: run.json's, else model.base_model and train/adapter."""
     td = Path(train_dir)
     info: dict[str, Any] = {}
-    rj = td / "run.json"
+    rj = TrainLayout(td).run
     if rj.is_file():
         try:
             info = json.loads(rj.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{rj}: not valid JSON ({e.msg})") from None
     base = info.get("base_model") or cfg.model.base_model
-    adapter = info.get("adapter") or str(td / "adapter")
+    adapter = info.get("adapter") or str(TrainLayout(td).adapter)
     if not Path(adapter, "adapter_config.json").is_file():
         raise FileNotFoundError(f"candidate adapter not found: {adapter} (no adapter_config.json; did train run?)")
     return str(base), str(adapter)

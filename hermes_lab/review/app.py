@@ -29,28 +29,24 @@ from __future__ import annotations
 
 import html
 import os
-import re
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.core.layout import RoundLayout, RunsLayout
 from hermes_lab.review.gate import LabelStore, load_queue
-
-QUEUE = Path("prep") / "review_queue.jsonl"  # prep writes each round's sample here, under runs/round-NN/
 
 
 def latest_queue(runs_dir: str | os.PathLike[str]) -> Path:
     """The newest round's review queue (runs/round-NN/prep/review_queue.jsonl, highest NN that has one)."""
-    rounds = []
-    for d in Path(runs_dir).glob("round-*"):
-        m = re.fullmatch(r"round-(\d+)", d.name)
-        if m and (d / QUEUE).is_file():
-            rounds.append((int(m.group(1)), d / QUEUE))
+    # prep writes each round's sample to its prep/ (core.layout)
+    rounds = [rd.prep.review_queue for rd in RunsLayout(runs_dir).rounds() if rd.prep.review_queue.is_file()]
     if not rounds:
         raise FileNotFoundError(
-            f"no review queue yet: no {Path(runs_dir) / 'round-NN' / QUEUE}. Run a round first (make round; "
+            f"no review queue yet: no {RoundLayout(Path(runs_dir) / 'round-NN').prep.review_queue}. "
+            "Run a round first (make round; "
             "its prep stage samples the queue), or set queue_path / round_dir"
         )
-    return max(rounds)[1]
+    return rounds[-1]
 
 
 def find_queue(runs_dir: str | os.PathLike[str], round_dir: str = "", queue_path: str = "") -> Path:
@@ -58,7 +54,7 @@ def find_queue(runs_dir: str | os.PathLike[str], round_dir: str = "", queue_path
     if queue_path:
         return Path(queue_path)
     if round_dir:
-        return Path(round_dir) / QUEUE
+        return RoundLayout(round_dir).prep.review_queue
     return latest_queue(runs_dir)
 
 

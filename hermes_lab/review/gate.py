@@ -52,7 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, load_config
+from hermes_lab.core.inputs import REVIEW
 from hermes_lab.core.jsonl import iter_objects, safe_name, write_json_atomic
+from hermes_lab.core.layout import RoundLayout, RunsLayout
 from hermes_lab.core.verdict import STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW, gate, write_verdict
 from hermes_lab.review.labels import (  # noqa: F401  (re-exported: the gate's callers import the store from here)
     DEFAULT_STORE,
@@ -214,7 +216,7 @@ def review_gate(
     queue_path = Path(queue_path)
     min_labels, max_items = gate_sizes(cfg)
     items = load_queue(queue_path, max_items)
-    store_path = store_path or Path(cfg.round.runs_dir) / "review" / "labels.jsonl"
+    store_path = store_path or RunsLayout(cfg.round.runs_dir).labels
     store = LabelStore(store_path, scale=scale)
     unknown = simulate_labels(items, store)[1] if simulate else 0
 
@@ -354,16 +356,21 @@ def review_gate(
         rd = (
             Path(round_dir)
             if round_dir
-            else (queue_path.parent.parent if queue_path.parent.name == "prep" else queue_path.parent)
+            else (
+                queue_path.parent.parent
+                if queue_path.parent == RoundLayout(queue_path.parent.parent).prep.root
+                else queue_path.parent
+            )
         )
-        write_json_atomic(rd / "review" / "gate.json", result.to_dict())
+        review = RoundLayout(rd).review
+        write_json_atomic(review.gate, result.to_dict())
         stop = {
             PASS: None,
             AWAITING: STOP_AWAITING_REVIEW,
             INCONCLUSIVE: STOP_AWAITING_REVIEW,
             BLOCKED: STOP_BLOCKED_REVIEW,
         }[status]  # inconclusive ("label N more") waits for labels like awaiting review
-        write_verdict(rd / "review", "review", [gate("review_agreement", status == PASS, result.message)], stop)
+        write_verdict(review.root, "review", [gate("review_agreement", status == PASS, result.message)], stop)
     _log_mlflow(result, cfg, simulate)
     return result
 
@@ -404,7 +411,7 @@ def _log_mlflow(result: GateResult, cfg: HermesConfig, simulate: bool) -> None:
     metrics.update({f"agreement_{safe_name(f)}": v["agreement"] for f, v in result.per_family.items()})
     tracking.log_metrics("review", metrics)
     tracking.set_tags({"review.status": result.status, "review.simulated": str(result.simulated).lower()})
-    tracking.log_dict(result.to_dict(), "review/gate.json")
+    tracking.log_dict(result.to_dict(), RoundLayout(Path()).review.gate.as_posix())  # review/gate.json
 
 
 # -------------------------------------------------------------------------------------------- display
@@ -467,18 +474,7 @@ def format_result(result: GateResult) -> str:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--queue", required=True, help="review queue JSONL from prep (<round_dir>/prep/review_queue.jsonl)"
-    )
-    parser.add_argument("--labels", default=None, help="label store (default: <round.runs_dir>/review/labels.jsonl)")
-    parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
-    parser.add_argument(
-        "--simulate",
-        action="store_true",
-        help="the task verifier acts as a simulated reviewer (labels marked simulated)",
-    )
-    parser.add_argument("--round-dir", default=None, help="where review/gate.json goes (default: the queue's round)")
-    parser.add_argument("--json", action="store_true", help="print the gate result as JSON")
+    REVIEW.add_arguments(parser)  # hermes_lab.core.inputs: the notebook's parameters and these, declared once
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -27,7 +27,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STORE = "runs/review/labels.jsonl"  # relative to the project root (hermes_lab.core.paths), not to the cwd
+from hermes_lab.core.layout import RunsLayout
+
+# relative to the project root (hermes_lab.core.paths), not to the cwd
+DEFAULT_STORE = RunsLayout(Path("runs")).labels.as_posix()
 
 
 @dataclass

@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, load_config
+from hermes_lab.core.inputs import AUDIT
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import RoundLayout
 from hermes_lab.core.verdict import STOP_AUDIT, gate, write_verdict
 from hermes_lab.rewards import adversarial as A
 from hermes_lab.rewards.registry import RewardError, RewardFn, get_reward_funcs, import_callable
@@ -222,8 +224,9 @@ def run_audit(cfg: HermesConfig, round_dir: str | Path | None = None, say: bool 
     )
     tracking.set_tags({f"audit.finding.{i}": f.line(result.scale)[:250] for i, f in enumerate(result.findings[:20])})
     if round_dir is not None:
-        out = Path(round_dir) / "audit"
-        path = write_json_atomic(out / "audit.json", result.to_dict())
+        audit = RoundLayout(round_dir).audit
+        out = audit.root
+        path = write_json_atomic(audit.report, result.to_dict())
         tracking.log_artifact(path)
         passed = not result.blocked
         write_verdict(
@@ -252,9 +255,7 @@ def format_result(result: AuditResult) -> str:
 
 # ---------------------------------------------------------------------------------------------- the CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", default=None, help="YAML config (default: built-in defaults)")
-    parser.add_argument("--round-dir", default=None, help="write audit/audit.json and audit/verdict.json here")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    AUDIT.add_arguments(parser)  # hermes_lab.core.inputs: the notebook's parameters and these, declared once
 
 
 def run_cli(args: argparse.Namespace) -> int:
