@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
+from hermes_lab.core.layout import CompareLayout, RoundLayout, RunsLayout
+from hermes_lab.core.reports import EvalReport, RoundSummary
 from hermes_lab.core.verdict import read_verdict
 from hermes_lab.round.stages import STAGES, Stage, all_gates
 
@@ -92,12 +93,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def _round_dirs(runs_dir: str | Path) -> list[tuple[int, Path]]:
     """(number, dir) of every ``round-NN`` folder, by number (not by name: round-100 sorts after round-99)."""
-    found = []
-    for d in Path(runs_dir).glob("round-*"):
-        m = re.fullmatch(r"round-(\d+)", d.name)
-        if m and d.is_dir():
-            found.append((int(m.group(1)), d))
-    return sorted(found)
+    return [(rd.number, rd.root) for rd in RunsLayout(runs_dir).rounds()]
 
 
 def _in_flight(n: int, rd: Path, prog: dict[str, Any], stages: Sequence[Stage]) -> dict[str, Any]:
@@ -115,7 +111,8 @@ def _in_flight(n: int, rd: Path, prog: dict[str, Any], stages: Sequence[Stage]) 
     cand = next((v["candidate"] for v in reversed(done) if v.get("candidate")), None)
     ev = next((v["eval"] for v in reversed(done) if v.get("eval")), None)
     if ev is None and "train" in completed:  # a verdict written before eval was part of it
-        ev = _read(rd / "train" / "eval.json")
+        report = EvalReport.read(RoundLayout(rd).train.eval)
+        ev = report.to_json() if report is not None else None
     promoted = bool(cand and cand.get("promoted") is True)
     decision = cand.get("decision") if cand else None
     stopped = prog.get("stopped_at") or {}
@@ -157,7 +154,9 @@ def round_records(cfg: HermesConfig, stages: Sequence[Stage] = STAGES) -> list[d
     summary.json, or (a round in flight, or one without a summary) what its stage files say so far."""
     out = []
     for n, rd in _round_dirs(cfg.round.runs_dir):
-        summary, prog = _read(rd / "summary.json"), _read(rd / "progress.json")
+        lay = RoundLayout(rd)
+        report, prog = RoundSummary.read(lay.summary), _read(lay.progress)
+        summary = report.to_json() if report is not None else None
         # a resumed round (after awaiting review / live A/B) still has its old summary while it runs
         in_flight = prog is not None and prog.get("status") in ("running", "failed")
         if summary is not None and not in_flight:
@@ -283,12 +282,12 @@ def data_gain(round_dir: str | Path) -> Any:
     from hermes_lab.core.jsonl import write_json_atomic
     from hermes_lab.data.selection import gain_by_family
 
-    rd = Path(round_dir)
-    sel, ev = rd / "prep" / "selection.json", rd / "train" / "eval.json"
+    rd = RoundLayout(round_dir)
+    sel, ev = rd.prep.selection, rd.train.eval
     if not sel.is_file() or not ev.is_file():
         return pd.DataFrame()
     rows = gain_by_family(json.loads(sel.read_text()), json.loads(ev.read_text()))
-    write_json_atomic(rd / "train" / "data_gain.json", rows)
+    write_json_atomic(rd.train.data_gain, rows)
     return pd.DataFrame(rows).T
 
 
@@ -433,7 +432,7 @@ def plot_pass_rate(table: Any, out_dir: str | Path) -> Path:
     handles.append(plt.Rectangle((0, 0), 1, 1, color="black", alpha=0.12, label="champion 95% interval"))
     handles += [Line2D([], [], color=STYLE[k][0], marker=STYLE[k][1], ls="", label=k) for k in kinds]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="candidate / round")
-    path = log_figure(fig, Path(out_dir) / "pass_rate_by_round.png")
+    path = log_figure(fig, CompareLayout(out_dir).pass_rate)
     plt.close(fig)
     return path
 
@@ -479,7 +478,7 @@ def plot_rounds(cfg: HermesConfig, table: Any, out_dir: str | Path, rates: Any =
             loc="upper left",
             bbox_to_anchor=(1.01, 1.0),
         )
-        paths.append(log_figure(fig, out / "rounds.png"))
+        paths.append(log_figure(fig, CompareLayout(out).rounds))
         plt.close(fig)
     curves = step_curves(cfg)
     if not curves.empty:
@@ -495,6 +494,6 @@ def plot_rounds(cfg: HermesConfig, table: Any, out_dir: str | Path, rates: Any =
             aspect=1.4,
             palette="viridis",
         )
-        paths.append(log_figure(g.figure, out / "curves_by_round.png"))
+        paths.append(log_figure(g.figure, CompareLayout(out).curves))
         plt.close(g.figure)
     return paths

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.config.schema import HermesConfig
-from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import RoundLayout
+from hermes_lab.core.reports import RoundSummary
 from hermes_lab.core.state import FlywheelState
 from hermes_lab.core.verdict import read_verdict
 from hermes_lab.round.stages import Stage
@@ -104,28 +105,28 @@ def finish_round(
     # the champion's held-out sampled pass rate on the train stage's fixed task set (same tasks and seed
     # every round, so rounds compare): the candidate's if it was promoted, else the policy it started from
     pass_rate = ((ev.get("after") if promoted else ev.get("before")) or {}).get("pass_rate") if ev else None
-    summary = {
-        "round": n,
-        "status": status,
-        "decision": decision,
-        "promoted": promoted,
-        "gates": _gates(stages, verdicts, prog),
-        "timings_s": prog["timings"],
-        "total_s": round(sum(prog["timings"].values()), 1),
-        "pass_rate": pass_rate,
-        "eval": ev,
-        "champion": state.champion_adapter,
-        "stopped_at": prog.get("stopped_at"),
-        "parent_run_id": prog["parent_run_id"],
-        "ab": {k: cand.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
+    summary = RoundSummary(
+        round=n,
+        status=status,
+        decision=decision,
+        promoted=promoted,
+        gates=_gates(stages, verdicts, prog),
+        timings_s=prog["timings"],
+        total_s=round(sum(prog["timings"].values()), 1),
+        pass_rate=pass_rate,
+        eval=ev,
+        champion=state.champion_adapter,
+        stopped_at=prog.get("stopped_at"),
+        parent_run_id=prog["parent_run_id"],
+        ab={k: cand.get(k) for k in ("delta", "p_value", "significant", "decision", "promoted", "final_ratio")}
         if cand
         else None,
-        "held": held,
-        "continues": cont["round"] if cont else None,
-        "ab_plan": _plan_warning(next((v["plan"] for v in done if v.get("plan")), None)),
-    }
-    write_json_atomic(rd / "summary.json", summary)
-    return summary
+        held=held,
+        continues=cont["round"] if cont else None,
+        ab_plan=_plan_warning(next((v["plan"] for v in done if v.get("plan")), None)),
+    )
+    summary.write(RoundLayout(rd).summary)
+    return summary.to_json()
 
 
 def _candidate_dir(stages: Sequence[Stage], verdicts: dict[str, Any], rd: Path) -> Path:
@@ -171,9 +172,10 @@ def log_round(prog: dict[str, Any], rd: Path, summary: dict[str, Any]) -> None:
 
     mark = {True: "pass", False: "stop", None: "not run"}
     with tracking.resume_run(prog["parent_run_id"]):
-        for nb_path in sorted(rd.glob("*.ipynb")):
+        lay = RoundLayout(rd)
+        for nb_path in lay.notebooks():
             tracking.log_artifact(nb_path, "notebooks")
-        tracking.log_artifact(rd / "summary.json")
+        tracking.log_artifact(lay.summary)
         tracking.set_tags(
             {
                 "round.status": summary["status"],

@@ -61,6 +61,7 @@ from typing import Any
 from hermes_lab.config.schema import ConfigError, load_config, set_overrides
 from hermes_lab.core import quiet
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import RunsLayout, round_name
 from hermes_lab.core.state import FlywheelState, parse_time, state_path
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE
 from hermes_lab.live import log as L
@@ -106,9 +107,10 @@ class Supervisor:
         first = load_config(params, overrides=overrides)
         self.K = float(time_scale if time_scale is not None else first.serve.time_scale)
         self.runs = Path(first.round.runs_dir)
-        self.home = self.runs / "live" / "flywheel"
+        self.lay = RunsLayout(self.runs)
+        self.fly = self.lay.flywheel
         self.extra = dict(overrides or {})  # --set: into every file a round runs with
-        self.params = live_params(params, self.home / "params.yaml", self.K, **self.extra)
+        self.params = live_params(params, self.fly.params, self.K, **self.extra)
         self.cfg = load_config(self.params)
         if port is not None:
             self.cfg.serve.port = port
@@ -134,7 +136,7 @@ class Supervisor:
         self.say_raw(f"[live {time.strftime('%H:%M:%S')}] {msg}")
 
     def _load_state(self) -> dict[str, Any]:
-        p = self.home / "state.json"
+        p = self.fly.state
         st = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
         st.setdefault("serving", "")
         st.setdefault("consumed", 0)
@@ -146,7 +148,7 @@ class Supervisor:
         return st
 
     def _save(self) -> None:
-        write_json_atomic(self.home / "state.json", self.state)
+        write_json_atomic(self.fly.state, self.state)
 
     def sim_now(self) -> datetime:
         """The flywheel's clock: the wall clock, or (K != 1) a simulated one running K times faster."""
@@ -192,10 +194,10 @@ class Supervisor:
         prog = fw.progress or {}
         n = fw.last_round + 1
         if prog.get("round") == n and prog.get("status") == STOP_AWAITING_LIVE:
-            return live_round.experiment_dir(self.cfg, self.runs / f"round-{n:02d}")
+            return live_round.experiment_dir(self.cfg, self.lay.round_dir(n))
         if self.state["serving"]:
             return Path(self.state["serving"])
-        return self.runs / "live" / f"collect-{n:02d}"
+        return self.lay.collect(n).root
 
     def _serving(self, log_dir: Path, consumed: int | None = None) -> None:
         if str(log_dir) != self.state["serving"]:
@@ -225,7 +227,7 @@ class Supervisor:
         fw = self.flywheel_state()
         prog = fw.progress or {}
         resuming = prog.get("round") == n
-        params = Path(prog["params"]) if resuming and prog.get("params") else self.home / f"round-{n:02d}.yaml"
+        params = Path(prog["params"]) if resuming and prog.get("params") else self.fly.round_params(n)
         if not resuming:
             live_params(self.base_params, params, self.K, **self.extra, **{"execute.live_dir": self.state["serving"]})
             self.state["consumed"] = self.counter.count() if self.counter else 0
@@ -239,7 +241,7 @@ class Supervisor:
             except RoundLocked as e:  # someone runs a round by hand on these runs/: wait for it
                 self.waiting = [str(e)]
                 return
-        logf = open(self.home / f"round-{n:02d}.log", "ab")  # noqa: SIM115 (the child holds it)
+        logf = open(self.fly.round_log(n), "ab")  # noqa: SIM115 (the child holds it)
         self.worker = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -255,7 +257,7 @@ class Supervisor:
         self.worker_round, self._seen_stages = n, set(prog.get("completed", []) if resuming else [])
         self._worker_since = _now_iso()
         self.phase = "deciding" if prog.get("status") == STOP_AWAITING_LIVE else "training"
-        self.say(f"round {n:02d}: {why}; worker pid {self.worker.pid}, log {self.home / f'round-{n:02d}.log'}")
+        self.say(f"round {n:02d}: {why}; worker pid {self.worker.pid}, log {self.fly.round_log(n)}")
 
     async def worker_done(self) -> None:
         rc = await self.worker.wait()
@@ -263,7 +265,7 @@ class Supervisor:
         fw = self.flywheel_state()
         prog = fw.progress or {}
         if prog.get("round") == n and prog.get("status") == STOP_AWAITING_LIVE:
-            await self.swap_to(live_round.experiment_dir(self.cfg, self.runs / f"round-{n:02d}"), n)
+            await self.swap_to(live_round.experiment_dir(self.cfg, self.lay.round_dir(n)), n)
             self.phase = "experiment"
             return
         if prog.get("round") == n and prog.get("status") == AWAITING_REVIEW:
@@ -271,7 +273,7 @@ class Supervisor:
             self.say(f"round {n:02d}: awaiting review labels (notebooks/review.ipynb); it resumes when they are in")
             return
         if fw.last_round >= n:
-            summary = read_json_or_empty(self.runs / f"round-{n:02d}" / "summary.json")
+            summary = read_json_or_empty(self.lay.round(n).summary)
             ev = summary.get("eval") or {}
             row = {
                 "round": n,
@@ -280,7 +282,7 @@ class Supervisor:
                 "pass_rate": (ev.get("after") or {}).get("pass_rate"),
                 "base_pass_rate": (ev.get("before") or {}).get("pass_rate"),
                 "gain": (ev.get("gain") or {}).get("gain"),  # held-out, paired (the regression gate's eval)
-                "experiment": f"round-{n:02d}" if summary.get("ab") else None,
+                "experiment": round_name(n) if summary.get("ab") else None,
                 "ended": _now_iso(),
             }
             row["agent"] = self._agent_figures(n, row["experiment"])
@@ -295,14 +297,18 @@ class Supervisor:
         self.phase = "failed"
         self.say(
             f"round {n:02d}: the worker exited {rc} with the round unfinished ({prog.get('status')}): see "
-            f"{self.home / f'round-{n:02d}.log'}; the gateway keeps serving, the same command again resumes it"
+            f"{self.fly.round_log(n)}; the gateway keeps serving, the same command again resumes it"
         )
 
     def _agent_figures(self, n: int, experiment: str | None) -> dict[str, Any] | None:
         """The agent family's figures of a decided round: held-out episode success before and after (train's
         eval.json) and live success per arm (the experiment's agent conversations with feedback)."""
-        ev = read_json_or_empty(self.runs / f"round-{n:02d}" / "train" / "eval.json").get("agent") or {}
-        live = L.agent_success(self.runs / "live" / experiment, self.cfg.reward.success_threshold) if experiment else {}
+        ev = read_json_or_empty(self.lay.round(n).train.eval).get("agent") or {}
+        live = (
+            L.agent_success(self.lay.experiment(experiment).root, self.cfg.reward.success_threshold)
+            if experiment
+            else {}
+        )
         if not ev and not live:
             return None
         return {
@@ -312,7 +318,7 @@ class Supervisor:
         }
 
     def _labels_mtime(self) -> float:
-        labels = self.runs / "review" / "labels.jsonl"
+        labels = self.lay.labels
         return labels.stat().st_mtime if labels.is_file() else 0.0
 
     def _stage_lines(self, prog: dict[str, Any]) -> None:
@@ -362,7 +368,7 @@ class Supervisor:
         prog = fw.progress if fw.progress and fw.progress.get("round") == n else None
         if prog and prog.get("status") == STOP_AWAITING_LIVE:
             gw = self.board.current
-            exp_dir = live_round.experiment_dir(self.cfg, self.runs / f"round-{n:02d}")
+            exp_dir = live_round.experiment_dir(self.cfg, self.lay.round_dir(n))
             if gw.log_dir != exp_dir:
                 await self.swap_to(exp_dir, n)
                 gw = self.board.current
@@ -387,7 +393,7 @@ class Supervisor:
             return
         if prog:  # killed or failed mid-round: continue it from its last completed stage, once per process
             if n in self.retried:
-                self.phase, self.waiting = "failed", [f"round {n:02d} failed: see {self.home}/round-{n:02d}.log"]
+                self.phase, self.waiting = "failed", [f"round {n:02d} failed: see {self.fly.round_log(n)}"]
                 return
             self.retried.add(n)
             await self.start_worker(n, f"unfinished ({prog.get('status')}, done: {prog.get('completed')}): resuming")
@@ -476,7 +482,7 @@ class Supervisor:
 
     def write_status(self) -> None:
         if self.board is not None:
-            write_json_atomic(self.home / "status.json", self.board.snapshot())
+            write_json_atomic(self.fly.status, self.board.snapshot())
 
     # ------------------------------------------------------------------------------------- main
     async def run(self) -> int:
