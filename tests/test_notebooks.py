@@ -13,12 +13,12 @@ import nbformat
 import papermill
 import pytest
 
+from hermes_lab.core.inputs import KINDS, ROUND_PARAMS
 from hermes_lab.round.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "bearer"}
-ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")
 
 
 def _read(path: Path) -> nbformat.NotebookNode:
@@ -141,11 +141,9 @@ def test_config_cell_resolves_paths_against_the_project_root(path):
     assert "paths.resolve_params(globals())" in second and "quiet.configure()" in second
     assert second.index("paths.resolve_params") < second.index("load_config(")
     names = [n for n, _, _ in _assignments(_parameters_cell(_read(path)).source)]
-    from hermes_lab.core.paths import LIST_PARAMS, PATH_PARAMS, SPEC_PARAMS
-
     pathlike = [n for n in names if n.endswith(("_path", "_dir")) or n in ("trajectories", "adapter")]
-    missing = [n for n in pathlike if n not in PATH_PARAMS + LIST_PARAMS + SPEC_PARAMS]
-    assert not missing, f"{path.name}: path parameters {missing} are not resolved (add them to hermes_lab.core.paths)"
+    missing = [n for n in pathlike if KINDS.get(n, "value") == "value"]
+    assert not missing, f"{path.name}: path parameters {missing} are not resolved (declare them in core.inputs)"
 
 
 def test_round_stage_notebooks_exist_and_accept_round_params():
@@ -159,23 +157,3 @@ def test_round_stage_notebooks_exist_and_accept_round_params():
         info = papermill.inspect_notebook(str(path))
         missing = [p for p in ROUND_PARAMS if p not in info]
         assert not missing, f"stage '{stage.name}' ({stage.notebook}) lacks parameters {missing}"
-
-
-@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
-def test_parameters_cell_is_pinned_to_its_registry_row(stage, tmp_path):
-    """Each stage notebook's parameters cell is exactly its row's notebook_params, in order, and the
-    parameters the round passes (the row's builder) are all among them."""
-    from hermes_lab.config.schema import load_config
-    from hermes_lab.core.state import FlywheelState
-    from hermes_lab.round.runner import notebook_path
-    from hermes_lab.round.stages import ROUND_PARAMS as COMMON
-    from hermes_lab.round.stages import RoundContext
-
-    cell = list(papermill.inspect_notebook(str(notebook_path(stage))))
-    assert tuple(cell) == stage.notebook_params, f"{stage.notebook}: cell {cell} != row {stage.notebook_params}"
-    cfg = load_config(None, {"round.runs_dir": str(tmp_path)})
-    ctx = RoundContext(cfg, "params/embedded.yaml", tmp_path / "round-02", 2, "run-id", FlywheelState(last_round=1))
-    if stage.name == "ab":  # its builder resolves the embedded policy's dir: give it a champion instead
-        ctx.state.champion_adapter = str(tmp_path / "round-01" / "train" / "adapter")
-    passed = [*COMMON, *stage.params(ctx)]
-    assert set(passed) <= set(cell), f"{stage.name}: the round passes {sorted(set(passed) - set(cell))} it lacks"

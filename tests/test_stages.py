@@ -16,6 +16,7 @@ import yaml
 
 from hermes_lab.cli import main as cli
 from hermes_lab.core import verdict
+from hermes_lab.core.inputs import ROUND_INPUTS, ROUND_PARAMS, Input, Inputs
 from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.core.verdict import STOP_DATA
 from hermes_lab.round import runner as R
@@ -78,6 +79,11 @@ def notebook(path: Path, params: dict, code: str) -> str:
     return str(path)
 
 
+def declared(name: str, params: dict) -> Inputs:
+    """A throwaway stage's inputs: the round's three, then ``params`` (name -> default), as its notebook has them."""
+    return Inputs(name, (*ROUND_INPUTS.rows, *(Input(k, type(v), v, f"help: {k}") for k, v in params.items())))
+
+
 def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tuple[Stage, ...]:
     """gate (data gates, uses the negatives) -> fit (a 'training': starts the cooldown) -> decide (A/B outcome)."""
     gate_params = {"state_path": "", "simulated_now": "", "samples": 0}
@@ -94,7 +100,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
                 "simulated_now": ctx.state.simulated_now or "",
                 "samples": samples,
             },
-            notebook_params=(*stages.ROUND_PARAMS, *gate_params),
+            inputs=declared("gate", gate_params),
             consumes_negatives=True,
         ),
         Stage(
@@ -112,7 +118,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
             verdict="decide/verdict.json",
             gates=("decision",),
             params=lambda ctx: {"decision": decision},
-            notebook_params=(*stages.ROUND_PARAMS, "decision"),
+            inputs=declared("decide", {"decision": ""}),
         ),
     )
 
@@ -143,7 +149,7 @@ def test_registry_rows_are_consistent():
         "ab_decision",
     ]
     for s in stages.STAGES:
-        assert set(stages.ROUND_PARAMS) <= set(s.notebook_params), s.name
+        assert s.inputs.notebook_names()[:3] == ROUND_PARAMS, s.name
         assert bool(s.gates) == bool(s.verdict), s.name  # a stage with gates reports them in a verdict file
     assert [s.name for s in stages.STAGES if s.starts_cooldown] == ["train"]
     assert {c for s in stages.STAGES if (c := s.command)} <= set(cli.COMMANDS)
@@ -200,7 +206,7 @@ def test_a_throwaway_stage_is_a_row_a_notebook_and_a_module(params, mlflow_store
         gates=("lint_clean",),
         stops=("stopped: lint",),
         params=lambda ctx: {"strict": ctx.round_no == 2},
-        notebook_params=(*stages.ROUND_PARAMS, "strict"),
+        inputs=declared("lint", {"strict": False}),
         command="lint",
         help="Lint a round.",
     )
@@ -371,7 +377,7 @@ def test_a_held_candidate_has_its_own_status_and_the_next_round_may_continue_its
         verdict="decide/verdict.json",
         gates=("decision",),
         params=lambda ctx: {"continue_from": (ctx.continues or {}).get("ab_dir", "")},
-        notebook_params=(*stages.ROUND_PARAMS, "continue_from"),
+        inputs=declared("decide", {"continue_from": ""}),
         on_continue=True,
     )
     registry = (gate_, fit, decide)

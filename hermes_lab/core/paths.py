@@ -33,17 +33,12 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.core.inputs import KINDS, PATH, PATHS, SPEC
+
 ENV_ROOT = "HERMES_LAB_ROOT"
 PACKAGE_REPO = Path(__file__).resolve().parents[2]  # hermes_lab/core/paths.py -> the checkout
 _NAME = re.compile(r"""^\s*name\s*=\s*["']hermes[-_]lab["']""", re.M)
 
-# notebook parameters that hold paths (resolve_params): plain paths, comma-separated lists of paths (an
-# entry that is an MLflow run id stays as it is), and policy specs (a path, or a hub id / embedded:tiny /
-# champion, which hermes_lab.policy.arms reads)
-PATH_PARAMS = ("config_path", "round_dir", "labels_path", "store_path", "queue_path", "state_path")
-PATH_PARAMS += ("data_dir", "train_dir")
-LIST_PARAMS = ("trajectories", "compare_rounds")
-SPEC_PARAMS = ("adapter", "start_adapter", "baseline_adapter", "baseline", "candidate")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -129,14 +124,17 @@ def resolve_params(ns: MutableMapping[str, Any]) -> dict[str, str]:
         if value != ns[name]:
             ns[name] = changed[name] = value
 
-    for name in PATH_PARAMS:
-        if isinstance(ns.get(name), str) and ns[name]:
-            put(name, str(resolve(ns[name], root)))
-    for name in LIST_PARAMS:
-        if isinstance(ns.get(name), str) and ns[name].strip():
-            items = [s.strip() for s in ns[name].split(",") if s.strip()]
+    # which parameters hold paths: their declaration (hermes_lab.core.inputs) says, by name. A list's entry
+    # that is an MLflow run id stays as it is; a policy spec may be a hub id / embedded:tiny / champion
+    for name, kind in KINDS.items():
+        value = ns.get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        if kind == PATH:
+            put(name, str(resolve(value, root)))
+        elif kind == PATHS and value.strip():
+            items = [s.strip() for s in value.split(",") if s.strip()]
             put(name, ",".join(s if _RUN_ID.match(s) else str(resolve(s, root)) for s in items))
-    for name in SPEC_PARAMS:
-        if isinstance(ns.get(name), str) and ns[name]:
-            put(name, resolve_spec(ns[name], root))
+        elif kind == SPEC:
+            put(name, resolve_spec(value, root))
     return changed

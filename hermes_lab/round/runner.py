@@ -154,6 +154,10 @@ def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
         "parent_run_id": ctx.parent_run_id,
     }
     params |= stage.params(ctx)
+    try:  # the names and types its inputs declare (hermes_lab.core.inputs)
+        params = stage.inputs.papermill(params)
+    except ValueError as e:
+        raise RoundError(str(e)) from None
     failure = None
     try:
         run_notebook(notebook_path(stage), ctx.round_dir / Path(stage.notebook).name, params, preload=stage.preload)

@@ -2,11 +2,13 @@
 
 Reads and writes nothing itself: a gated stage writes its verdict (``runs/round-NN/<stage>/verdict.json``)
 through ``hermes_lab.core.verdict``, and the runner reads it back. Adding a stage to a round is one ``Stage``
-row below, one notebook in ``notebooks/`` and one module in a stage package: the runner runs the rows in
-order, passes the parameters the row builds, lists the row's gates in every round summary, and stops the
-round when the stage's verdict says so; ``hermes-lab <command>`` comes from the row's ``command``. A verdict
-may also carry ``candidate`` (the A/B outcome: decision, promoted, rolled_back, delta, p_value, significant)
-and ``eval`` (held-out pass rate before/after training), which the round summary reports.
+row below, its inputs declared in ``hermes_lab.core.inputs`` (the notebook's parameters, the command's
+arguments), one notebook in ``notebooks/`` and one module in a stage package: the runner runs the rows in
+order, passes the parameters the row builds (checked against its inputs), lists the row's gates in every
+round summary, and stops the round when the stage's verdict says so; ``hermes-lab <command>`` comes from the
+row's ``command``. A verdict may also carry ``candidate`` (the A/B outcome: decision, promoted, rolled_back,
+delta, p_value, significant) and ``eval`` (held-out pass rate before/after training), which the round summary
+reports.
 
     python -c "from hermes_lab.round.stages import STAGES; print([s.name for s in STAGES])"
 """
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hermes_lab.core import inputs as stage_inputs
+from hermes_lab.core.inputs import ROUND_INPUTS, Inputs
 from hermes_lab.core.verdict import (
+from hermes_lab.core.layout import RoundLayout, RunsLayout
+from hermes_lab.core.reports import RoundSummary
     STOP_AUDIT,
     STOP_AWAITING_LIVE,
     STOP_AWAITING_REVIEW,
@@ -26,15 +32,12 @@ from hermes_lab.core.verdict import (
     STOP_DATA,
     STOP_HEALTH,
     STOP_REGRESSION,
-    VERDICT_NAME,
     read_verdict,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     from hermes_lab.config.schema import HermesConfig
     from hermes_lab.core.state import FlywheelState
-
-ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")  # every stage notebook takes these
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class RoundContext:
         return self.state.champion_adapter or ""
 
     def round_dir_of(self, n: int) -> Path:
-        return self.runs_dir / f"round-{n:02d}"
+        return RunsLayout(self.runs_dir).round_dir(n)
 
     @property
     def continues(self) -> dict[str, Any] | None:
@@ -86,7 +89,8 @@ POLICY_IMPORTS = (
 @dataclass(frozen=True)
 class Stage:
     """One stage of a round. ``notebook`` is relative to notebooks/ (or absolute); ``verdict`` is relative
-    to the round dir; ``notebook_params`` lists the notebook's parameters cell in order (a test pins it)."""
+    to the round dir; ``inputs`` declares the notebook's parameters and the command's arguments
+    (``hermes_lab.core.inputs``), ``params`` gives the values the round passes."""
 
     name: str
     notebook: str
@@ -94,8 +98,8 @@ class Stage:
     verdict: str | None = None
     gates: tuple[str, ...] = ()  # gate names the verdict reports, in summary order
     stops: tuple[str, ...] = ()  # statuses the verdict may stop the round with
-    params: Callable[[RoundContext], dict[str, Any]] = _no_params  # beyond ROUND_PARAMS
-    notebook_params: tuple[str, ...] = ROUND_PARAMS
+    params: Callable[[RoundContext], dict[str, Any]] = _no_params  # values beyond the round's three (core.inputs)
+    inputs: Inputs = ROUND_INPUTS
     command: str | None = None  # `hermes-lab <command>` (module's add_arguments / run_cli)
     help: str = ""
     data_outputs: tuple[str, ...] = ()  # the round's execution data it writes: negatives on a rollback
@@ -116,32 +120,29 @@ def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
     the rounds before stopped at the data gate (too few samples, or the cooldown) or only continued a held
     A/B (``round.on_held: continue``), their logs as well: samples pile up until they trigger a training,
     none is dropped by a skipped round."""
-    runs = Path(runs_dir)
-    out = [runs / f"round-{round_no:02d}" / "trajectories.jsonl"]
-    if (runs / f"round-{round_no:02d}" / "agent_episodes.jsonl").exists():  # execute.agent_tasks: conversations
-        out.append(runs / f"round-{round_no:02d}" / "agent_episodes.jsonl")
+    runs = RunsLayout(runs_dir)
+    rd = runs.round(round_no)
+    out = [rd.trajectories]
+    if rd.agent_episodes.exists():  # execute.agent_tasks: conversations
+        out.append(rd.agent_episodes)
     for k in range(round_no - 1, 0, -1):
-        prev = runs / f"round-{k:02d}"
-        if (prev / "ab" / "requests.jsonl").exists():
-            out.append(prev / "ab" / "requests.jsonl")
-        verdict = read_verdict(prev / "prep" / VERDICT_NAME)
-        if _continued_only(prev):  # it ran no prep: what came before it is still fresh
+        prev = runs.round(k)
+        if prev.ab.requests.exists():
+            out.append(prev.ab.requests)
+        verdict = read_verdict(prev.prep.verdict)
+        if _continued_only(prev.root):  # it ran no prep: what came before it is still fresh
             continue
         if not verdict or verdict.get("stop") != STOP_DATA:  # round k trained on what came before it
             break
-        if (prev / "trajectories.jsonl").exists():
-            out.append(prev / "trajectories.jsonl")
+        if prev.trajectories.exists():
+            out.append(prev.trajectories)
     return out
 
 
 def _continued_only(round_dir: Path) -> bool:
     """Whether a round only continued an earlier round's held A/B (its summary says which)."""
-    import json
-
-    try:
-        return bool(json.loads((round_dir / "summary.json").read_text(encoding="utf-8")).get("continues"))
-    except (FileNotFoundError, ValueError, AttributeError):
-        return False
+    summary = RoundSummary.read(RoundLayout(round_dir).summary)
+    return bool(summary is not None and summary.continues)
 
 
 def _prep_params(ctx: RoundContext) -> dict[str, Any]:
@@ -155,7 +156,7 @@ def _prep_params(ctx: RoundContext) -> dict[str, Any]:
 
 
 def _review_params(ctx: RoundContext) -> dict[str, Any]:
-    return {"labels_path": str(ctx.runs_dir / "review" / "labels.jsonl")}
+    return {"labels_path": str(RunsLayout(ctx.runs_dir).labels)}
 
 
 def _train_params(ctx: RoundContext) -> dict[str, Any]:
@@ -172,10 +173,11 @@ def _ab_params(ctx: RoundContext) -> dict[str, Any]:
     held = ctx.continues
     if held:  # the held round's candidate and A/B, carried on (hermes_lab.ab.held)
         return {"baseline": "", "candidate": held["adapter"], "seed": ctx.round_no, "continue_from": held["ab_dir"]}
-    return {"baseline": "", "candidate": str(ctx.round_dir / "train" / "adapter"), "seed": ctx.round_no}
+    return {"baseline": "", "candidate": str(RoundLayout(ctx.round_dir).train.adapter), "seed": ctx.round_no}
 
 
 # ---------------------------------------------------------------------------------------- the rows
+_IN_ROUND = RoundLayout(Path())  # the rows' files, relative to a round dir (core.layout)
 STAGES: tuple[Stage, ...] = (
     Stage(
         "execute",
@@ -183,27 +185,20 @@ STAGES: tuple[Stage, ...] = (
         "hermes_lab.data.execute",
         preload=POLICY_IMPORTS,
         params=_execute_params,
-        notebook_params=(*ROUND_PARAMS, "adapter", "seed"),
+        inputs=stage_inputs.EXECUTE,
         command="execute",
         help="Run a policy on tasks and write trajectories JSONL (execution logs).",
-        data_outputs=("trajectories.jsonl",),
+        data_outputs=(str(_IN_ROUND.trajectories),),
     ),
     Stage(
         "prep",
         "10_data_prep.ipynb",
         "hermes_lab.data.prep",
-        verdict=f"prep/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.prep.verdict),
         gates=("min_samples", "cooldown"),
         stops=(STOP_DATA,),
         params=_prep_params,
-        notebook_params=(
-            *ROUND_PARAMS,
-            "trajectories",
-            "state_path",
-            "simulated_now",
-            "override_cooldown",
-            "override_reason",
-        ),
+        inputs=stage_inputs.PREP,
         command="prep",
         help="Ingest, validate and distill trajectories; apply the data gates.",
         consumes_negatives=True,
@@ -212,11 +207,11 @@ STAGES: tuple[Stage, ...] = (
         "review",
         "15_review_gate.ipynb",
         "hermes_lab.review.gate",
-        verdict=f"review/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.review.verdict),
         gates=("review_agreement",),
         stops=(STOP_AWAITING_REVIEW, STOP_BLOCKED_REVIEW),
         params=_review_params,
-        notebook_params=(*ROUND_PARAMS, "labels_path", "queue_path", "simulate"),
+        inputs=stage_inputs.REVIEW,
         command="review",
         help="Reward-model agreement gate over the human review labels.",
     ),
@@ -224,9 +219,10 @@ STAGES: tuple[Stage, ...] = (
         "audit",
         "18_reward_audit.ipynb",
         "hermes_lab.rewards.audit",
-        verdict=f"audit/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.audit.verdict),
         gates=("reward_audit",),
         stops=(STOP_AUDIT,),
+        inputs=stage_inputs.AUDIT,
         command="audit",
         help="Score built-in adversarial completions with every configured reward; stop before training if one pays.",
     ),
@@ -235,11 +231,11 @@ STAGES: tuple[Stage, ...] = (
         "20_grpo_train.ipynb",
         "hermes_lab.train.grpo",
         preload=POLICY_IMPORTS,
-        verdict=f"train/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.train.verdict),
         gates=("training_health",),
         stops=(STOP_HEALTH,),
         params=_train_params,
-        notebook_params=(*ROUND_PARAMS, "data_dir", "start_adapter", "max_steps", "resume"),
+        inputs=stage_inputs.TRAIN,
         command="train",
         help="GRPO + LoRA training from the user's YAML.",
         starts_cooldown=True,
@@ -249,11 +245,11 @@ STAGES: tuple[Stage, ...] = (
         "30_inspect_validate.ipynb",
         "hermes_lab.evaluate.validate",
         preload=POLICY_IMPORTS,
-        verdict=f"validate/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.validate.verdict),
         gates=("regression",),
         stops=(STOP_REGRESSION,),
         params=_validate_params,
-        notebook_params=(*ROUND_PARAMS, "train_dir", "compare_rounds", "baseline_adapter"),
+        inputs=stage_inputs.VALIDATE,
         command="validate",
         help="Regression gate: candidate vs baseline on the held-out set.",
     ),
@@ -262,18 +258,20 @@ STAGES: tuple[Stage, ...] = (
         "40_ab_analysis.ipynb",
         "hermes_lab.ab.run",
         preload=POLICY_IMPORTS,
-        verdict=f"ab/{VERDICT_NAME}",
+        verdict=str(_IN_ROUND.ab.verdict),
         gates=("ab_decision",),
         stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live.round)
         params=_ab_params,
-        notebook_params=(*ROUND_PARAMS, "baseline", "candidate", "duration", "seed", "continue_from"),
+        inputs=stage_inputs.AB,
         command="ab-run",
         help="Run the staged A/B rollout and write ab_report.json.",
-        data_outputs=("ab/requests.jsonl", "ab/live_trajectories.jsonl"),  # simulated / live traffic
+        data_outputs=(str(_IN_ROUND.ab.requests), str(_IN_ROUND.ab.live_trajectories)),  # simulated / live traffic
         on_continue=True,
     ),
     # last, so that its table includes this round
-    Stage("compare", "50_round_compare.ipynb", "hermes_lab.round.compare", on_continue=True),
+    Stage(
+        "compare", "50_round_compare.ipynb", "hermes_lab.round.compare", on_continue=True, inputs=stage_inputs.COMPARE
+    ),
 )
 
 
