@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from hermes_lab.core import inputs as stage_inputs
 from hermes_lab.core.inputs import ROUND_INPUTS, Inputs
-from hermes_lab.core.verdict import (
 from hermes_lab.core.layout import RoundLayout, RunsLayout
 from hermes_lab.core.reports import RoundSummary
+from hermes_lab.core.verdict import (
     STOP_AUDIT,
     STOP_AWAITING_LIVE,
     STOP_AWAITING_REVIEW,
