@@ -42,6 +42,7 @@ from typing import Any
 
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.jsonl import write_json_atomic
+from hermes_lab.core.layout import PolicyLayout, RoundLayout, RunsLayout, round_name
 from hermes_lab.core.paths import PACKAGE_REPO
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
@@ -160,7 +161,9 @@ def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
         raise RoundError(str(e)) from None
     failure = None
     try:
-        run_notebook(notebook_path(stage), ctx.round_dir / Path(stage.notebook).name, params, preload=stage.preload)
+        run_notebook(
+            notebook_path(stage), RoundLayout(ctx.round_dir).notebook(stage.notebook), params, preload=stage.preload
+        )
     except RoundError as e:
         failure = e
     verdict = read_verdict(verdict_path) if verdict_path is not None else None
@@ -176,14 +179,14 @@ def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
 
 # --------------------------------------------------------------------------------------------- round
 def _round_dir(runs: Path, n: int) -> Path:
-    return runs / f"round-{n:02d}"
+    return RunsLayout(runs).round_dir(n)
 
 
 def _commit(state: FlywheelState, runs: Path, rd: Path, prog: dict[str, Any]) -> None:
     """The one write that changes a round's progress and the flywheel state together (atomic rename).
     progress.json is a copy for people and notebooks; nothing reads it back."""
     state.save(state_path(runs))
-    write_json_atomic(rd / "progress.json", prog)
+    write_json_atomic(RoundLayout(rd).progress, prog)
 
 
 def _check_deep(cfg: HermesConfig, runs: Path) -> list[str]:
@@ -285,7 +288,7 @@ def run_round(
                 "round.champion": state.champion_adapter or "base",
             }
             run_id = tracking.start_round_run(
-                f"round-{n:02d}", params | ({"round.continues": held["round"]} if held else {})
+                round_name(n), params | ({"round.continues": held["round"]} if held else {})
             )
             prog = {"round": n, "parent_run_id": run_id, "completed": [], "timings": {}, "status": "running"}
             prog["params"] = params_path
@@ -314,7 +317,7 @@ def run_round(
                 prog["status"] = "failed"
                 prog["timings"][stage.name] = round(time.time() - t0, 1)
                 _commit(state, runs, rd, prog)
-                tracking.log_failed_notebook(prog["parent_run_id"], rd / Path(stage.notebook).name)
+                tracking.log_failed_notebook(prog["parent_run_id"], RoundLayout(rd).notebook(stage.notebook))
                 raise
             prog["timings"][stage.name] = round(time.time() - t0, 1)
             if stop:
@@ -355,12 +358,12 @@ def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
     d = build_tiny_policy(cfg.round.runs_dir, cfg.model.seed)
     if not say:
         return
-    rep = _read(d / "build.json")
+    rep = _read(PolicyLayout(d).build)
     fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
     print(
         f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
         f"tasks {rep.get('pass_rate', 0):.1%} ({fams}), greedy {rep.get('greedy_pass_rate', 0):.0%}; "
-        f"report in {d / 'build.json'}",
+        f"report in {PolicyLayout(d).build}",
         flush=True,
     )
 
@@ -450,7 +453,7 @@ def live_status(runs: Path) -> dict[str, Any] | None:
     """The live flywheel's last status (``hermes_lab.round.supervisor`` writes it every second), with whether
     its process is still there; None when no live flywheel ran on these runs/."""
     try:
-        got = json.loads((runs / "live" / "flywheel" / "status.json").read_text(encoding="utf-8"))
+        got = json.loads(RunsLayout(runs).flywheel.status.read_text(encoding="utf-8"))
     except (FileNotFoundError, ValueError):
         return None
     pid = got.get("pid")
