@@ -25,10 +25,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from hermes_lab.core.layout import RunsLayout
 
 VALUE, PATH, PATHS, SPEC = "value", "path", "paths", "spec"  # Input.kind
 ROUND_PARAMS = ("config_path", "round_dir", "parent_run_id")  # every stage notebook takes these, first
+_RUNS = RunsLayout(Path("runs"))  # the defaults under the project's runs/ (core.layout names its files)
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ PREP = Inputs(
         Input(
             "state_path",
             str,
-            "runs/state.json",
+            _RUNS.state.as_posix(),
             "flywheel state (last training time, negative files); may be absent",
             PATH,
             flag="--state",
@@ -271,7 +275,7 @@ REVIEW = Inputs(
         Input(
             "labels_path",
             str,
-            "runs/review/labels.jsonl",
+            _RUNS.labels.as_posix(),
             "append-only label store written by notebooks/review.ipynb",
             PATH,
             flag="--labels",
@@ -497,7 +501,7 @@ REVIEW_APP = Inputs(
         Input(
             "store_path",
             str,
-            "runs/review/labels.jsonl",
+            _RUNS.labels.as_posix(),
             "append-only label store, shared by rounds and reviewers",
             PATH,
         ),
