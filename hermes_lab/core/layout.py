@@ -83,6 +83,7 @@ FILE_NAMES = (
     "selection_by_family.png",
     "conversations.png",
     "gate.json",
+    "agreement.png",
     "audit.json",
     "train_log.jsonl",
     "samples.jsonl",
@@ -180,6 +181,7 @@ class ReviewLayout(_Dir):
     """``round-NN/review/`` (review.gate)."""
 
     gate = property(lambda self: self.root / "gate.json")
+    agreement = property(lambda self: self.root / "agreement.png")  # notebooks/15_review_gate.ipynb's plot
     verdict = property(lambda self: self.root / VERDICT)
 
 
@@ -187,7 +189,7 @@ class ReviewLayout(_Dir):
 class AuditLayout(_Dir):
     """``round-NN/audit/`` (rewards.audit)."""
 
-    report = property(lambda self: self.root / "audit.json")
+    report = property(lambda self: self.root / "audit.json")  # every adversarial completion, what each reward paid
     verdict = property(lambda self: self.root / VERDICT)
 
 
@@ -199,9 +201,10 @@ class TrainLayout(_Dir):
     adapter = property(lambda self: self.root / "adapter")
     train_log = property(lambda self: self.root / "train_log.jsonl")
     samples = property(lambda self: self.root / "samples.jsonl")
-    eval = property(lambda self: self.root / "eval.json")
+    eval = property(lambda self: self.root / "eval.json")  # core.reports.EvalReport (agent: episode success)
+    # status, warnings; the tests reward's completions by kind, the judges' failures and fallbacks
     health = property(lambda self: self.root / "health.json")
-    run = property(lambda self: self.root / "run.json")
+    run = property(lambda self: self.root / "run.json")  # base model, adapter, steps, MLflow run; turns: the turn rows
     config = property(lambda self: self.root / "config.yaml")
     data_gain = property(lambda self: self.root / "data_gain.json")  # round.compare's
     trl = property(lambda self: self.root / "trl")  # TRL's output_dir: its checkpoint-N/ folders
@@ -233,6 +236,7 @@ class ExperimentLayout(_Dir):
     """A gateway's log dir, ``runs/live/<experiment>/`` (live.gateway, live.log, live.experiment, live.report),
     read by data.gateway; a simulated A/B's ``round-NN/ab/`` holds the same requests and report."""
 
+    # one record per turn: its conversation id, only its new messages, from in-process arms its tokens
     requests = property(lambda self: self.root / REQUESTS)
     tools = property(lambda self: self.root / TOOLS)
     feedback = property(lambda self: self.root / FEEDBACK)
@@ -266,6 +270,7 @@ class RoundLayout(_Dir):
 
     number = property(lambda self: round_number(self.root.name))
     trajectories = property(lambda self: self.root / "trajectories.jsonl")
+    # OpenAI chat conversations: execute.agent_tasks' episodes, or (live) the traffic's, per-turn tokens in meta.turns
     agent_episodes = property(lambda self: self.root / "agent_episodes.jsonl")
     summary = property(lambda self: self.root / _SUMMARY)
     progress = property(lambda self: self.root / "progress.json")
@@ -316,10 +321,10 @@ class PolicyLayout(_Dir):
 class RunsLayout(_Dir):
     """``runs/`` (``round.runs_dir``): the rounds, the live experiments and what every round shares."""
 
-    state = property(lambda self: self.root / _STATE)  # core.state's FlywheelState
-    mlflow_db = property(lambda self: self.root / "mlflow.db")
+    state = property(lambda self: self.root / _STATE)  # champion, cooldown, negatives, held A/B, progress
+    mlflow_db = property(lambda self: self.root / "mlflow.db")  # one parent run per round, one nested per stage
     mlartifacts = property(lambda self: self.root / "mlartifacts")
-    policies = property(lambda self: self.root / "policies")
+    policies = property(lambda self: self.root / "policies")  # copied from the machine cache when one was built
     labels = property(lambda self: self.root / "review" / "labels.jsonl")  # review.labels: every round's
     cache = property(lambda self: self.root / "cache")
     judge_cache = property(lambda self: self.cache / "judge.jsonl")

@@ -17,13 +17,13 @@ from typing import Any, ClassVar, TypeVar
 
 from hermes_lab.core.jsonl import write_json_atomic
 
-_T = TypeVar("_T", bound="_Report")
-_ABSENT = object()
+_T = TypeVar("_T", bound="JsonReport")
 
 
 @dataclass
-class _Report:
-    """Known keys as fields (in file order), the rest in ``extra``. A field left None whose key the file did
+class JsonReport:
+    """A JSON object file as a dataclass (these two and ``core.verdict.Verdict``): known keys as fields (in file
+    order), the rest in ``extra``. A field left None whose key the file did
     not have is not written (``_optional``), so an older file round-trips."""
 
     extra: dict[str, Any] = field(default_factory=dict, kw_only=True)
@@ -67,7 +67,7 @@ class _Report:
 
 
 @dataclass
-class EvalReport(_Report):
+class EvalReport(JsonReport):
     """``train/eval.json``: the held-out sampled pass rate before and after training (``policy.model.evaluate``
     results), the paired gain (``policy.model.paired_gain``), and with the embedded agent family its held-out
     episode success before and after (``agent``)."""
@@ -82,7 +82,7 @@ class EvalReport(_Report):
 
 
 @dataclass
-class RoundSummary(_Report):
+class RoundSummary(JsonReport):
     """``round-NN/summary.json``: the round's status, every gate, timings, the champion and the A/B outcome."""
 
     round: int | None = None

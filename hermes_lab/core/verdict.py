@@ -16,14 +16,14 @@ the bottom of the house, because every stage writes one and the registry that re
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.layout import VERDICT as VERDICT_NAME
+from hermes_lab.core.reports import JsonReport
 
 # the statuses a stage's verdict may stop a round with
 STOP_DATA = "skipped: data gate"
@@ -38,41 +38,18 @@ WAITING = (STOP_AWAITING_REVIEW, STOP_AWAITING_LIVE)  # the same round continues
 
 # ------------------------------------------------------------------------------------------ verdicts
 @dataclass
-class Verdict:
+class Verdict(JsonReport):
     """A stage's verdict.json. ``extra`` is what a stage adds (``candidate``, ``adapter``, ``eval``, ``plan``,
     ``mlflow_run_id``), written after the four keys in its order, so a file reads back to the same bytes."""
 
-    stage: str
-    gates: list[dict[str, Any]]
+    stage: str | None = None
+    gates: list[dict[str, Any]] | None = None
     stop: str | None = None
-    written_at: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    written_at: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "gates": self.gates,
-            "stop": self.stop,
-            "written_at": self.written_at,
-            **self.extra,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Verdict:
-        rest = {k: v for k, v in data.items() if k not in ("stage", "gates", "stop", "written_at")}
-        return cls(data.get("stage", ""), data.get("gates") or [], data.get("stop"), data.get("written_at", ""), rest)
-
-    def write(self, stage_dir: str | Path) -> Path:
+    def write(self, stage_dir: str | Path) -> Path:  # type: ignore[override]
+        """``<stage_dir>/verdict.json``, atomically."""
         return write_json_atomic(Path(stage_dir) / VERDICT_NAME, self.to_json())
-
-    @classmethod
-    def read(cls, path: str | Path) -> Verdict | None:
-        """A verdict, or None when the stage wrote none (or half of one: a killed writer)."""
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return cls.from_json(data) if isinstance(data, dict) else None
 
 
 def gate(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
@@ -83,7 +60,7 @@ def write_verdict(
     stage_dir: str | Path, stage_name: str, gates: list[dict[str, Any]], stop: str | None = None, **extra: Any
 ) -> Path:
     """Write ``<stage_dir>/verdict.json`` atomically (the round runner reads it back)."""
-    return Verdict(stage_name, gates, stop, datetime.now(timezone.utc).isoformat(), extra).write(stage_dir)
+    return Verdict(stage_name, gates, stop, datetime.now(timezone.utc).isoformat(), extra=extra).write(stage_dir)
 
 
 def read_verdict(path: str | Path) -> dict[str, Any] | None:
