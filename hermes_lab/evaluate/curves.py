@@ -175,7 +175,7 @@ def round_label(path_or_id: str | Path) -> str:
     if _RUN_ID.match(s) and not Path(s).exists():
         return s[:8]
     p = Path(s)
-    return p.parent.name if p.name == "train" else p.name
+    return p.parent.name if p == RoundLayout(p.parent).train.root else p.name
 
 
 def earlier_train_dirs(round_dir: str | Path) -> list[Path]:
