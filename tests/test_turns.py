@@ -137,6 +137,9 @@ def test_turn_level_grpo_on_a_hermes_trajectory_file_trains_and_logs(tmp_path, m
             "grpo.max_completion_length": 48,
             "grpo.turn_completion_length": 0,  # the turns' completions: max_completion_length
             "grpo.max_steps": 2,
+            # the episode phase that follows a conversations-only training (grpo.environment, embedded.yaml's 20
+            # steps) once: that it runs after the turns is what is tested here, not what it learns
+            "grpo.episode_steps": 1,
             "grpo.per_device_batch_size": 2,
             "grpo.group_size": 4,
             "round.runs_dir": str(ROOT / "runs"),
@@ -144,6 +147,7 @@ def test_turn_level_grpo_on_a_hermes_trajectory_file_trains_and_logs(tmp_path, m
     )
     res = grpo.train(cfg, data, tmp_path / "train", evaluate_heldout=False)
     assert res.steps == 2 and (res.adapter_dir / "adapter_config.json").is_file()
+    assert res.episodes["steps"] == 1  # then the episode phase, from the turns' adapter
     log = [json.loads(x) for x in (tmp_path / "train" / "train_log.jsonl").read_text().splitlines()]
     steps = [x for x in log if "loss" in x]
     assert len(steps) == 2
