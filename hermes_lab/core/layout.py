@@ -10,13 +10,13 @@ nowhere (tests/test_layout.py fails on a round file's literal name anywhere else
       review/labels.jsonl                  .labels (review.labels' store, every round's)
       cache/judge.jsonl  cache/champion-vN .judge_cache, .champion_cache(n)
       round-NN/                            .round(n) -> RoundLayout
-        trajectories.jsonl                 .trajectories (data.execute; data.gateway when live)
+        trajectories.jsonl                 .trajectories (data.execute; data.gateway when live: its join in live/)
         agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
         NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
         prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
                                            conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
                                            summary.json selection.json left_out.jsonl plots/ verdict.json
-        review/                            .review -> ReviewLayout: gate.json verdict.json
+        review/                            .review -> ReviewLayout: gate.json agreement.png verdict.json
         audit/                             .audit -> AuditLayout: audit.json verdict.json
         train/                             .train -> TrainLayout: adapter/ train_log.jsonl samples.jsonl
                                            eval.json health.json run.json config.yaml data_gain.json
@@ -38,9 +38,12 @@ The shapes of three of these files are dataclasses: ``core.verdict.Verdict`` (a 
 Names that are not the round's stay where they are used: third-party formats (HF / PEFT's
 ``adapter_config.json``, ``tokenizer_config.json``, ``config.json``, ``trainer_state.json`` and TRL's
 ``checkpoint-N/``), a Hermes Agent's own files (``data.hermes_store``), JupyterLab's settings
-(``cli.lab``), temporary files, and the stage's notebook names (``round.stages.STAGES``, whose executed copy
-``RoundLayout.notebook`` places). The stage names ("train", "prep") that MLflow metrics and verdicts carry
-are the stages' (``round.stages``), not folder names.
+(``cli.lab``), temporary files, MLflow artifact paths, and the stage's notebook names (``round.stages.STAGES``,
+whose executed copy ``RoundLayout.notebook`` places). The stage names ("train", "prep") that MLflow metrics and
+verdicts carry are the stages' (``round.stages``), not folder names. One exception: ``policy/model.py`` names
+its ``policies/`` and ``build.json`` itself (``PolicyLayout`` for everyone else), because its source is hashed
+into the tiny policy's build recipe and an edit there rebuilds the policy on every machine. The notebooks'
+code cells use these objects too; their parameters cells keep plain defaults (``core.inputs``).
 """
 
 from __future__ import annotations
