@@ -160,10 +160,9 @@ def run_stage(stage: Stage, ctx: RoundContext) -> str | None:
     except ValueError as e:
         raise RoundError(str(e)) from None
     failure = None
+    preload = stage.preload if stage.live_preload or ctx.cfg.ab.mode != "live" else ()
     try:
-        run_notebook(
-            notebook_path(stage), RoundLayout(ctx.round_dir).notebook(stage.notebook), params, preload=stage.preload
-        )
+        run_notebook(notebook_path(stage), RoundLayout(ctx.round_dir).notebook(stage.notebook), params, preload=preload)
     except RoundError as e:
         failure = e
     verdict = read_verdict(verdict_path) if verdict_path is not None else None

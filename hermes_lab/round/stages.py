@@ -107,6 +107,7 @@ class Stage:
     consumes_negatives: bool = False  # completing it has used state.negative_files
     on_continue: bool = False  # runs in a round that continues a held A/B (round.on_held: continue); others skip
     preload: tuple[str, ...] = ()  # heavy modules its kernel imports, imported once for the round's kernels
+    live_preload: bool = True  # ab.mode live: its kernel still imports them (the live A/B reads logs only)
 
 
 # -------------------------------------------------------------------------------- parameter builders
@@ -257,7 +258,8 @@ STAGES: tuple[Stage, ...] = (
         "ab",
         "40_ab_analysis.ipynb",
         "hermes_lab.ab.run",
-        preload=POLICY_IMPORTS,
+        preload=POLICY_IMPORTS,  # the simulated A/B generates with both policies
+        live_preload=False,  # the live one reads the gateway's log: a live round's deciding worker imports no torch
         verdict=str(_IN_ROUND.ab.verdict),
         gates=("ab_decision",),
         stops=(STOP_AWAITING_LIVE,),  # ab.mode live (hermes_lab.live.round)
