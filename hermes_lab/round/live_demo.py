@@ -148,9 +148,9 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
         if r.get("agent"):
             say(f"    agent family: {describe_agent(r['agent'])}")
     series = champion_series(runs, done, cfg.reward.success_threshold)
-    rise = len(series) > len(done) and all(b > a for (_, a), (_, b) in itertools.pairwise(series))
+    rise = len(series) > len(done) and all(b[1] > a[1] for a, b in itertools.pairwise(series))
     if series:
-        line = " -> ".join(f"{v:.1%} ({who})" for who, v in series)
+        line = " -> ".join(f"{v:.1%} ({who}, {n} conversations)" for who, v, n in series)
         say(f"  the champion's live agent success per conversation: {line}{'' if rise else ' (not rising)'}")
     say(
         f"  the agent: {answered} conversations answered ({sent} requests), {failed} failed; "
@@ -195,21 +195,33 @@ def trained_on(runs: Path, n: int) -> tuple[str, int]:
     return line, logged
 
 
-def champion_series(runs: Path, done: list[dict[str, Any]], threshold: float) -> list[tuple[str, float]]:
-    """The champion's live agent success: the base on the first traffic (collect-01), then after each decided
-    round the arm that stayed (the candidate when promoted, else the baseline) in that round's experiment."""
+def champion_series(runs: Path, done: list[dict[str, Any]], threshold: float) -> list[tuple[str, float, int]]:
+    """The champion's live agent success per conversation: the base, then the champion after each decided round
+    (its candidate when promoted, else the champion it kept), each policy over every agent conversation it answered
+    live: the base on the first traffic (collect-01) and as a baseline; a round's candidate in its own experiment
+    and, once promoted, as the next experiment's baseline. One experiment's arm is ~50-140 conversations (+-5-7
+    points); pooled, a policy's figure is not one experiment's luck. Rows: (who, success, conversations)."""
     from hermes_lab.live.log import agent_success
 
-    out = []
-    first = agent_success(RunsLayout(runs).collect(1).root, threshold)["baseline"]
-    if first["n"]:
-        out.append(("base, collect-01", first["success"]))
+    tally: dict[str, list[int]] = {}
+
+    def add(who: str, arm: dict[str, Any] | None) -> None:
+        if arm and arm.get("n"):
+            t = tally.setdefault(who, [0, 0])
+            t[0] += round(arm["success"] * arm["n"])
+            t[1] += arm["n"]
+
+    champ = "the base"
+    add(champ, agent_success(RunsLayout(runs).collect(1).root, threshold)["baseline"])
+    order = [champ]
     for r in done:
         live = (r.get("agent") or {}).get("live") or {}
-        arm = "candidate" if str(r.get("status", "")).startswith("promoted") else "baseline"
-        if (live.get(arm) or {}).get("n"):
-            out.append((f"round {r['round']:02d} {arm}", live[arm]["success"]))
-    return out
+        add(champ, live.get("baseline"))
+        add(f"round {r['round']:02d}", live.get("candidate"))
+        if str(r.get("status", "")).startswith("promoted"):
+            champ = f"round {r['round']:02d}"
+        order.append(champ)
+    return [(who, tally[who][0] / tally[who][1], tally[who][1]) for who in order if who in tally]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
