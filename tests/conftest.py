@@ -26,9 +26,17 @@ def pytest_configure(config):
 # --no-loadscope-reorder: each file's module and session fixtures built once, and xdist's own reorder, by
 # number of tests, off), the files not listed after them. Longest first is what keeps every core busy to the
 # end: a 20-second file handed out last leaves the other core idle for most of it.
+# Two short files break the order on purpose. An xdist worker starts a test only once it holds the next one
+# (that test's teardown needs it), so the worker that takes the live flywheel's file, one test of minutes,
+# takes the next file in the queue with it and runs it only after the flywheel. The file second in this list
+# is that partner on a fresh machine (the files that need no policy first, then the flywheel's), the file
+# fourth is it when the policy is built (make test's 3 workers on 2 cores take the first three at once): a
+# short file each, not test_train's minutes queued behind the flywheel's while another worker idles.
 LONGEST_FIRST = (
     "test_live_flywheel.py",
+    "test_policy.py",  # the flywheel's partner on a fresh machine (above)
     "test_train.py",
+    "test_execute.py",  # the flywheel's partner once the policy is built (above)
     "test_round.py",
     "test_validate.py",
     "test_stages.py",
@@ -39,10 +47,9 @@ LONGEST_FIRST = (
     "test_served_agent.py",
     "test_live_rollout.py",
     "test_browser.py",
-    "test_paths.py",
-    "test_policy.py",
     "test_quiet.py",
-    "test_execute.py",
+    "test_paths.py",
+    "test_humaneval.py",
     "test_sandbox_escapes.py",
     "test_sandbox_fusion.py",
     "test_sandbox.py",
