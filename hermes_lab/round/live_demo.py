@@ -23,7 +23,7 @@ What happens, a line at each transition (the supervisor's ``[live ...]`` lines, 
 Then the traffic stops, and the supervisor closes its gateway once it has paused (so no request of the agent is
 refused at the end). At the end it checks what the demo is for: the gateway's pid and address never changed, no
 request failed, and prints the champion's live agent success round after round.
-The clock: x360 (``--time-scale``): the 50% stage of 3 h takes 30 s (up to 60 s extended), the 1 h cooldown 10 s.
+The clock: x360 (``--time-scale``): the 50% stage of 3 h takes 30 s (up to 120 s extended), the 1 h cooldown 10 s.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from hermes_lab.round.live_rounds import describe_agent
 DEMO_KEYS: dict[str, dict[str, Any]] = {
     "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
     "data": {"min_samples": 300, "cooldown_hours": 1},  # 300 conversations; the cooldown shown, not waited out
-    # one tested stage at 50% (3 h = 30 s at x360, up to 60 s extended), then 100%: the A/B counts conversations,
-    # ~400 in a planned stage at the ~13 a wall second the agent gets answered (0.035 an experiment second:
-    # request_rate, where the confidence sequence is tightest). A second round is ~+0.5-0.7 on the 5 scale: at 2 h
-    # and ~7 conversations a second it was held undecided at its hard end
-    "ab": {"request_rate": 0.035, "stages": [[0.5, 10800], [1.0, 0]]},
+    # one tested stage at 50% (3 h = 30 s at x360, extended up to 9 h more: ab.max_extension 3), then 100%: the A/B
+    # counts conversations, ~400 in a planned stage at the ~13 a wall second the agent gets answered (0.035 an
+    # experiment second: request_rate, where the confidence sequence is tightest). A first round is ~+1 on the 5
+    # scale and decided at 3 h; a second one ~+0.35-0.7, and at +0.35 still undecided at 6 h ([-0.05, +0.77])
+    "ab": {"request_rate": 0.035, "stages": [[0.5, 10800], [1.0, 0]], "max_extension": 3.0},
     # the demo's training: the string tasks as a round trains them, the turn and episode phases shorter (they take
     # most of a round's time: 8 turn steps 31 s, 20 episode steps 70 s of a 181 s train stage)
     "grpo": {"turn_steps": 4, "episode_steps": 10},
