@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 from hermes_lab.core.layout import RunsLayout
-from hermes_lab.round.live_rounds import describe_agent
+from hermes_lab.round.live_rounds import describe_agent, read_json_or_empty
 
 DEMO_KEYS: dict[str, dict[str, Any]] = {
     "round": {"runs_dir": "runs/live-demo"},  # the demo's own runs/: nothing else is touched
@@ -108,7 +108,9 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
             h = get(url + "/healthz")
             if h is None:
                 if pid is not None:
-                    st = read_status(runs)  # closed while the agent paused between batches: its rounds were done
+                    st = read_json_or_empty(
+                        RunsLayout(runs).flywheel.status
+                    )  # closed while the agent paused between batches: its rounds were done
                     if st.get("phase") == "stopped" or len(st.get("rounds") or []) >= rounds:
                         break
                     raise SystemExit(f"live-demo: the gateway at {url} stopped answering while the demo sent traffic")
@@ -174,14 +176,6 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
         say("FAILED: " + "; ".join(problems))
     ok = not problems
     return 0 if ok else 1
-
-
-def read_status(runs: Path) -> dict[str, Any]:
-    """The supervisor's status.json (its phase, the rounds done), {} while it has none."""
-    try:
-        return json.loads(RunsLayout(runs).flywheel.status.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return {}
 
 
 def trained_on(runs: Path, n: int) -> tuple[str, int]:
