@@ -108,9 +108,8 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
             h = get(url + "/healthz")
             if h is None:
                 if pid is not None:
-                    st = read_json_or_empty(
-                        RunsLayout(runs).flywheel.status
-                    )  # closed while the agent paused between batches: its rounds were done
+                    # closed while the agent paused between batches: fine once its rounds were done
+                    st = read_json_or_empty(RunsLayout(runs).flywheel.status)
                     if st.get("phase") == "stopped" or len(st.get("rounds") or []) >= rounds:
                         break
                     raise SystemExit(f"live-demo: the gateway at {url} stopped answering while the demo sent traffic")
