@@ -105,7 +105,7 @@ class ServeSection:
     mlflow_traces: bool = _f(
         False, "Also write each request as an MLflow trace and each feedback as an assessment (off the request path)."
     )
-    access_log: bool = _f(False, "uvicorn's access log (one line per request; never headers or bodies).")
+    access_log: bool = _f(False, "The gateway's access log on stdout (one line per request; never headers or bodies).")
     rollout: bool = _f(
         True,
         "Run the staged rollout live: the stages of ab.stages on the wall clock, a look every ab.look_every, "

@@ -114,6 +114,7 @@ class Gateway(Routes, ChatHandling, RequestRecords):
         self.rollout = X.LiveRollout(cfg, self.state, self.log_dir, self.tally, say)
         self.clock = self.rollout.clock
         self._looks: asyncio.Task | None = None
+        self._warm: asyncio.Future | None = None
         self.rejected = 0
         self.req_log = self.fb_log = self.tools_log = None
         self.traces: Any = None

@@ -123,6 +123,10 @@ class ChatHandling:
             if not msg.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def refuse(self, status: int, message: str, code: str = "body_too_large") -> Response:
+        """An error answer the server gives before the handling (a body over serve.max_body_bytes), counted."""
+        return self._refuse(_Refused(status, message, code))
+
     def _refuse(self, e: _Refused, rid: str | None = None) -> Response:
         self.rejected += 1
         extra = [(b"x-request-id", rid.encode())] if rid else []

@@ -35,7 +35,9 @@ class Routes:
         return await self._read(dict(request.scope["headers"]), request.receive)
 
     async def healthz(self, request: Request) -> Response:
-        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name, "pid": os.getpid()}), 200, [])
+        # warm: the decision's scipy / statsmodels imports done (a thread after start; until then it shares the GIL)
+        warm = self._warm is not None and self._warm.done()
+        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name, "pid": os.getpid(), "warm": warm}), 200, [])
 
     async def models(self, request: Request) -> Response:
         try:

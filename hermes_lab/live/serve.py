@@ -1,7 +1,7 @@
 """The command line of the live gateway: ``hermes-lab serve`` (``python -m hermes_lab.live.serve``).
 
 Stage: validate (live A/B). Builds the ``hermes_lab.live.gateway.Gateway`` from the config and the arm flags, binds
-the socket and runs uvicorn; ``--report DIR`` instead writes the live report of a log dir
+the socket and serves it (``hermes_lab.live.server``); ``--report DIR`` instead writes the live report of a log dir
 (``hermes_lab.live.report``) and exits. Reads and writes what the gateway does (``runs/live/<experiment>/``).
 
     hermes-lab serve --params params/embedded.yaml --time-scale 120     # a 10% -> 30% -> 100% rollout in minutes
@@ -18,6 +18,7 @@ import sys
 
 from hermes_lab.config.schema import HermesConfig, load_config, set_overrides
 from hermes_lab.live import log as L
+from hermes_lab.live import server
 from hermes_lab.live.arms import ARMS, resolve_arm
 from hermes_lab.live.gateway import Gateway, log
 from hermes_lab.live.routes import build_app
@@ -80,7 +81,7 @@ def make_gateway(args: argparse.Namespace) -> Gateway:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The gateway's listening socket, bound before uvicorn starts (port 0: the port it got is printed);
+    """The gateway's listening socket, bound before the server starts (port 0: the port it got is printed);
     SO_REUSEADDR: a gateway restarted right after a stop (or a kill -9) gets its address back at once."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -89,8 +90,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    import uvicorn
-
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -129,17 +128,7 @@ def run_cli(args: argparse.Namespace) -> int:
         f"  {rollout_line(gw)}",
         flush=True,
     )
-    config = uvicorn.Config(
-        build_app(gw),
-        log_level="debug" if args.debug else "warning",
-        access_log=s.access_log,
-        server_header=False,
-        date_header=False,
-        proxy_headers=False,
-        ws="none",  # X-Forwarded-* rewriting: not needed on 127.0.0.1, and it costs per request
-        timeout_keep_alive=75,
-    )
-    uvicorn.Server(config).run(sockets=[sock])
+    server.run(sock, gw, build_app(gw), access_log=s.access_log)
     return 0
 
 

@@ -1,0 +1,410 @@
+"""The gateway's HTTP/1.1 server: ``hermes-lab serve`` on a bound socket, without uvicorn on the hot path.
+
+Stage: validate (live A/B). Reads and writes nothing itself: it parses requests (httptools: llhttp, the parser
+uvicorn uses) and hands ``POST /v1/chat/completions`` straight to the gateway's ``chat`` (``hermes_lab.live.handling``),
+its answer written as one buffer (``_Raw``) or as chunked SSE pieces (``_Events``); every other request goes to the
+gateway's ASGI app (``hermes_lab.live.routes.build_app``: Starlette's router) through a minimal ASGI bridge. The
+gateway's start and stop are called around serving (what the ASGI lifespan did under uvicorn).
+
+    hermes-lab serve --params params/embedded.yaml      # python -m hermes_lab.live.serve
+
+Why not uvicorn: on the hot path it cost a scope dict, a request-response cycle object, header checks by regular
+expression and one ``send`` message per response part (benchmarks/bench_gateway.py --profile); here a request is
+a dict of lower-cased headers and its body, an answer one ``transport.write``. HTTP/1.1 as clients use it:
+keep-alive (closed after ``KEEP_ALIVE_S`` idle), pipelined requests answered in order, ``Expect: 100-continue``,
+chunked request bodies, a body over ``max_body`` refused with 413 before it is read, a malformed request a 400.
+SIGTERM / SIGINT: stop accepting, close idle connections, let requests in flight finish (``GRACE_S`` at most),
+then stop the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+
+from hermes_lab.live.handling import _Events, _Last, _Raw, error_body
+
+log = logging.getLogger("hermes_lab.serve")
+access = logging.getLogger("hermes_lab.serve.access")
+KEEP_ALIVE_S = 75.0  # an idle kept-alive connection is closed after this (uvicorn's setting before)
+GRACE_S = 30.0  # requests still in flight this long after SIGTERM are cut
+HIGH_WATER = 64 * 1024  # a stream waits for a slow client once this much is unsent
+CHAT = b"/v1/chat/completions"
+_REASONS = {
+    200: b"OK",
+    202: b"Accepted",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    413: b"Payload Too Large",
+    422: b"Unprocessable Entity",
+    429: b"Too Many Requests",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
+
+
+def head(status: int, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
+    """A response's status line and headers (names and values are the gateway's own: no checks needed)."""
+    lines = [status_line(status)]
+    lines += [b"%s: %s\r\n" % hv for hv in headers]
+    if close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+class Request:
+    """One parsed request: method, URL, headers (a dict, last one wins, and the raw list for ASGI) and body."""
+
+    __slots__ = ("body", "hdr", "headers", "keep_alive", "method", "too_big", "url")
+
+    def __init__(self) -> None:
+        self.method, self.url, self.keep_alive, self.too_big = b"", b"", True, False
+        self.hdr: dict[bytes, bytes] = {}
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: httptools parses, complete requests are answered one at a time, in order."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: Any = None
+        self.req: Request | None = None
+        self.size = 0
+        self.queue: deque[Request] = deque()
+        self.task: asyncio.Task | None = None
+        self.gone: asyncio.Future | None = None  # set when the client goes away
+        self.paused = False  # our writes: the transport's buffer is over its high water mark
+        self.drained: asyncio.Future | None = None
+        self.idle_since = time.monotonic()
+        self.streaming = False
+
+    # the transport's side
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # an answer goes out at once, not after the client's delayed ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.gone = asyncio.get_running_loop().create_future()
+        self.server.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.conns.discard(self)
+        if self.gone is not None and not self.gone.done():
+            self.gone.set_result(None)
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        if self.task is not None and self.streaming:  # a stream's client left: stop it (its record says 499)
+            self.task.cancel()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, "protocol upgrades are not served", "bad_request")
+        except httptools.HttpParserError as e:
+            self._fail(400, f"malformed HTTP request: {e}", "bad_request")
+
+    # the parser's callbacks
+    def on_message_begin(self) -> None:
+        self.req, self.size = Request(), 0
+
+    def on_url(self, url: bytes) -> None:
+        if self.req is not None:
+            self.req.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.req is not None:
+            name = name.lower()
+            self.req.hdr[name] = value
+            self.req.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        req = self.req
+        if req is None:
+            return
+        req.method = self.parser.get_method()
+        req.keep_alive = self.parser.should_keep_alive()
+        cl = req.hdr.get(b"content-length", b"")
+        req.too_big = cl.isdigit() and int(cl) > self.server.max_body
+        if req.hdr.get(b"expect", b"").lower() == b"100-continue":
+            if req.too_big:  # the client waits for this answer before it sends the body
+                self._fail(413, f"request body over {self.server.max_body} bytes (serve.max_body_bytes)")
+            elif not self.queue and self.task is None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        req = self.req
+        if req is None or req.too_big:  # an oversized body is read and dropped; its answer is a 413
+            return
+        self.size += len(body)
+        if self.size > self.server.max_body:
+            req.too_big, req.body = True, []
+            return
+        req.body.append(body)
+
+    def on_message_complete(self) -> None:
+        req, self.req = self.req, None
+        if req is None or self.transport.is_closing():
+            return
+        self.queue.append(req)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._answer_all())
+        elif len(self.queue) > 1:  # pipelined beyond one: read no more until they are answered
+            self.transport.pause_reading()
+
+    def _fail(self, status: int, message: str, code: str = "body_too_large") -> None:
+        """A request that cannot be read on: its error, then the connection closed (its rest is unread)."""
+        if not self.transport.is_closing():
+            body = error_body(message, code=code)
+            hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+            if self.task is None:  # else the answer in progress owns the socket: just close after it
+                self.transport.write(head(status, hdrs, True) + body)
+            self.transport.close()
+        self.req = None
+
+    # answering
+    async def _answer_all(self) -> None:
+        try:
+            while self.queue:
+                req = self.queue.popleft()
+                keep = await self._answer(req) and req.keep_alive and not self.server.stopping
+                if not keep:
+                    self.transport.close()
+                    return
+                if self.transport.is_closing():
+                    return
+                self.transport.resume_reading()
+        finally:
+            self.task = None
+            self.idle_since = time.monotonic()
+
+    async def _answer(self, req: Request) -> bool:
+        """Answer one request; False: the connection cannot carry another (an answer cut short)."""
+        srv, out = self.server, None
+        srv.inflight += 1
+        t, status = time.perf_counter(), 500
+        try:
+            if req.too_big:
+                resp = srv.refuse(413, f"request body over {srv.max_body} bytes (serve.max_body_bytes)")
+            elif req.method == b"POST" and req.url == CHAT:
+                body = req.body[0] if len(req.body) == 1 else b"".join(req.body)
+                resp = await srv.chat(req.hdr, _Receive(body, self.gone))
+            else:
+                resp = srv.app
+            if type(resp) is _Raw:
+                status = resp.status_code
+                if not self.transport.is_closing():
+                    self.transport.write(head(status, resp.raw_headers, not req.keep_alive) + resp.body)
+                return True
+            if type(resp) is _Events:
+                status = 200
+                return await self._stream(resp, req.keep_alive)
+            out = _Send(self, req.keep_alive)  # any other answer, or another route: ASGI
+            await resp(self._scope(req), _Receive(b"".join(req.body), self.gone), out)
+            status = out.status
+            return out.done
+        except asyncio.CancelledError:
+            if self.transport.is_closing():  # the client left mid-answer: nothing more to do
+                status = 499
+                return False
+            raise
+        except Exception:
+            log.exception("request failed: %s %s", req.method.decode(), req.url.decode("latin-1"))
+            if (out is None or not out.status) and not self.transport.is_closing():
+                body = error_body("the gateway failed on this request (see its log)", "server_error", "internal")
+                hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                self.transport.write(head(500, hdrs, True) + body)
+            return False
+        finally:
+            srv.inflight -= 1
+            if srv.access:
+                ms = (time.perf_counter() - t) * 1000
+                access.info('"%s %s" %d %.1f ms', req.method.decode(), req.url.decode("latin-1"), status, ms)
+
+    async def _drain(self) -> None:
+        if self.paused and not self.transport.is_closing():
+            self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+
+    async def _stream(self, resp: _Events, keep_alive: bool) -> bool:
+        """An SSE answer as HTTP chunks: each upstream piece one chunk, the last one with the end."""
+        write = self.transport.write
+        hdrs = [*resp.raw_headers, (b"transfer-encoding", b"chunked")]
+        write(head(200, hdrs, not keep_alive))
+        self.streaming = True
+        try:
+            async for piece in resp.body:
+                if self.transport.is_closing():
+                    raise asyncio.CancelledError
+                if piece:
+                    write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                if type(piece) is _Last:
+                    break
+                await self._drain()
+            write(b"0\r\n\r\n")
+            return True
+        finally:
+            self.streaming = False
+            await resp.body.aclose()  # a generator left mid-way records what its client got
+
+    def _scope(self, req: Request) -> dict[str, Any]:
+        path, _, query = req.url.partition(b"?")
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": req.method.decode(),
+            "scheme": "http",
+            "path": unquote(path.decode("latin-1")),
+            "raw_path": path,
+            "query_string": query,
+            "root_path": "",
+            "headers": req.headers,
+            "server": self.server.address,
+            "client": self.transport.get_extra_info("peername"),
+        }
+
+
+class _Receive:
+    """ASGI receive: the body whole, then ``http.disconnect`` once the client goes away."""
+
+    __slots__ = ("body", "gone")
+
+    def __init__(self, body: bytes, gone: asyncio.Future | None):
+        self.body, self.gone = body, gone
+
+    async def __call__(self) -> dict[str, Any]:
+        if self.body is not None:
+            body, self.body = self.body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        if self.gone is not None:
+            await asyncio.shield(self.gone)
+        return {"type": "http.disconnect"}
+
+
+class _Send:
+    """ASGI send onto the connection: a response with a content-length as is, else chunked."""
+
+    def __init__(self, conn: Connection, keep_alive: bool):
+        self.conn, self.keep_alive = conn, keep_alive
+        self.chunked = self.done = False
+        self.status = 0
+
+    async def __call__(self, msg: dict[str, Any]) -> None:
+        t = self.conn.transport
+        if t.is_closing():
+            return
+        if msg["type"] == "http.response.start":
+            self.status = msg["status"]
+            hdrs = [(bytes(k).lower(), bytes(v)) for k, v in msg.get("headers", [])]
+            self.chunked = not any(k == b"content-length" for k, _ in hdrs)
+            if self.chunked:
+                hdrs.append((b"transfer-encoding", b"chunked"))
+            t.write(head(msg["status"], hdrs, not self.keep_alive))
+        elif msg["type"] == "http.response.body" and not self.done:
+            body, more = msg.get("body", b""), msg.get("more_body", False)
+            if self.chunked:
+                t.write((b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + (b"" if more else b"0\r\n\r\n"))
+            elif body:
+                t.write(body)
+            self.done = not more
+            await self.conn._drain()
+
+
+class Server:
+    """The listening socket's connections, the gateway's chat handler and ASGI app, and an orderly stop."""
+
+    def __init__(self, app: Any, chat: Any, refuse: Any, max_body: int, access_log: bool = False):
+        """``chat(headers, receive)``: the chat endpoint's answer; ``refuse(status, message)``: an error answer
+        (the gateway's, which counts it)."""
+        self.app, self.chat, self.refuse, self.max_body, self.access = app, chat, refuse, max_body, access_log
+        self.conns: set[Connection] = set()
+        self.inflight = 0
+        self.stopping = False
+        self.address: tuple[str, int] | None = None
+
+    async def serve(self, sock: socket.socket, startup: Any, shutdown: Any) -> None:
+        loop = asyncio.get_running_loop()
+        await startup()
+        stop = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        self.address = sock.getsockname()[:2]
+        server = await loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
+        sweeper = asyncio.ensure_future(self._sweep())
+        try:
+            await stop
+        finally:
+            self.stopping = True
+            server.close()
+            sweeper.cancel()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < GRACE_S:
+                for c in list(self.conns):
+                    if c.task is None:
+                        c.transport.close()
+                if not self.inflight:
+                    break
+                await asyncio.sleep(0.05)
+            for c in list(self.conns):
+                c.transport.close()
+            await shutdown()
+
+    async def _sweep(self) -> None:
+        """Close kept-alive connections idle longer than KEEP_ALIVE_S (one pass every few seconds, not a timer
+        per request)."""
+        while True:
+            await asyncio.sleep(min(5.0, KEEP_ALIVE_S / 2))
+            limit = time.monotonic() - KEEP_ALIVE_S
+            for c in list(self.conns):
+                if c.task is None and not c.queue and c.idle_since < limit:
+                    c.transport.close()
+
+
+def run(sock: socket.socket, gw: Any, app: Any, access_log: bool = False) -> None:
+    """Serve gateway ``gw`` (its ASGI ``app`` for the routes but chat) on ``sock`` until SIGTERM / SIGINT, on
+    uvloop's event loop where it is installed."""
+    try:
+        import uvloop
+
+        factory: Any = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        factory = None
+    if access_log:  # serve.access_log: one line per request on stdout (never headers or bodies)
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+    srv = Server(app, gw.chat, gw.refuse, gw.max_body, access_log)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(srv.serve(sock, gw.startup, gw.shutdown))

@@ -1,0 +1,252 @@
+"""The gateway's HTTP/1.1 server (hermes_lab.live.server) as clients use it: a real `hermes-lab serve` subprocess
+on 127.0.0.1 with both arms on the fake OpenAI upstream, driven by raw sockets, http.client and curl.
+
+Keep-alive, pipelining in order, Expect: 100-continue, chunked request bodies, 413 before a large body is read
+(the connection still usable after it), malformed requests, HTTP/1.0, SSE as chunks, and a SIGTERM that lets a
+request in flight finish.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port  # noqa: E402
+
+MAX_BODY = 4096
+CHAT = {"model": "hermes", "messages": [{"role": "user", "content": "hello"}]}
+
+
+class Served:
+    def __init__(self, tmp: Path, upstream: str):
+        self.port, self.log_dir = free_port(), tmp / "log"
+        env = {k: v for k, v in os.environ.items() if k not in PROXY_ENV_VARS}
+        env.update(PYTHONPATH=str(REPO), MLFLOW_DISABLE_TELEMETRY="true")
+        cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(self.port), "--log-dir", str(self.log_dir)]
+        cmd += ["--baseline", upstream, "--baseline-model", "m", "--candidate", upstream, "--candidate-model", "m"]
+        cmd += ["--ratio", "0.5", "--set", f"serve.max_body_bytes={MAX_BODY}", "--set", "serve.rollout=false"]
+        cmd += ["--set", f"round.runs_dir={tmp / 'runs'}"]
+        self.out = tmp / "gateway.out"
+        self.proc = subprocess.Popen(cmd, stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            assert self.proc.poll() is None, self.out.read_text()
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(self.out.read_text())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def sock(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        return s
+
+    def records(self) -> list[dict]:
+        p = self.log_dir / "requests.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    s = FakeOpenAI(models=("m",)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def served(upstream, tmp_path_factory):
+    srv = Served(tmp_path_factory.mktemp("served"), upstream.url)
+    yield srv
+    srv.proc.terminate()
+    srv.proc.wait(60)
+
+
+def post(path: str, body: bytes, extra: str = "", version: str = "1.1") -> bytes:
+    return (
+        f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def read_response(f) -> tuple[int, dict[str, str], bytes]:
+    """One response from a socket file: status, headers, body (content-length or chunked)."""
+    status = int(f.readline().split()[1])
+    hdrs = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        hdrs[k.strip().lower()] = v.strip()
+    if "content-length" in hdrs:
+        return status, hdrs, f.read(int(hdrs["content-length"]))
+    body = b""
+    while size := int(f.readline().strip(), 16):
+        body += f.read(size)
+        f.readline()
+    f.readline()
+    return status, hdrs, body
+
+
+def test_keep_alive_and_pipelined_requests_answered_in_order(served):
+    c = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    first = None
+    for i in range(3):  # one connection, three requests
+        c.request("POST", "/v1/chat/completions", json.dumps(CHAT), {"X-Request-ID": f"ka-{i}"})
+        r = c.getresponse()
+        assert r.status == 200 and r.getheader("x-request-id") == f"ka-{i}" and r.getheader("x-hermes-arm")
+        assert json.loads(r.read())["choices"][0]["message"]["content"]
+        first = first or c.sock
+        assert c.sock is first  # the same socket: kept alive
+    c.close()
+    # pipelined: three requests in one write (the middle one a GET of another route), answers in their order
+    body = json.dumps(CHAT).encode()
+    s = served.sock()
+    s.sendall(
+        post("/v1/chat/completions", body, "X-Request-ID: p-1\r\n")
+        + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        + post("/v1/chat/completions", body, "X-Request-ID: p-2\r\n")
+    )
+    f = s.makefile("rb")
+    got = [read_response(f) for _ in range(3)]
+    assert [g[0] for g in got] == [200, 200, 200]
+    assert got[0][1]["x-request-id"] == "p-1" and got[2][1]["x-request-id"] == "p-2"
+    assert json.loads(got[1][2])["status"] == "ok"
+    s.close()
+
+
+def test_expect_continue_chunked_bodies_and_413(served):
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+    # curl waits for the 100 before it sends the body (it asks by itself for large bodies: over 1 MB in curl 8)
+    out = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-v",
+            "--noproxy",
+            "*",
+            "-H",
+            "Content-Type: application/json",
+            "-H",
+            "Expect: 100-continue",
+            "--data-binary",
+            "@-",
+            served.url + "/v1/chat/completions",
+        ],
+        input=body,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    assert b"< HTTP/1.1 100 Continue" in out.stderr and b"< HTTP/1.1 200 OK" in out.stderr, out.stderr[-600:]
+    assert json.loads(out.stdout)["choices"][0]["message"]["content"]
+    s = served.sock()
+    f = s.makefile("rb")
+    # a too-large body announced with Expect: refused at once, the body never sent
+    s.sendall(
+        post("/v1/chat/completions", b"", "Expect: 100-continue\r\n").replace(
+            b"Content-Length: 0", f"Content-Length: {MAX_BODY + 1}".encode()
+        )
+    )
+    status, _, err = read_response(f)
+    assert status == 413 and json.loads(err)["error"]["code"] == "body_too_large"
+    s.close()
+    # a chunked body is read whole; a chunked body over the limit is read, dropped and refused; the connection
+    # goes on serving
+    s = served.sock()
+    f = s.makefile("rb")
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    small = json.dumps(CHAT).encode()
+    s.sendall(head + b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, small[:10], len(small) - 10, small[10:]))
+    assert read_response(f)[0] == 200
+    big = b"x" * 3000
+    s.sendall(head + (b"%x\r\n%s\r\n" % (len(big), big)) * 2 + b"0\r\n\r\n")
+    status, _, err = read_response(f)
+    assert status == 413 and b"serve.max_body_bytes" in err
+    s.sendall(post("/v1/chat/completions", small))
+    assert read_response(f)[0] == 200
+    s.close()
+    # a Content-Length over the limit without Expect: the body is read and dropped, 413, and the next request works
+    s = served.sock()
+    f = s.makefile("rb")
+    s.sendall(post("/v1/chat/completions", b"y" * (MAX_BODY + 10)) + post("/v1/chat/completions", small))
+    assert [read_response(f)[0] for _ in range(2)] == [413, 200]
+    s.close()
+
+
+def test_malformed_http_1_0_and_streams(served):
+    s = served.sock()
+    s.sendall(b"THIS IS NOT HTTP\r\n\r\n")
+    f = s.makefile("rb")
+    status, hdrs, _ = read_response(f)
+    assert status == 400 and hdrs["connection"] == "close" and f.read() == b""  # then closed
+    s.close()
+    # HTTP/1.0 without keep-alive: answered, then closed
+    s = served.sock()
+    s.sendall(post("/v1/chat/completions", json.dumps(CHAT).encode(), version="1.0"))
+    f = s.makefile("rb")
+    assert read_response(f)[0] == 200 and f.read() == b""
+    s.close()
+    # a streamed answer: SSE events as HTTP chunks, ending with [DONE], its record complete
+    with (
+        httpx.Client(trust_env=False, timeout=30) as h,
+        h.stream(
+            "POST",
+            served.url + "/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-Request-ID": "sse-1"},
+        ) as r,
+    ):
+        assert r.headers["transfer-encoding"] == "chunked" and r.headers["content-type"] == "text/event-stream"
+        text = b"".join(r.iter_bytes()).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    rec = next(r for r in served.records() if r["request_id"] == "sse-1")
+    assert rec["stream"] and rec["status"] == "ok" and rec["response"]
+
+
+def test_sigterm_lets_a_request_in_flight_finish(upstream, tmp_path):
+    srv = Served(tmp_path, upstream.url)
+    upstream.configure(delay_s=2.0)
+    try:
+        got: dict = {}
+
+        def call() -> None:
+            got["r"] = httpx.post(
+                srv.url + "/v1/chat/completions",
+                json=CHAT,
+                trust_env=False,
+                timeout=60,
+                headers={"X-Request-ID": "in-flight"},
+            )
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(1.0)  # the request is waiting on its upstream
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert got["r"].status_code == 200
+        assert srv.proc.wait(60) == 0
+        assert [r["request_id"] for r in srv.records()] == ["in-flight"]
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(srv.url + "/healthz", trust_env=False, timeout=2)
+    finally:
+        upstream.reset()
+        if srv.proc.poll() is None:
+            srv.proc.kill()
