@@ -2,14 +2,21 @@
 
 Not a test. An instant OpenAI-compatible stub (aiohttp.web, one fixed pre-encoded answer) runs in its own
 process on 127.0.0.1; the gateway runs as `python -m hermes_lab.live.serve` with both arms on that stub (ratio
-0.5, logging on: the full request path, routing, durable log record, arm headers); an aiohttp load
-generator in this process sends the same chat completion either directly to the stub or through the
-gateway. Load generator, stub and gateway share the machine's cores, so the figures are relative:
-each run prints the ratios it measured.
+0.5, logging on: the full request path, routing, durable log record, arm headers); a load generator in this
+process sends the same chat completion either directly to the stub or through the gateway. Load generator, stub
+and gateway share the machine's cores, so the figures are relative: each run prints the ratios it measured.
+
+Two load generators measure every variant in the same run (``--generator``): ``raw``, each request's bytes encoded
+once and written whole on kept-alive connections on uvloop (wrk's approach: ~55 us of CPU a single-turn request), and
+``aiohttp``, its client (~300 us: the one the issue's figures were taken with). With aiohttp the load
+generator used more of the 2 cores than the gateway, so a cheaper gateway barely moved its throughput; with raw
+the cores go to the stub and the gateway, and "of direct" compares the gateway with a stub that answers ~2x faster
+(a stricter ratio) while its latency is the gateway's own. The done-when lines are printed for each.
 
 Measured per gateway variant (upstream client x durability):
 - concurrency 1 (1,000 requests): added p50 / p99 latency, gateway minus direct;
-- concurrency 64 (5,000 requests): throughput and p99, throughput as a share of direct, the gateway's CPU per request.
+- concurrency 64 (5,000 requests): throughput and p99 (direct's p99 beside it), throughput as a share of direct,
+  the gateway's CPU per request.
 
 Agent conversations (issue 28; the first variant, streamed and not): 20-turn tool-calling conversations whose
 requests carry the whole history (a 30 KB system prompt and tool schemas, then one tool call and a 1 KB tool
@@ -42,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BODY = json.dumps(
@@ -198,61 +206,166 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(len(xs) * q), len(xs) - 1)]
 
 
+class _Reply(asyncio.Protocol):
+    """One kept-alive connection of the raw load generator: a response is complete at its Content-Length, or
+    at the end chunk of a chunked one (the gateway's SSE answers)."""
+
+    def __init__(self) -> None:
+        self.buf, self.waiter, self.transport = bytearray(), None, None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.waiter is not None and not self.waiter.done():
+            got = self._complete()
+            if got is not None:
+                self.waiter.set_result(got)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("closed"))
+
+    def _complete(self) -> tuple[int, bytes] | None:
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = bytes(buf[:end]).lower()
+        at = head.find(b"content-length:")
+        if at >= 0:
+            n = int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+            if len(buf) < end + 4 + n:
+                return None
+            body, self.buf = bytes(buf[end + 4 : end + 4 + n]), buf[end + 4 + n :]
+        else:  # chunked: the bench's bodies are SSE (\n only), so CRLF 0 CRLF CRLF is the end chunk
+            stop = buf.find(b"\r\n0\r\n\r\n", end) if not buf.startswith(b"0\r\n\r\n", end + 4) else end
+            if stop < 0:
+                return None
+            cut = stop + 7 if stop > end else end + 9
+            body, self.buf = bytes(buf[end + 4 : cut]), buf[cut:]
+        return int(head[9:12]), body
+
+    async def post(self, request: bytes) -> tuple[int, bytes]:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)  # type: ignore[union-attr]
+        return await self.waiter
+
+
+class RawSession:
+    """The load generator the figures use (``--client raw``): each request's bytes encoded once, ahead, and
+    written whole on a kept-alive connection; its answer read to its end without parsing its headers beyond
+    the status and length. It costs a fraction of aiohttp's client, so the machine's CPU goes to what is
+    measured (wrk's approach; with aiohttp the load generator used more CPU than the gateway)."""
+
+    def __init__(self, limit: int):
+        self.idle: dict[str, list[_Reply]] = {}
+
+    async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
+        host, _, rest = url.removeprefix("http://").partition("/")
+        pool = self.idle.setdefault(host, [])
+        conn = pool.pop() if pool else None
+        if conn is None:
+            h, _, port = host.partition(":")
+            _, conn = await asyncio.get_running_loop().create_connection(_Reply, h, int(port))
+        req = REQ_HEAD % (rest.encode(), host.encode(), len(body)) + body
+        status, data = await conn.post(req)
+        pool.append(conn)
+        return status, data
+
+    async def close(self) -> None:
+        for pool in self.idle.values():
+            for c in pool:
+                c.transport.close()  # type: ignore[union-attr]
+
+
+REQ_HEAD = b"POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+
+class AiohttpSession:
+    """aiohttp's client as the load generator (``--client aiohttp``: the one the figures used before)."""
+
+    def __init__(self, limit: int):
+        import aiohttp
+
+        self.s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit))
+
+    async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
+        async with self.s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.read()
+
+    async def close(self) -> None:
+        await self.s.close()
+
+
+CLIENT = {"kind": "raw"}
+
+
+def session(limit: int) -> RawSession | AiohttpSession:
+    return (RawSession if CLIENT["kind"] == "raw" else AiohttpSession)(limit)
+
+
+def run(coro: Any) -> Any:
+    """A measurement on its own event loop (uvloop for the raw load generator: it is part of its low cost)."""
+    if CLIENT["kind"] == "raw":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            return r.run(coro)
+    return asyncio.run(coro)
+
+
 async def sequential(direct: str, gateway: str, n: int) -> dict[str, list[float]]:
     """Concurrency 1, direct and gateway requests alternating (order flipped every other pair), so that
     both series see the same machine load."""
-    import aiohttp
-
     lat: dict[str, list[float]] = {"direct": [], "gateway": []}
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as s:
-        for i in range(n + 50):
-            for name in ("direct", "gateway") if i % 2 else ("gateway", "direct"):
-                t = time.perf_counter()
-                async with s.post(direct if name == "direct" else gateway, data=REQUEST, headers=headers) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-                if i >= 50:  # warm-up pairs are not counted
-                    lat[name].append((time.perf_counter() - t) * 1000)
+    s = session(2)
+    for i in range(n + 50):
+        for name in ("direct", "gateway") if i % 2 else ("gateway", "direct"):
+            t = time.perf_counter()
+            status, _ = await s.post(direct if name == "direct" else gateway, REQUEST)
+            assert status == 200, status
+            if i >= 50:  # warm-up pairs are not counted
+                lat[name].append((time.perf_counter() - t) * 1000)
+    await s.close()
     return lat
 
 
 async def burst(url: str, n: int, concurrency: int) -> tuple[list[float], float, int]:
     """n requests, `concurrency` in flight: (latencies ms, wall seconds, errors)."""
-    import aiohttp
-
     lat: list[float] = []
     errors = 0
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-        todo = iter(range(n))
+    s = session(concurrency)
+    todo = iter(range(n))
 
-        async def worker() -> None:
-            nonlocal errors
-            for _ in todo:
-                t = time.perf_counter()
-                async with s.post(url, data=REQUEST, headers=headers) as r:
-                    await r.read()
-                    errors += r.status != 200
-                lat.append((time.perf_counter() - t) * 1000)
+    async def worker() -> None:
+        nonlocal errors
+        for _ in todo:
+            t = time.perf_counter()
+            status, _ = await s.post(url, REQUEST)
+            errors += status != 200
+            lat.append((time.perf_counter() - t) * 1000)
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return lat, time.perf_counter() - t0, errors
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await s.close()
+    return lat, wall, errors
 
 
 def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], blocks: int = 5) -> dict:
     """Concurrency 1 interleaved; concurrency 64 in alternating blocks (direct, gateway, ...) of n64/blocks
     requests each. ``cpu_us``: CPU per request of the gateway and of the stub in the gateway blocks."""
-    seq = asyncio.run(sequential(direct, gateway, n1))
-    asyncio.run(burst(gateway, 500, 64))  # warm-up: connections, caches
-    asyncio.run(burst(direct, 500, 64))
+    seq = run(sequential(direct, gateway, n1))
+    run(burst(gateway, 500, 64))  # warm-up: connections, caches
+    run(burst(direct, 500, 64))
     res = {k: {"lat": [], "wall": 0.0, "errors": 0} for k in ("direct", "gateway")}
     cpu = dict.fromkeys(pids, 0.0)
     for _ in range(blocks):
         for name, url in (("direct", direct), ("gateway", gateway)):
             before = {k: cpu_seconds(pid) for k, pid in pids.items()}
-            lat, wall, err = asyncio.run(burst(url, n64 // blocks, 64))
+            lat, wall, err = run(burst(url, n64 // blocks, 64))
             if name == "gateway":
                 for k, pid in pids.items():
                     cpu[k] += cpu_seconds(pid) - before[k]
@@ -278,51 +391,46 @@ def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], 
 async def conv_sequential(direct: str, gateway: str, n_conv: int, stream: bool) -> dict[str, list[float]]:
     """Concurrency 1: each conversation's turns in order, direct and gateway alternating per turn, with the
     single-turn request interleaved too (its added latency measured under the same load)."""
-    import aiohttp
-
     lat: dict[str, list[float]] = {k: [] for k in ("direct", "gateway", "direct1", "gateway1")}
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2)) as s:
-        for k in range(n_conv + 1):
-            for t, body in enumerate(conversation(10_000 * int(stream) + k, stream)):
-                for name, url, data in (
-                    ("gateway", gateway, body),
-                    ("direct", direct, body),
-                    ("direct1", direct, REQUEST),
-                    ("gateway1", gateway, REQUEST),
-                )[:: 1 if t % 2 else -1]:
-                    t0 = time.perf_counter()
-                    async with s.post(url, data=data, headers=headers) as r:
-                        await r.read()
-                        assert r.status == 200, r.status
-                    if k:  # the first conversation warms up
-                        lat[name].append((time.perf_counter() - t0) * 1000)
+    s = session(2)
+    for k in range(n_conv + 1):
+        for t, body in enumerate(conversation(10_000 * int(stream) + k, stream)):
+            for name, url, data in (
+                ("gateway", gateway, body),
+                ("direct", direct, body),
+                ("direct1", direct, REQUEST),
+                ("gateway1", gateway, REQUEST),
+            )[:: 1 if t % 2 else -1]:
+                t0 = time.perf_counter()
+                status, _ = await s.post(url, data)
+                assert status == 200, status
+                if k:  # the first conversation warms up
+                    lat[name].append((time.perf_counter() - t0) * 1000)
+    await s.close()
     return lat
 
 
 async def conv_burst(url: str, n_conv: int, concurrency: int, stream: bool, offset: int) -> tuple[int, float, int]:
     """``n_conv`` conversations, ``concurrency`` in flight, each turn after the previous answer: (requests,
     wall seconds, errors)."""
-    import aiohttp
-
     bodies = [conversation(offset + k, stream) for k in range(n_conv)]
     errors = done = 0
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-        todo = iter(bodies)
+    s = session(concurrency)
+    todo = iter(bodies)
 
-        async def worker() -> None:
-            nonlocal errors, done
-            for conv in todo:
-                for body in conv:
-                    async with s.post(url, data=body, headers=headers) as r:
-                        await r.read()
-                        errors += r.status != 200
-                    done += 1
+    async def worker() -> None:
+        nonlocal errors, done
+        for conv in todo:
+            for body in conv:
+                status, _ = await s.post(url, body)
+                errors += status != 200
+                done += 1
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done, time.perf_counter() - t0, errors
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await s.close()
+    return done, wall, errors
 
 
 def measure_conversations(
@@ -330,11 +438,11 @@ def measure_conversations(
 ) -> list[tuple[str, dict]]:
     rows = []
     for stream in (False, True):
-        seq = asyncio.run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
+        seq = run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
         res = {}
         for name, url in (("direct", direct), ("gateway", gateway)):
             before = cpu_seconds(pid)
-            n, wall, err = asyncio.run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
+            n, wall, err = run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
             res[name] = (n / wall, err, (cpu_seconds(pid) - before) / n * 1e6, (cpu_seconds(pid) - before) / wall)
         rows.append(
             (
@@ -455,12 +563,12 @@ def profile(stub_url: str, client: str, n: int) -> None:
         out = str(Path(tmp) / "gateway.prof")
         gw, url = start_gateway(stub_url, client, "write", tmp, profile=out)
         try:
-            asyncio.run(burst(url, 300, 64))  # start-up and warm-up: not counted
+            run(burst(url, 300, 64))  # start-up and warm-up: not counted
             gw.send_signal(signal.SIGUSR2)
             time.sleep(0.5)
-            asyncio.run(burst(url, n, 64))
-            asyncio.run(conv_burst(url, max(n // TURNS // 2, 64), 64, False, 300_000))
-            asyncio.run(conv_burst(url, max(n // TURNS // 2, 64), 64, True, 400_000))
+            run(burst(url, n, 64))
+            run(conv_burst(url, max(n // TURNS // 2, 64), 64, False, 300_000))
+            run(conv_burst(url, max(n // TURNS // 2, 64), 64, True, 400_000))
         finally:
             gw.send_signal(signal.SIGUSR1)
             gw.wait(60)
@@ -496,6 +604,11 @@ def main() -> int:
     ap.add_argument(
         "--conversations-all", action="store_true", help="conversation lines for every variant (default: the first)"
     )
+    ap.add_argument(
+        "--generator",
+        default="raw,aiohttp",
+        help="load generators, each measuring every variant (raw: pre-encoded requests on uvloop; aiohttp: its client)",
+    )
     ap.add_argument("--profile", action="store_true", help="then profile the first variant's gateway (cProfile)")
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
@@ -513,23 +626,27 @@ def main() -> int:
         print(f"gateway benchmark: {n1} requests at concurrency 1, {n64} at 64; cores: {os.cpu_count()}, {load}")
         print("direct and gateway requests alternate (c=1) or alternate in blocks (c=64): same machine load")
         rows = []
-        for variant in variants:
-            spec, _, other = variant.partition("@")
-            client, durability = spec.split(":")
-            with tempfile.TemporaryDirectory() as tmp:
-                gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
-                try:
-                    m = measure(stub_url + "/v1/chat/completions", url, n1, n64, {"gateway": gw.pid, "stub": stub.pid})
-                    with_conv = not rows or args.conversations_all or (args.before and variant == variants[-1])
-                    if with_conv and not args.no_conversations:  # agent conversations
-                        m["conv"] = measure_conversations(
-                            stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp), gw.pid
-                        )
-                finally:
-                    gw.terminate()
-                    gw.wait(30)
-                m["logged"] = len((Path(tmp) / "requests.jsonl").read_bytes().splitlines())
-            rows.append((variant, m))
+        for gen in args.generator.split(","):
+            CLIENT["kind"] = gen
+            for variant in variants:
+                spec, _, other = variant.partition("@")
+                client, durability = spec.split(":")
+                with tempfile.TemporaryDirectory() as tmp:
+                    gw, url = start_gateway(stub_url, client, durability, tmp, Path(other) if other else REPO)
+                    try:
+                        pids = {"gateway": gw.pid, "stub": stub.pid}
+                        m = measure(stub_url + "/v1/chat/completions", url, n1, n64, pids)
+                        m["first"] = variant == variants[0]
+                        with_conv = m["first"] or args.conversations_all or (args.before and variant == variants[-1])
+                        if with_conv and not args.no_conversations:  # agent conversations
+                            m["conv"] = measure_conversations(
+                                stub_url + "/v1/chat/completions", url, n1, n64, Path(tmp), gw.pid
+                            )
+                    finally:
+                        gw.terminate()
+                        gw.wait(30)
+                    m["logged"] = len((Path(tmp) / "requests.jsonl").read_bytes().splitlines())
+                rows.append((f"{variant} [{gen}]", m))
         report(rows)
         if args.profile:
             profile(stub_url, variants[0].partition("@")[0].split(":")[0], n64)
@@ -543,14 +660,14 @@ def report(rows: list[tuple[str, dict]]) -> None:
     w = max(14, *(len(v) for v, _ in rows))
     print(
         f"\n{'variant':{w}s} {'direct p50':>10s} {'+p50 c1':>8s} {'+p99 c1':>8s} {'direct/s':>9s} {'gw req/s':>9s}"
-        f" {'of direct':>9s} {'p99 c64':>8s} {'gw CPU':>7s} {'stub CPU':>8s} logged"
+        f" {'of direct':>9s} {'p99 c64':>8s} {'direct':>7s} {'gw CPU':>7s} {'stub CPU':>8s} logged"
     )
     for variant, m in rows:
         d, g, c = m["direct"], m["gateway"], m["cpu_us"]
         print(
             f"{variant:{w}s} {d['p50_c1']:8.3f}ms {g['p50_c1'] - d['p50_c1']:6.3f}ms"
             f" {g['p99_c1'] - d['p99_c1']:6.2f}ms"
-            f" {d['rps']:9,.0f} {g['rps']:9,.0f} {g['rps'] / d['rps']:9.0%} {g['p99_c64']:6.1f}ms"
+            f" {d['rps']:9,.0f} {g['rps']:9,.0f} {g['rps'] / d['rps']:9.0%} {g['p99_c64']:6.1f}ms {d['p99_c64']:5.1f}ms"
             f" {c['gateway']:5.0f}us {c['stub']:6.0f}us {m['logged']} (errors {d['errors'] + g['errors']})"
         )
     for variant, m in rows:
@@ -573,7 +690,15 @@ def report(rows: list[tuple[str, dict]]) -> None:
             f" {lg['calls']} with the tool call assembled; {lg['bytes'] / max(lg['turns'], 1) / 1024:.1f} KB a"
             " record (only the new messages)"
         )
-    variant, m = rows[0]
+    for variant, m in rows:
+        if m["first"]:
+            verdicts(variant, m)
+    print("on a shared machine the ratios are the figures to compare; gw CPU: the gateway process' CPU per request")
+    print("machine load at the end: {:.1f} {:.1f} {:.1f} (1, 5, 15 min)".format(*os.getloadavg()))
+
+
+def verdicts(variant: str, m: dict) -> None:
+    """Issue 45's done-when lines (and the earlier issues' goals) for one variant under one load generator."""
     d, g = m["direct"], m["gateway"]
     print(f"\ndone when (issue 45), {variant}: {GOALS}")
     print(
@@ -600,8 +725,6 @@ def report(rows: list[tuple[str, dict]]) -> None:
     print("other goals:")
     for name, ok in goals:
         print(f"  {'met   ' if ok else 'missed'} {name}")
-    print("on a shared machine the ratios are the figures to compare; gw CPU: the gateway process' CPU per request")
-    print("machine load at the end: {:.1f} {:.1f} {:.1f} (1, 5, 15 min)".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":
