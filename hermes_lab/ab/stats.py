@@ -71,7 +71,8 @@ LAT_BINS = np.linspace(0.0, np.log(1e5), 257)  # log-latency histogram edges (1 
 def bucket(unit_id: Any, salt: str = "") -> float:
     """docs/SPEC.md's bucket of a unit, in [0, 1]. With a salt the key is 'salt:id' (a fresh split per experiment)."""
     key = str(unit_id) if not salt else f"{salt}:{unit_id}"
-    return int(hashlib.md5(key.encode("utf-8")).hexdigest()[:8], 16) / 0xFFFFFFFF
+    # the first 8 hex digits are the first 4 bytes, big-endian (without formatting the whole digest)
+    return int.from_bytes(hashlib.md5(key.encode("utf-8")).digest()[:4], "big") / 0xFFFFFFFF
 
 
 def buckets(unit_ids: Sequence[Any], salt: str = "") -> np.ndarray:

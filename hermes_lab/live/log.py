@@ -470,5 +470,15 @@ def agent_success(log_dir: str | os.PathLike[str], threshold: float, source: str
     return out
 
 
+_SECOND: tuple[float, str] = (math.nan, "")  # the last whole second formatted (one tuple: any thread may call)
+
+
 def now_iso(ts: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if ts is None else ts, timezone.utc).isoformat()
+    """ISO 8601 UTC with microseconds (datetime's isoformat with a zone cost ~6 us, on every request's record)."""
+    global _SECOND
+    now = time.time() if ts is None else ts
+    sec = math.floor(now)
+    last = _SECOND
+    if sec != last[0]:
+        last = _SECOND = (sec, datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{last[1]}.{int((now - sec) * 1e6):06d}+00:00"

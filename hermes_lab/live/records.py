@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import orjson
 
+from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS, Answer
 from hermes_lab.live.conversations import Link
 
@@ -40,7 +40,7 @@ class RequestRecords:
             "ratio": self.ratio,
             "t": round(self.clock(now), 3),
             "t_done": None,
-            "timestamp": datetime.fromtimestamp(now, timezone.utc).isoformat(),
+            "timestamp": L.now_iso(now),
             "status": "ok",
             "http_status": 200,
             "error": None,
