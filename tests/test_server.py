@@ -250,3 +250,24 @@ def test_sigterm_lets_a_request_in_flight_finish(upstream, tmp_path):
         upstream.reset()
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_a_client_leaving_mid_stream_is_recorded_with_what_it_got(served, upstream):
+    """The stream is stopped when its client goes away, and its record says 499 with the part it was sent."""
+    upstream.configure(chat_reply="word " * 400)  # ~400 pieces, 2 ms apart: about a second of streaming
+    try:
+        s = served.sock()
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        s.sendall(post("/v1/chat/completions", body, "X-Request-ID: gone-1\r\n"))
+        got = b""
+        while got.count(b"data:") < 5:  # some of the answer has arrived
+            got += s.recv(65536)
+        s.close()
+        t0 = time.time()
+        while time.time() - t0 < 30 and not any(r["request_id"] == "gone-1" for r in served.records()):
+            time.sleep(0.1)
+        rec = next(r for r in served.records() if r["request_id"] == "gone-1")
+        assert (rec["http_status"], rec["error"], rec["stream"]) == (499, "client disconnected", True)
+        assert 0 < len(rec["response"]) < len("word " * 400)
+    finally:
+        upstream.reset()
