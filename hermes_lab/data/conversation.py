@@ -261,12 +261,28 @@ SIGNAL_TYPES: dict[str, type] = {
 }
 
 
-def outcome_of(messages: list[dict[str, Any]], tools: list[dict[str, Any]], **logged: Any) -> dict[str, Any]:
-    """The outcome signals: what the log said (``logged``), else completed / partial read off the messages."""
+def outcome_of(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]], errors: int | None = None, **logged: Any
+) -> dict[str, Any]:
+    """The outcome signals: what the log said (``logged``), else completed / partial read off the messages.
+    ``errors``: the tool messages' ``is_tool_error`` count when the reader took it already."""
     declared = {t["function"]["name"] for t in tools}
-    calls = [c for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
-    answered = {m["tool_call_id"] for m in messages if m["role"] == "tool"}
-    errors = sum(is_tool_error(m["content"]) for m in messages if m["role"] == "tool")
+    calls: list[dict[str, Any]] = []
+    answered: set[str] = set()
+    turns, count, compressed = 0, errors is None, False
+    errors = errors or 0
+    for m in messages:  # one pass: turns, calls, results and their errors, a summary turn
+        role = m["role"]
+        if role == "tool":
+            answered.add(m["tool_call_id"])
+            if count:
+                errors += is_tool_error(m["content"])
+            continue
+        if role == "assistant":
+            turns += 1
+            calls += m.get("tool_calls", [])
+        if not compressed and (m["content"] or "").startswith(SUMMARY_PREFIXES):
+            compressed = True
     logged_errors = logged.pop("tool_error_counts", None)
     if isinstance(logged_errors, dict):
         errors = sum(int(v) for v in logged_errors.values() if isinstance(v, int) and not isinstance(v, bool))
@@ -276,12 +292,12 @@ def outcome_of(messages: list[dict[str, Any]], tools: list[dict[str, Any]], **lo
         "inferred": False,
         "end_reason": None,
         "api_calls": None,
-        "turns": sum(m["role"] == "assistant" for m in messages),
+        "turns": turns,
         "tool_calls": len(calls),
         "tool_errors": errors,
         "unanswered_calls": sum(c["id"] not in answered for c in calls),
         "unknown_tools": sorted({c["function"]["name"] for c in calls} - declared) if declared else [],
-        "compressed": any((m["content"] or "").startswith(SUMMARY_PREFIXES) for m in messages if m["role"] != "tool"),
+        "compressed": compressed,
     }
     for k, v in logged.items():
         want = SIGNAL_TYPES.get(k)
@@ -369,8 +385,15 @@ def _iso(t: Any) -> str | None:
 
 def task_prompt_of(messages: list[dict[str, Any]]) -> str:
     """The conversation's task: its first user message (a compressor's summary turn is not a task)."""
-    users = [m["content"] or "" for m in messages if m["role"] == "user"]
-    return next((u for u in users if not u.startswith(SUMMARY_PREFIXES)), users[0] if users else "")
+    first = None
+    for m in messages:
+        if m["role"] == "user":
+            text = m["content"] or ""
+            if not text.startswith(SUMMARY_PREFIXES):
+                return text
+            if first is None:
+                first = text
+    return first if first is not None else ""
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:

@@ -16,6 +16,7 @@ test), tests that do are kept with the record, normalised, for the tests reward 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -89,6 +90,8 @@ def _lone_surrogate(obj: Any) -> str | None:
 
 _DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
 _LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, Python as an int
+# translate: a digit -> "0", an opening bracket -> "{", a colon stays, the rest -> newline (one pass for the counts)
+_MARKS = bytes(48 if 48 <= i <= 57 else i if i == 58 else 123 if i in (91, 123) else 10 for i in range(256))
 
 
 def decode(text: str, raw: bytes | None = None) -> Any:
@@ -114,9 +117,17 @@ def fast_decode(raw: bytes) -> Any:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return EXACT
-    ok = _keys_unique(raw, obj)
-    if ok is None:  # a float: an integer past 64 bits reads as one in orjson, as an int in Python
-        ok = _LONG_INT not in raw.translate(_DIGITS)
+    marks = raw.translate(_MARKS)
+    ok: bool | None = None
+    if marks.count(b"{") <= MAX_DEPTH and _LONG_INT not in marks:
+        # no nesting past the limit and no run of digits orjson may read otherwise: the key count decides alone,
+        # taken on orjson's text of the value (its colons: one a key, plus those inside strings) in C
+        with contextlib.suppress(orjson.JSONEncodeError):  # nesting orjson writes no deeper than 254
+            ok = orjson.dumps(obj).count(b":") == marks.count(b":")
+    if ok is None:
+        ok = _keys_unique(raw, obj)
+        if ok is None:  # a float: an integer past 64 bits reads as one in orjson, as an int in Python
+            ok = _LONG_INT not in raw.translate(_DIGITS)
     return obj if ok else EXACT
 
 

@@ -52,6 +52,7 @@ from hermes_lab.data.conversation import (
     arguments_text,
     check_messages,
     final_answer,
+    is_tool_error,
     make_record,
     outcome_of,
     task_prompt_of,
@@ -324,14 +325,25 @@ def system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
     return value[:i] + value[j + 8 :], tools_of(raw, f"{at}: ")
 
 
+_LAST_SYSTEM: list[Any] = [None]  # (value, at, system_tools') of the last line's system turn
+
+
 def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Hermes ShareGPT turns as (OpenAI messages, tools): <think> -> reasoning, each <tool_call> -> a call,
     each <tool_response> -> a tool message answering the preceding turn's calls in order."""
+    msgs, tools, _ = _trajectory(turns, max_chars)
+    return msgs, tools
+
+
+def _trajectory(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """``trajectory_messages`` and the tool errors among its results (``conversation.is_tool_error``'s count,
+    taken on each result as parsed: its content is not read a second time)."""
     if not isinstance(turns, list) or not turns:
         raise Invalid("empty conversation", "conversations must be a non-empty list of turns")
     msgs: list[dict[str, Any]] = []
     tools: list[dict[str, Any]] = []
     open_calls: list[dict[str, Any]] | None = None  # the last gpt turn's calls, until a tool turn answers them
+    errors = 0
     for t, turn in enumerate(turns):
         at = f"turn {t}"
         if not isinstance(turn, dict) or turn.get("from") not in HERMES_ROLES or not isinstance(turn.get("value"), str):
@@ -343,7 +355,12 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
                 "message too long", f"{at}: {len(value)} characters > conversations.max_message_chars {max_chars}"
             )
         if kind == "system":
-            text, found = system_tools(value, at)
+            last = _LAST_SYSTEM[0]
+            if last is not None and last[0] == value and last[1] == at:  # a run's lines: one system turn, unhashed
+                text, found = last[2]
+            else:
+                text, found = system_tools(value, at)
+                _LAST_SYSTEM[0] = (value, at, (text, found))
             tools = found if not tools else tools + found
             msgs.append({"role": "system", "content": text.strip()})
         elif kind == "human":
@@ -386,7 +403,9 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
                 cid = r.get("tool_call_id")
                 call["id"] = cid if isinstance(cid, str) and cid else f"call_{t}_{k}"
                 name = r.get("name") if isinstance(r.get("name"), str) and r.get("name") != "unknown" else None
-                content = text_of(r.get("content"), f"{at} result {k}")
+                raw = r.get("content")
+                content = text_of(raw, f"{at} result {k}")
+                errors += _dict_error(raw) if type(raw) is dict else is_tool_error(content or "")
                 msgs.append(
                     {
                         "role": "tool",
@@ -396,14 +415,78 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
                     }
                 )
             open_calls = None
-    return check_messages(msgs, max_chars), tools
+    return _checked(msgs, max_chars), tools, errors
+
+
+def _dict_error(obj: dict[str, Any]) -> bool:
+    """``is_tool_error`` of a result whose content is a JSON object (its text reads back as this object)."""
+    inner = obj.get("content")
+    return (
+        obj.get("error") is not None
+        or (isinstance(inner, dict) and inner.get("error") is not None)
+        or (obj.get("success") is False)
+    )
+
+
+def _checked(msgs: list[dict[str, Any]], max_chars: int) -> list[dict[str, Any]]:
+    """``conversation.check_messages`` of the messages ``_trajectory`` built: the same messages and the same
+    refusals (an over-long result's text, a result no open call has, no user or assistant turn), without the
+    checks their construction already made (roles, types, the calls' names and arguments)."""
+    out: list[dict[str, Any]] = []
+    pending: dict[str, str] = {}  # call id -> tool name, of the current exchange
+    for i, m in enumerate(msgs):
+        role, content = m["role"], m["content"]
+        if content is not None and len(content) > max_chars:
+            raise Invalid(
+                "message too long",
+                f"message {i} ({role}): {len(content)} characters > conversations.max_message_chars {max_chars}",
+            )
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": role, "content": content}
+            if "reasoning" in m:
+                msg["reasoning"] = m["reasoning"]
+            calls = m.get("tool_calls")
+            if calls:
+                pending = {}
+                msg["tool_calls"] = out_calls = []
+                for k, c in enumerate(calls):
+                    name, args = c["function"]["name"], c["function"]["arguments"]
+                    cid = c.get("id") or f"call_{i}_{k}"
+                    out_calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
+                    pending[cid] = name
+            else:
+                pending = {}
+                if content is None:
+                    msg["content"] = ""
+        elif role == "tool":
+            cid = m["tool_call_id"]
+            if not pending:
+                raise Invalid(
+                    "tool result without a call", f"message {i}: no open tool call of an earlier assistant message"
+                )
+            if cid not in pending:
+                raise Invalid(
+                    "tool result without a call", f"message {i}: tool_call_id {cid[:40]!r} matches no open call"
+                )
+            name = pending.pop(cid)
+            msg = {"role": role, "content": content or "", "tool_call_id": cid, "name": m["name"] or name}
+        else:
+            msg = {"role": role, "content": content}
+            if role == "user":
+                pending = {}
+        out.append(msg)
+    if not any(m["role"] == "user" for m in out):
+        raise Invalid("no user turn", "a conversation starts from a user message")
+    if not any(m["role"] == "assistant" for m in out):
+        raise Invalid("no assistant turn", "nothing the policy said")
+    return out
 
 
 def from_trajectory(obj: dict[str, Any], file: str, line: int | None, max_chars: int) -> dict[str, Any]:
     """A Hermes ShareGPT trajectory line (single run, batch runner, compressor) as a record."""
     if "conversations" not in obj:
         raise Invalid("missing field 'conversations'", f"present: {', '.join(list(obj)[:12])}")
-    msgs, tools = trajectory_messages(obj["conversations"], max_chars)
+    msgs, tools, errors = _trajectory(obj["conversations"], max_chars)
     meta_in = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     completed = obj.get("completed") if isinstance(obj.get("completed"), bool) else None
     if completed is None and Path(file).name.startswith("failed_trajectories"):
@@ -429,7 +512,7 @@ def from_trajectory(obj: dict[str, Any], file: str, line: int | None, max_chars:
         task_id=obj.get("task_id"),
         model=obj.get("model") or meta_in.get("model"),
         started_at=stamp,
-        outcome=outcome_of(msgs, tools, **signals),
+        outcome=outcome_of(msgs, tools, errors, **signals),
         family=obj.get("family"),
         meta=meta,
     )
