@@ -105,6 +105,10 @@ def read_response(f) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_keep_alive_and_pipelined_requests_answered_in_order(served):
+    t0 = time.time()  # /healthz says warm once the decision's imports (a thread after start) are done
+    while not httpx.get(served.url + "/healthz", trust_env=False).json()["warm"]:
+        assert time.time() - t0 < 120, "the gateway never said warm"
+        time.sleep(0.2)
     c = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
     first = None
     for i in range(3):  # one connection, three requests
