@@ -201,6 +201,12 @@ def test_malformed_http_1_0_and_streams(served):
     status, hdrs, _ = read_response(f)
     assert status == 400 and hdrs["connection"] == "close" and f.read() == b""  # then closed
     s.close()
+    # a malformed request after a good one on the same connection: the good one answered first, then the 400
+    s = served.sock()
+    s.sendall(post("/v1/chat/completions", json.dumps(CHAT).encode()) + b"GARBAGE / HTTP/9\r\n\r\n")
+    f = s.makefile("rb")
+    assert [read_response(f)[0] for _ in range(2)] == [200, 400] and f.read() == b""
+    s.close()
     # HTTP/1.0 without keep-alive: answered, then closed
     s = served.sock()
     s.sendall(post("/v1/chat/completions", json.dumps(CHAT).encode(), version="1.0"))

@@ -73,10 +73,11 @@ def head(status: int, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
 class Request:
     """One parsed request: method, URL, headers (a dict, last one wins, and the raw list for ASGI) and body."""
 
-    __slots__ = ("body", "hdr", "headers", "keep_alive", "method", "too_big", "url")
+    __slots__ = ("body", "fail", "hdr", "headers", "keep_alive", "method", "too_big", "url")
 
     def __init__(self) -> None:
         self.method, self.url, self.keep_alive, self.too_big = b"", b"", True, False
+        self.fail: tuple[int, str, str] | None = None  # a request that cannot be read on: its error, then close
         self.hdr: dict[bytes, bytes] = {}
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
@@ -97,7 +98,7 @@ class Connection(asyncio.Protocol):
         self.paused = False  # our writes: the transport's buffer is over its high water mark
         self.drained: asyncio.Future | None = None
         self.idle_since = time.monotonic()
-        self.streaming = False
+        self.streaming = self.failed = False
 
     # the transport's side
     def connection_made(self, transport: Any) -> None:
@@ -127,6 +128,8 @@ class Connection(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self.failed:  # the rest of a connection whose request could not be read: dropped
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -136,7 +139,7 @@ class Connection(asyncio.Protocol):
 
     # the parser's callbacks
     def on_message_begin(self) -> None:
-        self.req, self.size = Request(), 0
+        self.req, self.size = (None if self.failed else Request()), 0
 
     def on_url(self, url: bytes) -> None:
         if self.req is not None:
@@ -183,14 +186,15 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _fail(self, status: int, message: str, code: str = "body_too_large") -> None:
-        """A request that cannot be read on: its error, then the connection closed (its rest is unread)."""
-        if not self.transport.is_closing():
-            body = error_body(message, code=code)
-            hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-            if self.task is None:  # else the answer in progress owns the socket: just close after it
-                self.transport.write(head(status, hdrs, True) + body)
-            self.transport.close()
-        self.req = None
+        """A request that cannot be read on: answered with its error after the requests before it, then the
+        connection is closed (what follows it is not read)."""
+        req = Request()
+        req.fail, req.keep_alive = (status, message, code), False
+        self.req, self.failed = None, True
+        self.queue.append(req)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._answer_all())
+        self.transport.pause_reading()
 
     # answering
     async def _answer_all(self) -> None:
@@ -214,6 +218,12 @@ class Connection(asyncio.Protocol):
         srv.inflight += 1
         t, status = time.perf_counter(), 500
         try:
+            if req.fail is not None:
+                status, message, code = req.fail
+                body = error_body(message, code=code)
+                hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                self.transport.write(head(status, hdrs, True) + body)
+                return False
             if req.too_big:
                 resp = srv.refuse(413, f"request body over {srv.max_body} bytes (serve.max_body_bytes)")
             elif req.method == b"POST" and req.url == CHAT:
