@@ -904,8 +904,10 @@ def test_seed_lines_in_columns_give_what_line_by_line_gives(tmp_path, monkeypatc
 
 
 def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_path, monkeypatch):
-    """A conversation file past PARALLEL_MIN is converted by worker processes (fork, results taken in order):
-    the same outputs as one process, rejects and duplicates included."""
+    """A conversation file past PARALLEL_MIN is converted by worker processes (fork, each reading its byte range,
+    results taken in order): the same outputs as one process, rejects and duplicates included; a line over
+    data.max_line_bytes inside a range, one longer than a task's bytes (the block reader from there on), a BOM,
+    a CR and a last line without its newline."""
     from hermes_lab.data import conv_ingest
 
     fix = REPO / "tests" / "fixtures" / "hermes"
@@ -918,9 +920,15 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
         raw.append(json.dumps(rec).encode())
         if i % 25 == 0:
             raw += [hostile[(i // 25) % 4], raw[-1], b""]  # a hostile line, an exact duplicate, a blank line
+        if i in (40, 250):  # over data.max_line_bytes, within a task's 64 KiB and past them
+            rec["conversations"][1]["value"] += "x" * (30_000 if i == 40 else 90_000)
+            raw.append(json.dumps(rec).encode())
+    raw[0], raw[5] = b"\xef\xbb\xbf" + raw[0], raw[5] + b"\r"
     p = tmp_path / "traj.jsonl"
-    p.write_bytes(b"\n".join(raw) + b"\n")
-    c = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0})
+    p.write_bytes(b"\n".join(raw))
+    c = load_config(
+        None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 40_000}
+    )
     monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1)
     monkeypatch.setattr(conv_ingest, "TASK_BYTES", 64 << 10)  # many tasks in flight
     res = run_prep([p], tmp_path / "workers", c, make_plots=False)
@@ -929,7 +937,8 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     a, b = _outputs(tmp_path / "workers"), _outputs(tmp_path / "one")
     assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
     k = res.summary["counts"]
-    assert (k["accepted"], k["duplicates"], k["rejected"], k["blank"]) == (300, 12, 12, 12)
+    assert (k["accepted"], k["duplicates"], k["rejected"], k["blank"]) == (300, 12, 14, 12)
+    assert res.summary["by_reason"]["line too long"] == 2
 
 
 def test_fast_decode_reads_what_the_exact_decoder_reads():

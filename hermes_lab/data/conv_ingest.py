@@ -9,8 +9,9 @@ reasoning included), near (the exchange up to whitespace, case, reasoning, call 
 schemas: a run's trajectory line and its session snapshot) and by conversation_id (a run and its compressed
 copy). Writes what the ingest writes (the sinks, the fixed-size columns, the partitions: ``Ingest`` holds them;
 this is its mixin) and each accepted conversation's conversations/ row, as Arrow, in acceptance order (a large
-file's lines are converted by forked worker processes, which build their rows' Arrow table too), and counts per
-input what the readers report (blank lines, skipped lines, Atropos groups, where tool schemas came from).
+file's lines are converted by forked worker processes, which read their own byte ranges of a plain file and
+build their rows' Arrow table too), and counts per input what the readers report (blank lines, skipped lines,
+Atropos groups, where tool schemas came from).
 
 Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
@@ -30,6 +31,7 @@ import orjson
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
+from hermes_lab.data.columns import read_blocks
 from hermes_lab.data.conversation import (
     Invalid,
     content_digest,
@@ -58,7 +60,7 @@ BOM = b"\xef\xbb\xbf"
 class LineWork:
     """What converting one line of a conversation format needs (a worker inherits it when the pool forks)."""
 
-    __slots__ = ("as_dict", "feedback", "file", "fmt", "max_chars", "role", "round_no", "rules", "scale")
+    __slots__ = ("as_dict", "cap", "feedback", "file", "fmt", "max_chars", "role", "round_no", "rules", "scale")
 
     def __init__(self, **kw: Any):
         self.as_dict = False  # an item's conversations/ row as the dict (a worker's: pa.array takes it), not text
@@ -98,13 +100,34 @@ def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[
 
 
 _WORK: list[LineWork] = []  # the forked workers' LineWork
+_FDS: dict[str, int] = {}  # a worker's open input files
 
 
-def _convert_lines(first: int, lines: list[bytes]) -> tuple[list[tuple[Any, ...]], Any]:
-    """A worker's task: its lines converted, and its items' conversations/ rows as one Arrow table (sent as an
-    IPC stream; an item holds its row's index there instead of the row)."""
+def _convert_range(first: int, start: int, length: int) -> tuple[list[tuple[Any, ...]], Any]:
+    """A worker's task on a plain file: its byte range read here (whole lines; the last one of the file may lack
+    its newline), each line over ``data.max_line_bytes`` rejected as the block reader would (its first 4 KiB
+    kept), the others converted (``_convert_lines``)."""
     w = _WORK[0]
-    out = [convert(w, first + k, line) for k, line in enumerate(lines)]
+    fd = _FDS.get(w.file)
+    if fd is None:
+        fd = _FDS[w.file] = os.open(w.file, os.O_RDONLY)
+    data = os.pread(fd, length, start)
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()
+    long = [k for k, line in enumerate(lines) if len(line) > w.cap] if length > w.cap else []
+    for k in long:
+        total = len(lines[k]) + (k < len(lines) - 1 or data.endswith(b"\n"))  # with its newline, as read
+        detail = f"{total} bytes > data.max_line_bytes {w.cap}"
+        lines[k] = ("reject", "line too long", detail, lines[k][:RAW_KEEP], True)  # type: ignore[call-overload]
+    return _convert_lines(first, lines)
+
+
+def _convert_lines(first: int, lines: list[Any]) -> tuple[list[tuple[Any, ...]], Any]:
+    """A worker's task: its lines converted, and its items' conversations/ rows as one Arrow table (sent as an
+    IPC stream; an item holds its row's index there instead of the row). A line that is a tuple is its result."""
+    w = _WORK[0]
+    out = [convert(w, first + k, line) if type(line) is bytes else line for k, line in enumerate(lines)]
     rows = [r[1][9] for r in out if r[0] == "item"]
     if not rows:
         return out, None
@@ -176,6 +199,7 @@ class ConversationIngest:
             max_chars=self.conv_cfg.max_message_chars,
             feedback=self.feedback,
             rules=self.conv_cfg,
+            cap=self.cap,
         )
 
     def pool(self, ctx: Any, size: int) -> list[Any] | None:
@@ -206,6 +230,36 @@ class ConversationIngest:
                 start, size = k + 1, 0
                 while len(flight) > FLIGHT * p._processes:
                     self._take_task(ctx, flight.popleft())
+
+    def conv_ranges(self, ctx: Any, pool: list[Any], f: Any) -> Iterator[tuple[list[Any], bool]]:
+        """A plain file's lines for the workers as byte ranges of ~TASK_BYTES, each read by its worker (this process
+        only finds where lines end and counts them, in one reused buffer); a block for the scan's loop after each
+        (none to read here). A line longer than the buffer: from its start on, the file's blocks as
+        ``columns.read_blocks`` gives them (a line over ``data.max_line_bytes`` is never held whole)."""
+        p, flight = pool[0], pool[1]
+        buf = bytearray(TASK_BYTES)
+        start = f.tell()
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return
+            end = buf.rfind(b"\n", 0, n) + 1
+            lines = buf.count(b"\n", 0, end)
+            if n < len(buf) and end < n:  # the file's last line, without its newline
+                end, lines = n, lines + 1
+            if not end:
+                f.seek(start)
+                yield from read_blocks(f, self.cap)
+                return
+            if not flight:
+                pool[2] = ctx.lineno
+            flight.append(p.apply_async(_convert_range, (pool[2] + 1, start, end)))
+            pool[2] += lines
+            start += end
+            f.seek(start)
+            while len(flight) > FLIGHT * p._processes:
+                self._take_task(ctx, flight.popleft())
+            yield [], True
 
     def _take_task(self, ctx: Any, result: Any) -> None:
         results, rows = result.get()
@@ -427,11 +481,13 @@ class ConversationIngest:
                 table = refs[i][0]
                 while j < n and type(refs[j]) is not bytes and refs[j][0] is table:
                     j += 1
-                first, last = refs[i][1], refs[j - 1][1]
-                if last - first == j - 1 - i:  # a run of its rows (no duplicate between them): a slice, no copy
-                    pieces.append(table.slice(first, j - i))
-                else:
-                    pieces.append(table.take(pa.array([r[1] for r in refs[i:j]], pa.int64())))
+                k = i  # its rows in runs (a duplicate between two ends one): slices of the table, no copy
+                while k < j:
+                    m = k + 1
+                    while m < j and refs[m][1] == refs[m - 1][1] + 1:
+                        m += 1
+                    pieces.append(table.slice(refs[k][1], m - k))
+                    k = m
             i = j
         t = pa.concat_tables(pieces).append_column("seq", pa.array(seqs, pa.int64()))
         if self._conv_writer is None:

@@ -258,7 +258,8 @@ class Ingest(SeedColumns, ConversationIngest):
             f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
             pool = self.pool(ctx, size)
             try:
-                blocks = read_blocks(f, self.cap)
+                # a plain file's conversation lines: the workers read their own byte ranges (conv_ranges)
+                blocks = read_blocks(f, self.cap) if pool is None or f is not raw_f else self.conv_ranges(ctx, pool, f)
                 for block, plain in self.seed_blocks(blocks, ctx) if ctx.conv is None else blocks:
                     if ctx.conv is None:  # ``plain``: the block's runs, prepared a block ahead
                         self._seed_block(ctx, block, plain)

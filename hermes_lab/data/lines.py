@@ -90,8 +90,8 @@ def _lone_surrogate(obj: Any) -> str | None:
 
 _DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
 _LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, Python as an int
-# translate: a digit -> "0", an opening bracket -> "{", a colon stays, the rest -> newline (one pass for the counts)
-_MARKS = bytes(48 if 48 <= i <= 57 else i if i == 58 else 123 if i in (91, 123) else 10 for i in range(256))
+# translate: a digit -> "0", a colon stays, the rest -> newline (one pass for both checks)
+_MARKS = bytes(48 if 48 <= i <= 57 else i if i == 58 else 10 for i in range(256))
 
 
 def decode(text: str, raw: bytes | None = None) -> Any:
@@ -119,10 +119,11 @@ def fast_decode(raw: bytes) -> Any:
         return EXACT
     marks = raw.translate(_MARKS)
     ok: bool | None = None
-    if marks.count(b"{") <= MAX_DEPTH and _LONG_INT not in marks:
-        # no nesting past the limit and no run of digits orjson may read otherwise: the key count decides alone,
-        # taken on orjson's text of the value (its colons: one a key, plus those inside strings) in C
-        with contextlib.suppress(orjson.JSONEncodeError):  # nesting orjson writes no deeper than 254
+    if _LONG_INT not in marks:
+        # no run of digits orjson may read otherwise: the key count decides alone, taken on orjson's text of the
+        # value (its colons: one a key, plus those inside strings) in C; orjson writes no nesting past 254 (it
+        # refuses it), so what it writes is within MAX_DEPTH
+        with contextlib.suppress(orjson.JSONEncodeError):
             ok = orjson.dumps(obj).count(b":") == marks.count(b":")
     if ok is None:
         ok = _keys_unique(raw, obj)
