@@ -21,21 +21,26 @@ Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its 
 
 from __future__ import annotations
 
-import io
+import contextlib
+import ctypes
 import json
 import zlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from xxhash import xxh3_64_intdigest
+
 from hermes_lab.data.lines import TEST_FIELDS, split_of
 from hermes_lab.tasks import suite as tasks
 
 BLOCK_BYTES = 4 << 20  # bytes read and parsed at once
-PREFETCH = 1  # blocks prepared ahead of the one being ingested (one keeps the parse beside the main thread)
+PREFETCH = 2  # blocks prepared ahead of the one being ingested, by as many threads (the parse beside the main thread)
+TRIM_BLOCKS = 4  # blocks between two ``trim_heap`` calls
 MIN_RUN = 64  # a refused block is split down to this many lines, then read line by line
 MAX_BRACKETS = 500  # a line with more open brackets takes the per-line path (Python's nesting limit)
 SUSPECT = (b"\xef\xbb\xbf", b"NaN", b"Infinity", b"\\u003a", b"\\u003A")
+SUSPECT_RE = r"\x{FEFF}|NaN|Infinity|\\u003[aA]"  # SUSPECT as RE2 reads it (a BOM is U+FEFF)
 DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
 LONG_INT = b"0" * 4301
 _CACHE_MAX = 200_000
@@ -109,49 +114,76 @@ def read_blocks(f: BinaryIO, cap: int, size: int = BLOCK_BYTES) -> Iterator[tupl
 
 
 def fast_block(data: bytes) -> bool:
-    """Whether a block's lines (joined) may be read in columns at all (see the module docstring)."""
-    if any(s in data for s in SUSPECT) or LONG_INT in data.translate(DIGITS):
-        return False
+    """Whether a block's lines (joined) may be read in columns at all (see the module docstring): valid UTF-8 and
+    none of ``SUSPECT``, tested in Arrow's C++ (its UTF-8 validation is Python's decoder's rule; RE2), outside
+    the GIL. The digit runs are ``long_ints``'."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    whole = pa.StringArray.from_buffers(1, pa.py_buffer(np.array([0, len(data)], np.int32)), pa.py_buffer(data))
     try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
+        whole.validate(full=True)
+    except pa.ArrowInvalid:
         return False
-    return True
+    return not pc.match_substring_regex(whole, SUSPECT_RE)[0].as_py()
 
 
-def plain_lines(data: bytes) -> Any:
-    """Per line of a block (joined by newlines): whether it may go to Arrow's reader: "{" first and "}" last (an
-    object's line, nothing else: Arrow's reader crashes on some lines that are no object, a lone ``null``), and
-    at most ``MAX_BRACKETS`` brackets. Blank lines, leading whitespace: not plain (counted line by line)."""
+def long_ints(data: bytes, starts: Any, ends: Any) -> bool:
+    """Whether a line of the block holds a run of 4,301 digits (an integer Python refuses): only a line that long
+    can, so only those are looked at."""
     import numpy as np
 
-    if not data:
-        return np.zeros(1, dtype=bool)
-    a = np.frombuffer(data, dtype=np.uint8)
-    nl = np.flatnonzero(a == 10)
-    ends, starts = np.append(nl, len(a)), np.concatenate(([0], nl + 1))
-    plain = (ends > starts) & (a[np.minimum(starts, len(a) - 1)] == 123) & (a[np.maximum(ends - 1, 0)] == 125)
-    if data.count(b"[") + data.count(b"{") > MAX_BRACKETS:  # per line: the brackets between its newlines
+    long = np.flatnonzero(ends - starts >= len(LONG_INT)).tolist()
+    return any(LONG_INT in data[starts[k] : ends[k]].translate(DIGITS) for k in long)
+
+
+def plain_lines(data: bytes, a: Any, starts: Any, ends: Any) -> Any:
+    """Per line of a block (``data``: its lines, each ended by a newline; ``a`` its bytes as numpy, ``starts`` /
+    ``ends`` each line's first byte and its newline): whether it may go to Arrow's reader: "{" first and "}" last
+    (an object's line, nothing else: Arrow's reader crashes on some lines that are no object, a lone ``null``),
+    and at most ``MAX_BRACKETS`` brackets. Blank lines, leading whitespace: not plain (counted line by line)."""
+    import numpy as np
+
+    last = len(a) - 1
+    plain = (ends > starts) & (a[np.minimum(starts, last)] == 123) & (a[np.maximum(ends - 1, 0)] == 125)
+    if (ends - starts).max() > MAX_BRACKETS:  # per line: the brackets between its newlines (a shorter line is fine)
         at = np.flatnonzero((a == 91) | (a == 123))
         plain &= (np.searchsorted(at, ends) - np.searchsorted(at, starts)) <= MAX_BRACKETS
     return plain
 
 
-def parse_run(lines: list[bytes], schema: Any) -> Any:
-    """The lines as one Arrow table (a row a line), or None when Arrow refuses them or a line is not one object."""
+def special_lines(a: Any, ends: Any) -> Any:
+    """Per line: whether it holds a byte that JSON's ASCII escaping (``encode_basestring_ascii``) changes other
+    than a quote or a backslash (a control character, DEL, any non-ASCII byte): its duplicate line is escaped in
+    Python, the others in columns."""
+    import numpy as np
+
+    if a.max() < 127 and np.count_nonzero(a < 32) == len(ends):  # printable ASCII and the newlines: none
+        return np.zeros(len(ends), dtype=bool)
+    pos = np.flatnonzero((a - np.uint8(32)) > 94)  # uint8 wraps: below 0x20 or from 0x7f on
+    pos = pos[a[pos] != 10]  # the lines' own newlines
+    out = np.zeros(len(ends), dtype=bool)
+    out[np.searchsorted(ends, pos)] = True
+    return out
+
+
+def parse_run(buf: Any, n: int, schema: Any) -> Any:
+    """The run's lines (``buf``: an Arrow buffer of them, each ended by a newline) as one Arrow table (a row a
+    line), or None when Arrow refuses them or a line is not one object."""
     import pyarrow as pa
     import pyarrow.json as pj
 
     try:
         t = pj.read_json(
-            io.BytesIO(b"\n".join(lines)),
+            pa.BufferReader(buf),
             read_options=pj.ReadOptions(block_size=BLOCK_BYTES),
             parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="infer"),
             memory_pool=pa.system_memory_pool(),  # malloc's: a block's buffers go back when freed (mimalloc keeps them)
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError):
         return None
-    return t if t.num_rows == len(lines) else None
+    return t if t.num_rows == n else None
 
 
 def row_checks(t: Any, scale: float) -> tuple[Any, Any]:
@@ -184,13 +216,66 @@ def row_checks(t: Any, scale: float) -> tuple[Any, Any]:
     return ok, tid
 
 
+class Run:
+    """A run of plain lines parsed and checked in columns, with what dedup needs (``parse_checked``, in the
+    prefetch thread): the table, the rows the columns accept (``ok``), task_id as text, the lines (Arrow strings,
+    each with its newline), which of them ``special_lines`` names, and the dedup key of each row as a ``code``
+    into the run's distinct keys, with their XXH3-128 digests, texts (bytes) and lengths."""
+
+    __slots__ = ("code", "digests", "keyed", "klen", "lines", "ok", "special", "t", "tid")
+
+
+def dedup_keys(run: Run) -> None:
+    """The dedup key of each row, ``"{len(task_id)},{len(prompt)},{task_id}{prompt}{response}"`` (lengths first:
+    unambiguous; the per-line path's), built in Arrow; only the run's distinct keys are hashed."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from xxhash import xxh3_128_digest
+
+    t = run.t
+    tid, p = pc.fill_null(run.tid, ""), pc.fill_null(t.column("prompt"), "")  # a null: a row not ok, never used
+    lens = [pc.cast(pc.utf8_length(x), pa.string()) for x in (tid, p)]
+    keyed = pc.binary_join_element_wise(lens[0], ",", lens[1], ",", tid, p, pc.fill_null(t.column("response"), ""), "")
+    enc = pc.dictionary_encode(pc.cast(keyed, pa.binary()).combine_chunks())
+    run.code = enc.indices.to_numpy().astype(np.int64)
+    run.keyed = enc.dictionary.to_pylist()
+    run.klen = pc.binary_length(enc.dictionary).to_numpy().astype(np.int64)
+    run.digests = np.frombuffer(b"".join(map(xxh3_128_digest, run.keyed)), dtype=np.uint64).reshape(-1, 2)
+
+
+def parse_checked(buf: Any, offsets: Any, special: Any, schema: Any, scale: float) -> Run | None:
+    """The ``Run`` of plain lines (``buf``: their bytes, each line ended by a newline; ``offsets``: where each
+    starts, and the end), or None when Arrow refuses it."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(offsets) - 1
+    t = parse_run(buf, n, schema)
+    if t is None:
+        return None
+    run = Run()
+    run.t, run.special = t, special
+    run.ok, run.tid = row_checks(t, scale)
+    run.lines = pa.StringArray.from_buffers(n, pa.py_buffer(np.asarray(offsets, dtype=np.int32)), buf)
+    if run.tid is not None and run.ok.any():
+        dedup_keys(run)
+    return run
+
+
+def parse_lines(lines: list[bytes], schema: Any, scale: float) -> Run | None:
+    """``parse_checked`` of a list of plain lines (a run that a refused one was split into)."""
+    import numpy as np
+    import pyarrow as pa
+
+    data = b"\n".join([*lines, b""])
+    a = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(a == 10)
+    offsets = np.concatenate(([0], ends + 1))
+    return parse_checked(pa.py_buffer(data), offsets, special_lines(a, ends), schema, scale)
+
+
 NOT_PLAIN, NOT_PARSED = object(), object()  # a run that is one line not for Arrow; a run not parsed yet
-
-
-def parse_checked(run: list[bytes], schema: Any, scale: float) -> Any:
-    """(table, rows the columns accept, task_id as text) of a run of plain lines, or None when Arrow refuses it."""
-    t = parse_run(run, schema)
-    return None if t is None else (t, *row_checks(t, scale))
 
 
 def prepare_block(lines: list[Any], fast: bool, schema: Any, scale: float) -> tuple[list[Any], Any]:
@@ -199,14 +284,22 @@ def prepare_block(lines: list[Any], fast: bool, schema: Any, scale: float) -> tu
     broken .gz, or is a negative file's: ``fast`` False), else (start, end, ``parse_checked`` of the run) in line
     order, NOT_PLAIN for a line that is not plain."""
     import numpy as np
+    import pyarrow as pa
 
-    data = b"\n".join(lines) if fast else b""
+    data = b"\n".join([*lines, b""]) if fast and lines else b""
     if not data or not fast_block(data):
         return lines, None
     if b"\r" in data:
         lines = [line.rstrip(b"\r") for line in lines]
-        data = b"\n".join(lines)
-    plain = plain_lines(data)
+        data = b"\n".join([*lines, b""])
+    a = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(a == 10)  # each line's newline: one a line
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    if long_ints(data, starts, ends):
+        return lines, None
+    plain = plain_lines(data, a, starts, ends)
+    special = special_lines(a, ends)
+    buf = pa.py_buffer(data)
     runs: list[tuple[int, int, Any]] = []
     i, n = 0, len(lines)
     while i < n:
@@ -215,9 +308,31 @@ def prepare_block(lines: list[Any], fast: bool, schema: Any, scale: float) -> tu
             i += 1
             continue
         j = i + int(np.argmin(plain[i:])) if not plain[i:].all() else n
-        runs.append((i, j, parse_checked(lines[i:j], schema, scale)))
+        s, e = int(starts[i]), int(ends[j - 1]) + 1
+        offsets = np.append(starts[i:j], e) - s
+        runs.append((i, j, parse_checked(buf.slice(s, e - s), offsets, special[i:j], schema, scale)))
         i = j
     return lines, runs
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing): a block's
+    buffers, once freed, stay with the allocator between longer-lived objects (the columns, the dedup index),
+    and peak RSS counts them."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _values(arr: Any) -> memoryview:
+    """The bytes of an Arrow string array's values, in order (its rows joined with nothing between)."""
+    import numpy as np
+
+    off = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
+    data = arr.buffers()[2]
+    return memoryview(data)[int(off[0]) : int(off[-1])] if data is not None else memoryview(b"")
+
+
+_LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
 
 
 class SeedColumns:
@@ -225,17 +340,20 @@ class SeedColumns:
 
     def seed_blocks(self, blocks: Iterator[tuple[list[Any], bool]], ctx: Any) -> Iterator[tuple[list[Any], Any]]:
         """``read_blocks``' blocks with their ingest-free work done one block ahead in a thread (``prepare_block``:
-        the block tests, Arrow's parse and the row checks release the GIL), so both cores work: (lines, runs)."""
+        the block tests, Arrow's parse, the row checks and the dedup keys; Arrow's work releases the GIL), so
+        both cores work: (lines, runs)."""
         from concurrent.futures import ThreadPoolExecutor
 
         fast, schema, scale = ctx.role == "input", self.seed_schema, self.scale
         ahead: deque[Any] = deque()
-        with ThreadPoolExecutor(1, thread_name_prefix="prep-parse") as ex:
+        with ThreadPoolExecutor(PREFETCH, thread_name_prefix="prep-parse") as ex:
             try:
-                for lines, plain in blocks:
+                for k, (lines, plain) in enumerate(blocks):
                     ahead.append(ex.submit(prepare_block, lines, plain and fast, schema, scale))
                     if len(ahead) > PREFETCH:
                         yield ahead.popleft().result()
+                    if k % TRIM_BLOCKS == TRIM_BLOCKS - 1:
+                        trim_heap()
                 while ahead:
                     yield ahead.popleft().result()
             finally:  # a corrupt .gz stops the scan: what is in flight is dropped
@@ -258,8 +376,10 @@ class SeedColumns:
     def _parse(self, ctx: Any, run: list[bytes], parsed: Any = NOT_PARSED) -> None:
         """A run of plain lines: its rows in columns (``parsed``: ``parse_checked``'s, when done ahead), halved
         while Arrow refuses it, the rows that need a rule line by line."""
+        import numpy as np
+
         if parsed is NOT_PARSED:
-            parsed = parse_checked(run, self.seed_schema, self.scale)
+            parsed = parse_lines(run, self.seed_schema, self.scale)
         if parsed is None:
             if len(run) <= MIN_RUN:
                 for line in run:
@@ -269,94 +389,112 @@ class SeedColumns:
             self._parse(ctx, run[:half])
             self._parse(ctx, run[half:])
             return
-        t, ok, tid = parsed
-        i, n = 0, len(run)
-        while i < n:
-            if not ok[i]:
-                self._line(ctx, run[i])
-                i += 1
-                continue
-            j = i + 1
-            while j < n and ok[j]:
-                j += 1
-            self._flush_pending(ctx)
-            self._flush_columns(ctx, run[i:j], t.slice(i, j - i), tid.slice(i, j - i))
-            i = j
+        i = 0
+        for j in [*np.flatnonzero(~parsed.ok).tolist(), len(run)]:  # the rows that need a rule, then the end
+            if j > i:
+                self._flush_pending(ctx)
+                self._flush_columns(ctx, parsed, i, j)
+            if j < len(run):
+                self._line(ctx, run[j])
+            i = j + 1
 
-    def _flush_columns(self, ctx: Any, raws: list[bytes], t: Any, tid: Any) -> None:
-        """A run of valid rows: duplicates found at once (``DigestIndex``), the rest written and counted."""
+    def _flush_columns(self, ctx: Any, run: Run, i: int, j: int) -> None:
+        """Rows i..j of a run, all valid: duplicates found at once (``DigestIndex``, over the run's distinct keys),
+        their duplicates.jsonl lines built in Arrow, the rest written and counted."""
         import numpy as np
         import pyarrow as pa
-        import pyarrow.compute as pc
-        import xxhash
 
-        n = len(raws)
+        n = j - i
         linenos = np.arange(ctx.lineno + 1, ctx.lineno + 1 + n, dtype=np.int64)
         ctx.lineno += n
         ctx.read += n
         st, fidx = ctx.st, ctx.fidx
-        p_col, r_col = t.column("prompt"), t.column("response")
-        # the dedup key (lengths, then the texts: unambiguous) built in Arrow, hashed per row (XXH3-128)
-        lens = [pc.cast(pc.utf8_length(x), pa.string()) for x in (tid, p_col)]
-        keyed = pc.binary_join_element_wise(lens[0], ",", lens[1], ",", tid, p_col, r_col, "")
-        keyed = pc.cast(keyed, pa.binary()).to_pylist()
-        keys = np.frombuffer(b"".join(map(xxhash.xxh3_128_digest, keyed)), dtype=np.uint64).reshape(-1, 2)
-        found = self.index.lookup(keys[:, 0], keys[:, 1])
-        kv = np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel()
-        _, first_idx, inverse = np.unique(kv, return_index=True, return_inverse=True)
-        first = first_idx[inverse.ravel()]
+        code = run.code[i:j]
+        uniq, first_idx, inverse = np.unique(code, return_index=True, return_inverse=True)
+        d = run.digests[uniq]
+        by_hi = np.argsort(d[:, 0])  # sorted needles: the index's binary searches stay in cache
+        found = np.empty(len(uniq), dtype=np.int64)
+        found[by_hi] = self.index.lookup(d[by_hi, 0], d[by_hi, 1])
+        found = found[inverse]
+        first = first_idx[inverse]
         new = (found < 0) & (first == np.arange(n))
         seq0 = self.n
-        new_seq = seq0 - 1 + np.cumsum(new)  # at a new row: its seq
-        dup_seq = np.where(found >= 0, found, new_seq[first])  # at a duplicate: the seq it repeats
         new_idx = np.flatnonzero(new)
         k = len(new_idx)
         c = self.cols
         c["copies"].frombytes(bytes(4 * k))
+        c["origin"].frombytes(((fidx << _LINE_BITS) | linenos[new_idx]).astype(np.int64).tobytes())
+        lines = run.lines.slice(i, n)
         if k < n:
+            new_seq = seq0 - 1 + np.cumsum(new)  # at a new row: its seq
             dups = np.flatnonzero(~new)
+            dup_seq = np.where(found >= 0, found, new_seq[first])[dups]  # the seq each repeats
             copies = np.frombuffer(c["copies"], dtype=np.uint32)
-            np.add.at(copies, dup_seq[dups], 1)
+            np.add.at(copies, dup_seq, 1)
+            origin = np.frombuffer(c["origin"], dtype=np.int64)[dup_seq]
             del copies
-            enc = json.encoder.encode_basestring_ascii
-            file_js = enc(st["file"])
-            orig = np.frombuffer(c["origin"], dtype=np.int64)
-            wheres: dict[int, str] = {}  # many lines repeat a few records: each one's origin said once
-            out = []
-            for d, o, ln in zip(dups.tolist(), dup_seq[dups].tolist(), linenos[dups].tolist()):
-                where = wheres.get(o)
-                if where is None:
-                    at = self.origin_str(int(orig[o])) if o < seq0 else f"{st['file']}:{int(linenos[first[d]])}"
-                    where = wheres[o] = enc(at)
-                raw = enc(raws[d].decode())
-                out.append(f'{{"file": {file_js}, "line": {ln}, "duplicate_of": {where}, "raw": {raw}}}\n')
-            del orig
-            self.sinks["duplicates"].write("".join(out).encode())
+            self.sinks["duplicates"].write(self._duplicate_lines(st, lines, dups, linenos[dups], origin, run, i))
             st["duplicates"] += len(dups)
         if not k:
             return
-        self.sinks["accepted"].write(b"\n".join([raws[i] for i in new_idx.tolist()]) + b"\n")
+        t = run.t.slice(i, n)
+        sel = pa.array(new_idx)
+        self.sinks["accepted"].write(_values(lines if k == n else lines.take(sel)))
         rewards = t.column("reward").to_numpy()[new_idx]
         c["reward"].frombytes(rewards.astype(np.float64).tobytes())
-        c["origin"].frombytes(((fidx << 40) | linenos[new_idx]).astype(np.int64).tobytes())
-        sel = pa.array(new_idx)
-        prompts = p_col.take(sel)
-        c["family"].frombytes(self._family_ids(prompts, t.column("family").take(sel)).tobytes())
-        c["held"].frombytes(self._held(tid.take(sel)).tobytes())
+        tid = run.tid.slice(i, n).take(sel)
+        prompts = t.column("prompt").take(sel)
+        fam_ids, uniq_prompts, prompt_code = self._family_ids(prompts, t.column("family").take(sel))
+        c["family"].frombytes(fam_ids.tobytes())
+        c["held"].frombytes(self._held(tid).tobytes())
         c["negative"].frombytes(bytes(k))
-        seed, rank = self.rank_seed, xxhash.xxh3_64_intdigest
-        kept = [keyed[i] for i in new_idx.tolist()]
-        c["rank"].extend([rank(x, seed) for x in kept])
-        self.text_bytes += sum(map(len, kept))
+        keyed, seed, rank = run.keyed, self.rank_seed, xxh3_64_intdigest
+        new_code = code[new_idx]
+        c["rank"].extend([rank(keyed[x], seed) for x in new_code.tolist()])
+        self.text_bytes += int(run.klen[new_code].sum())
         self.n = seq0 + k
-        self.index.add(keys[new_idx, 0].copy(), keys[new_idx, 1].copy(), np.arange(seq0, seq0 + k, dtype=np.int64))
-        cols = {"prompt": prompts, "response": r_col.take(sel), "task_id": tid.take(sel)}
-        self._write_columns(np.arange(seq0, seq0 + k, dtype=np.int64), cols)
+        d = run.digests[new_code]
+        self.index.add(d[:, 0].copy(), d[:, 1].copy(), np.arange(seq0, seq0 + k, dtype=np.int64))
+        cols = {"prompt": prompts, "response": t.column("response").take(sel), "task_id": tid}
+        self._write_columns(np.arange(seq0, seq0 + k, dtype=np.int64), cols, uniq_prompts, prompt_code)
         st["accepted"] += k
 
-    def _family_ids(self, prompts: Any, fams: Any) -> Any:
-        """Each row's family id: its family field, else its prompt's embedded family (once per distinct prompt)."""
+    def _duplicate_lines(
+        self, st: dict[str, Any], lines: Any, dups: Any, linenos: Any, origin: Any, run: Run, i: int
+    ) -> memoryview:
+        """duplicates.jsonl's lines of a run's duplicates, as ``json.dumps`` of ``{file, line, duplicate_of,
+        raw}`` writes them (ASCII escapes), built in Arrow: the raw line escaped by replacing quotes and
+        backslashes (a line ``special_lines`` names: in Python), the line numbers cast to text."""
         import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        enc = json.encoder.encode_basestring_ascii
+        raw = lines.take(pa.array(dups))  # each ends with its newline: the line's end of JSON goes in its place
+        esc = pc.replace_substring(pc.replace_substring(raw, "\\", "\\\\"), '"', '\\"')
+        esc = pc.replace_substring(esc, "\n", '"}\n')
+        special = run.special[i:][dups]
+        if special.any():
+            odd = [enc(raw[x].as_py()[:-1])[1:] + "}\n" for x in np.flatnonzero(special).tolist()]
+            esc = pc.replace_with_mask(esc, pa.array(special), pa.array(odd, pa.string()))
+        files = origin >> _LINE_BITS
+        heads = {f: f', "duplicate_of": {enc(self.files[f]["file"])[:-1]}:' for f in np.unique(files).tolist()}
+        if len(heads) == 1:
+            mid: Any = next(iter(heads.values()))
+        else:
+            at = {f: x for x, f in enumerate(heads)}
+            idx = np.asarray([at[f] for f in files.tolist()], dtype=np.int32)
+            mid = pa.DictionaryArray.from_arrays(pa.array(idx), pa.array(list(heads.values()))).cast(pa.string())
+        ln = pc.cast(pa.array(linenos), pa.string())
+        at_line = pc.cast(pa.array(origin & ((1 << _LINE_BITS) - 1)), pa.string())
+        head = f'{{"file": {enc(st["file"])}, "line": '
+        return _values(pc.binary_join_element_wise(head, ln, mid, at_line, '", "raw": "', esc, ""))
+
+    def _family_ids(self, prompts: Any, fams: Any) -> tuple[Any, list[str], Any]:
+        """Each row's family id: its family field, else its prompt's embedded family (once per distinct prompt);
+        with the distinct prompts and each row's index into them."""
+        import numpy as np
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         fam_cache, families = self._fam_cache, self.families
@@ -368,8 +506,6 @@ class SeedColumns:
             if f is None:
                 f = families[name] = len(families)
             return f
-
-        import pyarrow as pa
 
         given = pc.if_else(pc.equal(fams, ""), None, fams)  # an empty family field is no family
         need = given.is_null()
@@ -385,7 +521,7 @@ class SeedColumns:
         derived = pa.DictionaryArray.from_arrays(enc.indices, pa.array(names, pa.string())).cast(pa.string())
         final = pc.dictionary_encode(pc.if_else(need, derived, given)).combine_chunks()
         ids = np.asarray([fid(f) for f in final.dictionary.to_pylist()], dtype=np.int32)  # in order of first row
-        return ids[final.indices.to_numpy()]
+        return ids[final.indices.to_numpy()], uniq, idx
 
     def _held(self, tids: Any) -> Any:
         """Each row's split (held out: True), once per distinct task_id."""
@@ -394,11 +530,16 @@ class SeedColumns:
 
         enc = pc.dictionary_encode(tids).combine_chunks()
         cache, holdout = self._split_cache, self.holdout
-        held = [split_of(x, holdout, cache) for x in enc.dictionary.to_pylist()]
+        names = enc.dictionary.to_pylist()
+        held = list(map(cache.get, names))  # most task_ids were seen in an earlier block
+        if None in held:
+            for k in np.flatnonzero(np.equal(held, None)).tolist():
+                held[k] = split_of(names[k], holdout, cache)
         return np.asarray(held, dtype=np.int8)[enc.indices.to_numpy()]
 
-    def _write_columns(self, seqs: Any, cols: dict[str, Any]) -> None:
-        """Rows (Arrow columns) into their prompt's partition."""
+    def _write_columns(self, seqs: Any, cols: dict[str, Any], uniq: list[str], code: Any) -> None:
+        """Rows (Arrow columns) into their prompt's partition (``uniq``: the distinct prompts, ``code``: each row's
+        index into them; the partition is the per-line path's, ``hash(prompt)``, once per distinct prompt)."""
         import numpy as np
         import pyarrow as pa
 
@@ -407,8 +548,14 @@ class SeedColumns:
         if k_parts == 1:
             parts = [(self._writers[0], np.arange(len(seqs)))]
         else:
-            prompts = cols["prompt"].to_pylist()
-            where = np.fromiter((hash(p) % k_parts for p in prompts), dtype=np.int64, count=len(prompts))
+            cache = self._part_cache
+            if len(cache) > _CACHE_MAX:
+                cache.clear()
+            got = list(map(cache.get, uniq))
+            if None in got:
+                for k in np.flatnonzero(np.equal(got, None)).tolist():
+                    got[k] = cache[uniq[k]] = hash(uniq[k]) % k_parts
+            where = np.asarray(got, dtype=np.int64)[code]
             parts = [(w, np.flatnonzero(where == j)) for j, w in enumerate(self._writers)]
         for w, idx in parts:
             if not len(idx):

@@ -72,25 +72,62 @@ class SortedSpill:
         self.key_max = max(1, key_max)
         self.n = max(1, min(256, math.ceil(est_bytes / max(1, budget_bytes))))
         self.paths = [tmp / f"{name}-{i:03d}.txt" for i in range(self.n)]
-        self.files = [open(p, "w", encoding="utf-8", newline="\n") for p in self.paths]  # noqa: SIM115
+        self.files = [open(p, "wb") for p in self.paths]  # noqa: SIM115
         self.width = len(f"{self.key_max:x}")
 
     def add(self, key: int, text: str) -> None:
-        """``text``: one JSON line without its newline (JSON escapes raw newlines and tabs)."""
-        self.files[key * self.n // self.key_max].write(f"{key:0{self.width}x}\t{text}\n")
+        """``text``: one JSON line without its newline, ASCII (JSON escapes raw newlines and tabs)."""
+        self.files[key * self.n // self.key_max].write(f"{key:0{self.width}x}\t{text}\n".encode())
+
+    def add_many(self, keys: list[int], lines: Any) -> None:
+        """``add`` of many lines at once: ``lines`` an Arrow string array of them (built in columns)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        w = self.width
+        text = pc.binary_join_element_wise(pa.array([f"{k:0{w}x}" for k in keys], pa.string()), "\t", lines, "\n", "")
+        bucket = np.asarray([k * self.n // self.key_max for k in keys], dtype=np.int64)
+        for b in np.unique(bucket).tolist():
+            part = text if self.n == 1 else text.filter(pa.array(bucket == b))
+            self.files[b].write(_values(part))
 
     def write_sorted(self, path: Path) -> int:
+        """Every line, in key order (a bucket sorted in Arrow on its fixed-width hex keys: text order is key
+        order), without its key."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         for f in self.files:
             f.close()
-        n = 0
-        with open(path, "w", encoding="utf-8", newline="\n") as out:
+        n, w = 0, self.width
+        with open(path, "wb") as out:
             for p in self.paths:
-                lines = p.read_text(encoding="utf-8").splitlines()
-                lines.sort()  # fixed-width hex keys: text order is key order
-                out.writelines(line.split("\t", 1)[1] + "\n" for line in lines)
-                n += len(lines)
+                data = p.read_bytes()
+                if data:
+                    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+                    offsets = pa.py_buffer(np.concatenate(([0], ends + 1)).astype(np.int64))
+                    lines = pa.LargeBinaryArray.from_buffers(
+                        pa.large_binary(), len(ends), [None, offsets, pa.py_buffer(data)]
+                    )
+                    order = pc.sort_indices(pc.binary_slice(lines, 0, w))
+                    out.write(_values(pc.binary_slice(lines.take(order), w + 1, len(data))))  # stop None: fails
+                    n += len(ends)
                 p.unlink()
         return n
+
+
+def _values(arr: Any) -> memoryview:
+    """The bytes of an Arrow (large) string / binary array's values, in order (its rows joined with nothing)."""
+    import numpy as np
+    import pyarrow as pa
+
+    wide = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    dt = np.int64 if wide else np.int32
+    off = np.frombuffer(arr.buffers()[1], dtype=dt, count=len(arr) + 1, offset=dt().itemsize * arr.offset)
+    data = arr.buffers()[2]
+    return memoryview(data)[int(off[0]) : int(off[-1])] if data is not None else memoryview(b"")
 
 
 # ------------------------------------------------------------------------------------------ review
@@ -192,6 +229,68 @@ def _review_lines(
     return out
 
 
+def _json_strings(col: Any) -> Any:
+    """Each value of an Arrow string array as ``json.dumps`` writes it (ASCII escapes): quotes and backslashes
+    escaped in Arrow, a value with any other character JSON escapes (control, DEL, non-ASCII) in Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    esc = pc.replace_substring(pc.replace_substring(col, "\\", "\\\\"), '"', '\\"')
+    esc = pc.binary_join_element_wise('"', esc, '"', "")
+    odd = pc.match_substring_regex(col, "[^ -~]")
+    if pc.any(odd).as_py():
+        enc = json.encoder.encode_basestring_ascii
+        esc = pc.replace_with_mask(esc, odd, pa.array([enc(x) for x in col.filter(odd).to_pylist()], pa.string()))
+    return esc
+
+
+def _texts(values: list[str], idx: Any) -> Any:
+    """An Arrow string array: ``values[idx[i]]`` at row i (a few distinct texts, many rows)."""
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.asarray(idx, dtype=np.int32)), pa.array(values, pa.string())
+    ).cast(pa.string())
+
+
+def _seed_review_lines(
+    prompt: Any, response: Any, task_id: Any, fam: Any, reward: Any, fam_names: list[str], scale: float, thr: float
+) -> Any:
+    """The review items of seed records (``_review_line``'s JSON lines, an Arrow string array), built in columns:
+    per row only the review id (sha1) in Python, and the embedded tasks' simulated labels (their verifiers)."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    enc = json.encoder.encode_basestring_ascii
+    joined = pc.cast(pc.binary_join_element_wise(task_id, prompt, response, ""), pa.binary()).to_pylist()
+    rid = pa.array([hashlib.sha1(x).hexdigest()[:12] for x in joined], pa.string())  # lines.review_id
+    values, at = np.unique(reward, return_inverse=True)
+    rewards = _texts([float.__repr__(float(x)) for x in values], at)
+    band = _texts(["high", "low", "mid"], np.where(reward < 0.3 * scale, 1, np.where(reward >= thr, 0, 2)))
+    # the simulated label of an embedded task's record (not code: the review gate's reviewer runs its tests)
+    ps = pc.dictionary_encode(prompt)
+    known = [tasks.parse_prompt(p) for p in ps.dictionary.to_pylist()]
+    ok = np.asarray([t is not None and t.family != "code" for t in known] or [False], dtype=bool)
+    rows = np.flatnonzero(ok[ps.indices.to_numpy()]).tolist()
+    label = ["null"] * len(rid)
+    if rows:
+        pi = ps.indices.to_numpy()
+        resp = response.take(pa.array(rows)).to_pylist()
+        scores = tasks.score_tasks([known[pi[i]] for i in rows], resp, scale)
+        for i, v in zip(rows, scores):
+            label[i] = float.__repr__(float(v))
+    cols = ['{"review_id": "', rid, '", "task_id": ', _json_strings(task_id), ', "family": ']
+    cols += [_texts([enc(f) for f in fam_names], fam), ', "prompt": ', _json_strings(prompt), ', "response": ']
+    cols += [_json_strings(response), ', "reward": ', rewards, ', "reward_band": "', band, '", "simulated_label": ']
+    cols += [pa.array(label, pa.string()), "}", ""]
+    return pc.binary_join_element_wise(*cols)
+
+
 # ------------------------------------------------------------------------------------------ grouping
 class _Prompt:
     """One row of the GRPO / held-out prompt set, accumulated over the records of its prompt."""
@@ -290,6 +389,32 @@ def _fingerprint() -> str:
 
 def _tid_hash(task_id: str | None) -> int:
     return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
+
+
+def _merge_by_first_seq(tables: list[Any], path: Path, batch: int = ROW_BATCH) -> None:
+    """Partition tables, each in first_seq order, into one Arrow stream file in first_seq order (without the
+    column), a batch of rows at a time: in a batch, each table's rows are one slice of it."""
+    import numpy as np
+    import pyarrow as pa
+
+    first = [t.column("first_seq").to_numpy() for t in tables]
+    which = np.concatenate([np.full(len(f), k, dtype=np.int64) for k, f in enumerate(first)])
+    order = np.argsort(np.concatenate(first), kind="stable")
+    row = np.concatenate([np.arange(len(f), dtype=np.int64) for f in first])[order]
+    which = which[order]
+    tables = [t.drop_columns(["first_seq"]) for t in tables]
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, tables[0].schema) as writer:
+        for s in range(0, len(order), batch):
+            w, r = which[s : s + batch], row[s : s + batch]
+            pieces, offset, pos = [], 0, np.empty(len(w), dtype=np.int64)
+            for k in np.unique(w).tolist():
+                at = w == k
+                lo = int(r[at].min())
+                n = int(r[at].max()) - lo + 1
+                pieces.append(tables[k].slice(lo, n))
+                pos[at] = offset + r[at] - lo
+                offset += n
+            writer.write_table(pa.concat_tables(pieces).take(pa.array(pos)))
 
 
 class Distill:
@@ -402,6 +527,17 @@ class Distill:
             outliers.add(int(seq[i]), json.dumps(rec))
         conv_at = table.column("conv_at")  # a conversation's record: its offset in its sink (null: a seed line)
         picks = np.flatnonzero(self.picked[seq])
+        is_conv = conv_at.take(pa.array(picks)).is_valid().to_numpy(zero_copy_only=False)
+        if (~is_conv).any():  # seed records: their review items built in columns
+            sp = picks[~is_conv]
+            at = pa.array(sp)
+            lines = _seed_review_lines(
+                enc.dictionary.take(pa.array(code[sp])), resps.take(at), tids.take(at), c["family"][seq[sp]],
+                r[sp], self.fam_names, scale, thr,
+            )  # fmt: skip
+            keys = [rk << LINE_BITS | s for rk, s in zip(c["rank"][seq[sp]].tolist(), seq[sp].tolist())]
+            review.add_many(keys, lines)
+        picks = picks[is_conv]  # conversations: their whole records, read back from the sink
         if len(picks):
             at = pa.array(picks)
             rows = zip(
@@ -468,7 +604,6 @@ class Distill:
     def save(self, out: Path) -> dict[str, Path]:
         """Write both datasets (save_to_disk), rows in the order of their prompt's first record."""
         import datasets
-        import numpy as np
 
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # two "Saving the dataset" bars per round say nothing
@@ -488,9 +623,10 @@ class Distill:
                     ds = datasets.Dataset(table.drop_columns(["first_seq"]), fingerprint=_fingerprint())
                     ds.save_to_disk(str(paths[name]))
                     continue
-                # several partitions: each finished (the cap) into a new Arrow file, memory-mapped, one ordered
-                # pass (save_to_disk batches it)
-                pieces = []
+                # several partitions: each finished (the cap) into a new Arrow file, memory-mapped, then merged in
+                # first_seq order into one (a partition's rows are in that order already: each batch of the merge
+                # is a slice of each partition, interleaved by one take), which datasets saves as it is
+                tables = []
                 for f in parts:
                     with pa.memory_map(str(f)) as src:
                         t = self.sel.finish(pa.ipc.open_stream(src).read_all(), spill)
@@ -498,11 +634,13 @@ class Distill:
                     with pa.OSFile(str(g), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
                         writer.write_table(t)
                     del t
-                    pieces.append(datasets.Dataset.from_file(str(g)))
-                ds = datasets.concatenate_datasets(pieces)
-                order = np.argsort(np.asarray(ds.data.column("first_seq")), kind="stable")
-                ds.select(order).remove_columns(["first_seq"]).save_to_disk(str(paths[name]))
-                del ds, pieces
+                    tables.append(pa.ipc.open_stream(pa.memory_map(str(g))).read_all())
+                merged = tmp / f"{name}.arrow"
+                _merge_by_first_seq(tables, merged)
+                del tables
+                ds = datasets.Dataset.from_file(str(merged))
+                ds.save_to_disk(str(paths[name]))
+                del ds
             paths["conversations"] = self._save_conversations(PrepLayout(out).conversations)
         finally:
             if bars:

@@ -46,7 +46,7 @@ from typing import Any, BinaryIO
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from hermes_lab.data import readers
-from hermes_lab.data.columns import Corrupt, SeedColumns, read_blocks
+from hermes_lab.data.columns import Corrupt, SeedColumns, read_blocks, trim_heap
 from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, RAW_KEEP, ConversationIngest, convert
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
@@ -133,6 +133,7 @@ class Ingest(SeedColumns, ConversationIngest):
         self.families: dict[str, int] = {}
         self._fam_cache: dict[str, str] = {}
         self._split_cache: dict[str, bool] = {}
+        self._part_cache: dict[str, int] = {}  # a prompt's partition (the column path's, hash(prompt) % n_parts)
         self.tmp_sinks = {n: tmp / f"{n}.jsonl" for n in SINKS}
         self.sinks = {n: open(p, "wb") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
         # the conversations: their own near-duplicate index, their stats (accepted ones, in seq order), rewards
@@ -162,8 +163,13 @@ class Ingest(SeedColumns, ConversationIngest):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
+        """The sinks and partitions closed; what only the scan needs (the dedup indexes, the per-prompt and
+        per-task caches) let go, and the heap's free pages given back, before distill."""
         for f in self.sinks.values():
             f.close()
+        self.index, self.near_index, self.id_index = DigestIndex(), DigestIndex(), DigestIndex()
+        self._fam_cache, self._split_cache, self._part_cache = {}, {}, {}
+        trim_heap()
         for w in self._writers:
             w.close()
         self._writers = []
