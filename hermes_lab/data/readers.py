@@ -280,6 +280,17 @@ def _blocks(value: str, kinds: tuple[str, ...], at: str) -> list[tuple[str | Non
     return out
 
 
+def _one_block(value: str, kind: str) -> list[tuple[str | None, str]] | None:
+    """``_blocks`` of a value holding one ``kind`` block (a tool turn's single result): three finds instead of the
+    tag scan; None for any other value."""
+    head, tail = f"<{kind}>", f"</{kind}>"
+    i, j = value.find(head), value.find(tail)  # the first closing tag closes (an opening one inside is text)
+    end = j + len(tail)
+    if i < 0 or j < i + len(head) or value.find(head, end) >= 0 or value.find(tail, end) >= 0:
+        return None
+    return [(None, value[:i]), (kind, value[i + len(head) : j]), (None, value[end:])]
+
+
 def _json_body(body: str, what: str, at: str) -> dict[str, Any]:
     try:
         obj = orjson.loads(body)
@@ -388,7 +399,7 @@ def _trajectory(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[
             open_calls = calls or None
         else:
             results = []
-            for tag, body in _blocks(value, ("tool_response",), at):
+            for tag, body in _one_block(value, "tool_response") or _blocks(value, ("tool_response",), at):
                 if tag is None:
                     if body.strip():
                         raise Invalid("broken tag", f"{at}: text outside <tool_response>: {body.strip()[:40]!r}")
