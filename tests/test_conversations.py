@@ -476,3 +476,40 @@ def test_the_config_and_prep_name_the_same_formats():
 
     hint = typing.get_type_hints(ConversationsSection)["format"]
     assert typing.get_args(hint) == ("auto", *FORMATS)
+
+
+def test_tool_results_and_arguments_are_written_as_the_standard_encoder_writes_them():
+    """A tool result or call's arguments that is JSON becomes text exactly as json.dumps(ensure_ascii=False) writes
+    it (conversation._json_text builds it from orjson's strings): every character, floats, nesting, and what only
+    the standard encoder writes (NaN, a lone surrogate, keys that are no strings) or refuses (too deep, a huge int)."""
+    import random
+
+    rng = random.Random(45)
+    atoms = [None, True, False, 0, -1, 2**63, -(2**64), 10**30, 1.5e308, 5e-324, 0.1, -0.0, 1e16, 1e-7,
+             float("nan"), float("-inf"), "", "é\u2028", "\x00\x1f\x7f", "日本😀", "\ud800", 'a"b\\c\n\t\r\b\f',
+             10**5000]  # fmt: skip
+    keys = ["k", "", "a:b", "\ud801", 1, None, 2.5, True]
+
+    def value(depth: int):
+        r = rng.random()
+        if depth > 4 or r < 0.4:
+            return rng.choice(atoms)
+        if r < 0.7:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice(keys): value(depth + 1) for _ in range(rng.randrange(4))}
+
+    def written(fn, v):
+        try:
+            return "text", fn(v)
+        except (TypeError, ValueError, RecursionError) as e:
+            return "refused", type(e).__name__
+
+    deep: list = []
+    x = deep
+    for _ in range(5000):
+        x.append([])
+        x = x[0]
+    values = [value(0) for _ in range(3000)] + [deep, "".join(map(chr, range(0xD800)))]
+    for v in values:
+        assert written(C._json_text, v) == written(lambda v: json.dumps(v, ensure_ascii=False), v), v
+    assert 1500 < sum(written(C._json_text, v)[0] == "text" for v in values) < len(values) - 200
