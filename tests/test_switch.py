@@ -1,4 +1,4 @@
-"""The live flywheel's hot swap (hermes_lab.live.switch): one uvicorn server on 127.0.0.1, one experiment after
+"""The live flywheel's hot swap (hermes_lab.live.switch): one gateway server on 127.0.0.1, one experiment after
 another, under load. In-process arms: the tiny policy and a LoRA adapter of it (the adapter loaded beside the
 running policy, the base not loaded twice). vLLM arms: tests/fake_openai.py with vLLM's runtime LoRA API
 (POST /v1/load_lora_adapter), the gateway switching the model name.
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -29,6 +28,8 @@ from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.live.arms import UpstreamError, resolve_arm  # noqa: E402
 from hermes_lab.live.gateway import Gateway  # noqa: E402
 from hermes_lab.live.local import ArmPool  # noqa: E402
+from hermes_lab.live.serve import bind  # noqa: E402
+from hermes_lab.live.server import Server  # noqa: E402
 from hermes_lab.live.switch import Switchboard  # noqa: E402
 from hermes_lab.tasks import agent as A  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402
@@ -56,24 +57,26 @@ def adapter(tmp_path_factory) -> Path:
 
 
 class Served:
-    """A switchboard under uvicorn in a thread; ``swap`` runs on its event loop as the supervisor's does."""
+    """A switchboard under the gateway's server (hermes_lab.live.server, as the supervisor runs it) on its own event
+    loop in a thread; ``swap`` runs on that loop as the supervisor's does."""
 
     def __init__(self, board: Switchboard):
         self.board, self.port = board, free_port()
-        cfg = uvicorn.Config(board, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = Server(board, board.chat, board.refuse, board.current.max_body)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def __enter__(self) -> Served:
         self.thread.start()
-        for _ in range(400):
-            if self.server.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("the switchboard did not start")
+        sock = bind("127.0.0.1", self.port)
+        asyncio.run_coroutine_threadsafe(self.board.startup(), self.loop).result(120)
+        asyncio.run_coroutine_threadsafe(self.server.start(sock), self.loop).result(30)
+        return self
 
     def __exit__(self, *a) -> None:
-        self.server.should_exit = True
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.board.shutdown(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(60)
 
     @property

@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 server: ``hermes-lab serve`` on a bound socket, without uvicorn on the hot path.
+"""The gateway's HTTP/1.1 server: ``hermes-lab serve`` and the live flywheel's switchboard on a bound socket.
 
 Stage: validate (live A/B). Reads and writes nothing itself: it parses requests (httptools: llhttp, the parser
 uvicorn uses) and hands ``POST /v1/chat/completions`` straight to the gateway's ``chat`` (``hermes_lab.live.handling``),
@@ -6,13 +6,15 @@ its answer written as one buffer (``_Raw``) or as chunked SSE pieces (``_Events`
 gateway's ASGI app (``hermes_lab.live.routes.build_app``: Starlette's router) through a minimal ASGI bridge. The
 gateway's start and stop are called around serving (what the ASGI lifespan did under uvicorn).
 
-    hermes-lab serve --params params/embedded.yaml      # python -m hermes_lab.live.serve
+    hermes-lab serve --params params/embedded.yaml      # python -m hermes_lab.live.serve (Server.serve)
+    hermes-lab flywheel --live                           # its supervisor: Server.start / Server.stop
 
 Why not uvicorn: on the hot path it cost a scope dict, a request-response cycle object, header checks by regular
 expression and one ``send`` message per response part (benchmarks/bench_gateway.py --profile); here a request is
 a dict of lower-cased headers and its body, an answer one ``transport.write``. HTTP/1.1 as clients use it:
 keep-alive (closed after ``KEEP_ALIVE_S`` idle), pipelined requests answered in order, ``Expect: 100-continue``,
-chunked request bodies, a body over ``max_body`` refused with 413 before it is read, a malformed request a 400.
+chunked request bodies, a body over ``max_body`` refused with 413 (read and dropped, the connection kept; not
+sent at all after ``Expect: 100-continue``), a malformed request a 400 in its turn, then the connection closed.
 SIGTERM / SIGINT: stop accepting, close idle connections, let requests in flight finish (``GRACE_S`` at most),
 then stop the gateway.
 """
@@ -365,32 +367,43 @@ class Server:
         self.inflight = 0
         self.stopping = False
         self.address: tuple[str, int] | None = None
+        self._server: Any = None
+        self._sweeper: Any = None
+
+    async def start(self, sock: socket.socket) -> None:
+        """Accept connections on ``sock`` (bound) from now on, on the running event loop."""
+        self.address = sock.getsockname()[:2]
+        self._server = await asyncio.get_running_loop().create_server(lambda: Connection(self), sock=sock, backlog=2048)
+        self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def stop(self) -> None:
+        """Stop accepting, close idle connections, let the requests in flight finish (GRACE_S at most)."""
+        self.stopping = True
+        self._server.close()
+        self._sweeper.cancel()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < GRACE_S:
+            for c in list(self.conns):
+                if c.task is None:
+                    c.transport.close()
+            if not self.inflight:
+                break
+            await asyncio.sleep(0.05)
+        for c in list(self.conns):
+            c.transport.close()
 
     async def serve(self, sock: socket.socket, startup: Any, shutdown: Any) -> None:
+        """``startup()``, serve until SIGTERM / SIGINT, ``stop()``, ``shutdown()``."""
         loop = asyncio.get_running_loop()
         await startup()
         stop = loop.create_future()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        self.address = sock.getsockname()[:2]
-        server = await loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
-        sweeper = asyncio.ensure_future(self._sweep())
+        await self.start(sock)
         try:
             await stop
         finally:
-            self.stopping = True
-            server.close()
-            sweeper.cancel()
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < GRACE_S:
-                for c in list(self.conns):
-                    if c.task is None:
-                        c.transport.close()
-                if not self.inflight:
-                    break
-                await asyncio.sleep(0.05)
-            for c in list(self.conns):
-                c.transport.close()
+            await self.stop()
             await shutdown()
 
     async def _sweep(self) -> None:

@@ -5,8 +5,10 @@ Reads and writes what each experiment's ``hermes_lab.live.gateway.Gateway`` does
 ``runs/live/``); serves the status page (``hermes_lab.live.page``) at ``GET /`` and the flywheel's status as
 JSON at ``GET /v1/flywheel``.
 
-The switchboard is the ASGI app uvicorn serves. It holds the *current* gateway (one experiment: its arms,
-log dir, rollout) and hands every request to it. ``swap`` puts the next experiment in without a restart:
+The switchboard is what the gateway's server (``hermes_lab.live.server``) answers with: its ``chat`` the chat
+endpoint, itself an ASGI app for the other routes (uvicorn can serve it too). It holds the *current* gateway (one
+experiment: its arms, log dir, rollout) and hands every request to it. ``swap`` puts the next experiment in
+without a restart:
 
 1. the new gateway is built off the event loop (its in-process policies come from one shared
    ``hermes_lab.live.local.ArmPool``: the new adapter is loaded beside the running ones, the champion is
@@ -35,7 +37,7 @@ import orjson
 from starlette.responses import HTMLResponse
 
 from hermes_lab.live.gateway import Gateway
-from hermes_lab.live.handling import _Raw, _Refused
+from hermes_lab.live.handling import _Events, _Raw, _Refused
 from hermes_lab.live.local import ArmPool
 from hermes_lab.live.page import render
 from hermes_lab.live.routes import build_app
@@ -124,23 +126,37 @@ class Switchboard:
             return None
         return None
 
-    async def _chat(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def chat(self, hdr: dict[bytes, bytes], receive: Any) -> Any:
+        """``POST /v1/chat/completions`` to the gateway that owns it: the current one, or a draining one whose open
+        conversation it continues. It counts as in flight there until its answer is over (a stream: until it
+        is closed), so a draining gateway is never shut down under an answer."""
         gw = self.current
         if self.draining:  # read the body once to find its conversation, then replay it to the owner
-            hdr = dict(scope["headers"])
             try:
                 body = await gw._read(hdr, receive)
             except _Refused as e:
-                await gw._refuse(e)(scope, receive, send)
-                return
+                return gw._refuse(e)
             gw = self._owner(body, hdr) or gw
             receive = _replay(body, receive)
         key = id(gw)
         self._inflight[key] = self._inflight.get(key, 0) + 1
         try:
-            await gw.chat_asgi(scope, receive, send)
-        finally:
+            resp = await gw.chat(hdr, receive)
+        except BaseException:
             self._inflight[key] -= 1
+            raise
+        if isinstance(resp, _Events):
+            resp.body = _Counted(resp.body, lambda: self._inflight.__setitem__(key, self._inflight[key] - 1))
+        else:
+            self._inflight[key] -= 1
+        return resp
+
+    def refuse(self, status: int, message: str, code: str = "body_too_large") -> Any:
+        return self.current.refuse(status, message, code)
+
+    async def _chat(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        resp = await self.chat(dict(scope["headers"]), receive)
+        await resp(scope, receive, send)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -178,6 +194,27 @@ class Switchboard:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+class _Counted:
+    """A stream's pieces, and ``done()`` once when it is closed (both servers close a stream they answered)."""
+
+    def __init__(self, body: Any, done: Callable[[], None]):
+        self.body, self.done = body, done
+
+    def __aiter__(self) -> _Counted:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.body.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self.body.aclose()
+        finally:
+            if self.done is not None:
+                self.done, done = None, self.done
+                done()
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -465,7 +465,7 @@ class Supervisor:
 
     def _quiet(self) -> bool:
         """--rounds reached: whether the gateway may close now. It waits until its traffic has paused for QUIET_S
-        (no request answered meanwhile; uvicorn then finishes the ones in flight), at most QUIET_MAX_S: clients
+        (no request answered meanwhile; the server then finishes the ones in flight), at most QUIET_MAX_S: clients
         stop before the gateway does, so none of their requests is refused at the end."""
         gw, now = self.board.current, time.monotonic()
         seen = sum(gw.tally.n) + sum(gw.tally.errors)
@@ -486,10 +486,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------- main
     async def run(self) -> int:
-        import uvicorn
-
         from hermes_lab.live.local import ArmPool
         from hermes_lab.live.serve import bind
+        from hermes_lab.live.server import Server
         from hermes_lab.live.switch import Switchboard
 
         s = self.cfg.serve
@@ -506,17 +505,15 @@ class Supervisor:
         first = self._serve_dir()
         self.board = Switchboard(await asyncio.to_thread(self._gateway, first), self.pool, status=self.status)
         self._serving(first)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                self.board, log_level="warning", access_log=False, server_header=False, lifespan="on", ws="none"
-            )
-        )
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if serving.done():
-            await serving
+        # the gateway's own HTTP server (hermes_lab.live.server: what `hermes-lab serve` runs), the switchboard its
+        # chat handler and its ASGI app for the other routes
+        server = Server(self.board, self.board.chat, self.board.refuse, s.max_body_bytes, s.access_log)
+        try:
+            await self.board.startup()
+        except Exception as e:
+            self.say(f"the gateway did not start: {type(e).__name__}: {e}")
             return 1
+        await server.start(sock)
         gw = self.board.current
         again = f", restart {self.state['restarts']}" if self.state["restarts"] else ""
         self.say(
@@ -530,7 +527,7 @@ class Supervisor:
             loop.add_signal_handler(sig, stop.set)
         rc = 0
         try:
-            while not stop.is_set() and not serving.done():
+            while not stop.is_set():
                 await self.step()
                 self.write_status()
                 if self.phase == "stopped" and self._quiet():
@@ -546,8 +543,8 @@ class Supervisor:
                 self.worker.terminate()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.worker.wait(), 30)
-            server.should_exit = True
-            await serving
+            await server.stop()
+            await self.board.shutdown()
             self.write_status()
         return rc
 
