@@ -5,10 +5,12 @@ file, and before / after in one run.
 Goals (issue 45, on 2 cores): 1,000,000 seed records in <= 2.5x ``load_dataset`` with peak RSS <= 0.26 GiB;
 100,000 Hermes conversations (~10 KB each) in <= 4x with peak RSS <= 1.22 GiB; and at 5,000,000 records (``--records
 1000000 5000000``) peak RSS <= 1.5 GiB (prep streams within ``data.memory_budget_mb``). Each measurement runs prep in
-a fresh child process; its peak RSS is the child's ``ru_maxrss`` (os.wait4: the largest of it and the worker
-processes it reaped), so the parent's generator does not count. ``load_dataset`` of each file is timed once, in
-the same run, with a cold cache (a lower bound: it parses, but validates, dedups and splits nothing). Plots are
-skipped (make_plots=False); the review sample is included. Not a test: run it by hand or via ``make bench``.
+a fresh child process; its peak RSS is the child's own (VmHWM, which it reads at its end) or the largest of the
+worker processes it reaped (their ``ru_maxrss``), so the parent's generator and ``load_dataset`` do not count (the
+``ru_maxrss`` os.wait4 gives for the child also counts the parent's pages, shared by the spawn until exec).
+``load_dataset`` of each file is timed once, in the same run, with a cold cache (a lower bound: it parses, but
+validates, dedups and splits nothing). Plots are skipped (make_plots=False); the review sample is included. Not a
+test: run it by hand or via ``make bench``.
 
 ``--before DIR``: the same measurements with another checkout of the package (its ``hermes_lab`` first on the
 child's path), alternating with this one's on the same files, so that before / after are measured in one run
@@ -215,7 +217,9 @@ if prof is not None:
         top.append([key, [[f"{f.split('hermes_lab/')[-1].split('site-packages/')[-1]}:{l}({n})", round(v[k], 3), v[1]]
                           for (f, l, n), v in rows[:14]]])
 print(json.dumps({"seconds": took, "summary": res.summary, "anon_kb": anon[0], "profile": top, "cpu": cpu,
-                  "workers_cpu": kids.ru_utime + kids.ru_stime}, default=str))
+                  "workers_cpu": kids.ru_utime + kids.ru_stime, "workers_maxrss_kb": kids.ru_maxrss,
+                  "hwm_kb": int(next(x.split()[1] for x in open("/proc/self/status") if x.startswith("VmHWM")))},
+                 default=str))
 """
 
 
@@ -228,12 +232,15 @@ def run_child(data: Path, out: Path, budget_mb: int, root: Path = ROOT, profile:
         env=dict(os.environ, PYTHONPATH=path),
     )
     stdout = proc.stdout.read()  # type: ignore[union-attr]
-    _, status, usage = os.wait4(proc.pid, 0)
+    _, status, _ = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"prep child ({root}) failed with exit code {proc.returncode}")
     shutil.rmtree(out, ignore_errors=True)
-    return json.loads(stdout.decode().strip().splitlines()[-1]), usage.ru_maxrss / 2**20  # KiB on Linux
+    res = json.loads(stdout.decode().strip().splitlines()[-1])
+    # the child's own peak (VmHWM) or its workers': wait4's ru_maxrss also counts the parent's pages that the
+    # spawn shared before exec (~0.31 GiB once load_dataset has read 1,000,000 records), not prep's
+    return res, max(res["hwm_kb"], res["workers_maxrss_kb"]) / 2**20  # KiB on Linux
 
 
 def load_dataset_seconds(data: Path, cache: Path) -> tuple[float | None, str]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data.conversation import dataset_schema, record_of, review_key
-from hermes_lab.data.ingest import LINE_BITS, review_id
+from hermes_lab.data.ingest import LINE_BITS, review_id, trim_heap
 from hermes_lab.data.selection import Selection
 from hermes_lab.tasks import suite as tasks
 
@@ -112,7 +112,9 @@ class SortedSpill:
                         pa.large_binary(), len(ends), [None, offsets, pa.py_buffer(data)]
                     )
                     order = pc.sort_indices(pc.binary_slice(lines, 0, w))
-                    out.write(_values(pc.binary_slice(lines.take(order), w + 1, len(data))))  # stop None: fails
+                    for k in range(0, len(order), ROW_BATCH):  # a batch of sorted lines at a time, without keys
+                        part = lines.take(order.slice(k, ROW_BATCH))
+                        out.write(_values(pc.binary_slice(part, w + 1, len(data))))  # stop None: fails
                     n += len(ends)
                 p.unlink()
         return n
@@ -445,6 +447,7 @@ class Distill:
             if table.num_rows:
                 self._partition(table, review, outliers)
             del table
+            trim_heap()  # a partition's work freed: its pages back before the next
             path.unlink()
         self.sel.plan()
 
@@ -638,6 +641,7 @@ class Distill:
                 merged = tmp / f"{name}.arrow"
                 _merge_by_first_seq(tables, merged)
                 del tables
+                trim_heap()
                 ds = datasets.Dataset.from_file(str(merged))
                 ds.save_to_disk(str(paths[name]))
                 del ds
