@@ -566,11 +566,9 @@ class SeedColumns:
         import numpy as np
         import pyarrow as pa
 
-        k_parts = self.n_parts
-        null, no_conv = pa.nulls(len(seqs), pa.string()), pa.nulls(len(seqs), pa.int64())
-        if k_parts == 1:
-            parts = [(self._writers[0], np.arange(len(seqs)))]
-        else:
+        k_parts, n = self.n_parts, len(seqs)
+        order, bounds = None, [0, n]
+        if k_parts > 1:
             cache = self._part_cache
             if len(cache) > _CACHE_MAX:
                 cache.clear()
@@ -579,16 +577,17 @@ class SeedColumns:
                 for k in np.flatnonzero(np.equal(got, None)).tolist():
                     got[k] = cache[uniq[k]] = hash(uniq[k]) % k_parts
             where = np.asarray(got, dtype=np.int64)[code]
-            parts = [(w, np.flatnonzero(where == j)) for j, w in enumerate(self._writers)]
-        for w, idx in parts:
-            if not len(idx):
-                continue
-            whole = len(idx) == len(seqs)
-            pick = pa.array(idx)
-            batch = [pa.array(seqs[idx], pa.int64())]
-            batch += [cols[c] if whole else cols[c].take(pick) for c in ("prompt", "response", "task_id")]
-            batch += [no_conv if whole else no_conv.take(pick), null if whole else null.take(pick)]
-            w.write_batch(pa.record_batch([_flat(a) for a in batch], schema=self.schema))
+            order = np.argsort(where, kind="stable")  # the rows by partition, each in seq order: one take a column
+            bounds = np.searchsorted(where[order], np.arange(k_parts + 1)).tolist()
+        rows = [pa.array(seqs if order is None else seqs[order], pa.int64())]
+        pick = None if order is None else pa.array(order)
+        rows += [_flat(cols[c] if pick is None else cols[c].take(pick)) for c in ("prompt", "response", "task_id")]
+        rows += [pa.nulls(n, pa.int64()), pa.nulls(n, pa.string())]  # conv_at, tests: none on this path
+        batch = pa.record_batch(rows, schema=self.schema)
+        for j, w in enumerate(self._writers if k_parts > 1 else self._writers[:1]):
+            lo, hi = bounds[j], bounds[j + 1]
+            if hi > lo:
+                w.write_batch(batch.slice(lo, hi - lo))
 
 
 def _flat(a: Any) -> Any:
