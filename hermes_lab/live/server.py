@@ -271,22 +271,21 @@ class Connection(asyncio.Protocol):
     async def _stream(self, resp: _Events, keep_alive: bool) -> bool:
         """An SSE answer as HTTP chunks: each upstream piece one chunk. The head goes out with the first piece and
         the end with the last (one send each instead of three: a send is a system call)."""
-        write = self.transport.write
+        write = self.transport.writelines  # one writev of the parts: a piece is framed without being copied
         pending = head(200, [*resp.raw_headers, (b"transfer-encoding", b"chunked")], not keep_alive)
         self.streaming = True
         try:
             async for piece in resp.body:
                 if self.transport.is_closing():
                     raise asyncio.CancelledError
-                out = b"%s%x\r\n%s\r\n" % (pending, len(piece), piece) if piece else pending
+                parts = (pending, b"%x\r\n" % len(piece), piece, b"\r\n") if piece else (pending,)
                 pending = b""
                 if type(piece) is _Last:
-                    write(out + b"0\r\n\r\n")
+                    write((*parts, b"0\r\n\r\n"))
                     return True
-                if out:
-                    write(out)
+                write(parts)
                 await self._drain()
-            write(pending + b"0\r\n\r\n")
+            write((pending, b"0\r\n\r\n"))
             return True
         finally:
             self.streaming = False
