@@ -551,7 +551,7 @@ def _conv_item(lineno: int | None, rec: dict[str, Any], as_dict: bool = False) -
     """A conversation in a batch: (line, record text, prompt, response, what the columns need, review key, exact
     digest, near digest, id digest, its conversations/ row as text); no record object (pickled cheaply)."""
     msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
-    text, key = _text(rec), review_key(rec["task_id"], cid)
+    text, key = _record_text(rec), review_key(rec["task_id"], cid)
     o = rec["outcome"]
     info = (cid, rec["family"], rec["reward"], rec["task_id"], o["turns"], o["tool_calls"], o["tool_errors"])
     info += (rec["reward_source"], rec.get("tests"))
@@ -562,11 +562,11 @@ def _conv_item(lineno: int | None, rec: dict[str, Any], as_dict: bool = False) -
             row if as_dict else _text(row))  # fmt: skip
 
 
-def _text(v: Any) -> bytes:
+def _text(v: Any, same: Any = None) -> bytes:
     """``conversation.record_text`` as UTF-8 bytes (what the sinks and the spill take), the U+2028 / U+2029 test
-    made on orjson's bytes."""
+    made on orjson's bytes; ``same``: what orjson writes as ``v`` (a record with its tools as a fragment)."""
     try:
-        data = orjson.dumps(v)
+        data = orjson.dumps(v if same is None else same)
     except (TypeError, orjson.JSONEncodeError):
         return record_text(v).encode("utf-8", "surrogatepass")
     # their last bytes first: one byte is a memchr, and \xa8 / \xa9 are rare (a dash is \xe2\x80\x94)
@@ -600,20 +600,32 @@ def _norm_args(call: dict[str, Any]) -> tuple[str, str]:
     return call["function"]["name"], args
 
 
-_TOOLS: dict[int, tuple[Any, bytes, str]] = {}  # id -> (the list, kept alive; its digest; its JSON text)
+_TOOLS: dict[int, tuple[Any, bytes, str, Any]] = {}  # id -> (the list, kept alive; its digest; its JSON text; its
+# orjson text as a fragment of a record's, None where orjson refuses it)
 
 
-def _tools_cached(tools: list[dict[str, Any]]) -> tuple[bytes, str]:
-    """A tool list's digest and JSON text, once per list object (a Hermes run's lines share one parsed list)."""
+def _tools_cached(tools: list[dict[str, Any]]) -> tuple[bytes, str, Any]:
+    """A tool list's digest, JSON text and orjson fragment, once per list object (a Hermes run's lines share one
+    parsed list)."""
     hit = _TOOLS.get(id(tools))
     if hit is not None and hit[0] is tools:
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
     text = json_text(tools)
     d = xxh3_128_digest(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)) if tools else b""
+    try:
+        frag = orjson.Fragment(orjson.dumps(tools))
+    except (TypeError, orjson.JSONEncodeError):
+        frag = None
     if len(_TOOLS) >= 256:
         _TOOLS.clear()
-    _TOOLS[id(tools)] = (tools, d, text)
-    return d, text
+    _TOOLS[id(tools)] = (tools, d, text, frag)
+    return d, text, frag
+
+
+def _record_text(rec: dict[str, Any]) -> bytes:
+    """``_text`` of a record, its tool list written once per list (the same bytes: orjson's text of it)."""
+    frag = _tools_cached(rec["tools"])[2] if rec["tools"] else None
+    return _text(rec, None if frag is None else {**rec, "tools": frag})
 
 
 def json_text(v: Any) -> str:
