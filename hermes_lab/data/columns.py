@@ -562,21 +562,15 @@ class SeedColumns:
 
     def _write_columns(self, seqs: Any, cols: dict[str, Any], uniq: list[str], code: Any) -> None:
         """Rows (Arrow columns) into their prompt's partition (``uniq``: the distinct prompts, ``code``: each row's
-        index into them; the partition is the per-line path's, ``hash(prompt)``, once per distinct prompt)."""
+        index into them; the partition is the per-line path's, ``hash(prompt) % n_parts``, once per distinct prompt)."""
         import numpy as np
         import pyarrow as pa
 
         k_parts, n = self.n_parts, len(seqs)
         order, bounds = None, [0, n]
         if k_parts > 1:
-            cache = self._part_cache
-            if len(cache) > _CACHE_MAX:
-                cache.clear()
-            got = list(map(cache.get, uniq))
-            if None in got:
-                for k in np.flatnonzero(np.equal(got, None)).tolist():
-                    got[k] = cache[uniq[k]] = hash(uniq[k]) % k_parts
-            where = np.asarray(got, dtype=np.int64)[code]
+            # hashing a distinct prompt costs less than finding it in a dict of every prompt seen (cache misses)
+            where = np.fromiter((hash(x) % k_parts for x in uniq), dtype=np.int64, count=len(uniq))[code]
             order = np.argsort(where, kind="stable")  # the rows by partition, each in seq order: one take a column
             bounds = np.searchsorted(where[order], np.arange(k_parts + 1)).tolist()
         rows = [pa.array(seqs if order is None else seqs[order], pa.int64())]

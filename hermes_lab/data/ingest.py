@@ -133,7 +133,6 @@ class Ingest(SeedColumns, ConversationIngest):
         self.families: dict[str, int] = {}
         self._fam_cache: dict[str, str] = {}
         self._split_cache: dict[str, bool] = {}
-        self._part_cache: dict[str, int] = {}  # a prompt's partition (the column path's, hash(prompt) % n_parts)
         self.tmp_sinks = {n: tmp / f"{n}.jsonl" for n in SINKS}
         self.sinks = {n: open(p, "wb") for n, p in self.tmp_sinks.items()}  # noqa: SIM115
         # the conversations: their own near-duplicate index, their stats (accepted ones, in seq order), rewards
@@ -168,7 +167,7 @@ class Ingest(SeedColumns, ConversationIngest):
         for f in self.sinks.values():
             f.close()
         self.index, self.near_index, self.id_index = DigestIndex(), DigestIndex(), DigestIndex()
-        self._fam_cache, self._split_cache, self._part_cache = {}, {}, {}
+        self._fam_cache, self._split_cache = {}, {}
         trim_heap()
         for w in self._writers:
             w.close()
