@@ -228,6 +228,25 @@ def test_a_damaged_state_db_is_one_reject_and_a_session_file_that_is_not_json_an
     assert "DatabaseError" in rej[0]["detail"] and s["counts"]["accepted"] == 2
 
 
+def test_a_session_file_with_a_lone_surrogate_escape_is_rejected_not_a_crash(tmp_path):
+    """json reads "\\ud800" in a session file as a lone surrogate, which Arrow's conversations/ rows refuse: the
+    session is rejected (invalid Unicode, naming the field) as a JSONL line would be; the others go through."""
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine"}]
+    tool = {"type": "function", "function": {"name": "t", "description": "bad \ud800", "parameters": {}}}
+    bad = [msgs[0], {"role": "assistant", "content": "\udfff"}]
+    for sid, extra in (("1", {"tools": [tool]}), ("2", {"messages": bad}), ("3", {})):
+        (sessions / f"session_{sid}.json").write_text(json.dumps({"session_id": sid, "messages": msgs, **extra}))
+    s, out = prep(tmp_path, [sessions], over={"data.max_bad_fraction": 1})
+    rej = lines(out / "rejects.jsonl")
+    assert [(r["session"], r["reason"], r["detail"]) for r in rej] == [
+        ("1", "invalid Unicode", "lone surrogate escape in tools"),
+        ("2", "invalid Unicode", "lone surrogate escape in messages"),
+    ]
+    assert s["counts"]["accepted"] == 1 and lines(out / "accepted.jsonl")[0]["conversation_id"] == "3"
+
+
 def test_too_many_hostile_lines_stop_prep_naming_the_file(tmp_path):
     from hermes_lab.data.prep import PrepError
 

@@ -37,6 +37,7 @@ import orjson
 
 from hermes_lab.data.conversation import Invalid, check_messages, make_record, outcome_of
 from hermes_lab.data.grouping import Bad, Kept, read_lines
+from hermes_lab.data.lines import lone_surrogate
 from hermes_lab.data.readers import SESSION_GLOB, system_tools, tools_of, where
 
 JSON_PREFIX = "\x00json:"  # hermes_state.SessionDB._CONTENT_JSON_PREFIX: list / dict content stored as JSON
@@ -104,6 +105,10 @@ def iter_sessions(path: Path, max_chars: int, max_bytes: int) -> Iterator[tuple[
             yield None, str(f), None, text, Invalid("malformed JSON", str(e)[:120])
             continue
         sid = obj.get("session_id") if isinstance(obj, dict) else None
+        # a "\\ud800" escape reads as a lone surrogate, which no UTF-8 writer or Arrow takes: rejected as in a line
+        if "\\ud" in text.lower() and (field := lone_surrogate(obj)) is not None:
+            yield sid, str(f), None, text, Invalid("invalid Unicode", f"lone surrogate escape in {field}")
+            continue
         try:
             yield sid, str(f), None, text, from_session(obj, str(f), max_chars)
         except Invalid as e:
@@ -201,6 +206,8 @@ def tools_for(
         except (OSError, ValueError):
             continue
         if isinstance(snap, dict) and isinstance(snap.get("tools"), list) and snap["tools"]:
+            if lone_surrogate(snap["tools"]) is not None:
+                raise Invalid("invalid Unicode", f"{f.name}: lone surrogate escape in tools")
             return tools_of(snap["tools"], f"{f.name}: "), "snapshot"
     if isinstance(system_prompt, str) and "<tools>" in system_prompt:
         _, found = system_tools(system_prompt, "system prompt")

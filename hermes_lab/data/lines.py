@@ -69,7 +69,7 @@ def _kind(v: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
 
 
-def _lone_surrogate(obj: Any) -> str | None:
+def lone_surrogate(obj: Any) -> str | None:
     """The top-level field holding a string (or key) with a lone surrogate, else None. Iterative: no depth limit."""
     for top, value in obj.items() if isinstance(obj, dict) else [("(top level)", obj)]:
         stack = [top, value]
@@ -189,7 +189,7 @@ def decode_exact(text: str) -> Any:
         if isinstance(e, Bad):
             raise
         raise Bad("number out of range", str(e)[:120]) from None
-    if ("\\ud" in text or "\\uD" in text) and (field := _lone_surrogate(obj)) is not None:
+    if ("\\ud" in text or "\\uD" in text) and (field := lone_surrogate(obj)) is not None:
         # "\ud800" escapes decode to lone surrogates: UTF-8 writers, Arrow and most parsers refuse them
         raise Bad("invalid Unicode", f"lone surrogate escape in {field}")
     return obj
