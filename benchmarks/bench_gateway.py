@@ -28,11 +28,15 @@ flight.
 Done when (issue 45), printed at the end with met / missed: at c=64 single-turn >= 50% of direct with p99 <= 40
 ms; 20-turn conversations >= 2,500 req/s, streamed and not. ``--before DIR``: the same lines for another checkout
 of the package (its default client, aiohttp) in the same run; ``--profile``: then the gateway under cProfile,
-its CPU by part (server, upstream client, JSON, log, routing, event loop) and its top functions.
+its CPU by part (server, upstream client, JSON, log, routing, event loop) and its top functions; ``--processes N``:
+one gateway, then N on one port (SO_REUSEPORT), alternating, single-turn and conversations at c=64 (capacity only:
+a conversation whose turns reach two processes is not kept on one arm).
 
     python benchmarks/bench_gateway.py                      # the goals' figures
     git worktree add /tmp/gw-before <commit>                # before / after in one run, and where the time goes
     python benchmarks/bench_gateway.py --before /tmp/gw-before --profile
+    python benchmarks/bench_gateway.py --variants httptools:write,httptools:write@/tmp/gw-head --conversations-all
+    python benchmarks/bench_gateway.py --no-conversations --generator raw --processes 2
     python benchmarks/bench_gateway.py --quick --variants httptools:write,httptools:fsync,aiohttp:write,httpx:write
 """
 
@@ -494,12 +498,33 @@ runpy.run_module("hermes_lab.live.serve", run_name="__main__")
 """
 
 
+# the gateway on a port several processes share (SO_REUSEPORT: the kernel spreads connections over them)
+REUSE = """
+import socket, sys
+import hermes_lab.live.serve as S
+def bind(host, port):
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+S.bind = bind
+sys.exit(S.main(sys.argv[1:]))
+"""
+
+
 def start_gateway(
-    stub_url: str, client: str, durability: str, log_dir: str, repo: Path = REPO, profile: str = ""
+    stub_url: str,
+    client: str,
+    durability: str,
+    log_dir: str,
+    repo: Path = REPO,
+    profile: str = "",
+    port: int = 0,
 ) -> tuple[subprocess.Popen, str]:
     """The gateway as ``hermes-lab serve`` runs it; ``profile``: with cProfile, on from SIGUSR2, its stats written
-    to that file on SIGUSR1 (uvicorn keeps SIGTERM for itself)."""
-    port = free_port()
+    to that file on SIGUSR1; ``port``: on that port, shared with the other gateways started on it (SO_REUSEPORT)."""
+    shared, port = bool(port), port or free_port()
     env = {**os.environ, "PYTHONPATH": str(repo)}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(k, None)
@@ -518,6 +543,8 @@ def start_gateway(
     if profile:
         wrapper = PROFILED.replace("OUT", repr(profile))
         cmd = [sys.executable, "-c", wrapper, *args]
+    elif shared:
+        cmd = [sys.executable, "-c", REUSE, *args]
     else:
         cmd = [sys.executable, "-m", "hermes_lab.live.serve", *args]
     # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (a variant's other checkout must win)
@@ -595,6 +622,37 @@ TOP = 15
 GOALS = "c=64 single-turn >= 50% of direct, p99 <= 40 ms; 20-turn conversations >= 2,500 req/s, streamed and not"
 
 
+def processes(stub_url: str, n: int, n64: int) -> None:
+    """One gateway process, then ``n`` on one port (SO_REUSEPORT), alternating twice, with the raw load generator:
+    single-turn and 20-turn conversations at c=64. The arm of a conversation whose turns reach two processes is not
+    kept (each process links only the turns it saw): a measure of capacity, not a way to serve."""
+    CLIENT["kind"] = "raw"
+    direct = stub_url + "/v1/chat/completions"
+    print(f"\nprocesses behind one port (raw load generator, c=64; 1 and {n} alternating):")
+    for k in (1, n, 1, n):
+        port = free_port()
+        with tempfile.TemporaryDirectory() as tmp:
+            gws = [start_gateway(stub_url, "httptools", "write", f"{tmp}/{i}", port=port) for i in range(k)]
+            url = gws[0][1]
+            try:
+                run(burst(url, 500, 64))
+                cpu0 = sum(cpu_seconds(g.pid) for g, _ in gws)
+                lat, wall, _ = run(burst(url, n64, 64))
+                conv = [run(conv_burst(url, max(n64 // TURNS, 64), 64, st, 500_000 + 1_000 * k + st)) for st in (0, 1)]
+                cores = (sum(cpu_seconds(g.pid) for g, _ in gws) - cpu0) / (wall + sum(c[1] for c in conv))
+                d = run(burst(direct, n64, 64))
+            finally:
+                for g, _ in gws:
+                    g.terminate()
+                    g.wait(30)
+        print(
+            f"  {k} process{'es' if k > 1 else '  '}: single-turn {n64 / wall:6,.0f} req/s,"
+            f" p99 {pct(lat, 0.99):5.1f} ms"
+            f" (direct {n64 / d[1]:6,.0f}); conversations {conv[0][0] / conv[0][1]:6,.0f} req/s not streamed,"
+            f" {conv[1][0] / conv[1][1]:6,.0f} streamed; gateways' CPU {cores:.2f} cores"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (200 / 1,000): a smoke run")
@@ -610,6 +668,7 @@ def main() -> int:
         help="load generators, each measuring every variant (raw: pre-encoded requests on uvloop; aiohttp: its client)",
     )
     ap.add_argument("--profile", action="store_true", help="then profile the first variant's gateway (cProfile)")
+    ap.add_argument("--processes", type=int, default=0, metavar="N", help="then 1 and N gateways behind one port")
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
     if args.stub:
@@ -648,6 +707,8 @@ def main() -> int:
                     m["logged"] = len((Path(tmp) / "requests.jsonl").read_bytes().splitlines())
                 rows.append((f"{variant} [{gen}]", m))
         report(rows)
+        if args.processes > 1:
+            processes(stub_url, args.processes, n64)
         if args.profile:
             profile(stub_url, variants[0].partition("@")[0].split(":")[0], n64)
     finally:
