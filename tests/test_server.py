@@ -32,14 +32,14 @@ CHAT = {"model": "hermes", "messages": [{"role": "user", "content": "hello"}]}
 
 
 class Served:
-    def __init__(self, tmp: Path, upstream: str):
+    def __init__(self, tmp: Path, upstream: str, extra: tuple[str, ...] = ()):
         self.port, self.log_dir = free_port(), tmp / "log"
         env = {k: v for k, v in os.environ.items() if k not in PROXY_ENV_VARS}
         env.update(PYTHONPATH=str(REPO), MLFLOW_DISABLE_TELEMETRY="true")
         cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--port", str(self.port), "--log-dir", str(self.log_dir)]
         cmd += ["--baseline", upstream, "--baseline-model", "m", "--candidate", upstream, "--candidate-model", "m"]
         cmd += ["--ratio", "0.5", "--set", f"serve.max_body_bytes={MAX_BODY}", "--set", "serve.rollout=false"]
-        cmd += ["--set", f"round.runs_dir={tmp / 'runs'}"]
+        cmd += ["--set", f"round.runs_dir={tmp / 'runs'}", *extra]
         self.out = tmp / "gateway.out"
         self.proc = subprocess.Popen(cmd, stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp)
         t0 = time.time()
@@ -105,6 +105,7 @@ def read_response(f) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_keep_alive_and_pipelined_requests_answered_in_order(served):
+    assert httpx.get(served.url + "/healthz", trust_env=False).json()["event_loop"] == "uvloop"  # the default
     t0 = time.time()  # /healthz says warm once the decision's imports (a thread after start) are done
     while not httpx.get(served.url + "/healthz", trust_env=False).json()["warm"]:
         assert time.time() - t0 < 120, "the gateway never said warm"
@@ -232,7 +233,9 @@ def test_malformed_http_1_0_and_streams(served):
 
 
 def test_sigterm_lets_a_request_in_flight_finish(upstream, tmp_path):
-    srv = Served(tmp_path, upstream.url)
+    """On Python's own event loop (serve.event_loop: asyncio; the other tests run on uvloop, the default)."""
+    srv = Served(tmp_path, upstream.url, ("--set", "serve.event_loop=asyncio"))
+    assert httpx.get(srv.url + "/healthz", trust_env=False).json()["event_loop"] == "asyncio"
     upstream.configure(delay_s=2.0)
     try:
         got: dict = {}

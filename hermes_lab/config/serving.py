@@ -70,6 +70,11 @@ class ServeSection:
         "HTTP client of URL arms: httptools (the gateway's own kept-alive client, hermes_lab.live.upstream; "
         "measured fastest; aiohttp behind a proxy), aiohttp or httpx.",
     )
+    event_loop: Literal["uvloop", "asyncio"] = _f(
+        "uvloop",
+        "hermes-lab serve's event loop: uvloop (~10% less CPU a request) or Python's asyncio (no late first "
+        "requests on new connections after about a second idle, which uvloop shows: docs/performance.md).",
+    )
     upstream_timeout_s: float = _f(600.0, "Timeout of one upstream request (a long generation included).", gt=0)
     upstream_connections: int = _f(256, "Open connections kept per upstream arm.", ge=1)
     batch_wait_ms: float = _f(

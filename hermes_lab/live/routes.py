@@ -37,7 +37,9 @@ class Routes:
     async def healthz(self, request: Request) -> Response:
         # warm: the decision's scipy / statsmodels imports done (a thread after start; until then it shares the GIL)
         warm = self._warm is not None and self._warm.done()
-        return _Raw(orjson.dumps({"status": "ok", "experiment": self.name, "pid": os.getpid(), "warm": warm}), 200, [])
+        loop = "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+        out = {"status": "ok", "experiment": self.name, "pid": os.getpid(), "warm": warm, "event_loop": loop}
+        return _Raw(orjson.dumps(out), 200, [])
 
     async def models(self, request: Request) -> Response:
         try:

@@ -128,7 +128,7 @@ def run_cli(args: argparse.Namespace) -> int:
         f"  {rollout_line(gw)}",
         flush=True,
     )
-    server.run(sock, gw, build_app(gw), access_log=s.access_log)
+    server.run(sock, gw, build_app(gw), access_log=s.access_log, event_loop=s.event_loop)
     return 0
 
 

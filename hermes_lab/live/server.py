@@ -416,15 +416,17 @@ class Server:
                     c.transport.close()
 
 
-def run(sock: socket.socket, gw: Any, app: Any, access_log: bool = False) -> None:
+def run(sock: socket.socket, gw: Any, app: Any, access_log: bool = False, event_loop: str = "uvloop") -> None:
     """Serve gateway ``gw`` (its ASGI ``app`` for the routes but chat) on ``sock`` until SIGTERM / SIGINT, on
-    uvloop's event loop where it is installed."""
-    try:
-        import uvloop
+    ``event_loop`` (serve.event_loop: uvloop where it is installed, or Python's asyncio)."""
+    factory: Any = None
+    if event_loop == "uvloop":
+        try:
+            import uvloop
 
-        factory: Any = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
-        factory = None
+            factory = uvloop.new_event_loop
+        except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+            log.warning("serve.event_loop uvloop: uvloop is not installed; Python's asyncio serves")
     if access_log:  # serve.access_log: one line per request on stdout (never headers or bodies)
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
