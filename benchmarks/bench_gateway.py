@@ -500,15 +500,9 @@ runpy.run_module("hermes_lab.live.serve", run_name="__main__")
 
 # the gateway on a port several processes share (SO_REUSEPORT: the kernel spreads connections over them)
 REUSE = """
-import socket, sys
+import functools, sys
 import hermes_lab.live.serve as S
-def bind(host, port):
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
-S.bind = bind
+S.bind = functools.partial(S.bind, reuse_port=True)
 sys.exit(S.main(sys.argv[1:]))
 """
 

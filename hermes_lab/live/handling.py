@@ -95,6 +95,11 @@ class _Refused(Exception):
         self.status, self.code, self.kind = status, code, kind
 
 
+def too_big(limit: int) -> str:
+    """The refusal of a body over serve.max_body_bytes (413, body_too_large)."""
+    return f"request body over {limit} bytes (serve.max_body_bytes)"
+
+
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
 
@@ -107,9 +112,8 @@ class ChatHandling:
         if self._auth is not None and not hmac.compare_digest(hdr.get(b"authorization", b""), self._auth):
             raise _Refused(401, "missing or wrong gateway key (Authorization: Bearer ...)", "invalid_api_key")
         cl = hdr.get(b"content-length", b"")
-        too_big = f"request body over {self.max_body} bytes (serve.max_body_bytes)"
         if cl.isdigit() and int(cl) > self.max_body:
-            raise _Refused(413, too_big, "body_too_large")
+            raise _Refused(413, too_big(self.max_body), "body_too_large")
         chunks, n = [], 0
         while True:
             msg = await receive()
@@ -118,7 +122,7 @@ class ChatHandling:
             chunk = msg.get("body", b"")
             n += len(chunk)
             if n > self.max_body:
-                raise _Refused(413, too_big, "body_too_large")
+                raise _Refused(413, too_big(self.max_body), "body_too_large")
             chunks.append(chunk)
             if not msg.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)

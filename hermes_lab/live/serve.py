@@ -80,11 +80,14 @@ def make_gateway(args: argparse.Namespace) -> Gateway:
     return Gateway(cfg, specs, ratio=args.ratio, log_dir=args.log_dir, experiment=args.experiment)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, bound before the server starts (port 0: the port it got is printed);
-    SO_REUSEADDR: a gateway restarted right after a stop (or a kill -9) gets its address back at once."""
+    SO_REUSEADDR: a gateway restarted right after a stop (or a kill -9) gets its address back at once;
+    ``reuse_port``: several processes share the port (SO_REUSEPORT; benchmarks/bench_gateway.py --processes)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
 

@@ -33,7 +33,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from hermes_lab.live.handling import _Events, _Last, _Raw, error_body
+from hermes_lab.live.handling import _Events, _Last, _Raw, error_body, too_big
 
 log = logging.getLogger("hermes_lab.serve")
 access = logging.getLogger("hermes_lab.serve.access")
@@ -75,11 +75,13 @@ def head(status: int, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
 class Request:
     """One parsed request: method, URL, headers (a dict, last one wins, and the raw list for ASGI) and body."""
 
-    __slots__ = ("body", "fail", "hdr", "headers", "keep_alive", "method", "too_big", "url")
+    __slots__ = ("body", "fail", "hdr", "headers", "keep_alive", "method", "url")
 
     def __init__(self) -> None:
-        self.method, self.url, self.keep_alive, self.too_big = b"", b"", True, False
-        self.fail: tuple[int, str, str] | None = None  # a request that cannot be read on: its error, then close
+        self.method, self.url, self.keep_alive = b"", b"", True
+        # answered with this error (status, message, code) instead: a body over the limit (read and dropped), or a
+        # request that cannot be read on (then keep_alive is False: the connection closes after it)
+        self.fail: tuple[int, str, str] | None = None
         self.hdr: dict[bytes, bytes] = {}
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
@@ -160,20 +162,21 @@ class Connection(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.keep_alive = self.parser.should_keep_alive()
         cl = req.hdr.get(b"content-length", b"")
-        req.too_big = cl.isdigit() and int(cl) > self.server.max_body
+        if cl.isdigit() and int(cl) > self.server.max_body:
+            req.fail = self.server.too_big
         if req.hdr.get(b"expect", b"").lower() == b"100-continue":
-            if req.too_big:  # the client waits for this answer before it sends the body
-                self._fail(413, f"request body over {self.server.max_body} bytes (serve.max_body_bytes)")
+            if req.fail is not None:  # the client waits for this answer before it sends the body
+                self._fail(*req.fail)
             elif not self.queue and self.task is None:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         req = self.req
-        if req is None or req.too_big:  # an oversized body is read and dropped; its answer is a 413
+        if req is None or req.fail is not None:  # an oversized body is read and dropped; its answer is a 413
             return
         self.size += len(body)
         if self.size > self.server.max_body:
-            req.too_big, req.body = True, []
+            req.fail, req.body = self.server.too_big, []
             return
         req.body.append(body)
 
@@ -187,7 +190,7 @@ class Connection(asyncio.Protocol):
         elif len(self.queue) > 1:  # pipelined beyond one: read no more until they are answered
             self.transport.pause_reading()
 
-    def _fail(self, status: int, message: str, code: str = "body_too_large") -> None:
+    def _fail(self, status: int, message: str, code: str) -> None:
         """A request that cannot be read on: answered with its error after the requests before it, then the
         connection is closed (what follows it is not read)."""
         req = Request()
@@ -220,14 +223,13 @@ class Connection(asyncio.Protocol):
         srv.inflight += 1
         t, status = time.perf_counter(), 500
         try:
-            if req.fail is not None:
+            if req.fail is not None:  # a 413 is the gateway's refusal (counted); a malformed request the server's
                 status, message, code = req.fail
-                body = error_body(message, code=code)
-                hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-                self.transport.write(head(status, hdrs, True) + body)
-                return False
-            if req.too_big:
-                resp = srv.refuse(413, f"request body over {srv.max_body} bytes (serve.max_body_bytes)")
+                resp = (
+                    srv.refuse(status, message, code)
+                    if status == 413
+                    else _Raw(error_body(message, code=code), status, [])
+                )
             elif req.method == b"POST" and req.url == CHAT:
                 body = req.body[0] if len(req.body) == 1 else b"".join(req.body)
                 resp = await srv.chat(req.hdr, _Receive(body, self.gone))
@@ -235,8 +237,7 @@ class Connection(asyncio.Protocol):
                 resp = srv.app
             if type(resp) is _Raw:
                 status = resp.status_code
-                if not self.transport.is_closing():
-                    self.transport.write(head(status, resp.raw_headers, not req.keep_alive) + resp.body)
+                self._write(resp, not req.keep_alive)
                 return True
             if type(resp) is _Events:
                 status = 200
@@ -252,16 +253,19 @@ class Connection(asyncio.Protocol):
             raise
         except Exception:
             log.exception("request failed: %s %s", req.method.decode(), req.url.decode("latin-1"))
-            if (out is None or not out.status) and not self.transport.is_closing():
-                body = error_body("the gateway failed on this request (see its log)", "server_error", "internal")
-                hdrs = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-                self.transport.write(head(500, hdrs, True) + body)
+            if out is None or not out.status:
+                failed = error_body("the gateway failed on this request (see its log)", "server_error", "internal")
+                self._write(_Raw(failed, 500, []), True)
             return False
         finally:
             srv.inflight -= 1
             if srv.access:
                 ms = (time.perf_counter() - t) * 1000
                 access.info('"%s %s" %d %.1f ms', req.method.decode(), req.url.decode("latin-1"), status, ms)
+
+    def _write(self, resp: _Raw, close: bool) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(head(resp.status_code, resp.raw_headers, close) + resp.body)
 
     async def _drain(self) -> None:
         if self.paused and not self.transport.is_closing():
@@ -362,6 +366,7 @@ class Server:
         """``chat(headers, receive)``: the chat endpoint's answer; ``refuse(status, message)``: an error answer
         (the gateway's, which counts it)."""
         self.app, self.chat, self.refuse, self.max_body, self.access = app, chat, refuse, max_body, access_log
+        self.too_big = (413, too_big(max_body), "body_too_large")
         self.conns: set[Connection] = set()
         self.inflight = 0
         self.stopping = False

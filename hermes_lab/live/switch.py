@@ -28,6 +28,7 @@ conversations in the current experiment, as any gateway restart does).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -143,13 +144,16 @@ class Switchboard:
         try:
             resp = await gw.chat(hdr, receive)
         except BaseException:
-            self._inflight[key] -= 1
+            self._answered(key)
             raise
         if isinstance(resp, _Events):
-            resp.body = _Counted(resp.body, lambda: self._inflight.__setitem__(key, self._inflight[key] - 1))
+            resp.body = _Counted(resp.body, functools.partial(self._answered, key))
         else:
-            self._inflight[key] -= 1
+            self._answered(key)
         return resp
+
+    def _answered(self, key: int) -> None:
+        self._inflight[key] -= 1
 
     def refuse(self, status: int, message: str, code: str = "body_too_large") -> Any:
         return self.current.refuse(status, message, code)
