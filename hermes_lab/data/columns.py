@@ -346,11 +346,14 @@ def trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _values(arr: Any) -> memoryview:
-    """The bytes of an Arrow string array's values, in order (its rows joined with nothing between)."""
+def values_of(arr: Any) -> memoryview:
+    """The bytes of an Arrow (large) string / binary array's values, in order (its rows joined with nothing)."""
     import numpy as np
+    import pyarrow as pa
 
-    off = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=4 * arr.offset)
+    wide = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    dt = np.int64 if wide else np.int32
+    off = np.frombuffer(arr.buffers()[1], dtype=dt, count=len(arr) + 1, offset=dt().itemsize * arr.offset)
     data = arr.buffers()[2]
     return memoryview(data)[int(off[0]) : int(off[-1])] if data is not None else memoryview(b"")
 
@@ -463,7 +466,7 @@ class SeedColumns:
             return
         t = run.t.slice(i, n)
         sel = pa.array(new_idx)
-        self.sinks["accepted"].write(_values(lines if k == n else lines.take(sel)))
+        self.sinks["accepted"].write(values_of(lines if k == n else lines.take(sel)))
         rewards = t.column("reward").to_numpy()[new_idx]
         c["reward"].frombytes(rewards.astype(np.float64).tobytes())
         tid = run.tid.slice(i, n).take(sel)
@@ -511,7 +514,7 @@ class SeedColumns:
         ln = pc.cast(pa.array(linenos), pa.string())
         at_line = pc.cast(pa.array(origin & ((1 << _LINE_BITS) - 1)), pa.string())
         head = f'{{"file": {enc(st["file"])}, "line": '
-        return _values(pc.binary_join_element_wise(head, ln, mid, at_line, '", "raw": "', esc, ""))
+        return values_of(pc.binary_join_element_wise(head, ln, mid, at_line, '", "raw": "', esc, ""))
 
     def _family_ids(self, prompts: Any, fams: Any) -> tuple[Any, list[str], Any]:
         """Each row's family id: its family field, else its prompt's embedded family (once per distinct prompt);

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hermes_lab.core.layout import PrepLayout
+from hermes_lab.data.columns import values_of
 from hermes_lab.data.conversation import dataset_schema, record_of, review_key
 from hermes_lab.data.ingest import LINE_BITS, review_id, trim_heap
 from hermes_lab.data.selection import Selection
@@ -90,7 +91,7 @@ class SortedSpill:
         bucket = np.asarray([k * self.n // self.key_max for k in keys], dtype=np.int64)
         for b in np.unique(bucket).tolist():
             part = text if self.n == 1 else text.filter(pa.array(bucket == b))
-            self.files[b].write(_values(part))
+            self.files[b].write(values_of(part))
 
     def write_sorted(self, path: Path) -> int:
         """Every line, in key order (a bucket sorted in Arrow on its fixed-width hex keys: text order is key
@@ -114,25 +115,12 @@ class SortedSpill:
                     order = pc.sort_indices(pc.binary_slice(lines, 0, w))
                     for k in range(0, len(order), ROW_BATCH):  # a batch of sorted lines at a time, without keys
                         part = lines.take(order.slice(k, ROW_BATCH))
-                        out.write(_values(pc.binary_slice(part, w + 1, len(data))))  # stop None: fails
+                        out.write(values_of(pc.binary_slice(part, w + 1, len(data))))  # stop None: fails
                     n += len(ends)
                 p.unlink()
         return n
 
 
-def _values(arr: Any) -> memoryview:
-    """The bytes of an Arrow (large) string / binary array's values, in order (its rows joined with nothing)."""
-    import numpy as np
-    import pyarrow as pa
-
-    wide = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
-    dt = np.int64 if wide else np.int32
-    off = np.frombuffer(arr.buffers()[1], dtype=dt, count=len(arr) + 1, offset=dt().itemsize * arr.offset)
-    data = arr.buffers()[2]
-    return memoryview(data)[int(off[0]) : int(off[-1])] if data is not None else memoryview(b"")
-
-
-# ------------------------------------------------------------------------------------------ review
 def review_selection(cols: dict[str, Any], fam_names: list[str], cfg: Any) -> tuple[Any, dict[str, Any]]:
     """Stratified (family x reward band) share of the new records, at least one per non-empty stratum,
     ranked by a seeded hash of the review id: the same records give the same sample in any order.
