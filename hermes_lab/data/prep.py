@@ -417,7 +417,8 @@ def _distill(
     import numpy as np
 
     from hermes_lab.data import selection as ps
-    from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats, review_selection
+    from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats
+    from hermes_lab.data.review_sample import review_selection
 
     cols, fam_names = ing.columns(), ing.family_names()
     rewards = cols["reward"]
