@@ -7,7 +7,7 @@ lines it builds (``review_lines`` for a partition's picks, a conversation with i
 ``seed_review_lines`` for seed records, in columns) through its sorted spill. The review stage reads them
 (``notebooks/15_review_gate.ipynb``).
 
-    hermes-lab prep --params params/embedded.yaml       # distill's review sample among prep's outputs
+    hermes-lab prep --input runs/round-01/trajectories.jsonl --output runs/round-01/prep --params params/embedded.yaml
 """
 
 from __future__ import annotations
