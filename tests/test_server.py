@@ -284,3 +284,59 @@ def test_a_client_leaving_mid_stream_is_recorded_with_what_it_got(served, upstre
         assert 0 < len(rec["response"]) < len("word " * 400)
     finally:
         upstream.reset()
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_burst_of_new_connections_is_accepted_at_once_on_a_busy_loop(event_loop):
+    """Every connection waiting in the listening socket's queue is taken at the socket's next readiness, however
+    busy the loop: libuv (uvloop) accepts one per loop iteration, which held the last of 64 agents' new
+    connections 100-400 ms behind the requests of the first (the single-turn p99, docs/performance.md)."""
+    import asyncio
+
+    import uvloop
+
+    from hermes_lab.live.handling import _Raw
+    from hermes_lab.live.server import Server
+
+    n, seen, ready = 24, [], threading.Event()
+
+    async def chat(hdr, receive):
+        seen.append(len(srv.conns))  # connections accepted when this request is handled
+        if len(seen) == 1:  # the first request holds the loop while the others connect and send theirs
+            ready.wait(30)
+        time.sleep(0.02)  # each request's CPU: a busy loop, one iteration after another
+        return _Raw(b"{}", 200, [])
+
+    srv = Server(app=None, chat=chat, refuse=None, max_body=MAX_BODY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    answers: list[bytes] = []
+
+    def clients():
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=30)]
+        socks[0].sendall(post("/v1/chat/completions", b"{}"))
+        while not seen:
+            time.sleep(0.01)
+        for _ in range(n):  # completed by the kernel while the loop is held: they wait in the accept queue
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(post("/v1/chat/completions", b"{}"))
+            socks.append(s)
+        time.sleep(0.1)
+        ready.set()
+        answers.extend(read_response(s.makefile("rb"))[0] for s in socks)
+        for s in socks:  # after every answer: the server's count of connections is what it accepted
+            s.close()
+
+    async def main():
+        await srv.start(sock)
+        t = threading.Thread(target=clients)
+        t.start()
+        while t.is_alive():
+            await asyncio.sleep(0.01)
+        await srv.stop()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if event_loop == "uvloop" else None) as runner:
+        runner.run(main())
+    assert answers == [200] * (n + 1)
+    assert seen[0] == 1 and seen[1] == n + 1, seen  # all taken before the second request was handled

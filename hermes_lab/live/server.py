@@ -22,6 +22,8 @@ then stop the gateway.
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import logging
 import signal
 import socket
@@ -40,6 +42,8 @@ access = logging.getLogger("hermes_lab.serve.access")
 KEEP_ALIVE_S = 75.0  # an idle kept-alive connection is closed after this (uvicorn's setting before)
 GRACE_S = 30.0  # requests still in flight this long after SIGTERM are cut
 HIGH_WATER = 64 * 1024  # a stream waits for a slow client once this much is unsent
+BACKLOG = 2048  # the listening socket's queue, and the most connections taken from it at one readiness
+_OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept() failing for want of resources
 CHAT = b"/v1/chat/completions"
 _REASONS = {
     200: b"OK",
@@ -371,19 +375,52 @@ class Server:
         self.inflight = 0
         self.stopping = False
         self.address: tuple[str, int] | None = None
-        self._server: Any = None
+        self._loop: Any = None
+        self._sock: Any = None
         self._sweeper: Any = None
 
     async def start(self, sock: socket.socket) -> None:
-        """Accept connections on ``sock`` (bound) from now on, on the running event loop."""
+        """Accept connections on ``sock`` (bound) from now on, on the running event loop.
+
+        The server takes every pending connection at each readiness of the listening socket itself, as
+        Python's asyncio does, instead of ``loop.create_server``: under uvloop, libuv accepts one connection
+        per loop iteration (since libuv 1.45, libuv#3696), so on a busy loop a burst of 64 new connections
+        waited up to 64 iterations, 100-400 ms (docs/performance.md, the single-turn p99)."""
         self.address = sock.getsockname()[:2]
-        self._server = await asyncio.get_running_loop().create_server(lambda: Connection(self), sock=sock, backlog=2048)
+        self._loop, self._sock = asyncio.get_running_loop(), sock
+        sock.setblocking(False)
+        sock.listen(BACKLOG)
+        self._loop.add_reader(sock.fileno(), self._accept)
         self._sweeper = asyncio.ensure_future(self._sweep())
+
+    def _accept(self) -> None:
+        for _ in range(BACKLOG):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno not in _OUT_OF:  # ECONNABORTED and the like: that client is gone, the next may wait
+                    continue
+                # out of descriptors or memory: stop accepting for a second (the kernel queues) instead of
+                # spinning on a socket that stays readable
+                log.warning("serve: cannot accept connections (%s); retrying in 1 s", e)
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.call_later(1.0, self._resume_accepting)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: Connection(self), conn))
+            task.add_done_callback(functools.partial(_accepted, conn))
+
+    def _resume_accepting(self) -> None:
+        if not self.stopping:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
     async def stop(self) -> None:
         """Stop accepting, close idle connections, let the requests in flight finish (GRACE_S at most)."""
         self.stopping = True
-        self._server.close()
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
         self._sweeper.cancel()
         t0 = time.monotonic()
         while time.monotonic() - t0 < GRACE_S:
@@ -419,6 +456,14 @@ class Server:
             for c in list(self.conns):
                 if c.task is None and not c.queue and c.idle_since < limit:
                     c.transport.close()
+
+
+def _accepted(conn: socket.socket, task: asyncio.Task) -> None:
+    """A connection whose transport could not be set up (its client already gone): closed and logged, never
+    raised."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("serve: an accepted connection was dropped: %s", task.exception())
+        conn.close()
 
 
 def run(sock: socket.socket, gw: Any, app: Any, access_log: bool = False, event_loop: str = "uvloop") -> None:
