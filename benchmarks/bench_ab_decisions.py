@@ -119,7 +119,7 @@ EMBEDDED = (
     Cell("upper:1", 1 / 18, 0.860, 0.368, 2560, 0.060),  # measured 0.605
     Cell("upper:2", 1 / 18, 0.841, 0.387, 67890, 0.073),  # measured 0.567
     Cell("upper:3", 1 / 18, 0.801, 0.415, 10**6, 0.000),  # measured 0.500
-    # the code family (policy v10, since): measured on v10's round-1 candidate (README's 55.4% round), same shift
+    # the code family (policy v10, since): measured on v10's round-1 candidate (55.4% held-out then), same shift
     Cell("code:1", 1 / 18, 0.895, 0.000, 4, 0.215),  # measured 0.679
     Cell("code:2", 1 / 18, 0.905, 0.012, 260, 0.000),  # measured 0.702
     Cell("code:3", 1 / 18, 0.915, 0.014, 3900, 0.037),  # measured 0.727
