@@ -191,6 +191,28 @@ def test_state_db_tools_from_its_snapshots_or_its_system_prompt_or_said_none(tmp
     assert json.loads(sub["raw"])["tools"][0]["function"]["name"] == "terminal"
 
 
+def test_state_db_rows_with_bad_unicode_reject_their_conversation_only(tmp_path, home):
+    """A lone surrogate escape in a message's JSON content, or a row whose text is not UTF-8: that conversation is
+    rejected naming its message, the store's others kept (the escape crashed prep in Arrow; the bad bytes made
+    SQLite's decode reject the whole store)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copyfile(home / "state.db", bad / "state.db")
+    with sqlite3.connect(bad / "state.db") as db:
+        users = db.execute("SELECT id, session_id FROM messages WHERE role = 'user' ORDER BY id").fetchall()
+        (m1, s1), (m2, s2) = users[0], next(u for u in users if u[1] != users[0][1])
+        db.execute(
+            "UPDATE messages SET content = ? WHERE id = ?", ('\x00json:[{"type": "text", "text": "a \\ud800"}]', m1)
+        )
+        db.execute("UPDATE messages SET content = CAST(? AS TEXT) WHERE id = ?", (b"b \xff\xfe", m2))
+    s, out = prep(tmp_path, [bad / "state.db"])
+    (f,) = s["per_file"]
+    assert (f["read"], f["accepted"], f["rejected"], f["duplicates"]) == (8, 5, 2, 1), f
+    rej = {r["session"]: r for r in lines(out / "rejects.jsonl")}
+    assert set(rej) == {s1, s2} and {r["reason"] for r in rej.values()} == {"invalid Unicode"}
+    assert all("messages[1].content" in r["detail"] for r in rej.values())  # [0]: the system prompt
+
+
 # -------------------------------------------------------------------------------------------- Atropos
 def test_atropos_groups_become_rewarded_conversations_and_grpo_groups(tmp_path):
     from datasets import load_from_disk

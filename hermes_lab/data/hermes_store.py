@@ -260,7 +260,22 @@ def open_state_db(path: Path) -> sqlite3.Connection:
     live = Path(f"{path}-wal").exists()
     con = sqlite3.connect(f"{uri}?mode=ro" if live else f"{uri}?mode=ro&immutable=1", uri=True)
     con.row_factory = sqlite3.Row
+    # a row's invalid UTF-8 is kept as lone surrogates, and its conversation rejected by name (_bad_text):
+    # SQLite's default decode raised, which rejected the whole store for one bad row
+    con.text_factory = lambda b: b.decode("utf-8", "surrogateescape")
     return con
+
+
+def _bad_text(chain: list[dict[str, Any]], raw_msgs: list[dict[str, Any]]) -> str | None:
+    """Where a chain holds text that no UTF-8 writer (or Arrow) takes: a lone surrogate from a ``\\ud800``
+    escape in a message's JSON content, or invalid UTF-8 in a row (``open_state_db``'s surrogateescape)."""
+    for i, m in enumerate(raw_msgs):
+        if (field := lone_surrogate(m)) is not None:
+            return f"messages[{i}].{field}"
+    for sess in chain:
+        if (field := lone_surrogate(sess)) is not None:
+            return f"session {sess.get('id')!a} {field}"
+    return None
 
 
 def iter_state_db(path: Path, max_chars: int, info: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
@@ -297,6 +312,16 @@ def iter_state_db(path: Path, max_chars: int, info: dict[str, Any]) -> Iterator[
             raw = json.dumps(
                 {"session": root["id"], "chain": [s["id"] for s in chain], "messages": raw_msgs}, default=str
             )
+            # json.dumps escapes every non-ASCII character: "\\ud" is in the text of any surrogate (pairs too)
+            if "\\ud" in raw and (bad := _bad_text(chain, raw_msgs)) is not None:
+                yield (
+                    root["id"],
+                    str(path),
+                    None,
+                    raw,
+                    Invalid("invalid Unicode", f"invalid UTF-8 or a lone surrogate in {bad}"),
+                )
+                continue
             try:
                 tools = tools_for(chain, None, sp, snapshots)
                 rec = chain_record(
