@@ -380,6 +380,26 @@ def test_split_by_task_keeps_every_conversation_of_a_task_on_one_side(tmp_path):
     assert ds["reward"][:3] == [0.0, 5.0, 5.0]  # completed false without partial: failed
 
 
+def test_a_conversation_whose_prompt_is_held_out_elsewhere_moves_to_heldout_in_the_dataset(tmp_path):
+    """conversations/ is written during the ingest with each record's own split; a prompt also seen under a
+    held-out task_id moves its train-side conversations to heldout (the prompt sets' rule), rewritten at distill."""
+    import datasets
+
+    from hermes_lab.data.lines import split_of
+
+    held = next(f"h{i}" for i in range(100) if split_of(f"h{i}", 0.3, {}))
+    train = next(f"t{i}" for i in range(100) if not split_of(f"t{i}", 0.3, {}))
+    rows = [(f"ask {k}", tid, f"answer {k} {tid}") for k in range(3) for tid in (train, held)]
+    rows += [("alone", train, "fine")]
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}],
+                                     "task_id": t}) + "\n" for p, t, a in rows))  # fmt: skip
+    s, out = prep(tmp_path, [f], over={"data.holdout_fraction": 0.3})
+    ds = datasets.load_from_disk(str(out / "conversations"))
+    assert ds["split"] == ["heldout"] * 6 + ["train"]
+    assert s["split"]["records_moved_to_heldout"] == 3 and s["conversations"]["split"] == {"train": 1, "heldout": 6}
+
+
 def test_review_queue_carries_the_conversation_and_the_widget_escapes_it(tmp_path):
     from hermes_lab.review.app import ReviewApp, conversation_html
     from hermes_lab.review.gate import LabelStore

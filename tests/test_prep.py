@@ -993,7 +993,7 @@ def test_conversation_rows_from_dicts_are_the_rows_from_text():
     """A worker builds its conversations/ rows with pa.array from the row dicts, one process with Arrow's JSON
     reader from their text: the same table on Hermes trajectories, OpenAI lines (tool calls, reasoning, odd but
     accepted numbers, U+2028), and a value pa.array refuses (then the text path)."""
-    from hermes_lab.data.conv_ingest import LineWork, convert, dict_rows, row_table
+    from hermes_lab.data.conv_lines import LineWork, convert, dict_rows, row_table
 
     c = load_config(None)
     fix = REPO / "tests" / "fixtures" / "hermes"

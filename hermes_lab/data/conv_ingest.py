@@ -1,24 +1,24 @@
-"""Distill stage, part 1 (``hermes_lab.data.ingest``), the conversations' half: every shape but the seed's.
+"""Distill stage, part 1 (``hermes_lab.data.ingest``), the conversations' half: every shape but the seed's; prep's side.
 
 Reads what ``hermes_lab.data.readers`` detected as a conversation format: the line formats' records come from the
-ingest's JSONL scan, the others (``readers.RECORD_FORMATS``: Hermes session files, state.db and exports, Claude
-Code / Agent Trace JSONL, Atropos groups) from their readers, whole (``records``). Each record is rewarded (its
-log's reward, else feedback joined by conversation_id, else the outcome rules or the judge:
-``conversations.reward``), and deduped three ways, each a ``DigestIndex``: exact (what was said, call ids and
-reasoning included), near (the exchange up to whitespace, case, reasoning, call ids, system prompt and tool
-schemas: a run's trajectory line and its session snapshot) and by conversation_id (a run and its compressed
-copy). Writes what the ingest writes (the sinks, the fixed-size columns, the partitions: ``Ingest`` holds them;
-this is its mixin) and each accepted conversation's conversations/ row, as Arrow, in acceptance order (a large
-file's lines are converted by forked worker processes, which read their own byte ranges of a plain file and
-build their rows' Arrow table too), and counts per input what the readers report (blank lines, skipped lines,
-Atropos groups, where tool schemas came from).
+ingest's JSONL scan, converted and checked by ``hermes_lab.data.conv_lines`` (a large plain file by forked worker
+processes, each reading its own byte ranges and building its rows' Arrow table; here only where lines end is
+found), the others (``readers.RECORD_FORMATS``: Hermes session files, state.db and exports, Claude Code / Agent
+Trace JSONL, Atropos groups) from their readers, whole (``records``). Each record is rewarded (its log's reward,
+else feedback joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and
+deduped three ways, each a ``DigestIndex``: exact (what was said, call ids and reasoning included), near (the
+exchange up to whitespace, case, reasoning, call ids, system prompt and tool schemas: a run's trajectory line and
+its session snapshot) and by conversation_id (a run and its compressed copy). Writes what the ingest writes (the
+sinks, the fixed-size columns, the partitions: ``Ingest`` holds them; this is its mixin) and each accepted
+conversation's conversations/ row, as Arrow, in acceptance order, into the dataset's shards (``ConvRows``), and
+counts per input what the readers report (blank lines, skipped lines, Atropos groups, where tool schemas came
+from).
 
 Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
@@ -27,26 +27,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
-from xxhash import xxh3_64_intdigest, xxh3_128_digest
+from xxhash import xxh3_64_intdigest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
 from hermes_lab.data.columns import read_blocks
-from hermes_lab.data.conversation import (
+from hermes_lab.data.conv_lines import (
+    WORK,
     Invalid,
-    content_digest,
-    dataset_schema,
-    final_answer,
-    record_of,
-    record_text,
-    review_key,
-    task_prompt_of,
+    LineWork,
+    conv_item,
+    convert_lines,
+    convert_range,
+    cut_raw,
+    row_table,
 )
-from hermes_lab.data.lines import EXACT, decode_exact, fast_decode, record_tests, split_of
+from hermes_lab.data.conversation import dataset_schema
+from hermes_lab.data.lines import split_of
 from hermes_lab.data.outcomes import assign_reward
 
-RAW_KEEP = 4096  # bytes of a rejected record's raw text kept when it is cut
-RAW_MAX = 1 << 20  # a rejected record's raw text past this is cut, whatever the reason
 BATCH_LINES = 16384  # records held before one vectorised duplicate lookup
 LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
 
@@ -54,136 +52,68 @@ LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
 PARALLEL_MIN = 8 << 20  # a conversation file from this size on is converted by worker processes
 TASK_BYTES = 1 << 20  # lines sent to a worker at once
 FLIGHT = 6  # tasks in flight a worker: the workers keep converting while this process writes a batch (~0.2 s)
-BOM = b"\xef\xbb\xbf"
 
 
-class LineWork:
-    """What converting one line of a conversation format needs (a worker inherits it when the pool forks)."""
-
-    __slots__ = ("as_dict", "cap", "feedback", "file", "fmt", "max_chars", "role", "round_no", "rules", "scale")
-
-    def __init__(self, **kw: Any):
-        self.as_dict = False  # an item's conversations/ row as the dict (a worker's: pa.array takes it), not text
-        for k, v in kw.items():
-            setattr(self, k, v)
+SHARD_BYTES = 500_000_000  # a conversations/ shard's size: datasets' own (config.MAX_SHARD_SIZE, 500MB)
 
 
-def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[Any, ...]:
-    """One line of a conversation JSONL, every check made: ("blank",), ("reject", reason, detail, raw, cut),
-    ("defer", record, text) for the judge, or ("item", the batch's item, the record when ``keep``)."""
-    line = line.rstrip(b"\r")
-    if line.startswith(BOM):  # Windows editors put one at the file start (or at every join)
-        line = line[3:]
-    if not line.strip():
-        return ("blank",)
-    obj = fast_decode(line)  # orjson, its checks made on the bytes; a line it may not read: the exact decoder's
-    text = None
-    if obj is EXACT:
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return ("reject", "not valid UTF-8", f"{e.reason} at byte {e.start}", line, False)
-    try:
-        if text is not None:
-            obj = decode_exact(text)
-        rec = readers.parse_line(obj, w.fmt, w.file, lineno, w.scale, w.max_chars)
-        if (tests := record_tests(obj, task_prompt_of(rec["messages"]))) is not None:
-            rec["tests"] = tests
-    except Invalid as e:
-        cut = e.reason == "message too long"  # keep its first 4 KiB, as for a line too long
-        return ("reject", e.reason, e.detail, line[:RAW_KEEP] if cut else line, cut)
-    if w.role == "negative":
-        rec["negative"] = {"file": w.file, "round": w.round_no}
-    if not assign_reward(rec, w.feedback, w.rules, w.scale):
-        return ("defer", rec, line.decode("utf-8") if text is None else text)
-    return ("item", _conv_item(lineno, rec, as_dict=w.as_dict), rec if keep else None)
+class ConvRows:
+    """``conversations/`` written as the ingest accepts its rows, in acceptance order: Arrow stream shards in a
+    folder of the temp dir, in the layout ``datasets.Dataset.save_to_disk`` gives (its features in the schema's
+    metadata), each row with its record's own split (its task_id's). ``finish`` moves the folder into place when
+    that is every row's split; where the prompt sets' rule moved a row to the held-out set (its prompt seen under a
+    held-out task_id), the rows are saved again with their split (``rows``, memory-mapped, then save_to_disk)."""
 
+    def __init__(self, tmp: Path):
+        self.dir = tmp / "conv-rows"  # renamed to conversations/ at the end
+        self.shards: list[Path] = []
+        self.schema: Any = None
+        self._writer: Any = None
+        self._bytes = 0
 
-_WORK: list[LineWork] = []  # the forked workers' LineWork
-_FDS: dict[str, int] = {}  # a worker's open input files
+    def write(self, table: Any) -> None:
+        """Rows of the dataset's schema (``conversation.dataset_schema``), their split included."""
+        import pyarrow as pa
 
+        if self._writer is None or self._bytes >= SHARD_BYTES:
+            if self.schema is None:
+                from datasets import Features
 
-def _convert_range(first: int, start: int, length: int) -> tuple[list[tuple[Any, ...]], Any]:
-    """A worker's task on a plain file: its byte range read here (whole lines; the last one of the file may lack
-    its newline), each line over ``data.max_line_bytes`` rejected as the block reader would (its first 4 KiB
-    kept), the others converted (``_convert_lines``)."""
-    w = _WORK[0]
-    fd = _FDS.get(w.file)
-    if fd is None:
-        fd = _FDS[w.file] = os.open(w.file, os.O_RDONLY)
-    data = os.pread(fd, length, start)
-    lines = data.split(b"\n")
-    if data.endswith(b"\n"):
-        lines.pop()
-    long = [k for k, line in enumerate(lines) if len(line) > w.cap] if length > w.cap else []
-    for k in long:
-        total = len(lines[k]) + (k < len(lines) - 1 or data.endswith(b"\n"))  # with its newline, as read
-        detail = f"{total} bytes > data.max_line_bytes {w.cap}"
-        lines[k] = ("reject", "line too long", detail, lines[k][:RAW_KEEP], True)  # type: ignore[call-overload]
-    return _convert_lines(first, lines)
+                self.dir.mkdir()
+                self.schema = Features.from_arrow_schema(dataset_schema()).arrow_schema  # with datasets' metadata
+            self.close()
+            self.shards.append(self.dir / f"shard-{len(self.shards):05d}.arrow")
+            self._writer, self._bytes = pa.ipc.new_stream(str(self.shards[-1]), self.schema), 0
+        self._writer.write_table(table)
+        self._bytes += table.nbytes
 
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
-def _convert_lines(first: int, lines: list[Any]) -> tuple[list[tuple[Any, ...]], Any]:
-    """A worker's task: its lines converted, and its items' conversations/ rows as one Arrow table (sent as an
-    IPC stream; an item holds its row's index there instead of the row). A line that is a tuple is its result."""
-    w = _WORK[0]
-    out = [convert(w, first + k, line) if type(line) is bytes else line for k, line in enumerate(lines)]
-    rows = [r[1][9] for r in out if r[0] == "item"]
-    if not rows:
-        return out, None
-    import pyarrow as pa
+    def rows(self) -> Any:
+        """Every row, the shards memory-mapped (no copy)."""
+        import pyarrow as pa
 
-    table, k = dict_rows(rows), 0
-    for i, r in enumerate(out):
-        if r[0] == "item":
-            out[i] = ("item", (*r[1][:9], k), None)
-            k += 1
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return out, sink.getvalue()
+        return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in self.shards])
 
+    def finish(self, path: Path, fingerprint: str) -> None:
+        """The shards as ``save_to_disk`` names them, its state.json and dataset_info.json beside them (written by
+        datasets, for the schema without rows, then given the shards' names), the folder renamed to ``path``."""
+        import datasets
 
-def row_schema() -> Any:
-    """The conversations/ rows as the ingest keeps them: the dataset's schema without its split (known at distill)."""
-    import pyarrow as pa
-
-    return pa.schema([f for f in dataset_schema() if f.name != "split"])
-
-
-def dict_rows(rows: list[dict[str, Any]]) -> Any:
-    """``row_table`` of rows that are still dicts: ``pa.array`` converts them (~4x faster than Arrow's JSON reader
-    on their text); what it refuses (a value of a type the schema does not take) goes through their text, as
-    the rows of one process do (tests/test_prep.py holds the two to the same dataset)."""
-    import pyarrow as pa
-
-    try:
-        arr = pa.array(rows, type=pa.struct(list(row_schema())))
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        return row_table([_text(r) for r in rows], threads=False)
-    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(arr)])
-
-
-def row_table(texts: list[bytes], threads: bool = True) -> Any:
-    """conversations/ rows from their text (``_conv_item``'s: the record with tools and meta as JSON text) as one
-    Arrow table, parsed by Arrow's JSON reader straight into ``row_schema``; a batch Arrow refuses (a lone
-    surrogate's escape) row by row through ``record_of``."""
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    schema = row_schema()
-    try:
-        t = pj.read_json(
-            pa.BufferReader(b"\n".join(texts) + b"\n"),
-            read_options=pj.ReadOptions(block_size=max(4 << 20, max(map(len, texts)) + 1), use_threads=threads),
-            parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
-        )
-        if t.num_rows != len(texts):
-            raise ValueError("a row is not one line")
-    except (pa.ArrowInvalid, ValueError):
-        rows = [record_of(x.decode("utf-8", "surrogatepass")) for x in texts]
-        return pa.Table.from_batches([pa.RecordBatch.from_struct_array(pa.array(rows, type=pa.struct(list(schema))))])
-    return t
+        self.close()
+        datasets.Dataset(self.schema.empty_table(), fingerprint=fingerprint).save_to_disk(str(self.dir))
+        names = [f"data-{k:05d}-of-{len(self.shards):05d}.arrow" for k in range(len(self.shards))]
+        for p, name in zip(self.shards, names):
+            p.rename(self.dir / name)
+        state_path = self.dir / datasets.config.DATASET_STATE_JSON_FILENAME
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        state["_data_files"] = [{"filename": name} for name in names]
+        with open(state_path, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=2, sort_keys=True)  # as save_to_disk writes it
+        os.replace(self.dir, path)
 
 
 class ConversationIngest:
@@ -211,8 +141,8 @@ class ConversationIngest:
             return None
         import multiprocessing
 
-        _WORK[:] = [self.line_work(ctx)]  # inherited by the forked workers: no pickling of the feedback
-        _WORK[0].as_dict = True
+        WORK[:] = [self.line_work(ctx)]  # inherited by the forked workers: no pickling of the feedback
+        WORK[0].as_dict = True
         return [multiprocessing.get_context("fork").Pool(cores), deque(), 0]
 
     def _conv_block(self, ctx: Any, pool: list[Any], lines: list[bytes]) -> None:
@@ -225,7 +155,7 @@ class ConversationIngest:
         for k, line in enumerate(lines):
             size += len(line)
             if size >= TASK_BYTES or k == len(lines) - 1:
-                flight.append(p.apply_async(_convert_lines, (pool[2] + 1, lines[start : k + 1])))
+                flight.append(p.apply_async(convert_lines, (pool[2] + 1, lines[start : k + 1])))
                 pool[2] += k + 1 - start
                 start, size = k + 1, 0
                 while len(flight) > FLIGHT * p._processes:
@@ -253,7 +183,7 @@ class ConversationIngest:
                 return
             if not flight:
                 pool[2] = ctx.lineno
-            flight.append(p.apply_async(_convert_range, (pool[2] + 1, start, end)))
+            flight.append(p.apply_async(convert_range, (pool[2] + 1, start, end)))
             pool[2] += lines
             start += end
             f.seek(start)
@@ -318,7 +248,7 @@ class ConversationIngest:
             return 0
         if self.judge is not None:
             self.judge.offer(rec, rec["reward"])
-        item = _conv_item(lineno, rec)
+        item = conv_item(lineno, rec)
         pending.append(item)
         return 2 * len(item[1]) + len(item[2]) + len(item[3])
 
@@ -375,7 +305,7 @@ class ConversationIngest:
             judged += len(batch)
             by_file: dict[int, list[tuple[Any, ...]]] = {}
             for fidx, _role, lineno, rec, _raw in batch:
-                by_file.setdefault(fidx, []).append(_conv_item(lineno, rec))
+                by_file.setdefault(fidx, []).append(conv_item(lineno, rec))
             for fidx, items in by_file.items():
                 st = self.files[fidx]
                 self._flush_conv(st, fidx, st["role"], items)
@@ -466,8 +396,9 @@ class ConversationIngest:
         st["duplicates"] += dups
 
     def _write_rows(self, refs: list[Any], seqs: list[int]) -> None:
-        """The accepted conversations' conversations/ rows, in seq order, into the ingest's Arrow file: a worker's
-        rows taken from its task's table, the others' (row text) parsed here."""
+        """The accepted conversations' conversations/ rows, in seq order, with their record's split, into the
+        dataset's shards (``ConvRows``): a worker's rows taken from its task's table, the others' (row text) parsed
+        here."""
         import pyarrow as pa
 
         pieces, i, n = [], 0, len(refs)
@@ -489,10 +420,17 @@ class ConversationIngest:
                     pieces.append(table.slice(refs[k][1], m - k))
                     k = m
             i = j
-        t = pa.concat_tables(pieces).append_column("seq", pa.array(seqs, pa.int64()))
-        if self._conv_writer is None:
-            self._conv_writer = pa.ipc.new_stream(str(self.conv_path), t.schema)
-        self._conv_writer.write_table(t)
+        held = self.cols["held"]
+        split = pa.array(["heldout" if held[s] else "train" for s in seqs], pa.string())  # its task_id's
+        t = pa.concat_tables(pieces)
+        self.conv_rows.write(t.add_column(dataset_schema().get_field_index("split"), "split", split))
+
+    def conversation_seqs(self) -> Any:
+        """The accepted conversations' seq numbers in acceptance order: row i of conversations/ has the i-th."""
+        import numpy as np
+
+        v = self.conv_cols["seq"]
+        return np.frombuffer(v, dtype=np.int64).copy() if len(v) else np.zeros(0, np.int64)
 
     def conversation_stats(self) -> dict[str, Any]:
         """The accepted conversations' numbers for summary.json and MLflow: turns, tool calls and errors per
@@ -545,107 +483,3 @@ class ConversationIngest:
             "reward_sources": by_source,
             "arrays": cc,
         }
-
-
-def _conv_item(lineno: int | None, rec: dict[str, Any], as_dict: bool = False) -> tuple[Any, ...]:
-    """A conversation in a batch: (line, record text, prompt, response, what the columns need, review key, exact
-    digest, near digest, id digest, its conversations/ row as text); no record object (pickled cheaply)."""
-    msgs, tools, cid = rec["messages"], rec["tools"], rec["conversation_id"]
-    text, key = _record_text(rec), review_key(rec["task_id"], cid)
-    o = rec["outcome"]
-    info = (cid, rec["family"], rec["reward"], rec["task_id"], o["turns"], o["tool_calls"], o["tool_errors"])
-    info += (rec["reward_source"], rec.get("tests"))
-    cid_digest = xxh3_128_digest(cid.encode("utf-8", "surrogatepass"))
-    row = {**rec, "tools": _tools_text(tools), "meta": json_text(rec.get("meta") or {})}
-    row["negative"] = bool(rec.get("negative"))
-    return (lineno, text, task_prompt_of(msgs), final_answer(msgs), info, key, *digests(msgs, tools), cid_digest,
-            row if as_dict else _text(row))  # fmt: skip
-
-
-def _text(v: Any, same: Any = None) -> bytes:
-    """``conversation.record_text`` as UTF-8 bytes (what the sinks and the spill take), the U+2028 / U+2029 test
-    made on orjson's bytes; ``same``: what orjson writes as ``v`` (a record with its tools as a fragment)."""
-    try:
-        data = orjson.dumps(v if same is None else same)
-    except (TypeError, orjson.JSONEncodeError):
-        return record_text(v).encode("utf-8", "surrogatepass")
-    # their last bytes first: one byte is a memchr, and \xa8 / \xa9 are rare (a dash is \xe2\x80\x94)
-    if (b"\xa8" in data or b"\xa9" in data) and (b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data):
-        return record_text(v).encode()
-    return data
-
-
-def digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[bytes, bytes]:
-    """(exact, near) 16-byte digests of what was said, as ``conversation.content_digest`` defines them (exact: roles,
-    text, reasoning, call ids and arguments, the schemas; near: the exchange up to whitespace, case, reasoning,
-    call ids, system prompt and schemas), in one pass: XXH3-128 of the parts as JSON (unambiguous, C-fast)."""
-    exact, near = [], []
-    try:
-        for m in messages:
-            role, text = m["role"], m.get("content") or ""
-            calls = m.get("tool_calls") or ()
-            exact.append((role, text, m.get("reasoning") or "", m.get("tool_call_id") or "",
-                          [(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]))  # fmt: skip
-            if role != "system":
-                near.append((role, " ".join(text.split()).lower(), [_norm_args(c) for c in calls]))
-        return (xxh3_128_digest(orjson.dumps(exact) + _tools_key(tools)), xxh3_128_digest(orjson.dumps(near)))
-    except (TypeError, orjson.JSONEncodeError):  # a lone surrogate (a session file's): the standard digests
-        return content_digest(messages, tools), content_digest(messages, tools, near=True)
-
-
-def _norm_args(call: dict[str, Any]) -> tuple[str, str]:
-    args = call["function"]["arguments"]
-    with contextlib.suppress(orjson.JSONDecodeError):
-        args = orjson.dumps(orjson.loads(args), option=orjson.OPT_SORT_KEYS).decode().lower()
-    return call["function"]["name"], args
-
-
-_TOOLS: dict[int, tuple[Any, bytes, str, Any]] = {}  # id -> (the list, kept alive; its digest; its JSON text; its
-# orjson text as a fragment of a record's, None where orjson refuses it)
-
-
-def _tools_cached(tools: list[dict[str, Any]]) -> tuple[bytes, str, Any]:
-    """A tool list's digest, JSON text and orjson fragment, once per list object (a Hermes run's lines share one
-    parsed list)."""
-    hit = _TOOLS.get(id(tools))
-    if hit is not None and hit[0] is tools:
-        return hit[1], hit[2], hit[3]
-    text = json_text(tools)
-    d = xxh3_128_digest(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS)) if tools else b""
-    try:
-        frag = orjson.Fragment(orjson.dumps(tools))
-    except (TypeError, orjson.JSONEncodeError):
-        frag = None
-    if len(_TOOLS) >= 256:
-        _TOOLS.clear()
-    _TOOLS[id(tools)] = (tools, d, text, frag)
-    return d, text, frag
-
-
-def _record_text(rec: dict[str, Any]) -> bytes:
-    """``_text`` of a record, its tool list written once per list (the same bytes: orjson's text of it)."""
-    frag = _tools_cached(rec["tools"])[2] if rec["tools"] else None
-    return _text(rec, None if frag is None else {**rec, "tools": frag})
-
-
-def json_text(v: Any) -> str:
-    """A dataset row's JSON text column (tools, meta): orjson's, the standard encoder's for what it refuses."""
-    try:
-        return orjson.dumps(v).decode()
-    except (TypeError, orjson.JSONEncodeError):
-        return json.dumps(v, ensure_ascii=False)
-
-
-def _tools_key(tools: list[dict[str, Any]]) -> bytes:
-    return _tools_cached(tools)[0]
-
-
-def _tools_text(tools: list[dict[str, Any]]) -> str:
-    return _tools_cached(tools)[1]
-
-
-def cut_raw(raw: Any, reason: str) -> tuple[Any, dict[str, Any]]:
-    """A rejected record's raw text as rejects.jsonl keeps it: its first 4 KiB when it is too long to be the
-    point (a line or message too long, or anything past 1 MiB), whole otherwise."""
-    cut = len(raw) > RAW_KEEP and (reason in ("message too long", "line too long") or len(raw) >= RAW_MAX)
-    return (raw[:RAW_KEEP], {"raw_truncated": True}) if cut else (raw, {})

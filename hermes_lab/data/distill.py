@@ -17,7 +17,8 @@ one partition at a time; rows keep the seq of their prompt's first record, and t
 that order (the order the whole input would give). The outliers (in input order) and the review sample (in
 seeded-hash order) go through ``SortedSpill``: lines bucketed on disk by key range, each bucket sorted in
 memory on its own. The robust z-score's median and MAD are exact (numpy over the reward column). The
-conversations' rows come from the ingest as Arrow, in acceptance order (memory-mapped): distill adds their split.
+conversations' rows are written by the ingest, in acceptance order, with their record's split: distill keeps
+them, or saves them again where a row's prompt moved it to the held-out set.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ import math
 import os
 import shutil
 from array import array
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from hermes_lab.core.layout import PrepLayout
+from hermes_lab.data import review_sample
 from hermes_lab.data.columns import values_of
 from hermes_lab.data.conversation import dataset_schema
 from hermes_lab.data.ingest import LINE_BITS, trim_heap
-from hermes_lab.data.review_sample import review_lines, seed_review_lines
+from hermes_lab.data.review_sample import conversation_review_lines, seed_review_lines
 from hermes_lab.data.selection import Selection
 
 ROW_BATCH = 65536
@@ -264,20 +267,50 @@ class Distill:
         self.sel = Selection(cfg)
         self.conv_held = np.zeros(ing.n, dtype=bool)  # by seq: a conversation held out (its prompt's split)
         self.conv_split = {"train": 0, "heldout": 0}
-        self._sinks: dict[int, Any] = {}  # the accepted / negatives sink, opened for a review pick's record
+        self._review_pool: Any = None  # the worker building the conversations' review items (``run``)
+        self._review_jobs: deque[tuple[list[int], Any]] = deque()
 
     def run(self, review: SortedSpill, outliers: SortedSpill) -> None:
+        """Every partition's prompt rows; the conversations' review items meanwhile in a forked worker (each reads
+        its records back and scores them: ~0.2 ms a pick), taken as they are ready."""
         import pyarrow as pa
 
-        for path in self.ing.part_paths:
-            with pa.memory_map(str(path)) as src:
-                table = pa.ipc.open_stream(src).read_all()
-            if table.num_rows:
-                self._partition(table, review, outliers)
-            del table
-            trim_heap()  # a partition's work freed: its pages back before the next
-            path.unlink()
+        self._start_review()
+        try:
+            for path in self.ing.part_paths:
+                with pa.memory_map(str(path)) as src:
+                    table = pa.ipc.open_stream(src).read_all()
+                if table.num_rows:
+                    self._partition(table, review, outliers)
+                del table
+                trim_heap()  # a partition's work freed: its pages back before the next
+                path.unlink()
+                self._take_review(review, wait=False)
+            self._take_review(review, wait=True)
+            if self._review_pool is not None:  # reaped: its CPU is the command's
+                self._review_pool.close()
+                self._review_pool.join()
+        finally:
+            if self._review_pool is not None:
+                self._review_pool.terminate()
         self.sel.plan()
+
+    def _start_review(self) -> None:
+        """The review worker: forked when conversations were picked and a second core is there."""
+        scale, thr = float(self.cfg.reward.scale), float(self.cfg.reward.success_threshold)
+        review_sample.JOB[:] = [(self.cols, self.fam_names, scale, thr, self.ing.committed.get("accepted"))]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        seqs = self.ing.conversation_seqs()
+        if cores >= 2 and len(seqs) and self.picked[seqs].any():
+            import multiprocessing
+
+            self._review_pool = multiprocessing.get_context("fork").Pool(1)
+
+    def _take_review(self, review: SortedSpill, wait: bool) -> None:
+        while self._review_jobs and (wait or self._review_jobs[0][1].ready()):
+            keys, res = self._review_jobs.popleft()
+            for key, line in zip(keys, res.get()):
+                review.add(key, line)
 
     def _partition(self, table: Any, review: SortedSpill, outliers: SortedSpill) -> None:
         """One partition's prompt rows, in columns: each prompt's numbers summed over its records at once
@@ -368,19 +401,19 @@ class Distill:
             )  # fmt: skip
             keys = [rk << LINE_BITS | s for rk, s in zip(c["rank"][seq[sp]].tolist(), seq[sp].tolist())]
             review.add_many(keys, lines)
-        picks = picks[is_conv]  # conversations: their whole records, read back from the sink
+        picks = picks[is_conv]  # conversations: their whole records, read back from the sink (in the worker)
         if len(picks):
             at = pa.array(picks)
-            rows = zip(
-                picks.tolist(),
-                [prompts[x] for x in code[picks].tolist()],
-                resps.take(at).to_pylist(),
-                tids.take(at).to_pylist(),
-                [self._record_at(x) for x in conv_at.take(at).to_pylist()],
-            )
-            items = [(i, p, resp, tid, conv) for i, p, resp, tid, conv in rows]
-            for (i, *_), line in zip(items, review_lines(items, c, seq, self.fam_names, scale, thr)):
-                review.add(int(c["rank"][seq[i]]) << LINE_BITS | int(seq[i]), line)
+            items = list(zip([prompts[x] for x in code[picks].tolist()], resps.take(at).to_pylist(),
+                             tids.take(at).to_pylist(), conv_at.take(at).to_pylist()))  # fmt: skip
+            seqs = seq[picks]
+            keys = [rk << LINE_BITS | s for rk, s in zip(c["rank"][seqs].tolist(), seqs.tolist())]
+            if self._review_pool is not None:
+                job = self._review_pool.apply_async(conversation_review_lines, (items, seqs))
+                self._review_jobs.append((keys, job))
+            else:
+                for key, line in zip(keys, conversation_review_lines(items, seqs)):
+                    review.add(key, line)
         rows = np.flatnonzero(conv_at.is_valid().to_numpy(zero_copy_only=False))  # conversations: their rows
         if len(rows):
             self.conv_held[seq[rows]] = h[rows]
@@ -401,17 +434,6 @@ class Distill:
                 writer.write_table(t)
             self.tables[name].append(f)
         self.n_negative_grpo += sum(g.neg_source is not None for g in groups[0].values())
-
-    def _record_at(self, at: int | None) -> bytes | None:
-        """A review pick's conversation: its record's line, read back from the accepted sink (review picks are
-        never negatives)."""
-        if at is None:
-            return None
-        f = self._sinks.get(0)
-        if f is None:
-            f = self._sinks[0] = open(self.ing.committed["accepted"], "rb")  # noqa: SIM115  (closed in save)
-        f.seek(at)
-        return f.readline()
 
     def split_summary(self) -> dict[str, Any]:
         import numpy as np
@@ -484,25 +506,28 @@ class Distill:
 
     def _save_conversations(self, path: Path) -> Path:
         """``conversations/``: every accepted conversation in acceptance order (empty, schema only, for seed
-        input: those records are the prompt sets' one-turn rows): the ingest's rows (already in seq order,
-        memory-mapped) with their split."""
+        input: those records are the prompt sets' one-turn rows), with its split. The ingest wrote its rows with
+        their record's own split (``conv_ingest.ConvRows``): kept as written when that is every row's, else the
+        rows saved again with the split column the prompt sets' rule gives."""
         import datasets
+        import numpy as np
         import pyarrow as pa
-        import pyarrow.compute as pc
 
-        for f in self._sinks.values():
-            f.close()
         shutil.rmtree(path, ignore_errors=True)
-        schema = dataset_schema()
-        if not self.ing.conv_path.exists():
-            ds = datasets.Dataset(schema.empty_table(), fingerprint=_fingerprint())
+        rows = self.ing.conv_rows
+        if not rows.shards:
+            ds = datasets.Dataset(dataset_schema().empty_table(), fingerprint=_fingerprint())
             ds.save_to_disk(str(path))
             return path
-        with pa.memory_map(str(self.ing.conv_path)) as src:
-            t = pa.ipc.open_stream(src).read_all()
-        held = pa.array(self.conv_held[t.column("seq").to_numpy()])
-        split = pc.if_else(held, "heldout", "train")
-        t = t.drop_columns(["seq"]).add_column(schema.get_field_index("split"), "split", split)
+        seqs = self.ing.conversation_seqs()  # row i's seq
+        held = self.conv_held[seqs]
+        if np.array_equal(held, self.cols["held"][seqs]):
+            rows.finish(path, _fingerprint())
+            return path
+        rows.close()
+        t = rows.rows()
+        split = pa.array(np.where(held, "heldout", "train").tolist(), pa.string())
+        t = t.set_column(t.schema.get_field_index("split"), "split", split)
         ds = datasets.Dataset(t, fingerprint=_fingerprint())
         ds.save_to_disk(str(path))
         del ds, t

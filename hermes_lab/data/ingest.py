@@ -13,9 +13,9 @@ and parsed and checked in columns (``hermes_lab.data.columns``, this class's mix
 one by one (``_line``); every other shape becomes a canonical conversation record
 (``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by conversation_id
 (``hermes_lab.data.conv_ingest``, the other mixin; a large file's lines converted by worker processes). Its
-projection for the prompt tables is (first user message, final answer); its conversations/ row goes, as Arrow, to
-one file in acceptance order (``conversations.arrows`` in the temp dir: distill adds the split), and the spill
-keeps its record's offset in its sink (a review pick is read back from there).
+projection for the prompt tables is (first user message, final answer); its conversations/ row goes, as Arrow, in
+acceptance order, to the dataset's own shards (``conv_ingest.ConvRows``, in the temp dir until distill moves them
+into place), and the spill keeps its record's offset in its sink (a review pick is read back from there).
 
 Memory is bounded: lines are read in blocks (``columns.BLOCK_BYTES``) and validated in batches (at most
 ``BATCH_LINES`` lines or a sixteenth of ``data.memory_budget_mb``), duplicates are found through a 16-byte XXH3-128
@@ -47,7 +47,8 @@ from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from hermes_lab.data import readers
 from hermes_lab.data.columns import Corrupt, SeedColumns, read_blocks, trim_heap
-from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, RAW_KEEP, ConversationIngest, convert
+from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, ConversationIngest, ConvRows
+from hermes_lab.data.conv_lines import RAW_KEEP, convert
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
     REQUIRED,
@@ -153,8 +154,8 @@ class Ingest(SeedColumns, ConversationIngest):
         )
         self.part_paths = [tmp / f"part-{k:04d}.arrows" for k in range(self.n_parts)]
         self._writers = [pa.ipc.new_stream(str(p), self.schema) for p in self.part_paths]
-        # the accepted conversations' conversations/ rows (Arrow, seq order; their split is added at distill)
-        self.conv_path, self._conv_writer = tmp / "conversations.arrows", None
+        # conversations/, its rows written as they are accepted (seq order; distill checks their split)
+        self.conv_rows = ConvRows(tmp)
         self.committed: dict[str, Path] = {}
         # the seed's fields as columns (hermes_lab.data.columns); task_id's type is read from the data
         s = pa.string()
@@ -172,9 +173,7 @@ class Ingest(SeedColumns, ConversationIngest):
         for w in self._writers:
             w.close()
         self._writers = []
-        if self._conv_writer is not None:
-            self._conv_writer.close()
-            self._conv_writer = None
+        self.conv_rows.close()
 
     def commit(self, final: dict[str, Path]) -> None:
         """Move the finished sinks into place (after close): a reader sees the old file or the new one."""

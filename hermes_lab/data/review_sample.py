@@ -119,6 +119,22 @@ def review_lines(
     return out
 
 
+JOB: list[Any] = []  # (columns, family names, scale, threshold, the accepted sink): distill's, a forked worker's
+
+
+def conversation_review_lines(items: list[tuple[Any, ...]], seqs: Any) -> list[str]:
+    """``review_lines`` of conversation picks ((prompt, response, task_id, the record's offset in the accepted
+    sink), their seqs), each record read back from the sink here: in the worker distill forks, beside its
+    partitions (``JOB`` holds what the fork inherits)."""
+    c, fam_names, scale, thr, sink = JOB[0]
+    rows = []
+    with open(sink, "rb") as f:
+        for k, (p, resp, tid, at) in enumerate(items):
+            f.seek(at)
+            rows.append((k, p, resp, tid, f.readline()))
+    return review_lines(rows, c, seqs, fam_names, scale, thr)
+
+
 def _json_strings(col: Any) -> Any:
     """Each value of an Arrow string array as ``json.dumps`` writes it (ASCII escapes): quotes and backslashes
     escaped in Arrow, a value with any other character JSON escapes (control, DEL, non-ASCII) in Python."""
