@@ -125,91 +125,66 @@ class SortedSpill:
 
 
 # ------------------------------------------------------------------------------------------ grouping
-class _Prompt:
-    """One row of the GRPO / held-out prompt set, accumulated over the records of its prompt."""
-
-    __slots__ = (
-        "family",
-        "first",
-        "n",
-        "n_out",
-        "n_pass",
-        "neg_round",
-        "neg_source",
-        "ns",
-        "ref_reward",
-        "reference",
-        "rmax",
-        "rmin",
-        "s1",
-        "sq",
-        "task_id",
-        "tests",
-        "total",
-    )
-
-    def __init__(self, first: int, task_id: str | None, family: str, response: str, reward: float):
-        self.first, self.task_id, self.family, self.reference, self.ref_reward = (
-            first,
-            task_id,
-            family,
-            response,
-            reward,
-        )
-        self.n, self.total, self.neg_source, self.neg_round, self.n_out = 0, 0.0, None, None, 0
-        self.tests: str | None = None  # the task's tests (normalised JSON) from the first record that has them
-        # the group: every sample of the prompt, duplicate lines included (the policy gave that answer again)
-        self.ns, self.n_pass, self.s1, self.sq, self.rmin, self.rmax = 0, 0, 0.0, 0.0, reward, reward
-
-    def outcome(self) -> str:
-        """The prompt's group outcome over its logged samples (pass: reward >= reward.success_threshold)."""
-        if self.ns < 2:
-            return "single"  # one sample cannot show a mixed group
-        return "all_pass" if self.n_pass == self.ns else "all_fail" if self.n_pass == 0 else "mixed"
-
-
-def _table(groups: dict[str, _Prompt], sel: Selection, held: bool = False) -> Any:
-    """A partition's rows with their outcome columns; ``held``: the held-out set (negatives weighted, no
-    other selection: it is the regression set)."""
+def _prompt_table(p: dict[str, Any], sel: Selection, held: bool) -> Any:
+    """One set's prompt rows, one a prompt in order of its first record, from the per-prompt columns ``p`` (numpy
+    and Arrow arrays: the sums over its records, its first, reference, task_id and tests rows' values), with the
+    group outcome over its logged samples (every sample of the prompt, duplicate lines included: the policy gave
+    that answer again; pass: reward >= reward.success_threshold), its weight and selection; ``held``: the held-out
+    set (negatives weighted, no other selection: it is the regression set)."""
+    import numpy as np
     import pyarrow as pa
 
-    gs = list(groups.values())
-    outcome = [g.outcome() for g in gs]
-    # equal rewards: exactly 0 (the sums' cancellation leaves ~1e-8 for e.g. three rewards of 1.6667)
-    std = [0.0 if g.rmax == g.rmin else math.sqrt(max(g.sq / g.ns - (g.s1 / g.ns) ** 2, 0.0)) for g in gs]
+    ns, n_pass, neg = p["ns"], p["n_pass"], p["neg"]
+    outcome = np.where(ns < 2, "single", np.where(n_pass == ns, "all_pass", np.where(n_pass == 0, "all_fail", "mixed")))
+    same = p["rmax"] == p["rmin"]  # equal rewards: std exactly 0 (the sums' cancellation leaves ~1e-8 for e.g.
+    # three rewards of 1.6667); the others as a record-by-record sum gives it, in Python floats
+    std = [0.0 if z else math.sqrt(max(q / k - (s1 / k) ** 2, 0.0))
+           for z, q, s1, k in zip(same.tolist(), p["sq"].tolist(), p["s1"].tolist(), ns.tolist())]  # fmt: skip
+    weight = np.where(neg, sel.neg_w, 1)
     if held:
-        weight = [sel.neg_w if g.neg_source is not None else 1 for g in gs]
-        reason = ["heldout"] * len(gs)
+        reason: Any = np.full(len(ns), "heldout")
     else:
-        weight = [sel.base_weight(g, o) for g, o in zip(gs, outcome)]
-        reason = [sel.reason(g, o) for g, o in zip(gs, outcome)]
+        if sel.mode == "mixed":
+            weight = np.where(outcome == "mixed", np.maximum(weight, sel.mixed_w), weight)
+        reason = np.where(neg, "negative", outcome if sel.mode == "mixed" else "all")
+    n = len(ns)
     return pa.table(
         {
-            "prompt": pa.array(list(groups), pa.string()),
-            "task_id": pa.array([g.task_id for g in gs], pa.string()),
-            "family": pa.array([g.family for g in gs], pa.string()),
-            "reference": pa.array([g.reference for g in gs], pa.string()),
-            "tests": pa.array([g.tests for g in gs], pa.string()),  # the tests reward's column (None: no tests)
-            "ref_reward": pa.array([g.ref_reward for g in gs], pa.float64()),
-            "n_logged": pa.array([g.n for g in gs], pa.int64()),
-            "mean_logged_reward": pa.array([g.total / g.n for g in gs], pa.float64()),
-            "n_samples": pa.array([g.ns for g in gs], pa.int64()),
-            "n_pass": pa.array([g.n_pass for g in gs], pa.int64()),
-            "pass_share": pa.array([g.n_pass / g.ns for g in gs], pa.float64()),
+            "prompt": p["prompt"],
+            "task_id": p["task_id"],
+            "family": pa.array(p["family"], pa.string()),
+            "reference": p["reference"],
+            "tests": p["tests"],  # the tests reward's column (None: no tests)
+            "ref_reward": pa.array(p["ref_reward"], pa.float64()),
+            "n_logged": pa.array(p["n"], pa.int64()),
+            "mean_logged_reward": pa.array(p["total"] / p["n"] if n else [], pa.float64()),
+            "n_samples": pa.array(ns, pa.int64()),
+            "n_pass": pa.array(n_pass, pa.int64()),
+            "pass_share": pa.array(n_pass / ns if n else [], pa.float64()),
             "reward_std": pa.array(std, pa.float64()),
-            "zero_std": pa.array([g.ns >= 2 and g.rmax == g.rmin for g in gs], pa.bool_()),
-            "outcome": pa.array(outcome, pa.string()),
-            "is_negative": pa.array([g.neg_source is not None for g in gs], pa.bool_()),
+            "zero_std": pa.array((ns >= 2) & same, pa.bool_()),
+            "outcome": pa.array(outcome.tolist(), pa.string()),
+            "is_negative": pa.array(neg, pa.bool_()),
             "weight": pa.array(weight, pa.int64()),
-            "selected": pa.array([True] * len(gs), pa.bool_()),
-            "selection": pa.array(reason, pa.string()),
-            "negative_source": pa.array([g.neg_source for g in gs], pa.string()),
-            "negative_round": pa.array([g.neg_round for g in gs], pa.int64()),
-            "n_outliers": pa.array([g.n_out for g in gs], pa.int64()),
-            "first_seq": pa.array([g.first for g in gs], pa.int64()),
-            "select_rank": pa.array([0 if held else sel.rank(p) for p in groups], pa.uint64()),
+            "selected": pa.array(np.ones(n, dtype=bool), pa.bool_()),
+            "selection": pa.array(reason.tolist(), pa.string()),
+            "negative_source": pa.array(p["neg_source"], pa.string()),
+            "negative_round": pa.array(p["neg_round"], pa.int64()),
+            "n_outliers": pa.array(p["n_out"], pa.int64()),
+            "first_seq": pa.array(p["first_seq"], pa.int64()),
+            "select_rank": pa.array(np.zeros(n, np.uint64) if held else p["rank"], pa.uint64()),
         }
     )
+
+
+def _empty_prompts() -> dict[str, Any]:
+    import numpy as np
+    import pyarrow as pa
+
+    f, i, e = np.zeros(0), np.zeros(0, np.int64), pa.array([], pa.string())
+    return {"prompt": e, "task_id": e, "family": [], "reference": e, "tests": e, "ref_reward": f, "n": i,
+            "total": f, "ns": i, "n_pass": i, "s1": f, "sq": f, "rmin": f, "rmax": f, "neg": np.zeros(0, bool),
+            "neg_source": [], "neg_round": [], "n_out": i, "first_seq": i, "rank": []}  # fmt: skip
 
 
 def _fingerprint() -> str:
@@ -314,8 +289,8 @@ class Distill:
 
     def _partition(self, table: Any, review: SortedSpill, outliers: SortedSpill) -> None:
         """One partition's prompt rows, in columns: each prompt's numbers summed over its records at once
-        (numpy, in seq order: the sums are the ones a record-by-record loop gives), then one ``_Prompt`` per
-        prompt; per record only the outliers, the review picks and the conversations."""
+        (numpy, in seq order: the sums are the ones a record-by-record loop gives), and its row built from them
+        (``_prompt_table``); per record only the outliers, the review picks and the conversations."""
         import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -365,24 +340,31 @@ class Distill:
             "n_out": total(self.is_out[seq]),
         }
         tids, resps = table.column("task_id"), table.column("response")
-        fam_of = np.asarray(self.fam_names, dtype=object)[c["family"][seq[first]]] if n_g else []
-        tid_of = tids.take(pa.array(tid_row)).to_pylist()
-        ref_resp = resps.take(pa.array(ref)).to_pylist()
-        test_of = tests.take(pa.array(np.minimum(test_row, n - 1))).to_pylist()
         origin = c["origin"][seq]
-        groups: tuple[dict[str, _Prompt], dict[str, _Prompt]] = ({}, {})
-        cols = {name: v.tolist() for name, v in sums.items()}
-        for j, p in enumerate(prompts):
-            g = _Prompt(int(seq[first[j]]), tid_of[j], fam_of[j], ref_resp[j], float(r[ref[j]]))
-            g.n, g.total, g.s1, g.sq = cols["n"][j], cols["total"][j], cols["s1"][j], cols["sq"][j]
-            g.ns, g.n_pass, g.n_out = int(cols["ns"][j]), int(cols["n_pass"][j]), int(cols["n_out"][j])
-            g.rmin, g.rmax = float(rmin[j]), float(rmax[j])
-            if test_row[j] < n:
-                g.tests = test_of[j]
-            if neg_row[j] < n:
-                f = files[int(origin[neg_row[j]]) >> LINE_BITS]
-                g.neg_source, g.neg_round = f["file"], f["round"]
-            groups[int(held_g[j])][p] = g
+        has_neg = neg_row < n
+        neg_file = [files[o >> LINE_BITS] if ok else None
+                    for o, ok in zip(origin[np.minimum(neg_row, n - 1)].tolist(), has_neg.tolist())]  # fmt: skip
+        per = {  # per prompt, in order of first record
+            "prompt": enc.dictionary,
+            "task_id": tids.take(pa.array(tid_row)),
+            "family": np.asarray(self.fam_names, dtype=object)[c["family"][seq[first]]] if n_g else [],
+            "reference": resps.take(pa.array(ref)),
+            "tests": pc.if_else(pa.array(test_row < n), tests.take(pa.array(np.minimum(test_row, n - 1))), None),
+            "ref_reward": r[ref],
+            "n": sums["n"],
+            "total": sums["total"],
+            "ns": sums["ns"].astype(np.int64),
+            "n_pass": sums["n_pass"].astype(np.int64),
+            "n_out": sums["n_out"].astype(np.int64),
+            "s1": sums["s1"],
+            "sq": sums["sq"],
+            "rmin": rmin,
+            "rmax": rmax,
+            "neg": has_neg,
+            "neg_source": np.asarray([f and f["file"] for f in neg_file], dtype=object),
+            "neg_round": np.asarray([f and f["round"] for f in neg_file], dtype=object),
+            "first_seq": seq[first],
+        }
         for i in np.flatnonzero(self.is_out[seq]).tolist():  # outliers: few, in input order
             o = int(origin[i])
             z = round((float(r[i]) - med) / sigma, 3)
@@ -419,13 +401,20 @@ class Distill:
             self.conv_held[seq[rows]] = h[rows]
             self.conv_split["heldout"] += int(h[rows].sum())
             self.conv_split["train"] += int(len(rows) - h[rows].sum())
-        self.sel.count(groups[0])
-        for name, grp in zip(("grpo_dataset", "heldout_dataset"), groups):
-            if not grp:
+        for name, mask in (("grpo_dataset", ~held_g), ("heldout_dataset", held_g)):
+            if not mask.any():
                 continue
-            t = _table(grp, self.sel, held=name == "heldout_dataset")
+            pick = pa.array(mask)
+            grp = {k: v.filter(pick) if isinstance(v, (pa.Array, pa.ChunkedArray)) else v[mask] for k, v in per.items()}
+            held_set = name == "heldout_dataset"
+            if not held_set:
+                grp["rank"] = np.asarray([self.sel.rank(x) for x in grp["prompt"].to_pylist()], dtype=np.uint64)
+            t = _prompt_table(grp, self.sel, held=held_set)
+            if not held_set:
+                self.sel.count(t)
+                self.n_negative_grpo += int(grp["neg"].sum())
             self.rows[name] += t.num_rows
-            self.tids[name].extend(_tid_hash(g.task_id) for g in grp.values())
+            self.tids[name].extend(_tid_hash(x) for x in grp["task_id"].to_pylist())
             if len(self.ing.part_paths) == 1:
                 self.tables[name].append(t)
                 continue
@@ -433,7 +422,6 @@ class Distill:
             with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as writer:
                 writer.write_table(t)
             self.tables[name].append(f)
-        self.n_negative_grpo += sum(g.neg_source is not None for g in groups[0].values())
 
     def split_summary(self) -> dict[str, Any]:
         import numpy as np
@@ -472,7 +460,8 @@ class Distill:
                 shutil.rmtree(paths[name], ignore_errors=True)  # a rerun into the same dir leaves no stale shards
                 spill = left if name == "grpo_dataset" else None
                 if not parts or not isinstance(parts[0], Path):  # one partition: rows already in first-record order
-                    table = self.sel.finish(parts[0] if parts else _table({}, self.sel), spill)
+                    empty = _prompt_table(_empty_prompts(), self.sel, held=False)
+                    table = self.sel.finish(parts[0] if parts else empty, spill)
                     ds = datasets.Dataset(table.drop_columns(["first_seq"]), fingerprint=_fingerprint())
                     ds.save_to_disk(str(paths[name]))
                     continue

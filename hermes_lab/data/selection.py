@@ -35,30 +35,21 @@ class Selection:
         self.threshold = (1 << 64) - 1
         self.cap: dict[str, Any] = {}
 
-    def capped(self, g: Any, outcome: str) -> bool:
-        return self.mode == "mixed" and outcome in UNIFORM and g.neg_source is None
-
-    def base_weight(self, g: Any, outcome: str) -> int:
-        w = self.neg_w if g.neg_source is not None else 1
-        return max(w, self.mixed_w) if self.mode == "mixed" and outcome == "mixed" else w
-
-    def reason(self, g: Any, outcome: str) -> str:
-        if g.neg_source is not None:
-            return "negative"
-        return outcome if self.mode == "mixed" else "all"
-
     def rank(self, prompt: str) -> int:
         return int.from_bytes(hashlib.blake2b(self.seed_key + prompt.encode(), digest_size=8).digest(), "little")
 
-    def count(self, groups: dict[str, Any]) -> None:
-        for p, g in groups.items():
-            o = g.outcome()
-            cell = self.cells.setdefault((g.family, "negative" if g.neg_source else "input", o), [0, 0, 0, 0])
+    def count(self, table: Any) -> None:
+        """The tallies of a partition's GRPO prompt rows (``distill``'s table before ``finish``: its weight is the
+        base weight, negatives ``negative_weight``, under ``mixed`` mixed prompts ``mixed_weight``), in their
+        order; the seeded ranks of the prompts the cap applies to (uniform outcome, not negative)."""
+        names = ("family", "is_negative", "outcome", "weight", "zero_std", "select_rank")
+        for fam, neg, o, w, zero, rank in zip(*(table.column(k).to_pylist() for k in names)):
+            cell = self.cells.setdefault((fam, "negative" if neg else "input", o), [0, 0, 0, 0])
             cell[0] += 1
-            cell[1] += self.base_weight(g, o)
-            cell[2] += g.ns >= 2 and g.rmax == g.rmin
-            if self.capped(g, o):
-                self.ranks.append(self.rank(p))
+            cell[1] += w
+            cell[2] += zero
+            if self.mode == "mixed" and o in UNIFORM and not neg:
+                self.ranks.append(rank)
 
     def plan(self) -> None:
         """The cap: kept uniform prompts <= share / (1 - share) x the weight of everything else."""
