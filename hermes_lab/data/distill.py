@@ -23,7 +23,6 @@ them, or saves them again where a row's prompt moved it to the held-out set.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -32,6 +31,8 @@ from array import array
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data import review_sample
@@ -196,7 +197,8 @@ def _fingerprint() -> str:
 
 
 def _tid_hash(task_id: str | None) -> int:
-    return int.from_bytes(hashlib.blake2b((task_id or "").encode(), digest_size=8).digest(), "little")
+    """A task_id's 64-bit hash, for counting the sets' distinct task_ids and their overlap."""
+    return xxh3_64_intdigest((task_id or "").encode())
 
 
 def _merge_by_first_seq(tables: list[Any], path: Path, batch: int = ROW_BATCH) -> None:
