@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -135,27 +134,6 @@ def test_tally_gives_the_covariates_of_ab_run_in_time_order(log_dir):
     late = t.columns()
     assert late["cell"][-2] == late["cell"][-1] == 2 and late["task"][-2] == late["task"][-1] == 4  # opening turn
     assert "cell" not in L.Tally.from_dir(log_dir).columns()  # no covariates configured: the plain rule
-
-
-def test_tally_works_out_covariates_in_batches_without_waiting_for_a_look(monkeypatch):
-    """A gateway with hours between looks: the requests' prompts are not all kept until the next look; every
-    COV_BATCH of them get their codes in a thread, in arrival order, the same codes a look would give."""
-    from hermes_lab.ab import covariates
-
-    monkeypatch.setattr(L, "COV_BATCH", 8)
-    prompts = [f"up {w}=" for w in ("cat", "dog", "cat", "fox")] * 5 + ["rev abc="] * 3  # 23 requests
-    batched, at_look = L.Tally(covariates=covariates.KINDS), L.Tally(covariates=covariates.KINDS)
-    monkeypatch.setattr(at_look, "_cov_thread", threading.current_thread())  # alive: it never starts one
-    for i, p in enumerate(prompts):
-        for t in (batched, at_look):
-            t.add_request(req(f"r{i}", p, "ok", t=float(i)))
-        if batched._cov_thread is not None:
-            batched._cov_thread.join()
-    assert len(batched._cov_todo) < 8 and len(batched.cov) >= 16  # at most one batch waits for the look
-    assert len(at_look._cov_todo) == 23 and not at_look.cov
-    a, b = batched.columns(), at_look.columns()
-    assert a["cell"].tolist() == b["cell"].tolist() and a["task"].tolist() == b["task"].tolist()
-    assert len(set(a["task"].tolist())) == 4 and not batched._cov_todo
 
 
 @pytest.mark.parametrize("durability", ["fsync", "write"])

@@ -205,9 +205,6 @@ def save_experiment(log_dir: str | os.PathLike[str], state: dict[str, Any]) -> P
     return write_json_atomic(Path(log_dir) / EXPERIMENT, state)
 
 
-COV_BATCH = 4096  # requests whose covariate codes are worked out together before a look asks (Tally)
-
-
 class Tally:
     """The experiment's requests in memory: counts per arm, and the columns ``hermes_lab.ab.stats`` analyses.
 
@@ -230,12 +227,10 @@ class Tally:
         self._cov_on = bool(self.covariates)  # asked once: Encoder.__bool__ was 1% of a request's time
         self.cov: list[tuple[int, int]] = []
         # the requests whose covariate codes are still to be worked out: at the next look (columns), in its thread,
-        # not on the event loop (parsing each prompt for its task was 7% of the gateway's time per request); or
-        # in a thread of their own once COV_BATCH wait, so a gateway with hours between looks does not keep
-        # every request's prompt and messages until then
+        # not on the event loop (parsing each prompt for its task was 7% of the gateway's time per request). Not in
+        # a thread of its own every few thousand requests either: its GIL slices held the loop's requests ~100 ms
         self._cov_todo: list[tuple[Any, Any]] = []
         self._cov_lock = threading.Lock()
-        self._cov_thread: threading.Thread | None = None
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
             k: [] for k in ("t", "t_done", "t_fb", "stage", "arm", "error", "latency_ms", "unit", "conv")
@@ -285,9 +280,6 @@ class Tally:
         tr["finish"].append(rec.get("finish_reason"))
         if self._cov_on:  # one row per request, kept aligned with the reward's rows (at the next look)
             self._cov_todo.append((rec.get("prompt"), rec.get("messages")))
-            if len(self._cov_todo) >= COV_BATCH and (self._cov_thread is None or not self._cov_thread.is_alive()):
-                self._cov_thread = threading.Thread(target=self._cov_rows, name="covariates", daemon=True)
-                self._cov_thread.start()
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
