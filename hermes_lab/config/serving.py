@@ -72,8 +72,8 @@ class ServeSection:
     )
     event_loop: Literal["uvloop", "asyncio"] = _f(
         "uvloop",
-        "hermes-lab serve's event loop: uvloop (~10% less CPU a request) or Python's asyncio (no late first "
-        "requests on new connections after about a second idle, which uvloop shows: docs/performance.md).",
+        "hermes-lab serve's event loop: uvloop (~10% less CPU a request) or Python's asyncio (the same answers; "
+        "docs/performance.md).",
     )
     upstream_timeout_s: float = _f(600.0, "Timeout of one upstream request (a long generation included).", gt=0)
     upstream_connections: int = _f(256, "Open connections kept per upstream arm.", ge=1)
