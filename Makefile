@@ -47,12 +47,13 @@ live: setup
 live-demo: setup
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
 
-## the suite on every core, and one worker more (pytest-xdist: whole files per worker, the longest first:
+## the suite on every core, and two workers more (pytest-xdist: whole files per worker, the longest first:
 ## tests/conftest.py). Many tests wait (servers starting, a rollout's wall-clock stages, a killed process's
-## restart): with one worker a core, 10% of the CPU stayed idle; one more keeps it busy.
+## restart): with one worker a core, 10% of the CPU stayed idle; two more keep it busy (on 2 cores, 4 workers
+## took 776 s where 3 took 876).
 ## On a fresh clone the tiny policy most tests share builds in the background while the files that need none run;
 ## the 15 slowest tests are listed at the end (where the time goes)
-WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 ## PYTHONDONTWRITEBYTECODE (set on this machine and CI) is cleared for the suite: each worker rewrote the asserts
 ## of every test module at collection (~4 s of CPU each), and test helpers were compiled in every subprocess
 test: setup lint browser-deps sandbox-deps pyc

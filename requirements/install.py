@@ -36,7 +36,10 @@ def pip_settings() -> list[str]:
 def main() -> int:
     uv = shutil.which("uv", path=str(Path(sys.executable).parent))
     if uv:
+        # --compile-bytecode: what pip does by default. Without it every test process compiled torch's and
+        # transformers' modules on first import (with PYTHONDONTWRITEBYTECODE set, on every import)
         base = [uv, "pip", "install", "-q", "--python", sys.executable, "--index-strategy", "unsafe-best-match"]
+        base.append("--compile-bytecode")
         flags = pip_settings()
         if all(subprocess.run([*base, *flags, *step]).returncode == 0 for step in STEPS):
             return 0
