@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -336,6 +337,11 @@ def arrow_pool() -> Any:
     except NotImplementedError:  # a pyarrow built without jemalloc
         return pa.system_memory_pool()
     return pool
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one): how many worker processes help."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def trim_heap() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
-from hermes_lab.data.columns import read_blocks
+from hermes_lab.data.columns import read_blocks, usable_cores
 from hermes_lab.data.conv_lines import (
     WORK,
     Invalid,
@@ -136,7 +136,7 @@ class ConversationIngest:
         """Worker processes for a large conversation file (both cores: the conversion is ~90% of its time; the
         judge's queue needs the records here, so not with conversations.reward: judge); None: convert here.
         [pool, results in flight, the last line number sent]."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         if ctx.conv is None or self.judge is not None or size < PARALLEL_MIN or cores < 2:
             return None
         import multiprocessing

@@ -593,21 +593,3 @@ def dataset_schema() -> Any:
             ("meta", s),
         ]
     )
-
-
-def dataset_row(rec: dict[str, Any], split: str) -> dict[str, Any]:
-    """A record as a row of ``dataset_schema()`` (tools and meta as JSON text)."""
-    row = dict(rec)
-    row.update(
-        split=split, tools=_json(rec["tools"]), meta=_json(rec.get("meta") or {}), negative=bool(rec.get("negative"))
-    )
-    return row
-
-
-def _json(v: Any) -> str:
-    try:
-        import orjson
-
-        return orjson.dumps(v).decode()
-    except (TypeError, ValueError):
-        return json.dumps(v, ensure_ascii=False)

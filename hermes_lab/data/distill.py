@@ -36,7 +36,7 @@ from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data import review_sample
-from hermes_lab.data.columns import values_of
+from hermes_lab.data.columns import usable_cores, values_of
 from hermes_lab.data.conversation import dataset_schema
 from hermes_lab.data.ingest import LINE_BITS, trim_heap
 from hermes_lab.data.review_sample import conversation_review_lines, seed_review_lines
@@ -278,7 +278,7 @@ class Distill:
         build ~10% of the conversations' items, ~0.4 ms each, beside this process's partitions)."""
         scale, thr = float(self.cfg.reward.scale), float(self.cfg.reward.success_threshold)
         review_sample.JOB[:] = [(self.cols, self.fam_names, scale, thr, self.ing.committed.get("accepted"))]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         seqs = self.ing.conversation_seqs()
         if cores >= 2 and len(seqs) and self.picked[seqs].any():
             import multiprocessing
