@@ -681,8 +681,8 @@ def main() -> int:
         rows = []
         for gen in args.generator.split(","):
             CLIENT["kind"] = gen
-            # the stub and the load generator warmed before the first variant too: the first variant's gateway
-            # had measured ~10% more CPU a request than the same code measured second (A/A runs)
+            # the stub and the load generator warmed before the first variant too: with two checkouts' order
+            # swapped between runs, the first variant's gateway measured 10-15% more CPU a request
             run(burst(stub_url + "/v1/chat/completions", n64, 64))
             for variant in variants:
                 spec, _, other = variant.partition("@")
