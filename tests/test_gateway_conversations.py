@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from hermes_lab.live.conversations import Tracker, encode
@@ -109,6 +110,83 @@ def test_encoding_ignores_what_clients_change():
     }
     assert encode(a) == encode(b)
     assert encode({"role": "user", "content": "hi"}) != encode({"role": "assistant", "content": "hi"})
+
+
+def _split(body: bytes):
+    from hermes_lab.live.wire import ChatBody
+
+    return ChatBody(body)
+
+
+def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
+    """The gateway's path (``wire.ChatBody`` slices, ``Tracker.keys``): the same keys as parsed messages give, a
+    history seen at the last turn not parsed again, and a client that re-serialises its history (other spacing,
+    key order, escapes) still linked, its messages parsed anew."""
+    from hermes_lab.live.conversations import message_key
+
+    tr = Tracker(idle_s=60, tool_wait_s=600, max_open=100)
+    msgs = [SYSTEM, {"role": "user", "content": "list /tmp, café"}]
+    req = _split(json.dumps({"model": "m", "messages": msgs, "tools": TOOLS}).encode())
+    keys, last, parsed = tr.keys(req.raws)
+    assert keys == [message_key(m) for m in msgs] and last == -1 and parsed == {0: msgs[0], 1: msgs[1]}
+    lk = tr.link_keys(keys, last, None)
+    assert lk.conv is None and lk.hasher.digest() == tr.link(msgs, None).hasher.digest()
+    c = tr.open_new("c1", 1, False)
+    tr.started(c)
+    call = {"id": "call_0", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "ls"}'}}
+    tr.answered(c, lk.hasher, len(msgs), _answer(calls=[call]))
+    echoed = {"role": "assistant", "content": None, "tool_calls": [{**call, "id": "x9"}]}
+    nxt = [*msgs, echoed, {"role": "tool", "tool_call_id": "x9", "content": "a b"}]
+    req2 = _split(json.dumps({"model": "m", "messages": nxt, "tools": TOOLS}).encode())
+    keys2, last2, parsed2 = tr.keys(req2.raws)
+    assert sorted(parsed2) == [2, 3] and last2 == 2  # the history's two messages: looked up, not parsed
+    lk2 = tr.link_keys(keys2, last2, None)
+    assert lk2.conv is c and lk2.history == 3 and req2.messages(parsed2, lk2.history) == nxt[3:]
+    # the same turn written by another serialiser: every message's bytes are new, the conversation the same
+    again = json.dumps({"tools": TOOLS, "messages": nxt, "model": "m"}, separators=(",", ":"), ensure_ascii=True)
+    req3 = _split(again.encode())
+    keys3, last3, parsed3 = tr.keys(req3.raws)
+    assert sorted(parsed3) == [0, 1, 2, 3] and keys3 == keys2
+    assert tr.link_keys(keys3, last3, None).conv is c
+
+
+def test_a_split_body_is_still_checked_whole(tmp_path):
+    """msgspec's slices check a body's structure only: each part is checked by orjson when first seen (a top-level
+    field always, a message or a tool list once), so no byte reaches the upstream or the log unchecked."""
+    from hermes_lab.live.log import ToolsLog
+    from hermes_lab.live.wire import BadBody
+
+    for body, code in [
+        (b"[1, 2]", "invalid_body"),
+        (b'{"model": "m", "messages": [}', "invalid_json"),
+        (b'{"model": "m"}', "invalid_messages"),
+        (b'{"model": "m", "messages": []}', "invalid_messages"),
+        (b'{"model": "m", "messages": {"role": "user"}}', "invalid_messages"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]} trailing', "invalid_json"),
+        (b'{"model": "\xff", "messages": [{"role": "user", "content": "hi"}]}', "invalid_json"),
+        (b'{"model": 1e999, "messages": [{"role": "user", "content": "hi"}]}', "invalid_json"),
+    ]:
+        with pytest.raises(BadBody) as e:
+            _split(body)
+        assert e.value.code == code, body
+    tr = Tracker(idle_s=60, tool_wait_s=600, max_open=100)
+    good = b'{"role": "user", "content": "hi"}'
+    for bad_msg in (b'{"role": "user", "content": "\xff"}', b'{"role": "user", "content": "hi", "n": 1e999}'):
+        req = _split(b'{"model": "m", "messages": [' + good + b", " + bad_msg + b"]}")
+        with pytest.raises(orjson.JSONDecodeError):
+            tr.keys(req.raws)  # the good one is remembered, the bad one not
+        with pytest.raises(orjson.JSONDecodeError):
+            tr.keys(req.raws)
+    tools = ToolsLog(tmp_path)
+    try:
+        req = _split(b'{"model": "m", "messages": [' + good + b'], "tools": [{"name": "\xff"}]}')
+        with pytest.raises(orjson.JSONDecodeError):
+            tools.add_raw(req.tools)
+        ok = _split(json.dumps({"model": "m", "messages": [{"role": "user"}], "tools": TOOLS}).encode())
+        assert tools.add_raw(ok.tools) == tools.add(TOOLS) and tools.add_raw(None) is None
+    finally:
+        tools.close()
+    assert [json.loads(x)["tools"] for x in (tmp_path / "tools.jsonl").read_text().splitlines()] == [TOOLS]
 
 
 # ------------------------------------------------------------------------------- a gateway, the openai SDK
@@ -520,3 +598,44 @@ def test_roll_back_switches_running_candidate_conversations(agent_stub, tmp_path
     asyncio.run(go())
     recs = [json.loads(x) for x in (tmp_path / "log" / "requests.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["switched"], r["turn"]) for r in recs] == [("candidate", False, 0), ("baseline", True, 1)]
+
+
+def test_the_upstream_gets_the_clients_body_and_a_bad_history_is_refused(agent_stub, tmp_path):
+    """In process: what the upstream receives is the client's body with the arm's model (the messages and tools
+    the client's own bytes, every other field as sent); a turn whose new message is not valid JSON is a 400
+    that is not logged, and the conversation goes on with the next good turn."""
+    make, ask = _inproc(agent_stub, tmp_path)
+
+    async def post(gw, body: bytes):
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        r = await gw.chat({}, receive)
+        return r.status_code, json.loads(r.body)
+
+    async def go():
+        gw = make()
+        await gw.startup()
+        try:
+            msgs = [SYSTEM, {"role": "user", "content": "inspect, naïvely"}]
+            sent = {"model": "x", "messages": msgs, "tools": TOOLS, "temperature": 0.25, "vendor_extra": {"k": [1]}}
+            n0 = agent_stub.count()
+            status, a1 = await post(gw, json.dumps(sent, indent=1).encode())
+            assert status == 200
+            got = agent_stub.requests[n0].body
+            assert got == {**sent, "model": got["model"]} and got["model"] in ("base-model", "cand-model")
+            msg = a1["choices"][0]["message"]
+            history = json.dumps([*msgs, msg])[:-1].encode()
+            bad = history + b', {"role": "tool", "tool_call_id": "1", "content": "\xff"}]'
+            status, err = await post(gw, b'{"model": "x", "messages": ' + bad + b"}")
+            assert status == 400 and err["error"]["code"] == "invalid_json"
+            nxt = [*msgs, msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "ok"}]
+            status, _ = await post(gw, json.dumps({"model": "x", "messages": nxt, "tools": TOOLS}).encode())
+            assert status == 200
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(go())
+    recs = [json.loads(x) for x in (tmp_path / "log" / "requests.jsonl").read_text().splitlines()]
+    assert [(r["turn"], r["history"], len(r["messages"])) for r in recs] == [(0, 0, 2), (1, 3, 1)]
+    assert recs[0]["conversation_id"] == recs[1]["conversation_id"]

@@ -307,6 +307,7 @@ class UpstreamArm:
     """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""
 
     needs_prompt = False  # the upstream gets the messages; the flattened prompt is only logged at an opening
+    wire = True  # called with the body's fields, its messages and tools the client's bytes (live.wire.ChatBody)
 
     def __init__(self, spec: ArmSpec, cfg: HermesConfig):
         self.spec, self.name, self.served_model = spec, spec.name, spec.model

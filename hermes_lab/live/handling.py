@@ -1,8 +1,9 @@
 """The gateway's request handling: ``POST /v1/chat/completions`` from the request's bytes to its answer.
 
 Stage: validate (live A/B, ``hermes-lab serve``). Part of ``hermes_lab.live.gateway.Gateway`` (its ``ChatHandling``
-methods): the body read within ``serve.max_body_bytes`` and the gateway key, parsed once, the request's conversation
-linked (``hermes_lab.live.conversations``), its arm chosen (the unit's ABRouter bucket; a conversation stays on its
+methods): the body read within ``serve.max_body_bytes`` and the gateway key, split into raw slices
+(``hermes_lab.live.wire``: a history seen at earlier turns is not parsed again), the request's conversation linked
+(``hermes_lab.live.conversations``), its arm chosen (the unit's ABRouter bucket; a conversation stays on its
 arm), the arm called (``hermes_lab.live.arms``: an upstream, or ``hermes_lab.live.local``: in-process), streamed or
 not, the fallback to the baseline (``serve.fallback``); the answers as plain ASGI responses. The record of each
 request is ``hermes_lab.live.records``'; the other routes are ``hermes_lab.live.routes``'.
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from hermes_lab.ab import stats as ab
 from hermes_lab.live.arms import ARMS, Answer, CallAssembler, UpstreamError, flatten_messages
 from hermes_lab.live.conversations import Link, tool_errors
+from hermes_lab.live.wire import BadBody, ChatBody
 
 log = logging.getLogger("hermes_lab.serve")
 ARM_HEADER = {0: b"baseline", 1: b"candidate"}
@@ -104,6 +106,12 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
 
 
+def _body_for(arm: Any, req: ChatBody) -> dict[str, Any]:
+    """What an arm is called with: an upstream, the body's fields with its messages and tools as the client's bytes
+    (``wire``); an in-process arm, the body parsed whole."""
+    return req.fields if arm.wire else req.full()
+
+
 class ChatHandling:
     """The chat endpoint's methods of ``Gateway`` (its arms, tracker, router state and logs are the gateway's)."""
 
@@ -142,7 +150,7 @@ class ChatHandling:
         response = await self.chat(dict(scope["headers"]), receive)
         await response(scope, receive, send)
 
-    def _explicit(self, hdr: dict[bytes, bytes], payload: dict[str, Any]) -> str | None:
+    def _explicit(self, hdr: dict[bytes, bytes], payload: dict[str, Any] | ChatBody) -> str | None:
         """The conversation id the client named: X-Hermes-Conversation, metadata.conversation_id, or (with
         serve.conversation_from_user) its user."""
         raw = hdr.get(b"x-hermes-conversation")
@@ -158,7 +166,7 @@ class ChatHandling:
             raise _Refused(400, "conversation id: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_conversation_id")
         return cid
 
-    def _route(self, rid: str, cid: str, payload: dict[str, Any], hdr: dict[bytes, bytes]) -> str:
+    def _route(self, rid: str, cid: str, payload: ChatBody, hdr: dict[bytes, bytes]) -> str:
         """The randomisation unit of a new conversation's first turn (ab.unit)."""
         if self.unit == "conversation":
             return cid
@@ -176,29 +184,28 @@ class ChatHandling:
                 _Refused(400, "X-Request-ID: 1-128 characters of [A-Za-z0-9._:@/+=-]", "bad_request_id")
             )
         try:
-            payload = orjson.loads(await self._read(hdr, receive))
-            if not isinstance(payload, dict):
-                raise _Refused(400, "the body must be a JSON object", "invalid_body")
-            messages = payload.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _Refused(400, "'messages' must be a non-empty list", "invalid_messages")
-            if self.accepted is not None and payload.get("model") not in self.accepted:
+            req = ChatBody(await self._read(hdr, receive))
+            keys, last, parsed = self.convs.keys(req.raws)  # only the messages never seen are parsed
+            if self.accepted is not None and req.get("model") not in self.accepted:
                 raise _Refused(
                     404,
-                    f"The model {payload.get('model')!r} does not exist; ask for one of {sorted(self.accepted)}",
+                    f"The model {req.get('model')!r} does not exist; ask for one of {sorted(self.accepted)}",
                     "model_not_found",
                 )
-            explicit = self._explicit(hdr, payload)
+            explicit = self._explicit(hdr, req)
+            tools_hash = self.tools_log.add_raw(req.tools)
+        except BadBody as e:
+            return self._refuse(_Refused(400, str(e), e.code), rid)
         except orjson.JSONDecodeError as e:
             return self._refuse(_Refused(400, f"the body is not valid JSON: {e}", "invalid_json"), rid)
         except _Refused as e:
             return self._refuse(e, rid)
-        # the conversation: one digest pass over the parsed messages, one dict lookup
-        link = self.convs.link(messages, explicit)
+        # the conversation: the messages' keys digested, one dict lookup
+        link = self.convs.link_keys(keys, last, explicit)
         conv, switched = link.conv, False
         if conv is None:
             cid = explicit or rid
-            unit = self._route(rid, cid, payload, hdr)
+            unit = self._route(rid, cid, req, hdr)
             arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
             conv = self.convs.open_new(cid, arm, explicit is not None)
         elif self.unit == "conversation":
@@ -206,36 +213,40 @@ class ChatHandling:
             if arm == 1 and self.ratio <= 0:  # rolled back: the candidate's running conversations go to the baseline
                 arm, switched, conv.switched = 0, True, True
         else:  # request / user units: every turn routed on its own unit
-            unit = self._route(rid, conv.id, payload, hdr)
+            unit = self._route(rid, conv.id, req, hdr)
             arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
         turn = conv.turns
         self.convs.started(conv)
-        new = messages[link.history :] if link.history <= len(messages) else messages
-        md = payload.get("metadata")
+        n = len(req.raws)
+        new = req.messages(parsed, link.history if link.history <= n else 0)
+        md = req.get("metadata")
         task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
         arm_obj = self.arms[ARMS[arm]]
-        prompt = flatten_messages(messages) if (arm_obj.needs_prompt or not link.history) else ""
+        prompt = ""
+        if arm_obj.needs_prompt or not link.history:
+            prompt = flatten_messages(new if not link.history else req.messages(parsed))
         info = {
             "conversation_id": conv.id,
             "turn": turn,
             "history": link.history,
             "messages": new,
-            "tools_hash": self.tools_log.add(payload.get("tools")),
+            "tools_hash": tools_hash,
             "tool_errors": tool_errors(new),
             "switched": switched,
         }
         headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]
         headers.append((b"x-hermes-conversation", conv.id.encode()))
-        rec = self._record(rid, unit, arm, payload, task_id, t_start, info)
+        rec = self._record(rid, unit, arm, req, task_id, t_start, info)
         if not link.history:
             rec["prompt"] = prompt  # a conversation's opening (a single-turn request: its whole prompt)
-        ctx = (conv, link, len(messages))
-        if payload.get("stream") is True:
-            return await self._stream(payload, prompt, rid, arm, rec, headers, t_start, ctx)
-        ans = await self._call(arm_obj.complete, payload, prompt, rid)
+        ctx = (conv, link, n)
+        if req.get("stream") is True:
+            return await self._stream(req, prompt, rid, arm, rec, headers, t_start, ctx)
+        ans = await self._call(arm_obj.complete, _body_for(arm_obj, req), prompt, rid)
         self._finish(rec, ans, t_start)
         if arm == 1 and self.fallback and rec["status"] != "ok":
-            ans = await self._call(self.arms["baseline"].complete, payload, prompt, rid)
+            base = self.arms["baseline"]
+            ans = await self._call(base.complete, _body_for(base, req), prompt, rid)
             self._fell_back(rec, ans.status, ans.error, t_start, headers)
         await self._commit(rec, link=ctx)
         return _Raw(ans.body, ans.status, headers)
@@ -253,7 +264,7 @@ class ChatHandling:
 
     async def _stream(
         self,
-        payload: dict[str, Any],
+        req: ChatBody,
         prompt: str,
         rid: str,
         arm: int,
@@ -263,13 +274,15 @@ class ChatHandling:
         ctx: tuple[Any, Link, int],
     ) -> Response | _Events:
         rec["stream"] = True
-        opened = await self._call(self.arms[ARMS[arm]].stream, payload, prompt, rid)
+        arm_obj = self.arms[ARMS[arm]]
+        opened = await self._call(arm_obj.stream, _body_for(arm_obj, req), prompt, rid)
         err, events = opened if isinstance(opened, tuple) else (opened, None)
         fell = False
         if err is not None:  # refused before the first byte: a plain JSON error, as OpenAI answers
             self._finish(rec, err, t_start)
             if arm == 1 and self.fallback:  # (a break mid-stream cannot fall back: bytes went out)
-                opened = await self._call(self.arms["baseline"].stream, payload, prompt, rid)
+                base = self.arms["baseline"]
+                opened = await self._call(base.stream, _body_for(base, req), prompt, rid)
                 err, events = opened if isinstance(opened, tuple) else (opened, None)
                 self._fell_back(rec, 200 if err is None else err.status, err and err.error, t_start, headers)
                 fell = err is None

@@ -153,6 +153,7 @@ class LocalArm:
     completion token ids and the sampled tokens' logprobs for the log."""
 
     needs_prompt = False  # it renders the request's messages itself, in the generation thread
+    wire = False  # so it is called with the body parsed whole
 
     def __init__(self, spec: ArmSpec, policy: Any, worker: GenerationWorker, cfg: HermesConfig):
         from hermes_lab.policy.turn import Splicer

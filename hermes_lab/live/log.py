@@ -154,6 +154,10 @@ def load_experiment(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
 
 
+_NEW = object()
+_SEED = int.from_bytes(os.urandom(8), "little")  # (as conversations.Tracker's: no aiming at another's bytes)
+
+
 class ToolsLog:
     """tools.jsonl: each distinct tool-schema list the agents sent, once, under its hash (a request's record
     names the hash; an agent sends the same ~7 KB of schemas with every turn). A restart knows the hashes."""
@@ -161,6 +165,21 @@ class ToolsLog:
     def __init__(self, log_dir: str | os.PathLike[str], durability: str = "write", fsync_ms: float = 100.0):
         self.seen = {str(r.get("tools_hash")) for _, r in read_jsonl(Path(log_dir) / TOOLS)}
         self.writer = LogWriter(Path(log_dir) / TOOLS, durability, fsync_ms)
+        self._raw: dict[bytes, str | None] = {}  # a tool list's bytes' digest -> its hash
+
+    def add_raw(self, raw: Any) -> str | None:
+        """``add`` of a tool list as the client's bytes (``hermes_lab.live.wire``): parsed (and checked: orjson
+        raises ``JSONDecodeError``) only the first time these bytes come."""
+        if raw is None:
+            return None
+        d = xxhash.xxh3_128_digest(raw, _SEED)
+        th = self._raw.get(d, _NEW)
+        if th is _NEW:
+            th = self.add(orjson.loads(memoryview(raw)))
+            if len(self._raw) >= 4096:
+                self._raw.clear()
+            self._raw[d] = th
+        return th  # type: ignore[return-value]
 
     def add(self, tools: Any) -> str | None:
         if not tools:

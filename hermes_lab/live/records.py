@@ -28,7 +28,7 @@ class RequestRecords:
     """The request log's methods of ``Gateway`` (its writers, tally, clock and tracker are the gateway's)."""
 
     def _record(
-        self, rid: str, unit: str, arm: int, payload: dict[str, Any], task_id: Any, t_start: float, turn: dict[str, Any]
+        self, rid: str, unit: str, arm: int, payload: Any, task_id: Any, t_start: float, turn: dict[str, Any]
     ) -> dict[str, Any]:
         now = time.time()
         return {

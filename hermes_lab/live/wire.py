@@ -1,0 +1,92 @@
+"""A chat request's body as the gateway reads it: the top level split into raw slices, the small fields parsed, the
+messages and tool list left as the client's bytes (stage: validate, live A/B; ``hermes-lab serve``).
+
+Reads nothing on disk; ``hermes_lab.live.handling`` builds a ``ChatBody`` from every chat request's bytes.
+
+An agent re-sends its whole history with every turn: 21-41 messages and ~7 KB of tool schemas, 31-52 KB, of
+which one or two messages are new. Parsing it all (orjson: ~120 us for 58 KB) and writing it all again for the
+upstream (~25 us) cost more than anything else the gateway does for a turn. Here msgspec splits the body into
+raw slices in C (``msgspec.Raw``: the structure checked, nothing built); the small top-level fields (model,
+stream, metadata, ...) are parsed by orjson, which checks them whole; the messages are keyed by
+``hermes_lab.live.conversations.Tracker.keys``, which parses only those it has not seen (so every message is
+checked by orjson once: msgspec's skip does not check UTF-8 or numbers inside a value); the tool list by
+``hermes_lab.live.log.ToolsLog.add_raw``, the same way. The upstream's body is the client's own slices with the
+arm's model (``orjson.Fragment``: copied, not parsed or serialised). An in-process arm, and a conversation's
+opening (its prompt is logged), get the messages parsed.
+
+    hermes-lab serve --params params/embedded.yaml      # then POST http://127.0.0.1:8700/v1/chat/completions
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import orjson
+
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+SLICED = ("messages", "tools")  # the top-level fields kept as the client's bytes
+
+
+class BadBody(ValueError):
+    """A body the gateway refuses (400), with the error code it answers."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _bad_json(e: Exception, where: str = "") -> BadBody:
+    return BadBody("invalid_json", f"the body is not valid JSON: {where}{e}")
+
+
+class ChatBody:
+    """One chat request's body. ``fields``: its top-level fields, parsed, but for ``messages`` and ``tools``, which
+    are ``orjson.Fragment``s of their bytes (``orjson.dumps`` writes them as they came: the upstream's body);
+    ``raws``: each message's bytes (``msgspec.Raw``); ``tools``: the tool list's bytes (None: absent)."""
+
+    __slots__ = ("_full", "body", "fields", "raws", "tools")
+
+    def __init__(self, body: bytes):
+        try:
+            top = _TOP.decode(body)
+        except msgspec.ValidationError:
+            raise BadBody("invalid_body", "the body must be a JSON object") from None
+        except msgspec.DecodeError as e:
+            raise _bad_json(e) from None
+        fields: dict[str, Any] = {}
+        for k, v in top.items():
+            if k in SLICED:
+                fields[k] = orjson.Fragment(bytes(v))
+                continue
+            try:
+                fields[k] = orjson.loads(memoryview(v))
+            except orjson.JSONDecodeError as e:
+                raise _bad_json(e, f"{k!r}: ") from None
+        raws = None
+        if "messages" in top:
+            try:
+                raws = _LIST.decode(top["messages"])
+            except msgspec.ValidationError:
+                raws = None
+        if not raws:
+            raise BadBody("invalid_messages", "'messages' must be a non-empty list")
+        self.body, self.fields, self.raws, self.tools = body, fields, raws, top.get("tools")
+        self._full: dict[str, Any] | None = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level field other than the messages and tools, parsed."""
+        return self.fields.get(key, default)
+
+    def full(self) -> dict[str, Any]:
+        """The body parsed whole (an in-process arm renders the messages and tools itself)."""
+        if self._full is None:
+            self._full = orjson.loads(self.body)
+        return self._full
+
+    def messages(self, parsed: dict[int, Any], start: int = 0) -> list[Any]:
+        """The messages from ``start`` on, parsed: those in ``parsed`` (by index, ``Tracker.keys``'s) as they are,
+        the others now (each was checked when first seen)."""
+        raws = self.raws
+        return [parsed[i] if i in parsed else orjson.loads(memoryview(raws[i])) for i in range(start, len(raws))]
