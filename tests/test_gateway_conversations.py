@@ -604,7 +604,7 @@ def test_the_upstream_gets_the_clients_body_and_a_bad_history_is_refused(agent_s
     """In process: what the upstream receives is the client's body with the arm's model (the messages and tools
     the client's own bytes, every other field as sent); a turn whose new message is not valid JSON is a 400
     that is not logged, and the conversation goes on with the next good turn."""
-    make, ask = _inproc(agent_stub, tmp_path)
+    make, _ = _inproc(agent_stub, tmp_path)
 
     async def post(gw, body: bytes):
         async def receive():
