@@ -506,6 +506,9 @@ def run_cli(args: argparse.Namespace) -> int:
         history=[h for h in args.history.split(",") if h],
         continue_from=args.continue_from,
     )
+    for spec, flag in ((args.baseline, "--baseline"), (args.candidate, "--candidate")):
+        if spec.strip() != "champion":  # one that names nothing is refused before MLflow's run is set up (champion
+            resolve_arm(spec, flag, cfg)  # asks MLflow's registry: run_ab resolves it, in the run)
     if args.no_mlflow:
         report = run_ab(cfg, args.baseline, args.candidate, **kw)
     else:
