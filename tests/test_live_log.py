@@ -136,6 +136,31 @@ def test_tally_gives_the_covariates_of_ab_run_in_time_order(log_dir):
     assert "cell" not in L.Tally.from_dir(log_dir).columns()  # no covariates configured: the plain rule
 
 
+def test_the_tally_keeps_no_conversation_messages_until_its_look():
+    """A conversation turn's covariate keys are taken as it is added (the tally does not hold its messages until
+    the next look, ab.look_every apart); a lone prompt's wait for the look. The codes are ab-run's either way."""
+    from hermes_lab.ab import covariates
+
+    system = {"role": "system", "content": "You are an agent. " * 200}
+    recs = []
+    for k in range(6):
+        opening = [system, {"role": "user", "content": f"task {k % 3}"}]
+        call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "t", "arguments": "{}"}}]}
+        recs.append(req(f"o{k}", "", "ok", messages=opening))
+        recs.append(req(f"n{k}", "", "ok", messages=[call, {"role": "tool", "content": "x" * 500}]))
+        recs.append(req(f"p{k}", f"up w{k % 2}=", "ok"))
+    t = L.Tally(covariates=covariates.KINDS)
+    for r in recs:
+        t.add_request(r)
+    held = [x for x in t._cov_todo if type(x) is not tuple]
+    assert [x["prompt"] for x in held] == [r["prompt"] for r in recs if r["request_id"][0] == "p"]
+    enc = covariates.Encoder(covariates.KINDS)
+    want = [enc.row({"prompt": r["prompt"], "messages": r.get("messages")})[:2] for r in recs]
+    cols = t.columns()
+    assert list(zip(cols["cell"].tolist(), cols["task"].tolist())) == want and not t._cov_todo
+    assert len({c for c, _ in want}) >= 3 and len({k for _, k in want}) >= 5  # openings, later turns, prompts
+
+
 @pytest.mark.parametrize("durability", ["fsync", "write"])
 def test_log_writer_group_commit_and_torn_tail(tmp_path, durability):
     p = tmp_path / "requests.jsonl"

@@ -69,7 +69,20 @@ def _digest(s: str) -> str:
 
 def keys_of(rec: dict[str, Any], kinds: Sequence[str]) -> tuple[str | None, str | None]:
     """(cell key, task key) of a request record (``prompt`` and/or ``messages``), None where unknown."""
+    return _keys(rec, _turns(rec), kinds)
+
+
+def early_keys(rec: dict[str, Any], kinds: Sequence[str]) -> tuple[str | None, str | None] | None:
+    """``keys_of`` where it costs little: a conversation's (the digests of its system prompt and its first user
+    message, on its opening turn only). None for a lone prompt, whose keys parse it (the live tally works those
+    out at its next look, off the event loop, ``hermes_lab.live.log``)."""
     turns = _turns(rec)
+    if len(turns) > 1 or (turns and turns[0][0] != "user"):
+        return _keys(rec, turns, kinds)
+    return None
+
+
+def _keys(rec: dict[str, Any], turns: list[tuple[str, str]], kinds: Sequence[str]) -> tuple[str | None, str | None]:
     users = [t for r, t in turns if r == "user"]
     if len(turns) > 1 or (turns and turns[0][0] != "user"):  # a conversation: its opening turn only
         first = users[0] if users else ""
@@ -177,7 +190,10 @@ class Encoder:
         return any(k in self.kinds for k in ("family_level", "opening_turn", "task"))
 
     def row(self, rec: dict[str, Any]) -> tuple[int, int, float, float, float, float]:
-        c, t = keys_of(rec, self.kinds)
+        return self.row_of(*keys_of(rec, self.kinds))
+
+    def row_of(self, c: str | None, t: str | None) -> tuple[int, int, float, float, float, float]:
+        """``row`` of a request whose (cell key, task key) are known (``keys_of``)."""
         out = [
             -1 if c is None else self.cells.setdefault(c, len(self.cells)),
             -1 if t is None else self.tasks.setdefault(t, len(self.tasks)),

@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from hermes_lab.ab.covariates import Encoder
+from hermes_lab.ab.covariates import Encoder, early_keys
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
 
@@ -247,8 +247,10 @@ class Tally:
         self.cov: list[tuple[int, int]] = []
         # the requests whose covariate codes are still to be worked out: at the next look (columns), in its thread,
         # not on the event loop (parsing each prompt for its task was 7% of the gateway's time per request). Not in
-        # a thread of its own every few thousand requests either: its GIL slices held the loop's requests ~100 ms
-        self._cov_todo: list[tuple[Any, Any]] = []
+        # a thread of its own every few thousand requests either: its GIL slices held the loop's requests ~100 ms.
+        # A conversation turn's keys are taken at once (``early_keys``: two digests at its opening, none after),
+        # so the tally does not hold every turn's messages until the look (ab.look_every: 15 minutes by default)
+        self._cov_todo: list[Any] = []  # a request's (cell key, task key), or its prompt and messages
         self._cov_lock = threading.Lock()
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
@@ -298,7 +300,9 @@ class Tally:
         tr["tokens"].append(int(u.get("total_tokens") or 0) if isinstance(u, dict) else 0)
         tr["finish"].append(rec.get("finish_reason"))
         if self._cov_on:  # one row per request, kept aligned with the reward's rows (at the next look)
-            self._cov_todo.append((rec.get("prompt"), rec.get("messages")))
+            todo = {"prompt": rec.get("prompt"), "messages": rec.get("messages")}
+            keys = early_keys(todo, self.covariates.kinds)  # type: ignore[union-attr]
+            self._cov_todo.append(todo if keys is None else keys)
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
@@ -312,8 +316,9 @@ class Tally:
         history on live traffic. Any thread; one at a time (codes are numbered in order of first sight)."""
         with self._cov_lock:
             todo = self._cov_todo[:]  # the event loop may append meanwhile: those wait for the next look
-            for prompt, messages in todo:
-                self.cov.append(self.covariates.row({"prompt": prompt, "messages": messages})[:2])  # type: ignore[union-attr]
+            enc = self.covariates
+            for x in todo:
+                self.cov.append((enc.row_of(*x) if type(x) is tuple else enc.row(x))[:2])  # type: ignore[union-attr]
             del self._cov_todo[: len(todo)]
 
     def conversation_of(self, request_id: str) -> str | None:
