@@ -235,6 +235,10 @@ def test_cli_and_mlflow(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_db(tmp_path / "mlflow.db"))
     fakes = {"B": FakePolicy(0.45, "B"), "C": FakePolicy(0.75, "C")}
     monkeypatch.setattr(ab_run, "load_arm", lambda spec, cfg, cache: fakes[spec])
+    monkeypatch.chdir(tmp_path)
+    for name in fakes:  # model dirs, as the command checks its arms before MLflow's run; the fakes answer
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
     params = tmp_path / "p.yaml"
     params.write_text(f"round:\n  runs_dir: {tmp_path / 'runs'}\nab:\n  request_rate: 0.5\n")
     out = tmp_path / "ab" / "ab_report.json"
