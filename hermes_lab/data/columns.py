@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import multiprocessing.pool
 import os
 import zlib
 from collections import deque
@@ -342,6 +343,20 @@ def arrow_pool() -> Any:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity where the OS has one): how many worker processes help."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ForkPool(multiprocessing.pool.Pool):
+    """A pool of forked worker processes (the conversation workers, distill's review workers) whose worker
+    handler thread waits on the workers' exits and the pool's own notices only. The stdlib's also wakes whenever
+    the results pipe is readable, and a task's results (~2 MB for the conversations) keep it readable while the
+    result thread reads them: the thread spun there, ~a quarter of prep's process CPU and a share of the GIL its
+    main thread needs (without ``maxtasksperchild`` nothing it does waits on a result)."""
+
+    def __init__(self, processes: int):
+        super().__init__(processes, context=multiprocessing.get_context("fork"))
+
+    def _get_sentinels(self) -> list[Any]:
+        return [self._change_notifier._reader]  # type: ignore[attr-defined]
 
 
 def trim_heap() -> None:

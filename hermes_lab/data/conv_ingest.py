@@ -30,7 +30,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
-from hermes_lab.data.columns import read_blocks, usable_cores
+from hermes_lab.data.columns import ForkPool, read_blocks, usable_cores
 from hermes_lab.data.conv_lines import (
     WORK,
     Invalid,
@@ -139,11 +139,12 @@ class ConversationIngest:
         cores = usable_cores()
         if ctx.conv is None or self.judge is not None or size < PARALLEL_MIN or cores < 2:
             return None
-        import multiprocessing
+        import pyarrow as pa
 
+        pa.array([], pa.int64())  # pyarrow imports pandas at its first pa.array (~0.7 s): once here, not per worker
         WORK[:] = [self.line_work(ctx)]  # inherited by the forked workers: no pickling of the feedback
         WORK[0].as_dict = True
-        return [multiprocessing.get_context("fork").Pool(cores), deque(), 0]
+        return [ForkPool(cores), deque(), 0]
 
     def _conv_block(self, ctx: Any, pool: list[Any], lines: list[bytes]) -> None:
         """A block's lines sent to the workers in tasks of ~TASK_BYTES; results taken in order, a few in flight
@@ -166,6 +167,8 @@ class ConversationIngest:
         only finds where lines end and counts them, in one reused buffer); a block for the scan's loop after each
         (none to read here). A line longer than the buffer: from its start on, the file's blocks as
         ``columns.read_blocks`` gives them (a line over ``data.max_line_bytes`` is never held whole)."""
+        import numpy as np
+
         p, flight = pool[0], pool[1]
         buf = bytearray(TASK_BYTES)
         start = f.tell()
@@ -174,7 +177,7 @@ class ConversationIngest:
             if not n:
                 return
             end = buf.rfind(b"\n", 0, n) + 1
-            lines = buf.count(b"\n", 0, end)
+            lines = int(np.count_nonzero(np.frombuffer(buf, np.uint8, end) == 10))  # 4x bytearray.count's speed
             if n < len(buf) and end < n:  # the file's last line, without its newline
                 end, lines = n, lines + 1
             if not end:

@@ -36,7 +36,7 @@ from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data import review_sample
-from hermes_lab.data.columns import usable_cores, values_of
+from hermes_lab.data.columns import ForkPool, usable_cores, values_of
 from hermes_lab.data.conversation import dataset_schema
 from hermes_lab.data.ingest import LINE_BITS, trim_heap
 from hermes_lab.data.review_sample import conversation_review_lines, seed_review_lines
@@ -281,9 +281,7 @@ class Distill:
         cores = usable_cores()
         seqs = self.ing.conversation_seqs()
         if cores >= 2 and len(seqs) and self.picked[seqs].any():
-            import multiprocessing
-
-            self._review_pool = multiprocessing.get_context("fork").Pool(cores)
+            self._review_pool = ForkPool(cores)
 
     def _take_review(self, review: SortedSpill, wait: bool) -> None:
         while self._review_jobs and (wait or self._review_jobs[0][1].ready()):
