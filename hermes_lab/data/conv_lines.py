@@ -206,7 +206,8 @@ def digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tupl
         for m in messages:
             role, text = m["role"], m.get("content") or ""
             calls = m.get("tool_calls") or ()
-            exact.append((role, text, m.get("reasoning") or "", m.get("tool_call_id") or "",
+            said = _system_frag(text) if role == "system" and len(text) >= SYSTEM_FRAG else text
+            exact.append((role, said, m.get("reasoning") or "", m.get("tool_call_id") or "",
                           [(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]))  # fmt: skip
             if role != "system":
                 near.append((role, " ".join(text.split()).lower(), [_norm_args(c) for c in calls]))
@@ -245,9 +246,33 @@ def _tools_cached(tools: list[dict[str, Any]]) -> tuple[bytes, str, Any]:
 
 
 def _record_text(rec: dict[str, Any]) -> bytes:
-    """``_text`` of a record, its tool list written once per list (the same bytes: orjson's text of it)."""
+    """``_text`` of a record, its tool list and a long first system message written once per object (the same
+    bytes: orjson's text of them)."""
     frag = _tools_cached(rec["tools"])[2] if rec["tools"] else None
-    return _text(rec, None if frag is None else {**rec, "tools": frag})
+    same = None if frag is None else {**rec, "tools": frag}
+    msgs = rec["messages"]
+    m = msgs[0]
+    if m["role"] == "system" and len(m["content"] or "") >= SYSTEM_FRAG:
+        with contextlib.suppress(TypeError, orjson.JSONEncodeError):  # a lone surrogate: _text's own fallback
+            same = {**(same or rec), "messages": [{**m, "content": _system_frag(m["content"])}, *msgs[1:]]}
+    return _text(rec, same)
+
+
+SYSTEM_FRAG = 1024  # a system message from this length on is encoded once per text object (``_system_frag``)
+_SYSTEM: list[tuple[str, Any]] = []  # (text, kept alive; its orjson text as a fragment), the last few
+
+
+def _system_frag(text: str) -> Any:
+    """orjson's text of a system message as a fragment of a record's or a digest's text, once per string object:
+    the lines of a Hermes run share one system turn (``readers._trajectory`` gives them one stripped text), ~70%
+    of a line's bytes, which the record text and the exact digest would otherwise encode again each line."""
+    for t, f in _SYSTEM:
+        if t is text:
+            return f
+    f = orjson.Fragment(orjson.dumps(text))  # raises on a lone surrogate, as the whole text's encoding would
+    _SYSTEM.insert(0, (text, f))
+    del _SYSTEM[4:]
+    return f
 
 
 def json_text(v: Any) -> str:

@@ -383,9 +383,7 @@ def make_record(
     cid = conversation_id if isinstance(conversation_id, str) and conversation_id.strip() else None
     if cid is None:
         cid = "conv-" + content_digest(messages, tools).hex()[:16]
-    from hermes_lab.tasks import suite as tasks
-
-    fam = tasks.family_of(first_user) or (family if isinstance(family, str) and family else None)
+    fam = _family_of(first_user) or (family if isinstance(family, str) and family else None)
     return {
         "conversation_id": cid,
         "task_id": task_id,
@@ -402,6 +400,20 @@ def make_record(
         "parent_conversation_id": parent_conversation_id,
         "meta": meta or {},
     }
+
+
+_FAMILY_OF: Any = None  # tasks.suite.family_of, once imported
+
+
+def _family_of(prompt: str) -> str | None:
+    """``tasks.suite.family_of``, imported on first use (the task suite pulls in the sandbox) and then held: an
+    import statement a record cost ~2% of a conversation's conversion."""
+    global _FAMILY_OF
+    if _FAMILY_OF is None:
+        from hermes_lab.tasks import suite as tasks
+
+        _FAMILY_OF = tasks.family_of
+    return _FAMILY_OF(prompt)
 
 
 def from_seed(prompt: str, response: str, reward: float, task_id: str, source: dict[str, Any]) -> dict[str, Any]:

@@ -336,7 +336,7 @@ def system_tools(value: str, at: str) -> tuple[str, list[dict[str, Any]]]:
     return value[:i] + value[j + 8 :], tools_of(raw, f"{at}: ")
 
 
-_LAST_SYSTEM: list[Any] = [None]  # (value, at, system_tools') of the last line's system turn
+_LAST_SYSTEM: list[Any] = [None]  # (value, at, system_tools' with its text stripped) of the last line's system turn
 
 
 def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -368,12 +368,13 @@ def _trajectory(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[
         if kind == "system":
             last = _LAST_SYSTEM[0]
             if last is not None and last[0] == value and last[1] == at:  # a run's lines: one system turn, unhashed
-                text, found = last[2]
+                text, found = last[2]  # its text the same object (conv_lines writes it once per object)
             else:
                 text, found = system_tools(value, at)
+                text = text.strip()
                 _LAST_SYSTEM[0] = (value, at, (text, found))
             tools = found if not tools else tools + found
-            msgs.append({"role": "system", "content": text.strip()})
+            msgs.append({"role": "system", "content": text})
         elif kind == "human":
             msgs.append({"role": "user", "content": value})
             open_calls = None
