@@ -76,6 +76,9 @@ def early_keys(rec: dict[str, Any], kinds: Sequence[str]) -> tuple[str | None, s
     """``keys_of`` where it costs little: a conversation's (the digests of its system prompt and its first user
     message, on its opening turn only). None for a lone prompt, whose keys parse it (the live tally works those
     out at its next look, off the event loop, ``hermes_lab.live.log``)."""
+    msgs = rec.get("messages")
+    if isinstance(msgs, list) and len(msgs) == 1 and isinstance(msgs[0], dict) and msgs[0].get("role") == "user":
+        return None  # a lone user message (a single-turn request): a prompt, told apart at no cost
     turns = _turns(rec)
     if len(turns) > 1 or (turns and turns[0][0] != "user"):
         return _keys(rec, turns, kinds)

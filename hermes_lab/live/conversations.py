@@ -206,12 +206,18 @@ class Tracker:
             return None
         return c
 
-    def link(self, messages: list[Any], explicit: str | None) -> Link:
-        """The conversation that parsed messages continue (``link_keys``)."""
+    @staticmethod
+    def keys_parsed(messages: list[Any]) -> tuple[list[bytes], int, dict[int, Any]]:
+        """``keys`` of messages already parsed (a small body's, ``hermes_lab.live.wire``: no raw digest to look up)."""
         last = len(messages) - 1
         while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
             last -= 1
-        return self.link_keys([message_key(m) for m in messages], last, explicit)
+        return [message_key(m) for m in messages], last, dict(enumerate(messages))
+
+    def link(self, messages: list[Any], explicit: str | None) -> Link:
+        """The conversation that parsed messages continue (``link_keys``)."""
+        keys, last, _ = self.keys_parsed(messages)
+        return self.link_keys(keys, last, explicit)
 
     def link_keys(self, keys: list[bytes], last: int, explicit: str | None) -> Link:
         """The conversation a request continues, from its messages' keys and the index of its last assistant

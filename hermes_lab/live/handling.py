@@ -185,7 +185,7 @@ class ChatHandling:
             )
         try:
             req = ChatBody(await self._read(hdr, receive))
-            keys, last, parsed = self.convs.keys(req.raws)  # only the messages never seen are parsed
+            keys, last, parsed = req.keys(self.convs)  # of a large body, only the messages never seen are parsed
             if self.accepted is not None and req.get("model") not in self.accepted:
                 raise _Refused(
                     404,
@@ -193,7 +193,7 @@ class ChatHandling:
                     "model_not_found",
                 )
             explicit = self._explicit(hdr, req)
-            tools_hash = self.tools_log.add_raw(req.tools)
+            tools_hash = req.tools_hash(self.tools_log)
         except BadBody as e:
             return self._refuse(_Refused(400, str(e), e.code), rid)
         except orjson.JSONDecodeError as e:
@@ -217,7 +217,7 @@ class ChatHandling:
             arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
         turn = conv.turns
         self.convs.started(conv)
-        n = len(req.raws)
+        n = req.n
         new = req.messages(parsed, link.history if link.history <= n else 0)
         md = req.get("metadata")
         task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()

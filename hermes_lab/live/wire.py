@@ -27,6 +27,7 @@ import orjson
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _LIST = msgspec.json.Decoder(list[msgspec.Raw])
 SLICED = ("messages", "tools")  # the top-level fields kept as the client's bytes
+SMALL = 4096  # bytes: a body up to this size is parsed whole (a single-turn request; cheaper than its slices)
 
 
 class BadBody(ValueError):
@@ -44,11 +45,16 @@ def _bad_json(e: Exception, where: str = "") -> BadBody:
 class ChatBody:
     """One chat request's body. ``fields``: its top-level fields, parsed, but for ``messages`` and ``tools``, which
     are ``orjson.Fragment``s of their bytes (``orjson.dumps`` writes them as they came: the upstream's body);
-    ``raws``: each message's bytes (``msgspec.Raw``); ``tools``: the tool list's bytes (None: absent)."""
+    ``raws``: each message's bytes (``msgspec.Raw``); ``tools``: the tool list's bytes (None: absent). A body of
+    at most ``SMALL`` bytes is parsed whole instead: ``fields`` is the body, ``raws`` and ``tools`` are None."""
 
-    __slots__ = ("_full", "body", "fields", "raws", "tools")
+    __slots__ = ("_full", "body", "fields", "n", "raws", "tools")
 
     def __init__(self, body: bytes):
+        self.body, self._full = body, None
+        if len(body) <= SMALL:
+            self._whole(body)
+            return
         try:
             top = _TOP.decode(body)
         except msgspec.ValidationError:
@@ -72,8 +78,32 @@ class ChatBody:
                 raws = None
         if not raws:
             raise BadBody("invalid_messages", "'messages' must be a non-empty list")
-        self.body, self.fields, self.raws, self.tools = body, fields, raws, top.get("tools")
-        self._full: dict[str, Any] | None = None
+        self.fields, self.raws, self.tools, self.n = fields, raws, top.get("tools"), len(raws)
+
+    def _whole(self, body: bytes) -> None:
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise _bad_json(e) from None
+        if not isinstance(obj, dict):
+            raise BadBody("invalid_body", "the body must be a JSON object")
+        msgs = obj.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadBody("invalid_messages", "'messages' must be a non-empty list")
+        self.fields, self.raws, self.tools, self.n, self._full = obj, None, None, len(msgs), obj
+
+    def keys(self, tracker: Any) -> tuple[list[bytes], int, dict[int, Any]]:
+        """The messages' keys, the index of the last assistant message and the messages parsed, by index
+        (``Tracker.keys`` of the slices; of a small body's parsed messages, ``Tracker.keys_parsed``)."""
+        if self.raws is None:
+            return tracker.keys_parsed(self.fields["messages"])
+        return tracker.keys(self.raws)
+
+    def tools_hash(self, tools_log: Any) -> str | None:
+        """The tool list's hash in ``tools.jsonl`` (``ToolsLog``: of its bytes, or of a small body's parsed list)."""
+        if self.raws is None:
+            return tools_log.add(self.fields.get("tools"))
+        return tools_log.add_raw(self.tools)
 
     def get(self, key: str, default: Any = None) -> Any:
         """A top-level field other than the messages and tools, parsed."""
@@ -89,4 +119,6 @@ class ChatBody:
         """The messages from ``start`` on, parsed: those in ``parsed`` (by index, ``Tracker.keys``'s) as they are,
         the others now (each was checked when first seen)."""
         raws = self.raws
-        return [parsed[i] if i in parsed else orjson.loads(memoryview(raws[i])) for i in range(start, len(raws))]
+        if raws is None:  # a small body: parsed whole
+            return self.fields["messages"][start:]
+        return [parsed[i] if i in parsed else orjson.loads(memoryview(raws[i])) for i in range(start, self.n)]
