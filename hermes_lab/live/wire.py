@@ -12,7 +12,8 @@ stream, metadata, ...) are parsed by orjson, which checks them whole; the messag
 checked by orjson once: msgspec's skip does not check UTF-8 or numbers inside a value); the tool list by
 ``hermes_lab.live.log.ToolsLog.add_raw``, the same way. The upstream's body is the client's own slices with the
 arm's model (``orjson.Fragment``: copied, not parsed or serialised). An in-process arm, and a conversation's
-opening (its prompt is logged), get the messages parsed.
+opening (its prompt is logged), get the messages parsed. A body of at most ``SMALL`` bytes (a single-turn request)
+is parsed whole, as before: its slices would cost it more than they save.
 
     hermes-lab serve --params params/embedded.yaml      # then POST http://127.0.0.1:8700/v1/chat/completions
 """
