@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sqlite3
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -36,8 +37,8 @@ from hermes_lab.data.conv_lines import (
     Invalid,
     LineWork,
     conv_item,
-    convert_lines,
     convert_range,
+    convert_task,
     cut_raw,
     row_table,
 )
@@ -156,7 +157,7 @@ class ConversationIngest:
         for k, line in enumerate(lines):
             size += len(line)
             if size >= TASK_BYTES or k == len(lines) - 1:
-                flight.append(p.apply_async(convert_lines, (pool[2] + 1, lines[start : k + 1])))
+                flight.append(p.apply_async(convert_task, (pool[2] + 1, lines[start : k + 1])))
                 pool[2] += k + 1 - start
                 start, size = k + 1, 0
                 while len(flight) > FLIGHT * p._processes:
@@ -195,7 +196,7 @@ class ConversationIngest:
             yield [], True
 
     def _take_task(self, ctx: Any, result: Any) -> None:
-        results, rows = result.get()
+        results, rows = pickle.loads(result.get())  # conv_lines.packed
         if rows is not None:
             import pyarrow as pa
 
