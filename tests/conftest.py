@@ -13,12 +13,13 @@ kernels.skip_unused_imports()  # before any test module imports nbformat: 2 s of
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (make test runs a worker per core, and one more) each worker, and every process it starts
-    (papermill kernels, CLI subprocesses, torchrun), gets one BLAS/OpenMP thread: two workers each running
-    torch with a thread per core would fight for the cores, and the tiny policy is ~10x slower that way."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            os.environ.setdefault(var, "1")
+    """Each test process (make test's pytest-xdist workers, a worker per core and two more, or a plain pytest
+    run), and every process it starts (papermill kernels, CLI subprocesses, torchrun), gets one BLAS/OpenMP
+    thread unless told otherwise: two workers each running torch with a thread per core would fight for the
+    cores, and the tiny policy is ~10x slower that way; a plain run with two threads is ~2x slower than with
+    one, and would not time what make test times."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 
 # The files whose tests run longest, longest first (their wall time under `make test`, pytest --durations):
@@ -30,18 +31,19 @@ def pytest_configure(config):
 # (that test's teardown needs it), so the worker that takes the live flywheel's file, one test of minutes,
 # takes the next file in the queue with it and runs it only after the flywheel. The file second in this list
 # is that partner on a fresh machine (the files that need no policy first, then the flywheel's), the file
-# fourth is it when the policy is built (make test's 3 workers on 2 cores take the first three at once): a
-# short file each, not test_train's minutes queued behind the flywheel's while another worker idles.
+# fifth is it when the policy is built (make test's 4 workers on 2 cores take the first four at once): a
+# short file each, not test_round's minutes queued behind the flywheel's while another worker idles.
 LONGEST_FIRST = (
     "test_live_flywheel.py",
     "test_policy.py",  # the flywheel's partner on a fresh machine (above)
     "test_train.py",
-    "test_execute.py",  # the flywheel's partner once the policy is built (above)
     "test_round.py",
+    "test_execute.py",  # the flywheel's partner once the policy is built (above)
     "test_validate.py",
     "test_stages.py",
     "test_ab_run.py",
     "test_arms.py",
+    "test_prep_fuzz.py",  # one test of 95-120 s: handed out late, it would run on alone at the end
     "test_prep.py",
     "test_serve.py",
     "test_served_agent.py",
@@ -54,7 +56,6 @@ LONGEST_FIRST = (
     "test_sandbox_fusion.py",
     "test_sandbox.py",
     "test_kernels.py",
-    "test_prep_fuzz.py",
     "test_turns.py",
     "test_gateway_conversations.py",
     "test_browser_conversations.py",
