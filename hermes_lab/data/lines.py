@@ -90,10 +90,8 @@ def lone_surrogate(obj: Any) -> str | None:
 
 _DIGITS = bytes(48 if 48 <= i <= 57 else 10 for i in range(256))  # translate: a digit -> "0", the rest -> newline
 _LONG_INT = b"0" * 19  # an integer past 64 bits: orjson reads it as a float, Python as an int
-# translate: a digit -> "0", a colon, a backslash and "u" stay, "a" / "A" -> "a", the rest -> newline: one pass for
-# the three checks (digit runs, colons, and ``\\u003a``, which reads ``\\u000a`` here)
-_MARKS = bytes(48 if 48 <= i <= 57 else i if i in b":\\ua" else 97 if i == 65 else 10 for i in range(256))
-_COLON_ESCAPE = b"\\u000a"  # in _MARKS' text: \u003a, \u003A (and the rare \uDDDa, D a digit, that reads the same)
+# translate: a digit -> "0", a colon stays, the rest -> newline (one pass for both checks)
+_MARKS = bytes(48 if 48 <= i <= 57 else i if i == 58 else 10 for i in range(256))
 
 
 def decode(text: str, raw: bytes | None = None) -> Any:
@@ -113,13 +111,13 @@ def fast_decode(raw: bytes) -> Any:
     it (invalid UTF-8, a lone surrogate, NaN, a number a double cannot hold, bad JSON: the exact decoder names
     the fault), it holds ``\\u003a`` (a colon the key count below cannot see), a key twice (``_keys_unique``),
     nesting past ``MAX_DEPTH``, or a float where a run of 19 digits may be an integer orjson read as one."""
+    if b"\\u003" in raw:
+        return EXACT
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return EXACT
     marks = raw.translate(_MARKS)
-    if _COLON_ESCAPE in marks:
-        return EXACT
     ok: bool | None = None
     if _LONG_INT not in marks:
         # no run of digits orjson may read otherwise: the key count decides alone, taken on orjson's text of the
