@@ -989,6 +989,40 @@ def test_fast_decode_reads_what_the_exact_decoder_reads():
     assert 200 < exact_paths < len(lines) - 800
 
 
+def test_fast_decode_around_a_known_text_answers_as_on_the_whole_line():
+    """A worker scans a Hermes line around its run's system turn (``fast_decode``'s ``known``, the bytes it found
+    in an earlier line): the same answer as on the whole line, for known texts that hold colons, an escaped colon,
+    a run of 19 digits or neither, around the fuzz test's hostile lines and keys twice before and after it, and
+    the whole line's checks where the text is not at its offset."""
+    from test_prep_fuzz import make_line
+
+    from hermes_lab.data.lines import EXACT, fast_decode, known_text
+
+    texts = [b'"plain system prompt"', b'"a: b: c"', b'"x\\u003ay"', b'"id 1234567890123456789012"', b'"\\u003c b"']
+    hostile = [make_line(seed) for seed in range(400)] + [b'{"a": 1, "a": 2}', b'{"a": 123456789012345678901.5}']
+    checked = exact = 0
+    for text in texts:
+        known = known_text(text)
+        assert known is not None and known[1] == 0
+        head = b'{"conversations": [{"from": "system", "value": '
+        known = (text, len(head), *known[2:])
+        for k, rest in enumerate(hostile):
+            for line in (
+                head + text + b'}], "x": ' + rest + b"}",
+                head + text + b'}], "x": 1, "x": ' + rest + b"}",
+                b'{"conversations": [{"from": "system", "value": ' + text + b', "from": "gpt"}]}',
+                b'{"conversations": [{"from": "human", "value": ' + text + b"}]}",  # not at the offset
+                head[:-1] + b"  " + text + b"}]}",
+            ):
+                plain, around = fast_decode(line), fast_decode(line, known)
+                assert (plain is EXACT) == (around is EXACT), (text, k, line[:300])
+                assert plain is EXACT or plain == around
+                checked += 1
+                exact += plain is EXACT
+    assert checked == 5 * 5 * len(hostile) and 0 < exact < checked
+    assert known_text(b"no quotes") is None and known_text(b'"') is None
+
+
 def test_conversation_rows_from_dicts_are_the_rows_from_text():
     """A worker builds its conversations/ rows with pa.array from the row dicts, one process with Arrow's JSON
     reader from their text: the same table on Hermes trajectories, OpenAI lines (tool calls, reasoning, odd but

@@ -33,7 +33,7 @@ from hermes_lab.data.conversation import (
     review_key,
     task_prompt_of,
 )
-from hermes_lab.data.lines import EXACT, decode_exact, fast_decode, record_tests
+from hermes_lab.data.lines import EXACT, decode_exact, fast_decode, known_text, record_tests
 from hermes_lab.data.outcomes import assign_reward
 
 RAW_KEEP = 4096  # bytes of a rejected record's raw text kept when it is cut
@@ -60,8 +60,10 @@ def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[
         line = line[3:]
     if not line.strip():
         return ("blank",)
-    obj = fast_decode(line)  # orjson, its checks made on the bytes; a line it may not read: the exact decoder's
+    obj = fast_decode(line, KNOWN[0])  # orjson, its checks made on the bytes; else the exact decoder's
     text = None
+    if w.fmt == "hermes_trajectory" and type(obj) is dict:
+        learn_system(line, obj)
     if obj is EXACT:
         try:
             text = line.decode("utf-8")
@@ -81,6 +83,33 @@ def convert(w: LineWork, lineno: int, line: bytes, keep: bool = False) -> tuple[
     if not assign_reward(rec, w.feedback, w.rules, w.scale):
         return ("defer", rec, line.decode("utf-8") if text is None else text)
     return ("item", conv_item(lineno, rec, as_dict=w.as_dict), rec if keep else None)
+
+
+KNOWN: list[Any] = [None, None]  # fast_decode's known text (a Hermes run's system turn) and the last value tried
+KNOWN_MIN = 2048  # characters of a system turn from which its bytes are looked for in the next lines
+
+
+def learn_system(line: bytes, obj: dict[str, Any]) -> None:
+    """A Hermes line's system turn (its value: orjson writes it as Hermes's json.dumps does, without ASCII
+    escapes) as ``fast_decode``'s known text for the next lines of its run, which repeat it at the same offset;
+    each value looked for once (a file written with ASCII escapes has none)."""
+    k = KNOWN[0]
+    if k is not None and line.startswith(k[0], k[1]):
+        return
+    turns = obj.get("conversations")
+    if type(turns) is not list or not turns or type(turns[0]) is not dict:
+        return
+    value = turns[0].get("value")
+    if type(value) is not str or len(value) < KNOWN_MIN or value == KNOWN[1]:
+        return
+    KNOWN[1] = value
+    try:
+        text = orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return
+    at, known = line.find(text), known_text(text)
+    if at >= 0 and known is not None:
+        KNOWN[0] = (text, at, *known[2:])
 
 
 WORK: list[LineWork] = []  # the forked workers' LineWork
