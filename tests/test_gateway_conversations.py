@@ -119,10 +119,10 @@ def _split(body: bytes):
 
 
 def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
-    """The gateway's path (``wire.ChatBody`` slices, ``Tracker.keys``): the same keys as parsed messages give, a
-    history seen at the last turn not parsed again, and a client that re-serialises its history (other spacing,
-    key order, escapes) still linked, its messages parsed anew. A small body is parsed whole, to the same keys."""
-    from hermes_lab.live.conversations import message_key
+    """The gateway's path for a large body (``wire.ChatBody`` slices, ``Tracker.keys``): the encodings parsed
+    messages give, a history seen at the last turn not parsed again, and a client that re-serialises its history
+    (other spacing, key order, escapes) still linked, its messages parsed anew. A small body is parsed whole and
+    linked in one pass (``Tracker.link``), to the same digests."""
     from hermes_lab.live.wire import SMALL
 
     tr = Tracker(idle_s=60, tool_wait_s=600, max_open=100)
@@ -130,9 +130,9 @@ def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
     msgs = [system, {"role": "user", "content": "list /tmp, café"}]
     req = _split(json.dumps({"model": "m", "messages": msgs, "tools": TOOLS}).encode())
     assert len(req.body) > SMALL and req.raws is not None
-    keys, last, parsed = req.keys(tr)
-    assert keys == [message_key(m) for m in msgs] and last == -1 and parsed == {0: msgs[0], 1: msgs[1]}
-    lk = tr.link_keys(keys, last, None)
+    keys, last, parsed = tr.keys(req.raws)
+    assert keys == [encode(m) for m in msgs] and last == -1 and parsed == {0: msgs[0], 1: msgs[1]}
+    lk = req.link(tr, None)
     assert lk.conv is None and lk.hasher.digest() == tr.link(msgs, None).hasher.digest()
     c = tr.open_new("c1", 1, False)
     tr.started(c)
@@ -141,26 +141,27 @@ def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
     echoed = {"role": "assistant", "content": None, "tool_calls": [{**call, "id": "x9"}]}
     nxt = [*msgs, echoed, {"role": "tool", "tool_call_id": "x9", "content": "a b"}]
     req2 = _split(json.dumps({"model": "m", "messages": nxt, "tools": TOOLS}).encode())
-    keys2, last2, parsed2 = req2.keys(tr)
+    req2.encode_messages(tr)
+    keys2, last2, parsed2 = req2._keys
     assert sorted(parsed2) == [2, 3] and last2 == 2  # the history's two messages: looked up, not parsed
-    lk2 = tr.link_keys(keys2, last2, None)
-    assert lk2.conv is c and lk2.history == 3 and req2.messages(parsed2, lk2.history) == nxt[3:]
+    lk2 = req2.link(tr, None)
+    assert lk2.conv is c and lk2.history == 3 and req2.messages(lk2.history) == nxt[3:] and req2.messages() == nxt
+    assert tr.link(nxt, None).conv is c  # parsed, the same conversation
     # the same turn written by another serialiser: every message's bytes are new, the conversation the same
     again = json.dumps({"tools": TOOLS, "messages": nxt, "model": "m"}, separators=(",", ":"), ensure_ascii=True)
-    req3 = _split(again.encode())
-    keys3, last3, parsed3 = req3.keys(tr)
+    keys3, last3, parsed3 = tr.keys(_split(again.encode()).raws)
     assert sorted(parsed3) == [0, 1, 2, 3] and keys3 == keys2
     assert tr.link_keys(keys3, last3, None).conv is c
     # a small body (parsed whole) and its continuation as a large one: one conversation
     short = [{"role": "user", "content": "hi"}]
     small = _split(json.dumps({"model": "m", "messages": short}).encode())
-    assert small.raws is None and small.keys(tr) == ([message_key(short[0])], -1, {0: short[0]})
-    lk4 = tr.link_keys(*small.keys(tr)[:2], None)
+    assert small.raws is None and small.messages() == short
+    lk4 = small.link(tr, None)
     c2 = tr.open_new("c2", 0, False)
     tr.answered(c2, lk4.hasher, 1, _answer("hello"))
     grown = [*short, {"role": "assistant", "content": "hello"}, system]
     big = _split(json.dumps({"model": "m", "messages": grown}).encode())
-    assert big.raws is not None and tr.link_keys(*big.keys(tr)[:2], None).conv is c2
+    assert big.raws is not None and big.link(tr, None).conv is c2
 
 
 def test_a_split_body_is_still_checked_whole(tmp_path):
@@ -188,9 +189,9 @@ def test_a_split_body_is_still_checked_whole(tmp_path):
     for bad_msg in (b'{"role": "user", "content": "\xff"}', b'{"role": "user", "content": "hi", "n": 1e999}'):
         req = _split(b'{"model": "m", "messages": [' + good + b", " + bad_msg + b"]}")
         with pytest.raises(orjson.JSONDecodeError):
-            req.keys(tr)  # the good one is remembered, the bad one not
+            req.encode_messages(tr)  # the good one is remembered, the bad one not
         with pytest.raises(orjson.JSONDecodeError):
-            req.keys(tr)
+            req.encode_messages(tr)
         small = b'{"model": "m", "messages": [' + bad_msg + b"]}"  # parsed whole: refused at once
         with pytest.raises(BadBody):
             _split(small)

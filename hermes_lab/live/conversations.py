@@ -8,13 +8,13 @@ A request continues a conversation when its messages begin with that conversatio
 the gateway gave: the request's messages *up to its last assistant message* are exactly an earlier turn's
 messages plus that turn's answer. So every answered turn registers one key, the digest of (its messages, its
 answer), and a new request looks up one key, the digest of its messages through its last assistant message:
-one dict lookup, never a scan over open conversations. The digest is XXH3-128 over each message's key, the
-XXH3-128 of its canonical encoding (role, text stripped, tool calls as name + arguments with sorted keys; call
-ids and reasoning left out, because clients echo answers back without them or with ids of their own). The
-gateway hands its messages as raw slices (``hermes_lab.live.wire``): a message's key is looked up by a digest of
-its raw bytes (seeded at random per process), so only a message never seen before is parsed (orjson, which also
-checks it) and encoded; a 58 KB, 41-message history whose 39 first messages were seen costs ~10 us, not the
-~220 us of parsing it all and encoding every message.
+one dict lookup, never a scan over open conversations. The digest is a chained XXH3-128 over a canonical
+encoding of each message (role, text stripped, tool calls as name + arguments with sorted keys; call ids and
+reasoning left out, because clients echo answers back without them or with ids of their own). A large body's
+messages come as raw slices (``hermes_lab.live.wire``): a message's encoding is looked up by a digest of its raw
+bytes (seeded at random per process), so only a message never seen before is parsed (orjson, which also checks
+it) and encoded; a 58 KB, 41-message history whose 39 first messages were seen costs ~10 us, not the ~220 us of
+parsing it all and encoding every message. A small body's messages are parsed and encoded in one pass (``link``).
 
 An explicit id wins: the ``X-Hermes-Conversation`` header, ``metadata.conversation_id``, or (with
 ``serve.conversation_from_user``) the OpenAI ``user`` field. A request that continues nothing opens a
@@ -100,11 +100,6 @@ def encode(m: Any) -> bytes:
     return b"\x1f".join(parts) + _SEP
 
 
-def message_key(m: Any) -> bytes:
-    """A message's key in the chained digest: XXH3-128 of its canonical bytes (``encode``)."""
-    return xxhash.xxh3_128_digest(encode(m))
-
-
 def _utf8(s: str) -> bytes:
     return s.encode("utf-8", "surrogatepass")
 
@@ -145,8 +140,8 @@ class Link:
         self.conv, self.turn, self.history, self.hasher = conv, turn, history, hasher
 
 
-SEEN_MAX = 65536  # raw messages whose keys are kept (~16 MB); past it the memory starts again (an agent's turn
-# re-sends ~40: thousands of conversations in flight before a history is parsed again)
+SEEN_MAX = 65536  # raw messages whose encodings are kept, and their bytes at most (past either, the memory starts
+SEEN_BYTES = 64 << 20  # again): an agent's turn re-sends ~40, so thousands of conversations run before it does
 _SEED = int.from_bytes(os.urandom(8), "little")  # a client cannot aim a raw digest at another client's message
 
 
@@ -157,10 +152,11 @@ class Tracker:
         self.open: OrderedDict[str, Conversation] = OrderedDict()  # by id, least recently active first
         self.ended = 0
         self._opened = 0
-        self._seen: dict[bytes, tuple[bytes, bool]] = {}  # raw digest -> (message key, is an assistant message)
+        self._seen: dict[bytes, tuple[bytes, bool]] = {}  # raw digest -> (its encoding, an assistant message?)
+        self._seen_bytes = 0
 
     def keys(self, raws: list[Any]) -> tuple[list[bytes], int, dict[int, Any]]:
-        """Raw messages' keys (``message_key``), the index of the last assistant message (-1: none) and the
+        """Raw messages' encodings (``encode``), the index of the last assistant message (-1: none) and the
         messages parsed here, by index: those never seen before (orjson parses and checks them, and raises
         ``orjson.JSONDecodeError`` on one that is not valid JSON); a message seen before is not parsed again."""
         seen, keys, parsed, last = self._seen, [], {}, -1
@@ -169,9 +165,11 @@ class Tracker:
             hit = seen.get(d)
             if hit is None:
                 m = parsed[i] = orjson.loads(memoryview(r))
-                hit = (message_key(m), type(m) is dict and m.get("role") == "assistant")
-                if len(seen) >= SEEN_MAX:
+                hit = (encode(m), type(m) is dict and m.get("role") == "assistant")
+                self._seen_bytes += len(hit[0])
+                if len(seen) >= SEEN_MAX or self._seen_bytes > SEEN_BYTES:
                     seen.clear()
+                    self._seen_bytes = len(hit[0])
                 seen[d] = hit
             keys.append(hit[0])
             if hit[1]:
@@ -206,26 +204,28 @@ class Tracker:
             return None
         return c
 
-    @staticmethod
-    def keys_parsed(messages: list[Any]) -> tuple[list[bytes], int, dict[int, Any]]:
-        """``keys`` of messages already parsed (a small body's, ``hermes_lab.live.wire``: no raw digest to look up)."""
+    def link(self, messages: list[Any], explicit: str | None) -> Link:
+        """The conversation that parsed messages continue. One pass over them: the chained digest, copied at the
+        last assistant message (the lookup key) and carried on (``Link.hasher``) for the key its answer adds."""
         last = len(messages) - 1
         while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
             last -= 1
-        return [message_key(m) for m in messages], last, dict(enumerate(messages))
-
-    def link(self, messages: list[Any], explicit: str | None) -> Link:
-        """The conversation that parsed messages continue (``link_keys``)."""
-        keys, last, _ = self.keys_parsed(messages)
-        return self.link_keys(keys, last, explicit)
+        h = xxhash.xxh3_128()
+        key = None
+        for i, m in enumerate(messages):
+            h.update(encode(m))
+            if i == last:
+                key = h.digest()
+        return self._linked(key, h, explicit)
 
     def link_keys(self, keys: list[bytes], last: int, explicit: str | None) -> Link:
-        """The conversation a request continues, from its messages' keys and the index of its last assistant
-        message: the digest of the keys through that message is the lookup key; the digest of them all is
-        carried on (``Link.hasher``) for the key its answer adds."""
+        """``link`` from the messages' encodings (``keys``) and the index of the last assistant message."""
         h = xxhash.xxh3_128(b"".join(keys[: last + 1]))
         key = h.digest() if last >= 0 else None
         h.update(b"".join(keys[last + 1 :]))
+        return self._linked(key, h, explicit)
+
+    def _linked(self, key: bytes | None, h: Any, explicit: str | None) -> Link:
         now = time.monotonic()
         hit = self.by_key.get(key) if key is not None else None
         if hit is not None and self._expired(hit[0], now):
@@ -263,7 +263,7 @@ class Tracker:
         c.last = time.monotonic()
         if answer is None or c.closed or self.open.get(c.id) is not c:
             return
-        hasher.update(message_key(answer))  # the request's digest is not needed after this: extend it in place
+        hasher.update(encode(answer))  # the request's digest is not needed after this: extend it in place
         k = hasher.digest()
         self.by_key[k] = (c, n_messages + 1)
         c.keys.append(k)
@@ -279,7 +279,10 @@ class Tracker:
         if self._expired(c, time.monotonic()):
             self._forget(c)
             return
-        k = xxhash.xxh3_128_digest(b"".join(message_key(m) for m in messages))
+        h = xxhash.xxh3_128()
+        for m in messages:
+            h.update(encode(m))
+        k = h.digest()
         self.by_key[k] = (c, len(messages))
         c.keys.append(k)
 

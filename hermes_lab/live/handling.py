@@ -185,7 +185,7 @@ class ChatHandling:
             )
         try:
             req = ChatBody(await self._read(hdr, receive))
-            keys, last, parsed = req.keys(self.convs)  # of a large body, only the messages never seen are parsed
+            req.encode_messages(self.convs)  # of a large body, only the messages never seen are parsed
             if self.accepted is not None and req.get("model") not in self.accepted:
                 raise _Refused(
                     404,
@@ -200,8 +200,8 @@ class ChatHandling:
             return self._refuse(_Refused(400, f"the body is not valid JSON: {e}", "invalid_json"), rid)
         except _Refused as e:
             return self._refuse(e, rid)
-        # the conversation: the messages' keys digested, one dict lookup
-        link = self.convs.link_keys(keys, last, explicit)
+        # the conversation: the messages' encodings digested, one dict lookup
+        link = req.link(self.convs, explicit)
         conv, switched = link.conv, False
         if conv is None:
             cid = explicit or rid
@@ -218,13 +218,13 @@ class ChatHandling:
         turn = conv.turns
         self.convs.started(conv)
         n = req.n
-        new = req.messages(parsed, link.history if link.history <= n else 0)
+        new = req.messages(link.history if link.history <= n else 0)
         md = req.get("metadata")
         task_id = (md.get("task_id") if isinstance(md, dict) else None) or hdr.get(b"x-hermes-task-id", b"").decode()
         arm_obj = self.arms[ARMS[arm]]
         prompt = ""
         if arm_obj.needs_prompt or not link.history:
-            prompt = flatten_messages(new if not link.history else req.messages(parsed))
+            prompt = flatten_messages(new if not link.history else req.messages())
         info = {
             "conversation_id": conv.id,
             "turn": turn,

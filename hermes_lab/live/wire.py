@@ -7,7 +7,7 @@ An agent re-sends its whole history with every turn: 21-41 messages and ~7 KB of
 which one or two messages are new. Parsing it all (orjson: ~120 us for 58 KB) and writing it all again for the
 upstream (~25 us) cost more than anything else the gateway does for a turn. Here msgspec splits the body into
 raw slices in C (``msgspec.Raw``: the structure checked, nothing built); the small top-level fields (model,
-stream, metadata, ...) are parsed by orjson, which checks them whole; the messages are keyed by
+stream, metadata, ...) are parsed by orjson, which checks them whole; the messages are encoded for the link by
 ``hermes_lab.live.conversations.Tracker.keys``, which parses only those it has not seen (so every message is
 checked by orjson once: msgspec's skip does not check UTF-8 or numbers inside a value); the tool list by
 ``hermes_lab.live.log.ToolsLog.add_raw``, the same way. The upstream's body is the client's own slices with the
@@ -49,10 +49,10 @@ class ChatBody:
     ``raws``: each message's bytes (``msgspec.Raw``); ``tools``: the tool list's bytes (None: absent). A body of
     at most ``SMALL`` bytes is parsed whole instead: ``fields`` is the body, ``raws`` and ``tools`` are None."""
 
-    __slots__ = ("_full", "body", "fields", "n", "raws", "tools")
+    __slots__ = ("_full", "_keys", "body", "fields", "n", "raws", "tools")
 
     def __init__(self, body: bytes):
-        self.body, self._full = body, None
+        self.body, self._full, self._keys = body, None, None
         if len(body) <= SMALL:
             self._whole(body)
             return
@@ -93,12 +93,19 @@ class ChatBody:
             raise BadBody("invalid_messages", "'messages' must be a non-empty list")
         self.fields, self.raws, self.tools, self.n, self._full = obj, None, None, len(msgs), obj
 
-    def keys(self, tracker: Any) -> tuple[list[bytes], int, dict[int, Any]]:
-        """The messages' keys, the index of the last assistant message and the messages parsed, by index
-        (``Tracker.keys`` of the slices; of a small body's parsed messages, ``Tracker.keys_parsed``)."""
+    def encode_messages(self, tracker: Any) -> None:
+        """A large body's messages encoded for the link (``Tracker.keys``: only those never seen are parsed; raises
+        ``orjson.JSONDecodeError`` on one that is not valid JSON). A small body's are encoded by ``link``."""
+        if self.raws is not None:
+            self._keys = tracker.keys(self.raws)
+
+    def link(self, tracker: Any, explicit: str | None) -> Any:
+        """The request's ``Link`` (``Tracker.link_keys`` of the encodings; of a small body, ``Tracker.link``)."""
         if self.raws is None:
-            return tracker.keys_parsed(self.fields["messages"])
-        return tracker.keys(self.raws)
+            return tracker.link(self.fields["messages"], explicit)
+        if self._keys is None:
+            self.encode_messages(tracker)
+        return tracker.link_keys(self._keys[0], self._keys[1], explicit)
 
     def tools_hash(self, tools_log: Any) -> str | None:
         """The tool list's hash in ``tools.jsonl`` (``ToolsLog``: of its bytes, or of a small body's parsed list)."""
@@ -116,10 +123,11 @@ class ChatBody:
             self._full = orjson.loads(self.body)
         return self._full
 
-    def messages(self, parsed: dict[int, Any], start: int = 0) -> list[Any]:
-        """The messages from ``start`` on, parsed: those in ``parsed`` (by index, ``Tracker.keys``'s) as they are,
-        the others now (each was checked when first seen)."""
+    def messages(self, start: int = 0) -> list[Any]:
+        """The messages from ``start`` on, parsed: those ``encode_messages`` parsed as they are, the others now (each
+        was checked when first seen)."""
         raws = self.raws
         if raws is None:  # a small body: parsed whole
             return self.fields["messages"][start:]
+        parsed = self._keys[2] if self._keys is not None else {}
         return [parsed[i] if i in parsed else orjson.loads(memoryview(raws[i])) for i in range(start, self.n)]
