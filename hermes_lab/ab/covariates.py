@@ -80,14 +80,18 @@ def early_keys(rec: dict[str, Any], kinds: Sequence[str]) -> tuple[str | None, s
     if isinstance(msgs, list) and len(msgs) == 1 and isinstance(msgs[0], dict) and msgs[0].get("role") == "user":
         return None  # a lone user message (a single-turn request): a prompt, told apart at no cost
     turns = _turns(rec)
-    if len(turns) > 1 or (turns and turns[0][0] != "user"):
-        return _keys(rec, turns, kinds)
-    return None
+    return _keys(rec, turns, kinds) if _conversation(turns) else None
+
+
+def _conversation(turns: list[tuple[str, str]]) -> bool:
+    """Whether a request's turns are a conversation's (more than one, or not a lone user message): then its cell
+    and task are its opening turn's, else its prompt's."""
+    return len(turns) > 1 or bool(turns and turns[0][0] != "user")
 
 
 def _keys(rec: dict[str, Any], turns: list[tuple[str, str]], kinds: Sequence[str]) -> tuple[str | None, str | None]:
     users = [t for r, t in turns if r == "user"]
-    if len(turns) > 1 or (turns and turns[0][0] != "user"):  # a conversation: its opening turn only
+    if _conversation(turns):  # a conversation: its opening turn only
         first = users[0] if users else ""
         cell = task = None
         if "opening_turn" in kinds:

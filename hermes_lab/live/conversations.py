@@ -12,7 +12,7 @@ one dict lookup, never a scan over open conversations. The digest is a chained X
 encoding of each message (role, text stripped, tool calls as name + arguments with sorted keys; call ids and
 reasoning left out, because clients echo answers back without them or with ids of their own). A large body's
 messages come as raw slices (``hermes_lab.live.wire``): a message's encoding is looked up by a digest of its raw
-bytes (seeded at random per process), so only a message never seen before is parsed (orjson, which also checks
+bytes (``wire.raw_digest``), so only a message never seen before is parsed (orjson, which also checks
 it) and encoded; a 58 KB, 41-message history whose 39 first messages were seen costs ~10 us, not the ~220 us of
 parsing it all and encoding every message. A small body's messages are parsed and encoded in one pass (``link``).
 
@@ -30,7 +30,6 @@ would have continued an ended conversation opens a new one.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -39,6 +38,7 @@ import orjson
 import xxhash
 
 from hermes_lab.data.conversation import is_tool_error
+from hermes_lab.live.wire import raw_digest
 
 _SEP = b"\x1e"
 
@@ -142,7 +142,6 @@ class Link:
 
 SEEN_MAX = 65536  # raw messages whose encodings are kept, and their bytes at most (past either, the memory starts
 SEEN_BYTES = 64 << 20  # again): an agent's turn re-sends ~40, so thousands of conversations run before it does
-_SEED = int.from_bytes(os.urandom(8), "little")  # a client cannot aim a raw digest at another client's message
 
 
 class Tracker:
@@ -161,7 +160,7 @@ class Tracker:
         ``orjson.JSONDecodeError`` on one that is not valid JSON); a message seen before is not parsed again."""
         seen, keys, parsed, last = self._seen, [], {}, -1
         for i, r in enumerate(raws):
-            d = xxhash.xxh3_128_digest(r, _SEED)
+            d = raw_digest(r)
             hit = seen.get(d)
             if hit is None:
                 m = parsed[i] = orjson.loads(memoryview(r))

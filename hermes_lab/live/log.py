@@ -48,6 +48,7 @@ import xxhash
 from hermes_lab.ab.covariates import Encoder, early_keys
 from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.data.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
+from hermes_lab.live.wire import raw_digest
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -155,7 +156,6 @@ def load_experiment(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 _NEW = object()
-_SEED = int.from_bytes(os.urandom(8), "little")  # (as conversations.Tracker's: no aiming at another's bytes)
 
 
 class ToolsLog:
@@ -172,7 +172,7 @@ class ToolsLog:
         raises ``JSONDecodeError``) only the first time these bytes come."""
         if raw is None:
             return None
-        d = xxhash.xxh3_128_digest(raw, _SEED)
+        d = raw_digest(raw)
         th = self._raw.get(d, _NEW)
         if th is _NEW:
             th = self.add(orjson.loads(memoryview(raw)))

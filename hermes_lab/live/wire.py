@@ -20,15 +20,26 @@ is parsed whole, as before: its slices would cost it more than they save.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 import orjson
+import xxhash
 
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _LIST = msgspec.json.Decoder(list[msgspec.Raw])
 SLICED = ("messages", "tools")  # the top-level fields kept as the client's bytes
 SMALL = 4096  # bytes: a body up to this size is parsed whole (a single-turn request; cheaper than its slices)
+
+
+_SEED = int.from_bytes(os.urandom(8), "little")  # a client cannot aim a raw digest at another client's bytes
+
+
+def raw_digest(raw: Any) -> bytes:
+    """The key of a slice's bytes in the gateway's caches of what it has parsed (a message's encoding, a tool
+    list's hash): XXH3-128, seeded at random per process."""
+    return xxhash.xxh3_128_digest(raw, _SEED)
 
 
 class BadBody(ValueError):
