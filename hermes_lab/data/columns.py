@@ -21,11 +21,7 @@ Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
-import multiprocessing.pool
-import os
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -34,6 +30,7 @@ from typing import Any, BinaryIO
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.data.lines import TEST_FIELDS, split_of
+from hermes_lab.data.resources import arrow_pool, trim_heap
 from hermes_lab.tasks import suite as tasks
 
 BLOCK_BYTES = 2 << 20  # bytes read and parsed at once (4 MiB: ~10 MiB more peak RSS at 1M records, ~3% less CPU)
@@ -326,47 +323,6 @@ def prepare_block(
     return lines, runs
 
 
-def arrow_pool() -> Any:
-    """The memory pool prep's Arrow buffers come from: jemalloc's, set to give freed pages back at once (decay 0:
-    its own arenas, so a block's buffers do not stay between Python's longer-lived objects in the C heap), where
-    pyarrow has it; else malloc's (mimalloc's pool keeps what was freed)."""
-    import pyarrow as pa
-
-    try:
-        pool = pa.jemalloc_memory_pool()
-        pa.jemalloc_set_decay_ms(0)
-    except NotImplementedError:  # a pyarrow built without jemalloc
-        return pa.system_memory_pool()
-    return pool
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS has one): how many worker processes help."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class ForkPool(multiprocessing.pool.Pool):
-    """A pool of forked worker processes (the conversation workers, distill's review workers) whose worker
-    handler thread waits on the workers' exits and the pool's own notices only. The stdlib's also wakes whenever
-    the results pipe is readable, and a task's results (~2 MB for the conversations) keep it readable while the
-    result thread reads them: the thread spun there, ~a quarter of prep's process CPU and a share of the GIL its
-    main thread needs (without ``maxtasksperchild`` nothing it does waits on a result)."""
-
-    def __init__(self, processes: int):
-        super().__init__(processes, context=multiprocessing.get_context("fork"))
-
-    def _get_sentinels(self) -> list[Any]:
-        return [self._change_notifier._reader]  # type: ignore[attr-defined]
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing): a block's
-    buffers, once freed, stay with the allocator between longer-lived objects (the columns, the dedup index),
-    and peak RSS counts them."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 def values_of(arr: Any) -> memoryview:
     """The bytes of an Arrow (large) string / binary array's values, in order (its rows joined with nothing)."""
     import numpy as np
@@ -379,7 +335,7 @@ def values_of(arr: Any) -> memoryview:
     return memoryview(data)[int(off[0]) : int(off[-1])] if data is not None else memoryview(b"")
 
 
-_LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
+LINE_BITS = 40  # a row's origin: its file's index << 40 | its line number (the ingest's, seed and conversations)
 
 
 class SeedColumns:
@@ -471,7 +427,7 @@ class SeedColumns:
         k = len(new_idx)
         c = self.cols
         c["copies"].frombytes(bytes(4 * k))
-        c["origin"].frombytes(((fidx << _LINE_BITS) | linenos[new_idx]).astype(np.int64).tobytes())
+        c["origin"].frombytes(((fidx << LINE_BITS) | linenos[new_idx]).astype(np.int64).tobytes())
         lines = run.lines.slice(i, n)
         if k < n:
             new_seq = seq0 - 1 + np.cumsum(new)  # at a new row: its seq
@@ -524,7 +480,7 @@ class SeedColumns:
         if special.any():
             odd = [enc(raw[x].as_py()[:-1])[1:] + "}\n" for x in np.flatnonzero(special).tolist()]
             esc = pc.replace_with_mask(esc, pa.array(special), pa.array(odd, pa.string()))
-        files = origin >> _LINE_BITS
+        files = origin >> LINE_BITS
         heads = {f: f', "duplicate_of": {enc(self.files[f]["file"])[:-1]}:' for f in np.unique(files).tolist()}
         if len(heads) == 1:
             mid: Any = next(iter(heads.values()))
@@ -533,7 +489,7 @@ class SeedColumns:
             idx = np.asarray([at[f] for f in files.tolist()], dtype=np.int32)
             mid = pa.DictionaryArray.from_arrays(pa.array(idx), pa.array(list(heads.values()))).cast(pa.string())
         ln = pc.cast(pa.array(linenos), pa.string())
-        at_line = pc.cast(pa.array(origin & ((1 << _LINE_BITS) - 1)), pa.string())
+        at_line = pc.cast(pa.array(origin & ((1 << LINE_BITS) - 1)), pa.string())
         head = f'{{"file": {enc(st["file"])}, "line": '
         return values_of(pc.binary_join_element_wise(head, ln, mid, at_line, '", "raw": "', esc, ""))
 

@@ -31,7 +31,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.data import atropos, hermes_store, readers, traces
-from hermes_lab.data.columns import ForkPool, read_blocks, usable_cores
+from hermes_lab.data.columns import LINE_BITS, read_blocks
 from hermes_lab.data.conv_lines import (
     WORK,
     Invalid,
@@ -45,9 +45,9 @@ from hermes_lab.data.conv_lines import (
 from hermes_lab.data.conversation import dataset_schema
 from hermes_lab.data.lines import split_of
 from hermes_lab.data.outcomes import assign_reward
+from hermes_lab.data.resources import ForkPool, usable_cores
 
 BATCH_LINES = 16384  # records held before one vectorised duplicate lookup
-LINE_BITS = 40  # origin = file index << 40 | line number (the ingest's)
 
 
 PARALLEL_MIN = 8 << 20  # a conversation file from this size on is converted by worker processes

@@ -36,9 +36,9 @@ from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.data import review_sample
-from hermes_lab.data.columns import ForkPool, usable_cores, values_of
+from hermes_lab.data.columns import LINE_BITS, values_of
 from hermes_lab.data.conversation import dataset_schema
-from hermes_lab.data.ingest import LINE_BITS, trim_heap
+from hermes_lab.data.resources import ForkPool, trim_heap, usable_cores
 from hermes_lab.data.review_sample import conversation_review_lines, seed_review_lines
 from hermes_lab.data.selection import Selection
 

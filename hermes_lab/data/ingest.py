@@ -46,8 +46,8 @@ from typing import Any, BinaryIO
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
 from hermes_lab.data import readers
-from hermes_lab.data.columns import Corrupt, SeedColumns, read_blocks, trim_heap
-from hermes_lab.data.conv_ingest import BATCH_LINES, LINE_BITS, ConversationIngest, ConvRows
+from hermes_lab.data.columns import LINE_BITS, Corrupt, SeedColumns, read_blocks
+from hermes_lab.data.conv_ingest import BATCH_LINES, ConversationIngest, ConvRows
 from hermes_lab.data.conv_lines import RAW_KEEP, convert
 from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
@@ -64,6 +64,7 @@ from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the 
     split_of,
 )
 from hermes_lab.data.outcomes import JudgeQueue, load_feedback
+from hermes_lab.data.resources import trim_heap
 from hermes_lab.tasks import suite as tasks
 
 PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on

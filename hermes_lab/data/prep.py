@@ -83,13 +83,13 @@ from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
-from hermes_lab.data.columns import arrow_pool
 from hermes_lab.data.conversation import FORMATS
 from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
 from hermes_lab.data.inputs import PrepError, expand_folders, resolve_inputs
 from hermes_lab.data.outcomes import plot_conversations
+from hermes_lab.data.resources import arrow_pool
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 
