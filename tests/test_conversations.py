@@ -20,7 +20,7 @@ import pytest
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.data import conversation as C
-from hermes_lab.data import readers
+from hermes_lab.data import outcomes, readers
 from hermes_lab.data.prep import run_prep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,7 +300,7 @@ def test_malformed_messages_name_the_message(raw, reason):
 
 def test_outcome_rules_order_and_penalty():
     rules = cfg().conversations
-    r = lambda **o: C.outcome_reward({"tool_errors": 0, **o}, rules, SCALE)  # noqa: E731
+    r = lambda **o: outcomes.outcome_reward({"tool_errors": 0, **o}, rules, SCALE)  # noqa: E731
     assert (
         r(completed=True) == 5.0 and r(completed=True, tool_errors=3) == 3.5 and r(completed=True, tool_errors=9) == 2.0
     )

@@ -500,28 +500,6 @@ def _norm_args(call: dict[str, Any]) -> str:
         return call["function"]["arguments"]
 
 
-# ------------------------------------------------------------------------------------------- rewards
-def outcome_reward(outcome: dict[str, Any], rules: Any, scale: float) -> float:
-    """The reward the outcome rules give (``rules``: the config's conversations section), on 0..scale:
-    completed -> completed_reward less tool_error_penalty per tool error, never below partial_reward;
-    partial -> partial_reward less the penalty, never below failed_reward; failed -> failed_reward."""
-    errs = int(outcome.get("tool_errors") or 0)
-    pen = rules.tool_error_penalty * errs
-    if outcome.get("completed"):
-        share = max(rules.partial_reward, rules.completed_reward - pen)
-    elif outcome.get("partial"):
-        share = max(rules.failed_reward, rules.partial_reward - pen)
-    else:
-        share = rules.failed_reward
-    return round(scale * share, 6)
-
-
-def source_kind(reward_source: str | None) -> str:
-    """The summary's bucket of a reward source: feedback:<source> counts as feedback."""
-    s = reward_source or "log"
-    return "feedback" if s.startswith("feedback") else s
-
-
 def record_text(rec: dict[str, Any]) -> str:
     """A record as one JSON line (no newline): orjson's, with U+2028 / U+2029 escaped (readers that split on
     them stay whole); the standard encoder's ASCII escapes for what orjson refuses (a lone surrogate from a

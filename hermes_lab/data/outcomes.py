@@ -8,7 +8,7 @@ the first that applies sets a conversation's reward and names itself in ``reward
                ``hermes-lab prep --feedback FILE`` ({conversation_id, reward, source?}; the latest line of an
                id wins): reward_source "feedback:<source>" (source defaults to "system")
   outcome      the outcome rules (``conversations.completed_reward`` / ``partial_reward`` / ``failed_reward`` /
-               ``tool_error_penalty``, shares of reward.scale; ``conversation.outcome_reward``)
+               ``tool_error_penalty``, shares of reward.scale; ``outcome_reward``)
   judge        with ``conversations.reward: judge``: the comparison judge scores the final answer against the
                best other conversation of the same task (by its reward; outcome rewards for the unrewarded),
                reward.model through the API or the local judge offline; a task with no other conversation
@@ -26,9 +26,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.data.conversation import final_answer, outcome_reward, task_prompt_of
+from hermes_lab.data.conversation import final_answer, task_prompt_of
 
 JUDGE_BATCH = 256
+
+
+def outcome_reward(outcome: dict[str, Any], rules: Any, scale: float) -> float:
+    """The reward the outcome rules give (``rules``: the config's conversations section), on 0..scale:
+    completed -> completed_reward less tool_error_penalty per tool error, never below partial_reward;
+    partial -> partial_reward less the penalty, never below failed_reward; failed -> failed_reward."""
+    errs = int(outcome.get("tool_errors") or 0)
+    pen = rules.tool_error_penalty * errs
+    if outcome.get("completed"):
+        share = max(rules.partial_reward, rules.completed_reward - pen)
+    elif outcome.get("partial"):
+        share = max(rules.failed_reward, rules.partial_reward - pen)
+    else:
+        share = rules.failed_reward
+    return round(scale * share, 6)
 
 
 def load_feedback(files: list[Path] | None, scale: float) -> tuple[dict[str, tuple[float, str]], dict[str, Any]]:
