@@ -113,42 +113,13 @@ def fast_decode(raw: bytes, known: tuple[bytes, int, int, bool, bool] | None = N
     nesting past ``MAX_DEPTH``, or a float where a run of 19 digits may be an integer orjson read as one.
 
     ``known`` (``known_text``): a JSON string's bytes the line holds at a given offset (a Hermes run's system turn,
-    ~70% of a line), with what the tests below find in them: the tests then scan only the bytes around it. The
-    same answers: the string starts and ends with a quote, which no pattern tested here holds, so each
-    match lies wholly before, inside or after it, and the colons add up."""
-    if known is not None:
-        return _fast_decode_around(raw, known)
-    if b"\\u003" in raw:
-        return EXACT
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return EXACT
-    marks = raw.translate(_MARKS)
-    ok: bool | None = None
-    if _LONG_INT not in marks:
-        # no run of digits orjson may read otherwise: the key count decides alone, taken on orjson's text of the
-        # value (its colons: one a key, plus those inside strings) in C; orjson writes no nesting past 254 (it
-        # refuses it), so what it writes is within MAX_DEPTH
-        with contextlib.suppress(orjson.JSONEncodeError):
-            ok = orjson.dumps(obj).count(b":") == marks.count(b":")
-    return _decided(raw, obj, ok)
-
-
-def known_text(text: bytes) -> tuple[bytes, int, int, bool, bool] | None:
-    """``fast_decode``'s ``known`` for a JSON string's bytes (``text``, its quotes included), offset 0: its colons,
-    whether it holds ``\\u003`` and a run of 19 digits; None for bytes that are not one quoted string."""
-    if len(text) < 2 or text[:1] != b'"' or text[-1:] != b'"':
-        return None
-    return (text, 0, text.count(b":"), b"\\u003" in text, _LONG_INT in text.translate(_MARKS))
-
-
-def _fast_decode_around(raw: bytes, known: tuple[bytes, int, int, bool, bool]) -> Any:
-    """``fast_decode`` of a line holding ``known``'s bytes at its offset (checked here, else the whole line's)."""
+    ~70% of a line), with what the tests below find in them: the tests then scan only the bytes around it (a line
+    without them there: all of it). The same answers: the string starts and ends with a quote, which no pattern
+    tested here holds, so each match lies wholly before, inside or after it, and the colons add up."""
+    if known is None or not raw.startswith(known[0], known[1]):
+        known = _NO_KNOWN
     text, at, colons, u003, long_run = known
-    if not raw.startswith(text, at):
-        return fast_decode(raw)
-    head, tail = raw[:at], raw[at + len(text) :]
+    head, tail = raw[:at], raw[at + len(text) :]  # (no known text: b"" and the line itself, not a copy)
     if u003 or b"\\u003" in head or b"\\u003" in tail:
         return EXACT
     try:
@@ -158,18 +129,27 @@ def _fast_decode_around(raw: bytes, known: tuple[bytes, int, int, bool, bool]) -
     mh, mt = head.translate(_MARKS), tail.translate(_MARKS)
     ok: bool | None = None
     if not long_run and _LONG_INT not in mh and _LONG_INT not in mt:
+        # no run of digits orjson may read otherwise: the key count decides alone, taken on orjson's text of the
+        # value (its colons: one a key, plus those inside strings) in C; orjson writes no nesting past 254 (it
+        # refuses it), so what it writes is within MAX_DEPTH
         with contextlib.suppress(orjson.JSONEncodeError):
             ok = orjson.dumps(obj).count(b":") == colons + mh.count(b":") + mt.count(b":")
-    return _decided(raw, obj, ok)
-
-
-def _decided(raw: bytes, obj: Any, ok: bool | None) -> Any:
-    """``fast_decode``'s answer once the key count is taken (``ok``; None: it could not decide)."""
     if ok is None:
         ok = _keys_unique(raw, obj)
         if ok is None:  # a float: an integer past 64 bits reads as one in orjson, as an int in Python
             ok = _LONG_INT not in raw.translate(_DIGITS)
     return obj if ok else EXACT
+
+
+_NO_KNOWN = (b"", 0, 0, False, False)  # fast_decode without a known text: the whole line is scanned
+
+
+def known_text(text: bytes) -> tuple[bytes, int, int, bool, bool] | None:
+    """``fast_decode``'s ``known`` for a JSON string's bytes (``text``, its quotes included), offset 0: its colons,
+    whether it holds ``\\u003`` and a run of 19 digits; None for bytes that are not one quoted string."""
+    if len(text) < 2 or text[:1] != b'"' or text[-1:] != b'"':
+        return None
+    return (text, 0, text.count(b":"), b"\\u003" in text, _LONG_INT in text.translate(_MARKS))
 
 
 def _keys_unique(raw: bytes, obj: Any) -> bool | None:
