@@ -307,6 +307,19 @@ def make_plots(
     return paths
 
 
+def show_plot(saved: Sequence[str | Path], name: str, draw: Any, *args: Any) -> Any:
+    """A plot of the A/B in a notebook (notebooks/40_ab_analysis): the PNG the A/B saved under ``name``
+    (``make_plots``) shown as saved, not drawn again (and once more by the inline backend at the cell's end);
+    ``draw(*args)`` where none was saved (a live rollout without rewarded requests)."""
+    path = next((p for p in saved if Path(p).stem == name), None)
+    if path is None:
+        return draw(*args)
+    from IPython.display import Image, display
+
+    display(Image(filename=str(path)))
+    return None
+
+
 def log_to_mlflow(cfg: HermesConfig, report: dict[str, Any], output: Path, log_path: Path) -> bool:
     """Params, ``ab/*`` metrics, the report and the request log to the active MLflow run (if there is one)."""
     if tracking.active_run() is None:
