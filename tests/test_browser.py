@@ -39,6 +39,7 @@ if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
         allow_module_level=True,
     )
 
+from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -168,6 +169,23 @@ def _store_lines(lab) -> int:
     return len(p.read_text().splitlines()) if p.exists() else 0
 
 
+def _panel(driver) -> str:
+    return driver.find_element(By.CSS_SELECTOR, PANEL).text
+
+
+def _until(driver, wait: WebDriverWait, lab, cond: Callable, what: str) -> None:
+    """``wait.until(cond)``; a timeout fails saying what was awaited, the page's text and the label store."""
+    try:
+        wait.until(cond)
+    except TimeoutException:
+        store = lab["proj"] / "runs" / "review" / "labels.jsonl"
+        lines = store.read_text().splitlines() if store.exists() else []
+        pytest.fail(
+            f"timed out waiting for {what}\n--- the notebook's text (end):\n{_panel(driver)[-2500:]}\n"
+            f"--- {store} ({len(lines)} lines):\n" + "\n".join(lines)
+        )
+
+
 def test_review_notebook_labels_by_click_and_keys_and_undoes(lab, browser):
     from hermes_lab.review import gate as review
 
@@ -180,13 +198,25 @@ def test_review_notebook_labels_by_click_and_keys_and_undoes(lab, browser):
     box.send_keys("ada", Keys.ENTER)
     wait.until(lambda d: "Item 1 of" in d.find_element(By.CSS_SELECTOR, PANEL).text)
     items = review.load_queue(lab["queue"])
-    steps = [(lambda: _button(driver, "4").click(), 1), (lambda: _button(driver, "2").click(), 2)]
-    steps.append((lambda: _text_input(driver, "Keys").send_keys("5", Keys.ENTER), 3))
-    steps.append((lambda: _button(driver, "Undo").click(), 4))  # undo appends a tombstone line
-    for act, lines in steps:
+    # each step waits for the app's own answer on the page and exactly one more line in the store before the
+    # next one: a click while the page still shows the last step could race it, and one line too many (a value
+    # submitted twice) would be a bug, not a pass
+    steps = [
+        (lambda: _button(driver, "4").click(), "Saved 4 for item 1."),
+        (lambda: _button(driver, "2").click(), "Saved 2 for item 2."),
+        (lambda: _text_input(driver, "Keys").send_keys("5", Keys.ENTER), "Saved 5 for item 3."),
+        (lambda: _button(driver, "Undo").click(), f"Undid label 5 on {items[2]['review_id']}."),  # a tombstone line
+    ]
+    for lines, (act, said) in enumerate(steps, 1):
         act()
-        wait.until(lambda d, n=lines: _store_lines(lab) >= n)
-    wait.until(lambda d: "Item 3 of" in d.find_element(By.CSS_SELECTOR, PANEL).text)  # back to it
+        _until(
+            driver,
+            wait,
+            lab,
+            lambda d, s=said, n=lines: s in _panel(d) and _store_lines(lab) == n,
+            f"step {lines}: {said}",
+        )
+    _until(driver, wait, lab, lambda d: "Item 3 of" in _panel(d), "back to item 3 after the undo")
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "review_labeller.png"
     driver.save_screenshot(str(shot))
