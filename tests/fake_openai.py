@@ -36,6 +36,8 @@ An answer to a LoRA adapter's model name starts with that name (which adapter an
                  ``loop_key`` gets tool calls after every result too (an agent that never finishes). Each answer
                  carries ``reasoning_content``; tool calls stream as OpenAI's do (``delta.tool_calls`` with an
                  index, the arguments in two pieces)
+    stream_whole a streamed answer written in one piece, [DONE] included (a fast server, or a proxy that
+                 buffers): the events and the end reach a reader in the same read
     loras        None: vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING (load_lora_adapter answers 404); a dict:
                  LoRA name -> path of the adapters loaded so far (a loaded name joins ``models``)
 
@@ -89,6 +91,7 @@ _DEFAULTS: dict[str, Any] = {
     "plans": {},  # first-user-message key -> [(tool name, arguments), ...]
     "loop_key": "never finish",
     "loras": None,
+    "stream_whole": False,
 }
 
 
@@ -308,6 +311,10 @@ class FakeOpenAI:
         events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append({**chunk, "choices": [], "usage": usage})
+        if self.stream_whole:
+            await resp.write(b"".join(f"data: {json.dumps(ev)}\n\n".encode() for ev in events) + b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         for ev in events:
             data = f"data: {json.dumps(ev)}\n\n".encode()
             await resp.write(data[:7])  # split an event across writes

@@ -286,6 +286,34 @@ def test_a_client_leaving_mid_stream_is_recorded_with_what_it_got(served, upstre
         upstream.reset()
 
 
+def test_a_stream_that_ends_in_its_last_piece_goes_out_with_its_end(served, upstream):
+    """An upstream piece that holds the answer's last events and [DONE] reaches the client whole and in one chunk
+    with the end, after its record is written; earlier pieces still go out as they come (the test above)."""
+    upstream.configure(stream_whole=True, chat_reply="all in one piece")
+    try:
+        s = served.sock()
+        body = json.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        s.sendall(post("/v1/chat/completions", body, "X-Request-ID: whole-1\r\n"))
+        f = s.makefile("rb")
+        assert int(f.readline().split()[1]) == 200
+        while f.readline() != b"\r\n":
+            pass
+        chunks = []
+        while size := int(f.readline().strip(), 16):
+            chunks.append(f.read(size))
+            f.readline()
+        s.close()
+        assert len(chunks) == 1, chunks  # the events, the usage and [DONE]: one chunk, then the end
+        events = [json.loads(e[6:]) for e in chunks[0].decode().split("\n\n") if e and e != "data: [DONE]"]
+        assert chunks[0].endswith(b"data: [DONE]\n\n")
+        text = "".join((e["choices"][0]["delta"].get("content") or "") for e in events if e["choices"])
+        assert text == "all in one piece" and events[-1]["usage"]["completion_tokens"] > 0
+        rec = next(r for r in served.records() if r["request_id"] == "whole-1")
+        assert (rec["status"], rec["response"], rec["stream"]) == ("ok", "all in one piece", True)
+    finally:
+        upstream.reset()
+
+
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_a_burst_of_new_connections_is_accepted_at_once_on_a_busy_loop(event_loop):
     """Every connection waiting in the listening socket's queue is taken at the socket's next readiness, however

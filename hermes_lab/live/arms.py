@@ -175,7 +175,8 @@ class Answer:
 class Chunk:
     """One SSE event of a stream: ``raw`` is forwarded as is (b'' = dropped), the rest is logged.
     ``calls``: the event's ``delta.tool_calls`` (pieces: index, id, name, arguments), assembled by
-    ``CallAssembler``; ``reasoning``: its ``reasoning_content`` / ``reasoning`` piece."""
+    ``CallAssembler``; ``reasoning``: its ``reasoning_content`` / ``reasoning`` piece; ``end``: the stream ended
+    in the same upstream piece (its ``raw`` can go out with the end of the answer, in one write)."""
 
     raw: bytes
     text: str = ""
@@ -183,6 +184,7 @@ class Chunk:
     finish_reason: str | None = None
     calls: list[Any] | None = None
     reasoning: str = ""
+    end: bool = False
 
 
 class CallAssembler:
@@ -479,6 +481,7 @@ class UpstreamArm:
                     if spans:  # forwarded in one write: the piece itself when its events are all forwarded
                         whole = spans == [(0, len(data))]
                         out[-1].raw = data if whole else b"".join([data[a:b] for a, b in spans])
+                        out[-1].end = done
                     for c in out:
                         yield c
                     if done:

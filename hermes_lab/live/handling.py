@@ -292,6 +292,7 @@ class ChatHandling:
 
         async def body() -> Any:
             text, thought, usage, finish, ttft, error, done = [], [], None, None, None, None, False
+            tail = b""  # the upstream's last piece, sent with the end: one write where it came with [DONE]
             calls, tokens = CallAssembler(), getattr(events, "tokens", None)  # tokens: an in-process arm's
 
             def answer(status: int, err: str | None) -> Answer:
@@ -309,7 +310,9 @@ class ChatHandling:
                     if ch.reasoning:
                         thought.append(ch.reasoning)
                     usage, finish = ch.usage or usage, ch.finish_reason or finish
-                    if ch.raw:
+                    if ch.end:
+                        tail = ch.raw
+                    elif ch.raw:
                         yield ch.raw
             except UpstreamError as e:
                 error = str(e)
@@ -328,8 +331,8 @@ class ChatHandling:
                     rec["ttft_ms"] = ttft
             await self._commit(rec, link=ctx)  # durable (and linkable) before the last byte ([DONE]) goes out
             if error is None:
-                yield _Last(b"data: [DONE]\n\n")
+                yield _Last(tail + b"data: [DONE]\n\n")
             else:
-                yield _Last(b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n")
+                yield _Last(tail + b"data: " + error_body(error, "upstream_error", "bad_gateway") + b"\n\n")
 
         return _Events(body(), headers)
