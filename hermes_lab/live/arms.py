@@ -52,6 +52,7 @@ import orjson
 
 from hermes_lab.config.schema import EMBEDDED_MODEL, ConfigError, HermesConfig
 from hermes_lab.core.layout import RunsLayout, TrainLayout
+from hermes_lab.live.sse import Chunk, read_piece
 from hermes_lab.llm.client import normalize_base_url, proxy_for, redact, safe_url
 
 ARMS = ("baseline", "candidate")
@@ -171,50 +172,6 @@ class Answer:
     tokens: dict[str, Any] | None = None  # in-process arms: prompt_ids, completion_ids, logprobs (the log keeps them)
 
 
-@dataclass
-class Chunk:
-    """One SSE event of a stream: ``raw`` is forwarded as is (b'' = dropped), the rest is logged.
-    ``calls``: the event's ``delta.tool_calls`` (pieces: index, id, name, arguments), assembled by
-    ``CallAssembler``; ``reasoning``: its ``reasoning_content`` / ``reasoning`` piece; ``end``: the stream ended
-    in the same upstream piece (its ``raw`` can go out with the end of the answer, in one write)."""
-
-    raw: bytes
-    text: str = ""
-    usage: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    calls: list[Any] | None = None
-    reasoning: str = ""
-    end: bool = False
-
-
-class CallAssembler:
-    """Tool calls from a stream's deltas: the first piece of a call (by ``index``) brings its id and name,
-    later pieces append to its arguments, as OpenAI streams them."""
-
-    def __init__(self) -> None:
-        self.calls: dict[int, dict[str, Any]] = {}
-
-    def add(self, pieces: list[Any]) -> None:
-        for k, p in enumerate(pieces):
-            if not isinstance(p, dict):
-                continue
-            i = p.get("index") if isinstance(p.get("index"), int) else k
-            c = self.calls.get(i)
-            if c is None:
-                c = self.calls[i] = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
-            if isinstance(p.get("id"), str) and p["id"]:
-                c["id"] = p["id"]
-            fn = p.get("function")
-            if isinstance(fn, dict):
-                if isinstance(fn.get("name"), str) and fn["name"] and not c["function"]["name"]:
-                    c["function"]["name"] = fn["name"]
-                if isinstance(fn.get("arguments"), str):
-                    c["function"]["arguments"] += fn["arguments"]
-
-    def result(self) -> list[dict[str, Any]] | None:
-        return [self.calls[i] for i in sorted(self.calls)] or None
-
-
 def read_completion(status: int, body: bytes, content_type: str) -> Answer:
     """The text and usage of an upstream chat.completion; a body that is not one is an error answer."""
     if status != 200:
@@ -239,51 +196,6 @@ def read_completion(status: int, body: bytes, content_type: str) -> Answer:
         finish_reason=choice.get("finish_reason"),
         tool_calls=calls if isinstance(calls, list) and calls else None,
         reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
-    )
-
-
-def parse_event(data: bytes, start: int = 0, end: int | None = None) -> tuple[str | None, Any]:
-    """('data', obj) / ('done', None) / (None, None) for one SSE event, ``data[start:end]`` (its first data line)."""
-    end = len(data) if end is None else end
-    pos = start
-    while pos < end:
-        nl = data.find(b"\n", pos, end)
-        nl = end if nl == -1 else nl
-        if data.startswith(b"data:", pos, nl):
-            line = memoryview(data)[pos + 5 : nl]  # parsed where it lies (orjson skips the whitespace)
-            if len(line) < 16 and bytes(line).strip() == b"[DONE]":
-                return "done", None
-            try:
-                return "data", orjson.loads(line)
-            except orjson.JSONDecodeError:
-                return None, None
-        pos = nl + 1
-    return None, None
-
-
-_KEEP = b"+"  # chunk_of's raw for an event: whether it is forwarded shows as raw kept or b''
-
-
-def chunk_of(raw: bytes, obj: Any, client_wants_usage: bool) -> Chunk:
-    """What the log keeps of one chunk; the usage-only chunk we asked for ourselves is not forwarded."""
-    if not isinstance(obj, dict):
-        return Chunk(raw)
-    choices = obj.get("choices") or []
-    usage = obj.get("usage")
-    if not choices:
-        return Chunk(raw if client_wants_usage or not usage else b"", usage=usage)
-    c0 = choices[0] if isinstance(choices[0], dict) else {}
-    d = c0.get("delta") or {}
-    text = d.get("content") or ""
-    calls = d.get("tool_calls")
-    r = d.get("reasoning_content") or d.get("reasoning") or ""
-    return Chunk(
-        raw,
-        text=text if isinstance(text, str) else "",
-        usage=usage,
-        finish_reason=c0.get("finish_reason"),
-        calls=calls if isinstance(calls, list) else None,
-        reasoning=r if isinstance(r, str) else "",
     )
 
 
@@ -453,37 +365,10 @@ class UpstreamArm:
             try:
                 async for piece in chunks:
                     data = held + piece if held else piece
-                    start, spans, out, done = 0, [], [], False
-                    cr = b"\r" in data
-                    while True:  # an event ends at a blank line; upstream pieces split events anywhere
-                        end, n = data.find(b"\n\n", start), 2
-                        if cr:
-                            j = data.find(b"\r\n\r\n", start)
-                            if j != -1 and (end == -1 or j < end):
-                                end, n = j, 4
-                        if end == -1:
-                            break
-                        kind, obj = parse_event(data, start, end)
-                        if kind == "done":
-                            done = True
-                            break
-                        if kind == "data":
-                            ch = chunk_of(_KEEP, obj, wants_usage)
-                            if ch.raw:
-                                if spans and spans[-1][1] == start:
-                                    spans[-1] = (spans[-1][0], end + n)
-                                else:
-                                    spans.append((start, end + n))
-                                ch.raw = b""
-                            out.append(ch)
-                        start = end + n
-                    held = b"" if done else data[start:]
-                    if spans:  # forwarded in one write: the piece itself when its events are all forwarded
-                        whole = spans == [(0, len(data))]
-                        out[-1].raw = data if whole else b"".join([data[a:b] for a, b in spans])
-                        out[-1].end = done
-                    for c in out:
-                        yield c
+                    ch, rest, done = read_piece(data, wants_usage)
+                    held = data[rest:]
+                    if ch is not None:
+                        yield ch
                     if done:
                         return
             except (asyncio.CancelledError, GeneratorExit):

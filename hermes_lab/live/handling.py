@@ -24,8 +24,9 @@ import orjson
 from starlette.responses import Response
 
 from hermes_lab.ab import stats as ab
-from hermes_lab.live.arms import ARMS, Answer, CallAssembler, UpstreamError, flatten_messages
+from hermes_lab.live.arms import ARMS, Answer, UpstreamError, flatten_messages
 from hermes_lab.live.conversations import Link, tool_errors
+from hermes_lab.live.sse import CallAssembler
 from hermes_lab.live.wire import BadBody, ChatBody
 
 log = logging.getLogger("hermes_lab.serve")

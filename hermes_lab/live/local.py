@@ -24,7 +24,8 @@ from typing import Any
 import orjson
 
 from hermes_lab.config.schema import HermesConfig
-from hermes_lab.live.arms import ARMS, Answer, ArmSpec, Chunk, UpstreamArm
+from hermes_lab.live.arms import ARMS, Answer, ArmSpec, UpstreamArm
+from hermes_lab.live.sse import Chunk
 
 
 @dataclass
