@@ -159,6 +159,18 @@ def test_the_tally_keeps_no_conversation_messages_until_its_look():
     cols = t.columns()
     assert list(zip(cols["cell"].tolist(), cols["task"].tolist())) == want and not t._cov_todo
     assert len({c for c, _ in want}) >= 3 and len({k for _, k in want}) >= 5  # openings, later turns, prompts
+    # a later turn of a conversation (its id on every turn, its record holding only its new messages) takes its
+    # conversation's codes, its opening turn's, without reading its own messages
+    t = L.Tally(covariates=covariates.KINDS)
+    for k in range(2):
+        opening = [system, {"role": "user", "content": f"job {k}"}]
+        t.add_request(req(f"c{k}", "", "ok", messages=opening, conversation_id=f"conv-{k}"))
+    later = [call, {"role": "tool", "content": "y" * 500}]
+    for k in (0, 1, 0):
+        t.add_request(req(f"c{k}-later", "", "ok", messages=later, conversation_id=f"conv-{k}", turn=1))
+    cols = t.columns()
+    codes = list(zip(cols["cell"].tolist(), cols["task"].tolist(), strict=True))
+    assert codes[2] == codes[4] == codes[0] and codes[3] == codes[1] and codes[0] != codes[1]
 
 
 @pytest.mark.parametrize("durability", ["fsync", "write"])

@@ -251,6 +251,7 @@ class Tally:
         # A conversation turn's keys are taken at once (``early_keys``: two digests at its opening, none after),
         # so the tally does not hold every turn's messages until the look (ab.look_every: 15 minutes by default)
         self._cov_todo: list[Any] = []  # a request's (cell key, task key), or its prompt and messages
+        self._conv_cov: dict[str, tuple[Any, Any]] = {}  # a conversation's keys, its opening turn's: its later turns'
         self._cov_lock = threading.Lock()
         self.index: dict[str, int] = {}
         self.cols: dict[str, list[Any]] = {
@@ -300,9 +301,14 @@ class Tally:
         tr["tokens"].append(int(u.get("total_tokens") or 0) if isinstance(u, dict) else 0)
         tr["finish"].append(rec.get("finish_reason"))
         if self._cov_on:  # one row per request, kept aligned with the reward's rows (at the next look)
-            todo = {"prompt": rec.get("prompt"), "messages": rec.get("messages")}
-            keys = early_keys(todo, self.covariates.kinds)  # type: ignore[union-attr]
-            self._cov_todo.append(todo if keys is None else keys)
+            entry = self._conv_cov.get(cid) if len(rows) > 1 else None  # a later turn: its conversation's keys
+            if entry is None:
+                todo = {"prompt": rec.get("prompt"), "messages": rec.get("messages")}
+                keys = early_keys(todo, self.covariates.kinds)  # type: ignore[union-attr]
+                entry = todo if keys is None else keys
+                if keys is not None and len(rows) == 1:
+                    self._conv_cov[cid] = keys
+            self._cov_todo.append(entry)
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
