@@ -65,7 +65,16 @@ from jupyter_client.provisioning import LocalProvisioner
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "HERMES_LAB_FORK_KERNELS"  # "0": every kernel is a new interpreter
-PRELOAD = ("ipykernel.kernelapp", "mlflow", "matplotlib.pyplot", "pandas", "yaml")
+# MLflow's SQLite store too: every stage opens it (tracking.setup), and importing it (its SQLAlchemy models and
+# alembic) is ~1.5 s of CPU that each kernel would spend again
+PRELOAD = (
+    "ipykernel.kernelapp",
+    "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "matplotlib.pyplot",
+    "pandas",
+    "yaml",
+)
 INLINE = "module://matplotlib_inline.backend_inline"  # what ipykernel gives a kernel with no MPLBACKEND
 # read when used, never at import: these may differ between the zygote and a kernel it forks
 LATE_ENV = ("HERMES_", "TAOTOKEN_", "JPY_", "PYDEVD_", "PYTEST_", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
