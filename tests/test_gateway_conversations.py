@@ -164,6 +164,24 @@ def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
     assert big.raws is not None and big.link(tr, None).conv is c2
 
 
+def test_a_body_of_the_known_fields_splits_in_one_pass_as_in_two():
+    """A body of the chat fields alone is split in one pass (``wire.FIELDS``); one with any other field in two: the
+    same messages, tools and fields either way, the other field kept for the upstream."""
+    from hermes_lab.live import wire
+
+    msgs = [{"role": "system", "content": "be careful " * 600}, {"role": "user", "content": "go", "name": "u"}]
+    sent = {"model": "m", "messages": msgs, "tools": TOOLS, "temperature": 0.5, "stream": False, "top_k": 5}
+    one, two = _split(json.dumps(sent).encode()), _split(json.dumps({**sent, "vendor": {"x": [1]}}).encode())
+    assert set(sent) - {"messages"} <= set(wire.FIELDS) and "vendor" not in wire.FIELDS
+    assert [bytes(r) for r in one.raws] == [bytes(r) for r in two.raws] and len(one.raws) == 2
+    assert bytes(one.tools) == bytes(two.tools) and json.loads(bytes(one.tools)) == TOOLS
+    assert orjson.loads(orjson.dumps(one.fields)) == sent and orjson.loads(orjson.dumps(two.fields)) == {
+        **sent,
+        "vendor": {"x": [1]},
+    }
+    assert one.messages() == two.messages() == msgs
+
+
 def test_a_split_body_is_still_checked_whole(tmp_path):
     """msgspec's slices check a body's structure only: each part is checked by orjson when first seen (a top-level
     field always, a message or a tool list once), so no byte reaches the upstream or the log unchecked."""
