@@ -44,6 +44,7 @@ class Gateway:
         self.env.update(PYTHONPATH=str(REPO), MLFLOW_DISABLE_TELEMETRY="true", **(env or {}))
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self._poller: httpx.Client | None = None  # experiment()'s, kept: a new client is ~50 ms of CPU (SSL context)
 
     @property
     def url(self) -> str:
@@ -64,24 +65,32 @@ class Gateway:
         cmd += ["--set", f"round.runs_dir={REPO / 'runs'}", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.tmp)
         t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1, trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        with httpx.Client(timeout=1, trust_env=False) as poll:  # one client for the polls, not one per poll
+            while time.time() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"gateway exited {self.proc.returncode}: {self.output()}")
+                try:
+                    if poll.get(self.url + "/healthz").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    time.sleep(0.2)
         raise RuntimeError(f"gateway did not start: {self.output()}")
 
     def output(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.tmp.glob("gateway-*.out")))
 
     def kill9(self) -> None:
+        self._close_poller()
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def _close_poller(self) -> None:
+        if self._poller is not None:
+            self._poller.close()
+            self._poller = None
+
     def stop(self) -> None:
+        self._close_poller()
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:  # a graceful stop flushes the log and the MLflow traces: a loaded machine needs more than 30 s
@@ -94,7 +103,9 @@ class Gateway:
         return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
 
     def experiment(self) -> dict:
-        return self.http().get("/v1/experiment").json()
+        if self._poller is None:
+            self._poller = self.http()
+        return self._poller.get("/v1/experiment").json()
 
     def http(self) -> httpx.Client:
         return httpx.Client(
