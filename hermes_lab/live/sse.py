@@ -116,26 +116,44 @@ class _Event(msgspec.Struct):
 _EVENTS = msgspec.json.Decoder(list[_Event])
 
 
-def _decoded(events: list[bytes], client_wants_usage: bool) -> list[Fields] | None:
-    """``event_fields`` of ``data: {...}`` lines, decoded in one call into the fields' shapes; None where one does
-    not fit them (the general path reads it)."""
+def _placed(pieces: list[Any]) -> list[Any]:
+    """An event's tool-call pieces, each without an index given the one its place in the event gives it (what
+    ``CallAssembler.add`` does with one event's list), so a piece's events can be added as one list."""
+    return [p if not isinstance(p, dict) or isinstance(p.get("index"), int) else {**p, "index": k}
+            for k, p in enumerate(pieces)]  # fmt: skip
+
+
+def _decoded(data: bytes, events: list[bytes], size: int, client_wants_usage: bool, done: bool) -> Chunk | None:
+    """The chunk of ``data: {...}`` lines (``events``, the first ``size`` bytes of ``data``), decoded in one call
+    into the fields' shapes; None where one does not fit them (the general path reads the piece)."""
     try:
         decoded = _EVENTS.decode(b"[" + b",".join([e[5:] for e in events]) + b"]")
     except msgspec.DecodeError:  # (ValidationError is one)
         return None
-    out: list[Fields] = []
-    for ev in decoded:
+    text, thought, calls, usage, finish, dropped = [], [], [], None, None, []
+    for i, ev in enumerate(decoded):
+        if ev.usage:
+            usage = ev.usage
         if not ev.choices:
-            out.append((bool(client_wants_usage or not ev.usage), "", ev.usage, None, None, ""))
+            if ev.usage and not client_wants_usage:
+                dropped.append(i)
             continue
         c0 = ev.choices[0]
-        d = c0.delta or _NO_DELTA
-        r = d.reasoning_content or d.reasoning or ""
-        out.append((True, d.content or "", ev.usage, c0.finish_reason, d.tool_calls, r))
-    return out
-
-
-_NO_DELTA = _Delta()
+        if c0.finish_reason:
+            finish = c0.finish_reason
+        d = c0.delta
+        if d is not None:
+            if d.content:
+                text.append(d.content)
+            if d.reasoning_content or d.reasoning:
+                thought.append(d.reasoning_content or d.reasoning)
+            if d.tool_calls:
+                calls += _placed(d.tool_calls)
+    if dropped:
+        kept = b"".join([e + b"\n\n" for i, e in enumerate(events) if i not in dropped])
+    else:  # the events from the piece's start: the piece itself, or its head
+        kept = data if size == len(data) else data[:size]
+    return Chunk(kept, "".join(text), usage, finish, calls or None, "".join(thought), done)
 
 
 def _parsed(data: bytes, start: int, end: int) -> tuple[str | None, Any]:
@@ -183,7 +201,6 @@ def read_piece(data: bytes, client_wants_usage: bool) -> tuple[Chunk | None, int
     chunk: (the chunk, None if no event ended; where the rest begins; whether [DONE] came). Its ``raw`` is the
     piece's forwarded events as they came (the piece itself when it is all forwarded), its text and reasoning
     the events' joined, its usage and finish reason the last given, its tool-call pieces all of them, in order."""
-    fields = None
     if b"\r" not in data:  # the usual shape: one ``data: {...}`` line per event, split here in C
         events = data.split(b"\n\n")
         rest, done = len(data) - len(events.pop()), False
@@ -192,16 +209,20 @@ def read_piece(data: bytes, client_wants_usage: bool) -> tuple[Chunk | None, int
                 if e.startswith(b"data: [DONE]") and not e[12:].strip():
                     events, rest, done = events[:i], len(data), True
                     break
-        if all(e.startswith(b"data:") and b"\n" not in e for e in events):
-            fields = _decoded(events, client_wants_usage) if events else []
-    if fields is None:
-        spans, fields, rest, done = _general(data, client_wants_usage)
-        kept = b"".join([data[a:b] for (a, b), f in zip(spans, fields, strict=True) if f[0]])
-    elif all(f[0] for f in fields):  # the events from the piece's start: the piece, or its head
-        size = sum(map(len, events)) + 2 * len(events)
-        kept = data if size == len(data) else data[:size]
-    else:
-        kept = b"".join([e + b"\n\n" for e, f in zip(events, fields, strict=True) if f[0]])
+        n = len(events)
+        size = sum(map(len, events)) + 2 * n
+        if not n:
+            return None, rest, done
+        # every event one line that starts with data: (counted in C: its newlines are the blank lines' alone)
+        if (
+            data.startswith(b"data:")
+            and data.count(b"\n", 0, size) == 2 * n
+            and data.count(b"\n\ndata:", 0, size) == n - 1
+        ):
+            ch = _decoded(data, events, size, client_wants_usage, done)
+            if ch is not None:
+                return ch, rest, done
+    spans, fields, rest, done = _general(data, client_wants_usage)
     if not fields:
         return None, rest, done
     text, thought, calls, usage, finish = [], [], [], None, None
@@ -214,7 +235,7 @@ def read_piece(data: bytes, client_wants_usage: bool) -> tuple[Chunk | None, int
             usage = u
         if fr:
             finish = fr
-        if cs:  # a piece without an index keeps the one its place in its own event gave it
-            calls += [p if not isinstance(p, dict) or isinstance(p.get("index"), int) else {**p, "index": k}
-                      for k, p in enumerate(cs)]  # fmt: skip
+        if cs:
+            calls += _placed(cs)
+    kept = b"".join([data[a:b] for (a, b), f in zip(spans, fields, strict=True) if f[0]])
     return Chunk(kept, "".join(text), usage, finish, calls or None, "".join(thought), done), rest, done
