@@ -339,7 +339,8 @@ class UpstreamArm:
     async def stream(
         self, payload: dict[str, Any], prompt: str = "", rid: str = ""
     ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
-        """(error answer, None) when the upstream refuses, else (None, the chunks as they arrive)."""
+        """(error answer, None) when the upstream refuses, else (None, the chunks as they arrive: one per upstream
+        piece, read by ``hermes_lab.live.sse.read_piece``)."""
         so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
         wants_usage = bool(so.get("include_usage"))
         data = self._payload({**payload, "stream": True, "stream_options": {**so, "include_usage": True}})
