@@ -107,10 +107,10 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
     sup = Supervisor(tmp_path, params, free_port()).start()
     url = f"http://127.0.0.1:{sup.port}"
     first = sup.wait(lambda s: s.get("phase") == "collecting", "the gateway", timeout=180)
-    # ~20 requests/s while the data gate and the rollout's looks wait for them; ~1/s while a round trains (the
-    # gateway's answers are the tiny policy's CPU time, which the round's stages need): traffic all along, so
-    # both kills meet requests in flight
-    busy, trickle = 0.1, 3.0
+    # ~20 requests/s while the data gate and the rollout's looks wait for them; ~2/s while a round trains up to the
+    # first kill, ~1/s after it (the gateway's answers are the tiny policy's CPU time, which the round's stages
+    # need): traffic all along, so both kills meet requests in flight
+    busy, trickle, idle = 0.1, 1.0, 3.0
     traffic = Traffic(url, threads=2, prefix="fw", pause=busy, agents=1)  # mixed: string tasks and agent episodes
     # until the data gate opens, more clients at once: the gateway batches concurrent requests into one generate,
     # so the 100 conversations come in a third of the time for about the same CPU
@@ -140,6 +140,7 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
         # 2. the same command: the round continues from its last completed stage, then its candidate is
         # swapped into the gateway and its rollout runs; kill -9 during the rollout
         sup.start()
+        traffic.pause = idle  # no kill until the rollout
         s = sup.wait(
             lambda s: s.get("phase") == "experiment" and (s.get("experiment") or {}).get("name") == "round-01",
             "the swap to round 1's experiment",
@@ -172,7 +173,7 @@ def test_live_flywheel_survives_kill_9_in_training_and_in_rollout(tmp_path, caps
         while sup.proc.poll() is None and time.time() - t0 < 600:  # --rounds 1: it stops once round 1 ended
             phase = sup.status().get("phase")
             if phase == "deciding":  # decided: the round's last stages run
-                traffic.pause = trickle
+                traffic.pause = idle
             if phase == "stopped" and stopped_at is None:  # the clients stop first, then the gateway closes
                 traffic.stop()
                 stopped_at = time.time()
