@@ -40,7 +40,8 @@ FIELDS = (
     "max_tokens", "max_completion_tokens", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "user", "metadata", "response_format", "reasoning_effort",
     "service_tier", "store", "modalities", "audio", "prediction", "web_search_options", "functions",
-    "function_call", "top_k", "min_p", "repetition_penalty", "chat_template_kwargs",
+    "function_call", "safety_identifier", "prompt_cache_key", "verbosity", "top_k", "min_p", "repetition_penalty",
+    "chat_template_kwargs",
 )  # fmt: skip
 _UNSET = msgspec.UNSET
 _KNOWN = msgspec.json.Decoder(
