@@ -193,10 +193,10 @@ def test_review_notebook_labels_by_click_and_keys_and_undoes(lab, browser):
     wait = _open_and_run_all(driver, lab, "review.ipynb")
     wait.until(lambda d: d.find_elements(By.XPATH, "//*[contains(text(),'Type your reviewer id above')]") or _errors(d))
     assert not _errors(driver), _errors(driver)
-    assert str(lab["queue"]) in driver.find_element(By.CSS_SELECTOR, PANEL).text  # the latest round's
+    assert str(lab["queue"]) in _panel(driver)  # the latest round's
     box = _text_input(driver, "Reviewer")
     box.send_keys("ada", Keys.ENTER)
-    wait.until(lambda d: "Item 1 of" in d.find_element(By.CSS_SELECTOR, PANEL).text)
+    wait.until(lambda d: "Item 1 of" in _panel(d))
     items = review.load_queue(lab["queue"])
     # each step waits for the app's own answer on the page and exactly one more line in the store before the
     # next one: a click while the page still shows the last step could race it, and one line too many (a value
@@ -235,7 +235,7 @@ def test_data_prep_notebook_runs_and_its_plots_render(lab, browser):
         ".filter(i => i.complete && i.naturalWidth > 200).length"
     )
     wait.until(lambda d: d.execute_script(decoded) >= 2 or _errors(d))
-    wait.until(lambda d: "PASS" in d.find_element(By.CSS_SELECTOR, PANEL).text or _errors(d))
+    wait.until(lambda d: "PASS" in _panel(d) or _errors(d))
     assert not _errors(driver), _errors(driver)
     assert driver.execute_script(decoded) >= 2
     driver.execute_script("document.querySelectorAll('.jp-OutputArea-output img')[0].scrollIntoView()")

@@ -20,10 +20,10 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from test_browser import (
     ARTIFACTS,
-    PANEL,
     _button,
     _errors,
     _open_and_run_all,
+    _panel,
     _store_lines,
     _text_input,
     browser,  # noqa: F401  (the fixture, on this module's lab)
@@ -64,10 +64,6 @@ def _conversation_round(proj: Path, round_dir: Path) -> Path:
 def lab(tmp_path_factory):
     with serve_lab(tmp_path_factory.mktemp("conv-lab"), _conversation_round) as info:
         yield info
-
-
-def _panel(driver) -> str:
-    return driver.find_element(By.CSS_SELECTOR, PANEL).text
 
 
 def test_review_notebook_labels_a_tool_calling_conversation(lab, browser):  # noqa: F811 (the imported fixture)
