@@ -278,10 +278,7 @@ class Tracker:
         if self._expired(c, time.monotonic()):
             self._forget(c)
             return
-        h = xxhash.xxh3_128()
-        for m in messages:
-            h.update(encode(m))
-        k = h.digest()
+        k = xxhash.xxh3_128_digest(b"".join([encode(m) for m in messages]))  # the chain, as link_keys hashes it
         self.by_key[k] = (c, len(messages))
         c.keys.append(k)
 
