@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,6 +33,21 @@ UPSTREAM_KEY = "sk-upstream-5b7e0d44a1c9"
 def formula_arm(unit: str, ratio: float) -> str:
     """The user's ABRouter, written out: first 8 hex digits of md5 / 0xFFFFFFFF < ratio -> candidate."""
     return "candidate" if int(hashlib.md5(unit.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < ratio else "baseline"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, output: Callable[[], str], timeout: float = 120) -> None:
+    """Until the gateway at ``url`` answers /healthz 200; its exit or ``timeout`` s fail with its ``output()``."""
+    t0 = time.time()
+    with httpx.Client(timeout=1, trust_env=False) as poll:  # one client for the polls (a new one is ~50 ms of CPU)
+        while time.time() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited {proc.returncode}: {output()}")
+            try:
+                if poll.get(url + "/healthz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+    raise RuntimeError(f"gateway did not start: {output()}")
 
 
 class Gateway:
@@ -64,17 +80,8 @@ class Gateway:
         ]
         cmd += ["--set", f"round.runs_dir={REPO / 'runs'}", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.tmp)
-        t0 = time.time()
-        with httpx.Client(timeout=1, trust_env=False) as poll:  # one client for the polls, not one per poll
-            while time.time() - t0 < timeout:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"gateway exited {self.proc.returncode}: {self.output()}")
-                try:
-                    if poll.get(self.url + "/healthz").status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    time.sleep(0.2)
-        raise RuntimeError(f"gateway did not start: {self.output()}")
+        wait_healthy(self.url, self.proc, self.output, timeout)
+        return self
 
     def output(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.tmp.glob("gateway-*.out")))

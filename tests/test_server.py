@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port  # noqa: E402
+from test_serve import wait_healthy  # noqa: E402
 
 MAX_BODY = 4096
 CHAT = {"model": "hermes", "messages": [{"role": "user", "content": "hello"}]}
@@ -42,16 +43,7 @@ class Served:
         cmd += ["--set", f"round.runs_dir={tmp / 'runs'}", *extra]
         self.out = tmp / "gateway.out"
         self.proc = subprocess.Popen(cmd, stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp)
-        t0 = time.time()
-        with httpx.Client(timeout=1, trust_env=False) as poll:  # one client (~50 ms of CPU each), not one per poll
-            while time.time() - t0 < 120:
-                assert self.proc.poll() is None, self.out.read_text()
-                try:
-                    if poll.get(self.url + "/healthz").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    time.sleep(0.2)
-        raise RuntimeError(self.out.read_text())
+        wait_healthy(self.url, self.proc, self.out.read_text)
 
     @property
     def url(self) -> str:
