@@ -40,10 +40,12 @@ BODY = json.dumps({"choices": [{"message": {"role": "assistant", "content": "hi"
 
 class Server:
     """An HTTP/1.1 server from raw bytes: ``mode`` 'sse' (chunked, split into pieces at ``cuts``), 'close' (one
-    answer per connection, then it closes though it said keep-alive), 'silent' (reads, never answers)."""
+    answer per connection, then it closes though it said keep-alive), 'silent' (reads, never answers), 'slow'
+    (answers after 50 ms; ``most``: the most requests it held at once)."""
 
     def __init__(self, mode: str, cuts: tuple[int, ...] = ()):
         self.mode, self.cuts, self.connections, self.requests = mode, cuts, 0, 0
+        self.held = self.most = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -55,6 +57,11 @@ class Server:
                 self.requests += 1
                 if self.mode == "silent":
                     await asyncio.sleep(30)
+                if self.mode == "slow":
+                    self.held += 1
+                    self.most = max(self.most, self.held)
+                    await asyncio.sleep(0.05)
+                    self.held -= 1
                 if self.mode == "sse":
                     writer.write(
                         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -135,6 +142,34 @@ def test_a_kept_alive_connection_the_server_closed_is_not_reused_and_an_answer_t
             with pytest.raises(UpstreamError) as e:
                 await a.complete({"model": "x", "messages": [{"role": "user", "content": "hi"}]})
             assert e.value.status == 504 and "timeout" in str(e.value)
+            await a.close()
+
+    asyncio.run(go())
+
+
+def test_at_most_upstream_connections_requests_are_in_flight_and_a_cancelled_wait_frees_no_slot_twice():
+    async def go() -> None:
+        srv = Server("slow")
+        async with srv as url:
+            a = arm(url, **{"serve.upstream_connections": 2})
+            await a.start()
+            msg = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+            answers = await asyncio.gather(*(a.complete(msg) for _ in range(6)))
+            assert [x.text for x in answers] == ["hi"] * 6
+            assert srv.most == 2 and srv.connections == 2  # the other four waited for a slot, then reused them
+            # two requests waiting for a slot are cancelled (their clients left); the slots stay two, not fewer
+            # (a leaked slot) nor more (a waiter's slot handed on twice)
+            tasks = [asyncio.ensure_future(a.complete(msg)) for _ in range(4)]
+            await asyncio.sleep(0.02)  # two in flight, two waiting
+            for t in tasks[2:]:
+                t.cancel()
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            assert [x.text for x in done[:2]] == ["hi", "hi"]
+            assert all(isinstance(x, asyncio.CancelledError) for x in done[2:])
+            srv.most = 0
+            # (a leaked slot would leave these waiting for ever: 10 s fails the test instead)
+            answers = await asyncio.wait_for(asyncio.gather(*(a.complete(msg) for _ in range(5))), 10)
+            assert [x.text for x in answers] == ["hi"] * 5 and srv.most == 2 and srv.requests == 13
             await a.close()
 
     asyncio.run(go())

@@ -66,14 +66,17 @@ def status_line(status: int) -> bytes:
     return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
 
 
+_STATUS = {k: status_line(k) for k in _REASONS}
+
+
 def head(status: int, headers: list[tuple[bytes, bytes]], close: bool) -> bytes:
-    """A response's status line and headers (names and values are the gateway's own: no checks needed)."""
-    lines = [status_line(status)]
-    lines += [b"%s: %s\r\n" % hv for hv in headers]
-    if close:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
+    """A response's status line and headers (names and values are the gateway's own: no checks needed), joined
+    from their parts (``b"%s: %s" %`` per header cost ~0.8 us more of a request)."""
+    parts = [_STATUS.get(status) or status_line(status)]
+    for k, v in headers:
+        parts += (k, b": ", v, b"\r\n")
+    parts.append(b"connection: close\r\n\r\n" if close else b"\r\n")
+    return b"".join(parts)
 
 
 class Request:
@@ -102,6 +105,7 @@ class Connection(asyncio.Protocol):
         self.size = 0
         self.queue: deque[Request] = deque()
         self.task: asyncio.Task | None = None
+        self.loop: Any = None
         self.gone: asyncio.Future | None = None  # set when the client goes away
         self.paused = False  # our writes: the transport's buffer is over its high water mark
         self.drained: asyncio.Future | None = None
@@ -115,7 +119,8 @@ class Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:  # an answer goes out at once, not after the client's delayed ACK
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.gone = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        self.gone = self.loop.create_future()
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -190,7 +195,7 @@ class Connection(asyncio.Protocol):
             return
         self.queue.append(req)
         if self.task is None:
-            self.task = asyncio.ensure_future(self._answer_all())
+            self.task = self.loop.create_task(self._answer_all())
         elif len(self.queue) > 1:  # pipelined beyond one: read no more until they are answered
             self.transport.pause_reading()
 
@@ -202,7 +207,7 @@ class Connection(asyncio.Protocol):
         self.req, self.failed = None, True
         self.queue.append(req)
         if self.task is None:
-            self.task = asyncio.ensure_future(self._answer_all())
+            self.task = self.loop.create_task(self._answer_all())
         self.transport.pause_reading()
 
     # answering
@@ -273,7 +278,7 @@ class Connection(asyncio.Protocol):
 
     async def _drain(self) -> None:
         if self.paused and not self.transport.is_closing():
-            self.drained = asyncio.get_running_loop().create_future()
+            self.drained = self.loop.create_future()
             await self.drained
 
     async def _stream(self, resp: _Events, keep_alive: bool) -> bool:

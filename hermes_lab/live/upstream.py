@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -133,14 +134,43 @@ class Pool:
         host = u.hostname if u.port is None else f"{u.hostname}:{u.port}"
         lines = [f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items()), "Connection: keep-alive"]
         self._head = "\r\n".join(lines).encode("latin-1") + b"\r\nContent-Length: "
+        self._heads: dict[str, bytes] = {}  # path -> its request head up to the length
         self.limit, self.timeout = limit, timeout
         self.idle: list[_Conn] = []
         self.open = 0
-        self._slots = asyncio.Semaphore(limit)
+        # connections that may still open (at most ``limit`` in use), and the requests waiting for one: a
+        # counter, not asyncio.Semaphore, whose acquire and release cost ~1.5 us of every request
+        self._free = limit
+        self._queue: deque[asyncio.Future] = deque()
         self.loop = asyncio.get_running_loop()  # made by the arm's start, on the gateway's loop
 
     def head(self, path: str, n: int) -> bytes:
-        return b"POST " + path.encode("latin-1") + b" HTTP/1.1\r\n" + self._head + str(n).encode() + b"\r\n\r\n"
+        start = self._heads.get(path)
+        if start is None:
+            start = self._heads[path] = b"POST " + path.encode("latin-1") + b" HTTP/1.1\r\n" + self._head
+        return b"%s%d\r\n\r\n" % (start, n)
+
+    async def _acquire(self) -> None:
+        """A slot: at once while fewer than ``limit`` requests are in flight, else handed over by ``_release``."""
+        if self._free > 0 and not self._queue:
+            self._free -= 1
+            return
+        fut = self.loop.create_future()
+        self._queue.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # handed a slot, then cancelled before it ran: pass it on
+                self._release()
+            raise
+
+    def _release(self) -> None:
+        while self._queue:
+            fut = self._queue.popleft()
+            if not fut.done():  # (a cancelled waiter's future is done)
+                fut.set_result(None)
+                return
+        self._free += 1
 
     async def _connect(self) -> _Conn:
         _, conn = await self.loop.create_connection(
@@ -151,7 +181,7 @@ class Pool:
 
     async def _send(self, path: str, body: bytes, streaming: bool) -> tuple[_Conn, asyncio.TimerHandle]:
         """A connection with the request written, and the timer that fails it after ``timeout`` s."""
-        await self._slots.acquire()
+        await self._acquire()
         try:
             head = self.head(path, len(body))
             for attempt in (0, 1):
@@ -185,7 +215,7 @@ class Pool:
                     raise
             raise AssertionError("unreachable")
         except BaseException:
-            self._slots.release()
+            self._release()
             raise
 
     def _drop(self, conn: _Conn) -> None:
@@ -200,7 +230,7 @@ class Pool:
             self.idle.append(conn)
         else:
             self._drop(conn)
-        self._slots.release()
+        self._release()
 
     async def post(self, body: bytes, path: str | None = None) -> tuple[int, bytes, str]:
         """(status, body, content type) of a POST, its answer read whole."""
