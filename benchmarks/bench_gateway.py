@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -203,6 +204,39 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def stolen() -> tuple[int, int]:
+    """(steal, all) CPU ticks of the machine so far (/proc/stat; (0, 0) where there is none). In a VM, steal is time
+    the host gave the machine's cores to something else: the share of it while a figure was measured says how
+    far to trust that figure."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return ticks[7], sum(ticks)
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
+def calibrate() -> float:
+    """ms of one fixed piece of Python work (dicts, bytes, JSON: a request's kind of work), the fastest of 5. A
+    VM's cores slow down when the host's other guests share them (a sibling hyperthread, the caches) without any
+    steal: the same gateway measured 156 and 280 us of CPU a request an hour apart. Figures taken at about the same
+    calibration compare."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 200}] * 4}).encode()
+    best = math.inf
+    for _ in range(5):
+        t = time.perf_counter()
+        for i in range(2000):
+            d = json.loads(body)
+            d["n"] = i
+            json.dumps(d).encode().split(b",")
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+def steal_share(before: tuple[int, int]) -> float:
+    now = stolen()
+    return (now[0] - before[0]) / max(now[1] - before[1], 1)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -366,6 +400,7 @@ def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], 
     run(burst(direct, 500, 64))
     res = {k: {"lat": [], "wall": 0.0, "errors": 0} for k in ("direct", "gateway")}
     cpu = dict.fromkeys(pids, 0.0)
+    cal, steal0 = calibrate(), stolen()
     for _ in range(blocks):
         for name, url in (("direct", direct), ("gateway", gateway)):
             before = {k: cpu_seconds(pid) for k, pid in pids.items()}
@@ -389,6 +424,7 @@ def measure(direct: str, gateway: str, n1: int, n64: int, pids: dict[str, int], 
     n = (n64 // blocks) * blocks
     out["cpu_us"] = {k: v / n * 1e6 for k, v in cpu.items()}
     out["gw_cores"] = cpu["gateway"] / res["gateway"]["wall"]  # one process: at most 1.0
+    out["steal"], out["cal"] = steal_share(steal0), (cal + calibrate()) / 2
     return out
 
 
@@ -443,7 +479,7 @@ def measure_conversations(
     rows = []
     for stream in (False, True):
         seq = run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
-        res = {}
+        res, steal0 = {}, stolen()
         for name, url in (("direct", direct), ("gateway", gateway)):
             before = cpu_seconds(pid)
             n, wall, err = run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
@@ -458,6 +494,7 @@ def measure_conversations(
                     "rps": res["gateway"][0],
                     "cpu_us": res["gateway"][2],
                     "gw_cores": res["gateway"][3],
+                    "steal": steal_share(steal0),
                     "errors": res["direct"][1] + res["gateway"][1],
                 },
             )
@@ -726,7 +763,8 @@ def report(rows: list[tuple[str, dict]]) -> None:
     w = max(14, *(len(v) for v, _ in rows))
     print(
         f"\n{'variant':{w}s} {'direct p50':>10s} {'+p50 c1':>8s} {'+p99 c1':>8s} {'direct/s':>9s} {'gw req/s':>9s}"
-        f" {'of direct':>9s} {'p99 c64':>8s} {'direct':>7s} {'gw CPU':>7s} {'stub CPU':>8s} logged"
+        f" {'of direct':>9s} {'p99 c64':>8s} {'direct':>7s} {'gw CPU':>7s} {'stub CPU':>8s} {'steal':>5s}"
+        f" {'cal':>6s} logged"
     )
     for variant, m in rows:
         d, g, c = m["direct"], m["gateway"], m["cpu_us"]
@@ -734,7 +772,8 @@ def report(rows: list[tuple[str, dict]]) -> None:
             f"{variant:{w}s} {d['p50_c1']:8.3f}ms {g['p50_c1'] - d['p50_c1']:6.3f}ms"
             f" {g['p99_c1'] - d['p99_c1']:6.2f}ms"
             f" {d['rps']:9,.0f} {g['rps']:9,.0f} {g['rps'] / d['rps']:9.0%} {g['p99_c64']:6.1f}ms {d['p99_c64']:5.1f}ms"
-            f" {c['gateway']:5.0f}us {c['stub']:6.0f}us {m['logged']} (errors {d['errors'] + g['errors']})"
+            f" {c['gateway']:5.0f}us {c['stub']:6.0f}us {m['steal']:5.0%} {m['cal']:4.0f}ms {m['logged']}"
+            f" (errors {d['errors'] + g['errors']})"
         )
     for variant, m in rows:
         if "conv" not in m:
@@ -742,13 +781,13 @@ def report(rows: list[tuple[str, dict]]) -> None:
         conv = m["conv"]
         print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
         head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
-        print(f"{'':14s} {head} {'gw CPU':>7s}")
+        print(f"{'':14s} {head} {'gw CPU':>7s} {'steal':>5s}")
         for name, c in conv[:2]:
             diff = c["added_p50"] - c["added_p50_single"]
             print(
                 f"{name:14s} {c['added_p50']:6.3f}ms {c['added_p50_single']:6.3f}ms {diff:5.2f}ms"
                 f" {c['direct_rps']:9,.0f} {c['rps']:9,.0f} {c['rps'] / c['direct_rps']:9.0%}"
-                f" {c['cpu_us']:5.0f}us (errors {c['errors']})"
+                f" {c['cpu_us']:5.0f}us {c['steal']:5.0%} (errors {c['errors']})"
             )
         lg = conv[2][1]
         print(
@@ -759,7 +798,10 @@ def report(rows: list[tuple[str, dict]]) -> None:
     for variant, m in rows:
         if m["first"]:
             verdicts(variant, m)
-    print("on a shared machine the ratios are the figures to compare; gw CPU: the gateway process' CPU per request")
+    print("on a shared machine the ratios are the figures to compare; gw CPU: the gateway process' CPU per request;")
+    print("steal: the share of the machine's CPU time its host took while the c=64 lines ran (a VM); cal: ms of a")
+    print("fixed piece of Python work around them (a VM's cores also slow without steal when the host's other guests")
+    print("share them): figures taken at about the same cal compare")
     print("machine load at the end: {:.1f} {:.1f} {:.1f} (1, 5, 15 min)".format(*os.getloadavg()))
 
 
