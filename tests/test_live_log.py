@@ -138,7 +138,8 @@ def test_tally_gives_the_covariates_of_ab_run_in_time_order(log_dir):
 
 def test_the_tally_keeps_no_conversation_messages_until_its_look():
     """A conversation turn's covariate keys are taken as it is added (the tally does not hold its messages until
-    the next look, ab.look_every apart); a lone prompt's wait for the look. The codes are ab-run's either way."""
+    the next look, ab.look_every apart); a lone prompt's wait for the look, the tally holding its text alone. The
+    codes are ab-run's either way."""
     from hermes_lab.ab import covariates
 
     system = {"role": "system", "content": "You are an agent. " * 200}
@@ -148,12 +149,13 @@ def test_the_tally_keeps_no_conversation_messages_until_its_look():
         call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "t", "arguments": "{}"}}]}
         recs.append(req(f"o{k}", "", "ok", messages=opening))
         recs.append(req(f"n{k}", "", "ok", messages=[call, {"role": "tool", "content": "x" * 500}]))
-        recs.append(req(f"p{k}", f"up w{k % 2}=", "ok"))
+        lone = f"up w{k % 2}="  # a single-turn request: its one user message is its prompt
+        recs.append(req(f"p{k}", lone, "ok", messages=[{"role": "user", "content": lone}]))
     t = L.Tally(covariates=covariates.KINDS)
     for r in recs:
         t.add_request(r)
-    held = [x for x in t._cov_todo if type(x) is not tuple]
-    assert [x["prompt"] for x in held] == [r["prompt"] for r in recs if r["request_id"][0] == "p"]
+    held = [x for x in t._cov_todo if type(x) is not tuple]  # a lone prompt's text alone, not its messages
+    assert held == [r["prompt"] for r in recs if r["request_id"][0] == "p"]
     enc = covariates.Encoder(covariates.KINDS)
     want = [enc.row({"prompt": r["prompt"], "messages": r.get("messages")})[:2] for r in recs]
     cols = t.columns()
