@@ -194,6 +194,48 @@ def test_log_writer_group_commit_and_torn_tail(tmp_path, durability):
     assert [i for i, _ in L.read_jsonl(p)] == [1, *range(3, 503)]
 
 
+def test_log_writer_writes_a_loop_pass_at_once_each_line_before_its_append_returns(tmp_path, caplog):
+    """durability 'write': the records of one pass of the event loop go out in one os.write, and each append returns
+    only once its line is in the file (what a kill -9 cannot lose); a cancelled append's line is written all the
+    same, a line queued without a running loop is written at once, and a failed write fails its appends."""
+    p = tmp_path / "requests.jsonl"
+    w = L.LogWriter(p, "write", fsync_ms=20)
+    seen: list[bool] = []
+
+    async def one(i: int) -> None:
+        line = json.dumps({"i": i}).encode() + b"\n"
+        await w.append(line)
+        seen.append(line in p.read_bytes())  # durable when append returns
+
+    async def go() -> None:
+        await asyncio.gather(*(one(i) for i in range(200)))  # one pass: one write
+        assert (w.stats["lines"], w.stats["writes"]) == (200, 1)
+        gone = asyncio.ensure_future(w.append(b'{"i": "cancelled"}\n'))
+        await asyncio.sleep(0)  # its append is waiting for the pass's write
+        gone.cancel()
+        w.append_nowait(b'{"i": "nowait"}\n')
+        await asyncio.sleep(0.01)
+        assert gone.cancelled()
+
+    asyncio.run(go())
+    w.append_nowait(b'{"i": "no loop"}\n')  # no running loop: at once
+    assert p.read_bytes().endswith(b'{"i": "no loop"}\n')
+    w.close()
+    lines = [json.loads(x)["i"] for x in p.read_bytes().splitlines()]
+    assert lines == [*range(200), "cancelled", "nowait", "no loop"] and seen == [True] * 200
+    assert w.stats["writes"] == 3  # the 200, the cancelled and the nowait lines' pass, the last one
+
+    full = L.LogWriter("/dev/full", "write")  # every write fails: ENOSPC
+
+    async def fails() -> None:
+        with pytest.raises(OSError):
+            await full.append(b'{"i": 0}\n')
+
+    asyncio.run(fails())
+    full.close()
+    assert "lines not written" in caplog.text
+
+
 def test_trace_sink_writes_traces_and_assessments(mlflow_store, tmp_path):
     from hermes_lab.live.traces import TraceSink
 
