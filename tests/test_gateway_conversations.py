@@ -166,7 +166,8 @@ def test_raw_messages_are_parsed_once_and_link_as_parsed_ones():
 
 def test_a_body_of_the_known_fields_splits_in_one_pass_as_in_two():
     """A body of the chat fields alone is split in one pass (``wire.FIELDS``); one with any other field in two: the
-    same messages, tools and fields either way, the other field kept for the upstream."""
+    same messages, tools and fields either way, the other field kept for the upstream, whose body is the client's
+    messages and tools with the arm's model."""
     from hermes_lab.live import wire
 
     msgs = [{"role": "system", "content": "be careful " * 600}, {"role": "user", "content": "go", "name": "u"}]
@@ -175,10 +176,17 @@ def test_a_body_of_the_known_fields_splits_in_one_pass_as_in_two():
     assert set(sent) - {"messages"} <= set(wire.FIELDS) and "vendor" not in wire.FIELDS
     assert [bytes(r) for r in one.raws] == [bytes(r) for r in two.raws] and len(one.raws) == 2
     assert bytes(one.tools) == bytes(two.tools) and json.loads(bytes(one.tools)) == TOOLS
-    assert orjson.loads(orjson.dumps(one.fields)) == sent and orjson.loads(orjson.dumps(two.fields)) == {
+    # the upstream's body: the fields with the arm's model, the messages and tools as they came, in parts of one write
+    assert orjson.loads(b"".join(one.upstream("arm"))) == {**sent, "model": "arm"}
+    assert orjson.loads(b"".join(two.upstream("arm", {"stream": True}))) == {
         **sent,
         "vendor": {"x": [1]},
+        "model": "arm",
+        "stream": True,
     }
+    assert bytes(one.raws[0]) in b"".join(one.upstream("arm"))  # the client's bytes, not re-serialised
+    no_tools = _split(json.dumps({"model": "m", "messages": msgs}).encode())
+    assert orjson.loads(b"".join(no_tools.upstream("arm"))) == {"model": "arm", "messages": msgs}
     assert one.messages() == two.messages() == msgs
 
 

@@ -46,6 +46,7 @@ class Server:
     def __init__(self, mode: str, cuts: tuple[int, ...] = ()):
         self.mode, self.cuts, self.connections, self.requests = mode, cuts, 0, 0
         self.held = self.most = 0
+        self.bodies: list[bytes] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -53,7 +54,7 @@ class Server:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
-                await reader.readexactly(n)
+                self.bodies.append(await reader.readexactly(n))
                 self.requests += 1
                 if self.mode == "silent":
                     await asyncio.sleep(30)
@@ -171,5 +172,38 @@ def test_at_most_upstream_connections_requests_are_in_flight_and_a_cancelled_wai
             answers = await asyncio.wait_for(asyncio.gather(*(a.complete(msg) for _ in range(5))), 10)
             assert [x.text for x in answers] == ["hi"] * 5 and srv.most == 2 and srv.requests == 13
             await a.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("client", ["httptools", "httpx", "aiohttp"])
+def test_each_client_sends_the_clients_messages_and_tools_with_the_arms_model(client):
+    """serve.upstream_client: the gateway's own client writes a large body's parts as they are (its messages and
+    tools the client's bytes), httpx and aiohttp (an arm behind a proxy) get them joined: the same body either way."""
+    from hermes_lab.live.wire import ChatBody
+
+    sent = {"model": "asked", "messages": [{"role": "user", "content": "x" * 5000}], "tools": [{"type": "function"}]}
+    body = ChatBody(json.dumps(sent).encode())
+    assert body.raws is not None  # large: sliced
+
+    async def go() -> None:
+        for mode in ("close", "sse"):
+            srv = Server(mode)
+            async with srv as url:
+                a = arm(url)
+                a.client_kind = client
+                await a.start()
+                if mode == "close":
+                    ans = await a.complete(body)
+                    assert ans.text == "hi"
+                else:
+                    err, events = await a.stream(body)
+                    assert err is None and "".join([c.text async for c in events]) == "Hello"
+                await a.close()
+            got = json.loads(srv.bodies[0])
+            want = {**sent, "model": "m"}
+            if mode == "sse":
+                want |= {"stream": True, "stream_options": {"include_usage": True}}
+            assert got == want, mode
 
     asyncio.run(go())

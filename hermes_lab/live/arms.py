@@ -53,6 +53,7 @@ import orjson
 from hermes_lab.config.schema import EMBEDDED_MODEL, ConfigError, HermesConfig
 from hermes_lab.core.layout import RunsLayout, TrainLayout
 from hermes_lab.live.sse import Chunk, read_piece
+from hermes_lab.live.wire import ChatBody
 from hermes_lab.llm.client import normalize_base_url, proxy_for, redact, safe_url
 
 ARMS = ("baseline", "candidate")
@@ -221,7 +222,7 @@ class UpstreamArm:
     """An OpenAI-compatible server. The client's headers are never forwarded; only this arm's key is sent."""
 
     needs_prompt = False  # the upstream gets the messages; the flattened prompt is only logged at an opening
-    wire = True  # called with the body's fields, its messages and tools the client's bytes (live.wire.ChatBody)
+    wire = True  # called with the request's ChatBody (live.wire): its messages and tools go on as the client's bytes
 
     def __init__(self, spec: ArmSpec, cfg: HermesConfig):
         self.spec, self.name, self.served_model = spec, spec.name, spec.model
@@ -315,18 +316,23 @@ class UpstreamArm:
         msg = redact(f"{self.name} upstream {safe_url(self.spec.url)}: {kind}: {e}", self._key)
         return UpstreamError(msg, 504 if timeout else 502)  # a timeout is the gateway's 504, as proxies answer
 
-    def _payload(self, payload: dict[str, Any]) -> bytes:
-        return orjson.dumps({**payload, "model": self.spec.model})
+    def _payload(self, payload: dict[str, Any] | ChatBody, extra: dict[str, Any] | None = None) -> list[Any]:
+        """The request's body with this arm's model, as the parts of one write: a ``ChatBody``'s own (the client's
+        messages and tools as they came), a dict's serialised."""
+        if isinstance(payload, ChatBody):
+            return payload.upstream(self.spec.model, extra)
+        return [orjson.dumps({**payload, **(extra or {}), "model": self.spec.model})]
 
-    async def complete(self, payload: dict[str, Any], prompt: str = "", rid: str = "") -> Answer:
-        data = self._payload(payload)
+    async def complete(self, payload: dict[str, Any] | ChatBody, prompt: str = "", rid: str = "") -> Answer:
+        parts = self._payload(payload)
         try:
-            if self._pool is not None:
-                status, body, ctype = await self._pool.post(data)
+            if self._pool is not None:  # the parts written as they are; the other clients get them joined
+                status, body, ctype = await self._pool.post(parts)
             elif self.client_kind == "httpx":
-                r = await self._session.post(self.spec.url, content=data, headers=self.headers)
+                r = await self._session.post(self.spec.url, content=_joined(parts), headers=self.headers)
                 status, body, ctype = r.status_code, r.content, r.headers.get("content-type", "")
             else:
+                data = _joined(parts)
                 async with self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy) as r:
                     status, body, ctype = r.status, await r.read(), r.headers.get("Content-Type", "")
         except Exception as e:  # any transport failure is a 502 with its kind
@@ -337,21 +343,23 @@ class UpstreamArm:
         return ans
 
     async def stream(
-        self, payload: dict[str, Any], prompt: str = "", rid: str = ""
+        self, payload: dict[str, Any] | ChatBody, prompt: str = "", rid: str = ""
     ) -> tuple[Answer | None, AsyncIterator[Chunk] | None]:
         """(error answer, None) when the upstream refuses, else (None, the chunks as they arrive: one per upstream
         piece, read by ``hermes_lab.live.sse.read_piece``)."""
         so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
         wants_usage = bool(so.get("include_usage"))
-        data = self._payload({**payload, "stream": True, "stream_options": {**so, "include_usage": True}})
+        parts = self._payload(payload, {"stream": True, "stream_options": {**so, "include_usage": True}})
         try:
             if self._pool is not None:
-                status, chunks, closer = await self._pool.post_stream(data)
+                status, chunks, closer = await self._pool.post_stream(parts)
             elif self.client_kind == "httpx":
+                data = _joined(parts)
                 req = self._session.build_request("POST", self.spec.url, content=data, headers=self.headers)
                 r = await self._session.send(req, stream=True)
                 status, chunks, closer = r.status_code, r.aiter_raw(), r.aclose
             else:
+                data = _joined(parts)
                 r = await self._session.post(self.spec.url, data=data, headers=self.headers, proxy=self._proxy)
                 status, chunks, closer = r.status, r.content.iter_any(), r.release
         except Exception as e:
@@ -380,6 +388,10 @@ class UpstreamArm:
                 await _maybe_await(closer())
 
         return None, events()
+
+
+def _joined(parts: list[Any]) -> bytes:
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _maybe_await(x: Any) -> None:

@@ -107,10 +107,10 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
 
 
-def _body_for(arm: Any, req: ChatBody) -> dict[str, Any]:
-    """What an arm is called with: an upstream, the body's fields with its messages and tools as the client's bytes
-    (``wire``); an in-process arm, the body parsed whole."""
-    return req.fields if arm.wire else req.full()
+def _body_for(arm: Any, req: ChatBody) -> ChatBody | dict[str, Any]:
+    """What an arm is called with: an upstream, the body (``ChatBody.upstream``: its messages and tools as the
+    client's bytes); an in-process arm, the body parsed whole."""
+    return req if arm.wire else req.full()
 
 
 class ChatHandling:
@@ -252,7 +252,7 @@ class ChatHandling:
         await self._commit(rec, link=ctx)
         return _Raw(ans.body, ans.status, headers)
 
-    async def _call(self, fn: Any, payload: dict[str, Any], prompt: str, rid: str) -> Any:
+    async def _call(self, fn: Any, payload: ChatBody | dict[str, Any], prompt: str, rid: str) -> Any:
         try:
             return await fn(payload, prompt, rid)
         except UpstreamError as e:

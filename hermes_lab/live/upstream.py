@@ -179,11 +179,12 @@ class Pool:
         self.open += 1
         return conn
 
-    async def _send(self, path: str, body: bytes, streaming: bool) -> tuple[_Conn, asyncio.TimerHandle]:
-        """A connection with the request written, and the timer that fails it after ``timeout`` s."""
+    async def _send(self, path: str, body: list[Any], streaming: bool) -> tuple[_Conn, asyncio.TimerHandle]:
+        """A connection with the request written (``body``: its parts, one writev), and the timer that fails it after
+        ``timeout`` s."""
         await self._acquire()
         try:
-            head = self.head(path, len(body))
+            head = self.head(path, sum(map(len, body)))
             for attempt in (0, 1):
                 conn = None
                 while self.idle:
@@ -199,7 +200,7 @@ class Pool:
                 conn.streaming = streaming
                 conn.used += 1
                 timer = self.loop.call_later(self.timeout, conn.timed_out)
-                conn.transport.writelines((head, body))  # type: ignore[union-attr]
+                conn.transport.writelines((head, *body))  # type: ignore[union-attr]
                 try:
                     while not conn.headers_done and not conn.complete:
                         await conn.wait()
@@ -232,9 +233,9 @@ class Pool:
             self._drop(conn)
         self._release()
 
-    async def post(self, body: bytes, path: str | None = None) -> tuple[int, bytes, str]:
-        """(status, body, content type) of a POST, its answer read whole."""
-        conn, timer = await self._send(path or self.path, body, False)
+    async def post(self, body: bytes | list[Any], path: str | None = None) -> tuple[int, bytes, str]:
+        """(status, body, content type) of a POST (its body: bytes, or parts written as one), its answer read whole."""
+        conn, timer = await self._send(path or self.path, body if isinstance(body, list) else [body], False)
         try:
             while not conn.complete:
                 await conn.wait()
@@ -243,8 +244,8 @@ class Pool:
         finally:
             self._done(conn, timer)
 
-    async def post_stream(self, body: bytes) -> tuple[int, AsyncIterator[bytes], Any]:
-        """(status, the answer's body pieces as they arrive, a close function) of a POST."""
+    async def post_stream(self, body: list[Any]) -> tuple[int, AsyncIterator[bytes], Any]:
+        """(status, the answer's body pieces as they arrive, a close function) of a POST of ``body``'s parts."""
         conn, timer = await self._send(self.path, body, True)
         finished = False
 

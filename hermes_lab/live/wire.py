@@ -12,9 +12,9 @@ stream, metadata, ...) are parsed by orjson, which checks them whole; the messag
 ``hermes_lab.live.conversations.Tracker.keys``, which parses only those it has not seen (so every message is
 checked by orjson once: msgspec's skip does not check UTF-8 or numbers inside a value); the tool list by
 ``hermes_lab.live.log.ToolsLog.add_raw``, the same way. The upstream's body is the client's own slices with the
-arm's model (``orjson.Fragment``: copied, not parsed or serialised). An in-process arm, and a conversation's
-opening (its prompt is logged), get the messages parsed. A body of at most ``SMALL`` bytes (a single-turn request)
-is parsed whole, as before: its slices would cost it more than they save.
+arm's model (``ChatBody.upstream``: parts of one write, neither parsed nor serialised). An in-process arm, and a
+conversation's opening (its prompt is logged), get the messages parsed. A body of at most ``SMALL`` bytes (a
+single-turn request) is parsed whole, as before: its slices would cost it more than they save.
 
     hermes-lab serve --params params/embedded.yaml      # then POST http://127.0.0.1:8700/v1/chat/completions
 """
@@ -75,10 +75,10 @@ def _bad_json(e: Exception, where: str = "") -> BadBody:
 
 
 class ChatBody:
-    """One chat request's body. ``fields``: its top-level fields, parsed, but for ``messages`` and ``tools``, which
-    are ``orjson.Fragment``s of their bytes (``orjson.dumps`` writes them as they came: the upstream's body);
-    ``raws``: each message's bytes (``msgspec.Raw``); ``tools``: the tool list's bytes (None: absent). A body of
-    at most ``SMALL`` bytes is parsed whole instead: ``fields`` is the body, ``raws`` and ``tools`` are None."""
+    """One chat request's body. ``fields``: its top-level fields but ``messages`` and ``tools``, parsed; ``raws``: each
+    message's bytes (``msgspec.Raw``, views of the body); ``tools``: the tool list's bytes (None: absent); the
+    upstream's body is ``upstream``'s parts. A body of at most ``SMALL`` bytes is parsed whole instead: ``fields`` is
+    the body, ``raws`` and ``tools`` are None."""
 
     __slots__ = ("_full", "_keys", "body", "fields", "n", "raws", "tools")
 
@@ -98,7 +98,6 @@ class ChatBody:
         fields: dict[str, Any] = {}
         for k, v in top.items():
             if k in SLICED:
-                fields[k] = orjson.Fragment(bytes(v))
                 continue
             try:
                 fields[k] = orjson.loads(memoryview(v))
@@ -107,7 +106,6 @@ class ChatBody:
         raws = None
         if known is not None:
             raws = known.messages
-            fields["messages"] = orjson.Fragment(b"[" + b",".join(raws) + b"]")
         elif "messages" in top:
             try:
                 raws = _LIST.decode(top["messages"])
@@ -157,6 +155,19 @@ class ChatBody:
         if self.raws is None:
             return tools_log.add(self.fields.get("tools"))
         return tools_log.add_raw(self.tools)
+
+    def upstream(self, model: str, extra: dict[str, Any] | None = None) -> list[Any]:
+        """The body for an upstream arm, as the parts of one write (their lengths add up to it): the top-level fields
+        with the arm's ``model`` (and ``extra``: a stream's) serialised, then the client's messages and tool list as
+        they came (joined once; orjson no longer copies them into a second buffer). A small body: one part."""
+        small = {**self.fields, "model": model, **(extra or {})}
+        if self.raws is None:
+            return [orjson.dumps(small)]
+        parts = [orjson.dumps(small)[:-1], b',"messages":[', b",".join(self.raws), b"]"]  # (model: never empty)
+        if self.tools is not None:
+            parts += (b',"tools":', self.tools)
+        parts.append(b"}")
+        return parts
 
     def get(self, key: str, default: Any = None) -> Any:
         """A top-level field other than the messages and tools, parsed."""
