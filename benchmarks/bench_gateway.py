@@ -479,7 +479,7 @@ def measure_conversations(
     rows = []
     for stream in (False, True):
         seq = run(conv_sequential(direct, gateway, max(n1 // TURNS, 2), stream))
-        res, steal0 = {}, stolen()
+        res, steal0, cal = {}, stolen(), calibrate()
         for name, url in (("direct", direct), ("gateway", gateway)):
             before = cpu_seconds(pid)
             n, wall, err = run(conv_burst(url, max(n64 // TURNS, 64), 64, stream, 100_000 * (1 + stream)))
@@ -495,6 +495,7 @@ def measure_conversations(
                     "cpu_us": res["gateway"][2],
                     "gw_cores": res["gateway"][3],
                     "steal": steal_share(steal0),
+                    "cal": (cal + calibrate()) / 2,
                     "errors": res["direct"][1] + res["gateway"][1],
                 },
             )
@@ -781,13 +782,13 @@ def report(rows: list[tuple[str, dict]]) -> None:
         conv = m["conv"]
         print(f"\nagent conversations ({variant}): {TURNS} turns, 31-52 KB requests, one tool call per answer")
         head = f"{'+p50 c1':>8s} {'single':>8s} {'diff':>7s} {'direct/s':>9s} {'gw req/s':>9s} {'of direct':>9s}"
-        print(f"{'':14s} {head} {'gw CPU':>7s} {'steal':>5s}")
+        print(f"{'':14s} {head} {'gw CPU':>7s} {'steal':>5s} {'cal':>6s}")
         for name, c in conv[:2]:
             diff = c["added_p50"] - c["added_p50_single"]
             print(
                 f"{name:14s} {c['added_p50']:6.3f}ms {c['added_p50_single']:6.3f}ms {diff:5.2f}ms"
                 f" {c['direct_rps']:9,.0f} {c['rps']:9,.0f} {c['rps'] / c['direct_rps']:9.0%}"
-                f" {c['cpu_us']:5.0f}us {c['steal']:5.0%} (errors {c['errors']})"
+                f" {c['cpu_us']:5.0f}us {c['steal']:5.0%} {c['cal']:4.0f}ms (errors {c['errors']})"
             )
         lg = conv[2][1]
         print(
