@@ -30,13 +30,17 @@ ms; 20-turn conversations >= 2,500 req/s, streamed and not. ``--before DIR``: th
 of the package (its default client, aiohttp) in the same run; ``--profile``: then the gateway under cProfile,
 its CPU by part (server, upstream client, JSON, log, routing, event loop) and its top functions; ``--processes N``:
 one gateway, then N on one port (SO_REUSEPORT), alternating, single-turn and conversations at c=64 (capacity only:
-a conversation whose turns reach two processes is not kept on one arm).
+a conversation whose turns reach two processes is not kept on one arm); ``--interleave DIR``: this checkout's
+gateway and DIR's both up, bursts alternating between them, each one's CPU a request and the median of the
+per-round ratios (on a VM whose host changes its speed, a before/after that the variants' lines, taken one after
+the other, cannot give).
 
     python benchmarks/bench_gateway.py                      # the goals' figures
     git worktree add /tmp/gw-before <commit>                # before / after in one run, and where the time goes
     python benchmarks/bench_gateway.py --before /tmp/gw-before --profile
     python benchmarks/bench_gateway.py --variants httptools:write,httptools:write@/tmp/gw-head --conversations-all
     python benchmarks/bench_gateway.py --no-conversations --generator raw --processes 2
+    python benchmarks/bench_gateway.py --no-conversations --generator raw --interleave /tmp/gw-before
     python benchmarks/bench_gateway.py --quick --variants httptools:write,httptools:fsync,aiohttp:write,httpx:write
 """
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -685,6 +690,50 @@ def processes(stub_url: str, n: int, n64: int) -> None:
         )
 
 
+def thread_cpu(pid: int) -> float:
+    """CPU seconds of a process' threads so far, in ns steps (/proc/<pid>/task/*/schedstat: a clock tick, 10 ms, is
+    too coarse for a burst's share of it)."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            total += int(Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def interleave(stub_url: str, other: Path, rounds: int) -> None:
+    """This checkout's gateway and ``other``'s, both up on one stub, bursts alternating between them (ABBA order),
+    ``rounds`` times per kind: CPU per request of each, and the median of the per-round ratios. A host that
+    changes the machine's speed from one minute to the next moves both alike, where the variants of a run, one
+    after the other, each meet another speed."""
+    CLIENT["kind"] = "raw"
+    with tempfile.TemporaryDirectory() as tmp:
+        gws = [start_gateway(stub_url, "httptools", "write", f"{tmp}/{i}", r) for i, r in enumerate((REPO, other))]
+        try:
+            print(f"\ninterleaved (raw load generator, c=64): this checkout (A) and {other} (B), {rounds} rounds")
+            for kind in ("single-turn", "not streamed", "streamed"):
+                cpu: list[list[float]] = [[], []]
+                for k in range(rounds):
+                    for i in (0, 1) if k % 2 == 0 else (1, 0):
+                        pid, url = gws[i][0].pid, gws[i][1]
+                        before = thread_cpu(pid)
+                        if kind == "single-turn":
+                            n = 1000
+                            run(burst(url, n, 64))
+                        else:
+                            n = run(conv_burst(url, 64, 64, kind == "streamed", 700_000 + 1_000 * (2 * k + i)))[0]
+                        cpu[i].append((thread_cpu(pid) - before) / n * 1e6)
+                ratios = sorted(b / a for a, b in zip(*cpu, strict=True))
+                med = [sorted(c)[len(c) // 2] for c in cpu]
+                print(
+                    f"  {kind:13s} A {med[0]:5.0f} us, B {med[1]:5.0f} us a request (medians); A/B per round:"
+                    f" median {1 / ratios[len(ratios) // 2]:.3f} ({1 / ratios[-1]:.3f}..{1 / ratios[0]:.3f})"
+                )
+        finally:
+            for g, _ in gws:
+                g.terminate()
+                g.wait(30)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests (200 / 1,000): a smoke run")
@@ -701,6 +750,10 @@ def main() -> int:
     )
     ap.add_argument("--profile", action="store_true", help="then profile the first variant's gateway (cProfile)")
     ap.add_argument("--processes", type=int, default=0, metavar="N", help="then 1 and N gateways behind one port")
+    ap.add_argument(
+        "--interleave", default="", metavar="DIR", help="then this checkout and DIR's gateways, bursts alternating"
+    )
+    ap.add_argument("--rounds", type=int, default=12, help="--interleave's rounds per kind")
     ap.add_argument("--stub", type=int, default=0, help=argparse.SUPPRESS)  # internal: run the stub on this port
     args = ap.parse_args()
     if args.stub:
@@ -752,6 +805,8 @@ def main() -> int:
         report(rows)
         if args.processes > 1:
             processes(stub_url, args.processes, n64)
+        if args.interleave:
+            interleave(stub_url, Path(args.interleave), args.rounds)
         if args.profile:
             profile(stub_url, variants[0].partition("@")[0].split(":")[0], n64)
     finally:
