@@ -163,7 +163,8 @@ class ChatBody:
         small = {**self.fields, "model": model, **(extra or {})}
         if self.raws is None:
             return [orjson.dumps(small)]
-        parts = [orjson.dumps(small)[:-1], b',"messages":[', b",".join(self.raws), b"]"]  # (model: never empty)
+        # the fields' object left open (it holds the model at least, so a comma follows), then the slices
+        parts = [orjson.dumps(small)[:-1], b',"messages":[', b",".join(self.raws), b"]"]
         if self.tools is not None:
             parts += (b',"tools":', self.tools)
         parts.append(b"}")
