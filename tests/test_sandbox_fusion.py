@@ -160,7 +160,9 @@ def test_the_http_executor_reports_a_cut_output_and_scores_as_the_local_one(stan
         )
     assert big.status == "output_limit"  # the stand-in cut it at its 64 KiB: the executor says so
     assert files.status == "ok" and files.files == {"o.txt": b"fetched"}
-    quick = {"reward.types": ["tests"], "sandbox.timeout_s": 1.0, "sandbox.cpu_s": 1.0}
+    # the loop ends at 1 s of CPU locally and at 3 s of wall clock through the stand-in; a passing completion gets 3 s
+    # of wall clock (1 s failed it once on a fresh clone's CI, the cores busy with the other test files)
+    quick = {"reward.types": ["tests"], "sandbox.timeout_s": 3.0, "sandbox.cpu_s": 1.0}
     cfg = load_config(None, {**quick, "sandbox.executor": "fusion", "sandbox.url": standin})
     codes = [GOOD, "def add(a, b):\n    return a * b\n", "def add(a, b) return", "while True: pass\n"]
     kw = dict(prompts=["p"] * 4, completions=codes, tests=[MBPP] * 4)
