@@ -224,9 +224,9 @@ def stolen() -> tuple[int, int]:
 
 def calibrate() -> float:
     """ms of one fixed piece of Python work (dicts, bytes, JSON: a request's kind of work), the fastest of 5. A
-    VM's cores slow down when the host's other guests share them (a sibling hyperthread, the caches) without any
-    steal: the same gateway measured 156 and 280 us of CPU a request an hour apart. Figures taken at about the same
-    calibration compare."""
+    VM's cores slow down without any steal when the host's other guests share what they share (a sibling
+    hyperthread, the caches): the same gateway measured 156 and 280 us of CPU a request twenty minutes apart.
+    Figures taken at about the same calibration compare."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 200}] * 4}).encode()
     best = math.inf
     for _ in range(5):
