@@ -119,10 +119,7 @@ class LogWriter:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self._write_batch()
-            os.write(self.fd, line)  # (an error is the caller's, as it was)
-            self.stats["lines"] += 1
-            self.stats["writes"] += 1
-            self._dirty = True
+            self._write_lines([line])  # (an error is the caller's, as it was)
             return None
         if self._batch_lines and self._batch_loop is not loop:  # a batch a former loop left (it stopped first)
             self._write_batch()
@@ -140,21 +137,24 @@ class LogWriter:
 
     def _write(self, lines: list[bytes], waiters: list[asyncio.Future]) -> None:
         try:
-            data = lines[0] if len(lines) == 1 else b"".join(lines)
-            while data:  # a regular file takes it whole; loop for the rule's sake
-                data = data[os.write(self.fd, data) :]
+            self._write_lines(lines)
         except OSError as e:
             log.error("%s: %d lines not written: %s", self.path, len(lines), e)
             for fut in waiters:  # their requests fail with it (a 500 each, as when each line was written alone)
                 if not fut.done():
                     fut.set_exception(e)
             return
+        for fut in waiters:
+            _release(fut)
+
+    def _write_lines(self, lines: list[bytes]) -> None:
+        """The lines in one write (either durability), counted; the thread fdatasyncs them."""
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        while data:  # a regular file takes it whole; loop for the rule's sake
+            data = data[os.write(self.fd, data) :]
         self.stats["lines"] += len(lines)
         self.stats["writes"] += 1
         self._dirty = True
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
 
     def _run(self) -> None:
         while True:
@@ -168,11 +168,8 @@ class LogWriter:
                 self._lines, self._waiters = [], []
                 closed = self._closed
             if lines:
-                data = b"".join(lines)
-                while data:  # a regular file takes it whole; loop for the rule's sake
-                    data = data[os.write(self.fd, data) :]
-                self.stats["lines"] += len(lines)
-            if lines or self._dirty:
+                self._write_lines(lines)
+            if self._dirty:
                 self._dirty = False
                 os.fdatasync(self.fd)
                 self.stats["fsyncs"] += 1

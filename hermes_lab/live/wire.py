@@ -159,7 +159,7 @@ class ChatBody:
     def upstream(self, model: str, extra: dict[str, Any] | None = None) -> list[Any]:
         """The body for an upstream arm, as the parts of one write (their lengths add up to it): the top-level fields
         with the arm's ``model`` (and ``extra``: a stream's) serialised, then the client's messages and tool list as
-        they came (joined once; orjson no longer copies them into a second buffer). A small body: one part."""
+        they came (the messages joined once, nothing copied into orjson's buffer). A small body: one part."""
         small = {**self.fields, "model": model, **(extra or {})}
         if self.raws is None:
             return [orjson.dumps(small)]
