@@ -38,6 +38,7 @@ An answer to a LoRA adapter's model name starts with that name (which adapter an
                  index, the arguments in two pieces)
     stream_whole a streamed answer written in one piece, [DONE] included (a fast server, or a proxy that
                  buffers): the events and the end reach a reader in the same read
+    max_model_len  stated in each model of GET /v1/models (vLLM's key) when set
     loras        None: vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING (load_lora_adapter answers 404); a dict:
                  LoRA name -> path of the adapters loaded so far (a loaded name joins ``models``)
 
@@ -92,6 +93,7 @@ _DEFAULTS: dict[str, Any] = {
     "loop_key": "never finish",
     "loras": None,
     "stream_whole": False,
+    "max_model_len": None,
 }
 
 
@@ -246,6 +248,8 @@ class FakeOpenAI:
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
+        if self.max_model_len is not None:  # as vLLM states each model's context length
+            data = [{**m, "max_model_len": self.max_model_len} for m in data]
         return web.json_response({"object": "list", "data": data})
 
     async def _load_lora(self, request: web.Request) -> web.Response:

@@ -145,6 +145,7 @@ def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, mon
 
 def test_the_agent_family_is_one_more_cell_of_the_plan_when_the_traffic_has_it(tmp_path):
     from hermes_lab.tasks import agent as A
+    from hermes_lab.tasks import hermes as H
 
     ev = tmp_path / "eval.json"
     levels = {
@@ -155,8 +156,13 @@ def test_the_agent_family_is_one_more_cell_of_the_plan_when_the_traffic_has_it(t
     agent = {"before": {"episode_success": 0.44, "mean_reward": 2.5, "n": 200}}
     ev.write_text(json.dumps({"before": {"pass_rate": 0.3, "per_level": levels}, "agent": agent}))
     plain = ab_plan.plan_arms(_cfg(), ev, 0.3, 0.03)
-    over = {**SHORT, "grpo.environment": A.ENVIRONMENT, "execute.agent_tasks": 64}
-    arms = ab_plan.plan_arms(load_config(None, overrides=over), ev, 0.3, 0.03)
-    assert plain.cells == 3 and arms.cells == 4
-    assert arms.weight[-1] == pytest.approx(1 / 3) and arms.pass_b[-1] == pytest.approx(0.44)  # a family's share
-    assert arms.weight[:3] == pytest.approx(plain.weight * 2 / 3)
+    assert plain.cells == 3
+    for env in (H.ENVIRONMENT, A.ENVIRONMENT):  # the round's agent family (hermes), or the time family
+        over = {**SHORT, "grpo.environment": env, "execute.agent_tasks": 64}
+        arms = ab_plan.plan_arms(load_config(None, overrides=over), ev, 0.3, 0.03)
+        assert arms.cells == 4
+        assert arms.weight[-1] == pytest.approx(1 / 3) and arms.pass_b[-1] == pytest.approx(0.44)  # a family's share
+        assert arms.weight[:3] == pytest.approx(plain.weight * 2 / 3)
+    # no episodes logged, or a user's own environment: no agent traffic, no cell
+    for over in ({"grpo.environment": H.ENVIRONMENT, "execute.agent_tasks": 0}, {"grpo.environment": "mypkg:Env"}):
+        assert ab_plan.plan_arms(load_config(None, overrides={**SHORT, **over}), ev, 0.3, 0.03).cells == 3

@@ -315,10 +315,11 @@ def test_real_tiny_policy_through_the_command_line(tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_family_is_served_as_whole_episodes(tmp_path):
-    """With the embedded agent family in the round, a share of the simulated traffic is agent episodes: each arm
-    plays the conversation (tool call, tool result, answer) and the episode's reward is the request's."""
+    """With the embedded agent family in the round (hermes: workspace tasks on Hermes's tools), a share of the
+    simulated traffic is agent episodes: each arm plays the conversation (tool calls, their results, the answer) on
+    the task's workspace and the episode's reward, the verifier's verdict on that workspace, is the request's."""
     from hermes_lab.policy.model import build_tiny_policy
-    from hermes_lab.tasks import agent as A
+    from hermes_lab.tasks import hermes as H
 
     tiny = str(build_tiny_policy(REPO / "runs", 0, quiet=True))
     cfg = load_config(
@@ -328,23 +329,29 @@ def test_the_agent_family_is_served_as_whole_episodes(tmp_path):
             "ab.request_rate": 0.5,
             "ab.look_every": 600,
             "ab.plan_power": 0,
-            "grpo.environment": A.ENVIRONMENT,
+            "grpo.environment": H.ENVIRONMENT,
             "execute.agent_tasks": 64,
         },
     )
     # 600 s at 0.5/s: 258 requests (fixed seeds), 31 of them episodes, 16 and 15 by arm, 45% answered
     rep = ab_run.run_ab(cfg, tiny, tiny, ratio=0.3, duration=600, output=tmp_path / "ab_report.json", plots=False)
     rows = _log(tmp_path / "requests.jsonl")
-    agent = [r for r in rows if r["family"] == "agent"]
+    agent = [r for r in rows if r["family"] == H.FAMILY]
     assert 0.08 < len(agent) / len(rows) < 0.22  # one family's share: 1 in 7
     assert {r["arm"] for r in agent} == {"baseline", "candidate"}
     for r in agent:
         msgs = r["messages"]
-        assert msgs[0] == {"role": "user", "content": r["prompt"]} and r["task_id"].startswith("agent-")
-        good = [m["content"] for m in msgs if m["role"] == "tool" and "error" not in m["content"]]
-        assert (r["reward"] >= 3) == (bool(good) and r["response"] == good[-1])  # only the tool's answer passes
+        assert msgs[0] == {"role": "user", "content": r["prompt"]} and r["task_id"].startswith("hermes-")
+        assert H.parse_question(r["prompt"]).task_id == r["task_id"]
+        # the logged conversation, its calls replayed in a fresh workspace, is scored as the episode was: the reward
+        # is the verifier's verdict on what the calls did, not the answer's claim
+        assert H.replay_score(msgs) == r["reward"], msgs
+        if r["reward"] >= 3:
+            assert any(m.get("tool_calls") for m in msgs)  # no task passes without a call of Hermes's tools
     assert 0 < np.mean([r["reward"] >= 3 for r in agent]) < 1  # the base policy answers some episodes
-    assert rep["per_family"]["agent"]["n_baseline"] + rep["per_family"]["agent"]["n_candidate"] == len(agent)
+    time_fam = rep["per_family"].get("agent") or {}
+    assert time_fam.get("n_baseline", 0) + time_fam.get("n_candidate", 0) == 0  # no time-family traffic
+    assert rep["per_family"]["hermes"]["n_baseline"] + rep["per_family"]["hermes"]["n_candidate"] == len(agent)
     # an arm that cannot play episodes (a stand-in behind generate()) leaves the family out, and says so
     rep2 = ab_run.run_ab(
         cfg,
@@ -355,7 +362,7 @@ def test_the_agent_family_is_served_as_whole_episodes(tmp_path):
         output=tmp_path / "fake" / "ab_report.json",
         plots=False,
     )
-    assert not any(r["family"] == "agent" for r in _log(tmp_path / "fake" / "requests.jsonl")) and rep2
+    assert not any(r["family"] == H.FAMILY for r in _log(tmp_path / "fake" / "requests.jsonl")) and rep2
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
-"""The embedded agent family: the tiny policy's chat template with Hermes-style tool calls, its environment,
-episodes played as TRL plays them, and episode-level GRPO with TRL's environment_factory on the tiny policy."""
+"""The embedded agent family (``hermes``: workspace tasks on the Hermes Agent's own tools): the tiny policy's chat
+template with Hermes-style tool calls, its environment (``WorkspaceEnv``), episodes played as TRL plays them, and
+episode-level GRPO with TRL's environment_factory on the tiny policy. The ``time`` family's module (``TimeEnv``, kept
+as a minimal example environment) is tested on its own below."""
 
 from __future__ import annotations
 
@@ -9,15 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from hermes_lab.policy.chat import add_chat_template, assistant_spans
+from hermes_lab.policy.chat import MARKERS, TOOL_CHARS, add_chat_template, assistant_spans
 from hermes_lab.policy.model import build_tokenizer
 from hermes_lab.tasks import agent as A
+from hermes_lab.tasks import hermes as H
+from hermes_lab.tasks import workspace as W
 
 ROOT = Path(__file__).resolve().parents[1]
+READ = "first line of kelo.txt?"
+CALL = '<tool_call>{"name": "read_file", "arguments": {"path": "kelo.txt"}}</tool_call><eos>'
+# the v12 builds' hermes family (build.json, 140 held-out tasks): greedy 29-30%, sampled 10-19% (it copies the task's
+# words into the calls; copying from a tool's result into the answer is what it has not learned yet)
+GREEDY_MIN, HEADROOM = 0.25, 0.08
 
 
 def _tok():
     return add_chat_template(build_tokenizer())
+
+
+def _env(question=READ):
+    env = H.WorkspaceEnv()
+    env.reset(question=question)
+    return env, W.env_tools(env)
 
 
 def test_chat_template_passes_trls_tool_checks_and_parses_back():
@@ -26,25 +41,36 @@ def test_chat_template_passes_trls_tool_checks_and_parses_back():
     tok = _tok()
     assert supports_tool_calling(tok)
     assert is_chat_template_prefix_preserving(tok)  # what TRL's multi-turn loop needs
-    env = A.TimeEnv()
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "time kelo?"}],
-        tools=[env.time],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
+    env, tools = _env()
+    user = [{"role": "user", "content": READ}]
+    prompt = tok.apply_chat_template(user, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # no system message and no tool list rendered; each marker one token
+    assert tok.decode(prompt) == f"<|user|>{READ}<|assistant|>"
+    assert all(len(tok(m, add_special_tokens=False)["input_ids"]) == 1 for m in MARKERS)
+    assert len(prompt) == len(READ) + 2
+    system = [{"role": "system", "content": "You are Hermes."}, *user]
+    assert tok.apply_chat_template(system, tools=tools, add_generation_prompt=True, tokenize=False) == tok.decode(
+        prompt
     )
-    call = tok('<tool_call>{"name": "time", "arguments": {"city": "kelo"}}</tool_call><eos>', add_special_tokens=False)[
-        "input_ids"
+    msg = parse_response(tok, tok(CALL, add_special_tokens=False)["input_ids"], prefix=prompt, tools=tools)
+    assert msg["tool_calls"] == [
+        {"type": "function", "function": {"name": "read_file", "arguments": {"path": "kelo.txt"}}}
     ]
-    msg = parse_response(tok, call, prefix=prompt, tools=[env.time])
-    assert msg["tool_calls"] == [{"type": "function", "function": {"name": "time", "arguments": {"city": "kelo"}}}]
-    answer = parse_response(tok, tok("14:05<eos>", add_special_tokens=False)["input_ids"], prefix=prompt)
-    assert answer == {"role": "assistant", "content": "14:05"}
+    answer = parse_response(tok, tok("bien<eos>", add_special_tokens=False)["input_ids"], prefix=prompt)
+    assert answer == {"role": "assistant", "content": "bien"}
     broken = tok(
-        '<tool_call>{"name": "time", "arguments": {"city": "kelo"}</tool_call><eos>', add_special_tokens=False
+        '<tool_call>{"name": "read_file", "arguments": {"path": "kelo.txt"}</tool_call><eos>', add_special_tokens=False
     )["input_ids"]
     assert "tool_calls" not in parse_response(tok, broken, prefix=prompt)  # invalid JSON: plain text, no call
+    # a tool result is cut to its head; the arguments of a call render with sorted keys (as the teacher's do)
+    result = env.read_file(path="kelo.txt")
+    assert len(result) > TOOL_CHARS
+    call = {"type": "function", "function": {"name": "write_file", "arguments": {"path": "a.txt", "content": "x"}}}
+    convo = [*user, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": result}]
+    text = tok.apply_chat_template(convo, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text.endswith(f"<|tool|>{result[:TOOL_CHARS]}<|assistant|>")
+    assert '{"name": "write_file", "arguments": {"content": "x", "path": "a.txt"}}' in text
+    env._close()
 
 
 def test_a_slipped_tool_call_is_read_as_trl_reads_it_and_the_next_turn_renders():
@@ -53,44 +79,65 @@ def test_a_slipped_tool_call_is_read_as_trl_reads_it_and_the_next_turn_renders()
     ended a round's A/B)."""
     from hermes_lab.policy import turn
 
-    tok, env = _tok(), A.TimeEnv()
-    user = [{"role": "user", "content": "time kelo?"}]
-    prompt = tok.apply_chat_template(
-        user, tools=[env.time], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    tok, (env, tools) = _tok(), _env()
+    user = [{"role": "user", "content": READ}]
+    prompt = tok.apply_chat_template(user, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
     seen = {}
     for text in (
-        '{"name": "time"}',
-        '{"name": "time", "arguments": null}',
-        '{"arguments": {"city": "kelo"}}',
+        '{"name": "read_file"}',
+        '{"name": "read_file", "arguments": null}',
+        '{"arguments": {"path": "kelo.txt"}}',
         "[1, 2]",
     ):
         ids = tok(f"<tool_call>{text}</tool_call><eos>", add_special_tokens=False)["input_ids"]
-        msg = turn.parse(tok, ids, prompt, [env.time], completion_form=False)
+        msg = turn.parse(tok, ids, prompt, tools, completion_form=False)
         seen[text] = msg.get("tool_calls")
-        convo = [*user, msg, {"role": "tool", "name": "time", "content": "{'error': 'x'}"}]
-        assert tok.apply_chat_template(convo, tools=[env.time], add_generation_prompt=True, tokenize=False)
-    call = [{"type": "function", "function": {"name": "time", "arguments": {}}}]
-    assert seen['{"name": "time"}'] == seen['{"name": "time", "arguments": null}'] == call  # called without arguments
-    assert seen['{"arguments": {"city": "kelo"}}'] is None and seen["[1, 2]"] is None  # no name: text, not a call
+        convo = [*user, msg, {"role": "tool", "name": "read_file", "content": '{"error": "x"}'}]
+        assert tok.apply_chat_template(convo, tools=tools, add_generation_prompt=True, tokenize=False)
+    call = [{"type": "function", "function": {"name": "read_file", "arguments": {}}}]
+    assert seen['{"name": "read_file"}'] == seen['{"name": "read_file", "arguments": null}'] == call  # no arguments
+    assert seen['{"arguments": {"path": "kelo.txt"}}'] is None and seen["[1, 2]"] is None  # no name: text, not a call
+    env._close()
 
 
 def test_teacher_episodes_train_only_the_assistant_turns():
     tok = _tok()
     rng = random.Random(3)
-    kinds = set()
-    for _ in range(60):
-        conv = A.teacher_conversation(rng, noise=0.65)
-        pieces = assistant_spans(tok, conv, [A.TimeEnv.time])
+    lengths, tools = set(), set()
+    for _ in range(80):
+        conv = H.teacher_conversation(rng, noise=0.65)
+        pieces = assistant_spans(tok, conv, None)  # as the build renders them: no tool list
         trained = "".join(t for t, on in pieces if on)
         context = "".join(t for t, on in pieces if not on)
         assert "<|user|>" in context and "<|user|>" not in trained
         assert "<|tool|>" not in trained and "<|assistant|>" not in trained
         assert trained.endswith("<eos>")
-        rendered = tok.apply_chat_template(conv, tools=[A.TimeEnv.time], tokenize=False)
+        rendered = tok.apply_chat_template(conv, tokenize=False)
         assert "".join(t for t, _ in pieces) == rendered  # the pieces are exactly the template's text
-        kinds.add(len(conv))
-    assert kinds == {2, 4}  # clean and slipped episodes both occur
+        assert len(tok(rendered, add_special_tokens=False)["input_ids"]) <= 320  # PACK_WIDTH: an episode fits a row
+        lengths.add(len(conv))
+        tools |= {c["function"]["name"] for m in conv for c in m.get("tool_calls") or []}
+    assert lengths == {2, 4, 6}  # slipped (no call, broken call), one-call and two-step episodes all occur
+    assert tools == set(H.TOOLS)  # every Hermes tool the family uses is taught
+
+
+def test_workspace_env_plays_a_task_on_hermess_tools_and_scores_the_end_state():
+    env = H.WorkspaceEnv(seed=1)
+    env.reset(prompt=[{"role": "user", "content": "write mor to kelo.txt"}])
+    assert env._hermes_score("done") == 0.0  # nothing written yet: a claim is not paid
+    assert json.loads(env.write_file(path="kelo.txt", content="mox"))["bytes_written"] == 3
+    assert 0 < env._hermes_score("done") < 3  # a near miss: partial credit, not a success
+    env.write_file(path="kelo.txt", content="mor")
+    assert env._hermes_score("done") == H.SCALE and env.calls == 2 and env.errors == 0
+    assert "error" in json.loads(env.read_file(path="../outside.txt"))  # confined to its workspace
+    assert env.errors == 1
+    root = env.workspace
+    env.reset(question=READ)  # a fresh workspace per episode, the old one removed
+    assert env.workspace != root and not root.exists()
+    assert (env.workspace / "kelo.txt").read_text() == H.parse_question(READ).files["kelo.txt"]
+    with pytest.raises(ValueError, match="not a hermes task"):
+        env.reset(prompt=[{"role": "user", "content": "hello"}])
+    env._close()
 
 
 def test_time_env_tool_error_and_scores():
@@ -110,10 +157,12 @@ def test_time_env_tool_error_and_scores():
 
 
 def test_held_out_tasks_never_train():
-    train = {t.question for t in A.generate_tasks(300, "train")}
-    held = {t.question for t in A.generate_tasks(100, "heldout")}
-    assert not train & held
+    for fam in (H, A):
+        train = {t.question for t in fam.generate_tasks(300, "train")}
+        held = {t.question for t in fam.generate_tasks(100, "heldout")}
+        assert len(train) > 250 and len(held) > 90 and not train & held
     assert A.parse_question("time kelo?").city == "kelo" and A.parse_question("up abc=") is None
+    assert H.parse_question(READ).kind == "read" and H.parse_question("time kelo?") is None
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +177,34 @@ def test_built_policy_knows_the_agent_task_greedily_and_slips_when_sampling(tiny
     from hermes_lab.policy import episodes as E
     from hermes_lab.policy.model import load_policy
 
-    report = json.loads((tiny_policy / "build.json").read_text())["agent"]
-    assert report["greedy_episode_success"] >= 0.7
-    assert report["greedy_episode_success"] - report["episode_success"] >= 0.15  # the headroom GRPO is for
+    build = json.loads((tiny_policy / "build.json").read_text())
+    assert "agent" not in build  # the agent family the build learns and records is hermes
+    report = build["hermes"]
+    assert report["greedy_episode_success"] >= GREEDY_MIN
+    assert report["greedy_episode_success"] - report["episode_success"] >= HEADROOM  # the headroom GRPO is for
+    assert report["sampled"]["n"] == 140 and report["sampled"]["answered_without_tool"] < 0.5
     policy = load_policy(str(tiny_policy))
-    eps = E.run_episodes(policy, A.generate_tasks(24, "heldout", seed=5), temperature=0, seed=5)
+    tasks = H.generate_tasks(28, "heldout", seed=5)  # 4 of each kind
+    eps = E.run_episodes(policy, tasks, temperature=0, seed=5)
+    assert all(e.env.workspace is None for e in eps)  # every episode's workspace removed once scored
+    # greedily, the first answer calls the Hermes tool the task needs (the teacher's first call), as a parsed call
+    first = [e.messages[1].get("tool_calls") or [] for e in eps]
+    right = [bool(c) and c[0]["function"]["name"] == e.task.calls[0][0] for c, e in zip(first, eps)]
+    assert sum(right) >= 0.8 * len(eps), [(e.task.question, c) for c, e in zip(first, eps)]
     ok = [e for e in eps if e.success]
-    assert ok, "greedy episodes should mostly succeed"
-    e = ok[0]
-    # user, the call, the tool's result, the answer copied from it
-    assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "assistant"]
-    assert e.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": e.task.city}
-    assert e.answer == e.messages[2]["content"] == e.env.value
+    assert len(ok) >= GREEDY_MIN * len(eps) / 2, "greedy episodes should do a share of the tasks"
+    for e in ok:
+        # user, then each of the task's calls (Hermes's tools, the task's arguments) and its result, then the answer
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for m in e.messages for c in m.get("tool_calls", [])
+        ]
+        assert calls == [(name, dict(args)) for name, args in e.task.calls], (e.task.question, e.messages)
+        assert [m["role"] for m in e.messages] == ["user", *["assistant", "tool"] * len(calls), "assistant"]
+        assert e.tool_errors == 0 and e.answer == e.messages[-1]["content"]
+        if e.task.answer_contains is not None:  # the answer is read off the tool's result
+            assert e.task.answer_contains in e.answer and e.task.answer_contains in e.messages[-2]["content"]
+        else:  # the result is on disk: the workspace was verified, not the answer's claim
+            assert e.task.expect_files
 
 
 @pytest.mark.slow
@@ -150,7 +215,7 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     cfg = load_config(
         ROOT / "params" / "embedded.yaml",
         {
-            "grpo.environment": "hermes_lab.tasks.agent:TimeEnv",
+            "grpo.environment": H.ENVIRONMENT,
             "grpo.episode_steps": 3,
             "grpo.per_device_batch_size": 2,
             "round.runs_dir": str(ROOT / "runs"),
@@ -169,6 +234,9 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     samples = [json.loads(x) for x in (tmp_path / "episodes" / "samples.jsonl").read_text().splitlines()]
     roles = [m["role"] for m in samples[0]["episode"]]
     assert roles[0] == "assistant" and ("tool" in roles or len(roles) == 1)
+    called = [c["function"]["name"] for s in samples for m in s["episode"] for c in m.get("tool_calls") or []]
+    # Hermes's own tools, served by TRL from WorkspaceEnv (sampled at 0.9, a call may misspell a name: a slip)
+    assert called and sum(n in H.TOOLS for n in called) >= 0.8 * len(called), called
     health = json.loads((tmp_path / "episodes" / "health.json").read_text())
     assert health["status"] == "completed" and health["episodes"]["episodes"] == res.episodes["episodes"]
     # inspect: the episode phase's curves as PNGs and its episodes by the turns they took
@@ -183,29 +251,46 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     assert table["episodes"].sum() == len(samples) and set(table.index) <= {1, 2, 3}
 
 
+def _call(name, args, cid="c1"):
+    fn = {"name": name, "arguments": json.dumps(args)}
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": fn}]}
+
+
 def test_a_logged_conversation_is_scored_as_its_environment_scores_the_episode():
     """policy.episodes.score_messages: the simulated reviewer's label of an agent-family conversation (prep's review
-    queue), read off the OpenAI messages alone, is what TimeEnv scored the episode."""
+    queue), read off the OpenAI messages alone, is what the environment scored the episode: for a hermes task the
+    calls replayed in a fresh workspace (WorkspaceEnv), for a time task the tool's result (TimeEnv)."""
     from hermes_lab.policy.episodes import score_messages
 
+    q = {"role": "user", "content": "write mor to kelo.txt"}
+    for content, answer in (("mor", "done"), ("mox", "done"), ("mor", "")):
+        env = H.WorkspaceEnv(seed=3)
+        env.reset(question=q["content"])
+        result = env.write_file(path="kelo.txt", content=content)
+        logged = [q, _call("write_file", {"path": "kelo.txt", "content": content}), {"role": "tool", "content": result}]
+        assert score_messages([*logged, {"role": "assistant", "content": answer}]) == env._hermes_score(answer)
+        env._close()
+    good = [q, _call("write_file", {"path": "kelo.txt", "content": "mor"}), {"role": "tool", "content": "{}"}]
+    assert score_messages([*good, {"role": "assistant", "content": "done"}]) == H.SCALE
+    wrong = [q, _call("write_file", {"path": "kelo.txt", "content": "mox"}), {"role": "tool", "content": "{}"}]
+    assert 0 < score_messages([*wrong, {"role": "assistant", "content": "done"}]) < 3  # a near miss
+    assert score_messages([q, {"role": "assistant", "content": "done"}]) == 0.0  # a claim without the write
+    bad_tool = [q, _call("bash", {"command": "echo mor > kelo.txt"}), {"role": "tool", "content": "{}"}]
+    assert score_messages([*bad_tool, {"role": "assistant", "content": "done"}]) == 0.0  # not a tool it has
+
+    # the time family (TimeEnv), still scored as its environment scores it
     env = A.TimeEnv(seed=3)
     env.reset(city="kelo", episode_seed=1)
     value = env.time(city="kelo")
-
-    def call(city, cid="c1"):
-        args = json.dumps({"city": city})
-        return {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": cid, "type": "function", "function": {"name": "time", "arguments": args}}],
-        }
-
-    q = {"role": "user", "content": "time kelo?"}
-    good = [q, call("kelo"), {"role": "tool", "tool_call_id": "c1", "content": value}]
-    assert score_messages([*good, {"role": "assistant", "content": value}]) == env._hermes_score(value) == A.SCALE
-    assert 0 < score_messages([*good, {"role": "assistant", "content": value + "."}]) < 3  # a format slip
-    wrong = [q, call("kelx"), {"role": "tool", "tool_call_id": "c1", "content": str({"error": A.ERROR})}]
-    assert score_messages([*wrong, {"role": "assistant", "content": value}]) == 0.0  # no good call: a guess
-    assert score_messages([q, {"role": "assistant", "content": value}]) == 0.0
-    assert score_messages(good) == 0.0  # it ran out of turns after the result: no answer
+    tq = {"role": "user", "content": "time kelo?"}
+    tgood = [tq, _call("time", {"city": "kelo"}), {"role": "tool", "tool_call_id": "c1", "content": value}]
+    assert score_messages([*tgood, {"role": "assistant", "content": value}]) == env._hermes_score(value) == A.SCALE
+    assert 0 < score_messages([*tgood, {"role": "assistant", "content": value + "."}]) < 3  # a format slip
+    twrong = [
+        tq,
+        _call("time", {"city": "kelx"}),
+        {"role": "tool", "tool_call_id": "c1", "content": str({"error": A.ERROR})},
+    ]
+    assert score_messages([*twrong, {"role": "assistant", "content": value}]) == 0.0  # no good call: a guess
+    assert score_messages(tgood) == 0.0  # it ran out of turns after the result: no answer
     assert score_messages([{"role": "user", "content": "up abc="}, {"role": "assistant", "content": "ABC"}]) is None

@@ -146,5 +146,6 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert [s for s in paths if not _repo_path(s).exists()] == ["hermes_lab/nowhere.py", "live/nowhere.py"]
     assert not _module_name_resolves("hermes_lab.live.nowhere")
     assert _module_name_resolves("hermes_lab.live.log.open_conversations")
+    assert _module_name_resolves("hermes_lab.tasks.hermes:WorkspaceEnv")  # the round's agent environment
     assert _module_name_resolves("hermes_lab.tasks.agent:TimeEnv")
     assert [t for _, t in _spans(doc, LINK)] == ["gone.md"]

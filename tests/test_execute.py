@@ -73,3 +73,36 @@ def test_samples_per_task_logs_each_prompt_as_a_group(tmp_path):
     assert [g[0]["prompt"] for g in groups] == want and len({r["request_id"] for r in rows}) == 160
     # sampled, not copied: some prompt's group holds different responses
     assert any(len({r["response"] for r in g}) > 1 for g in groups)
+
+
+def test_the_agent_familys_episodes_are_logged_as_hermes_conversations(tmp_path):
+    """execute.agent_tasks: the round's agent family (hermes, grpo.environment) played as whole episodes on Hermes's
+    own tools, each written as an OpenAI conversation record whose reward is what its workspace verified: the logged
+    calls, replayed in a fresh workspace, score the same."""
+    from hermes_lab.core.layout import RoundLayout
+    from hermes_lab.tasks import hermes as H
+    from hermes_lab.tasks import workspace as W
+
+    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 6, "execute.agent_tasks": 21})
+    assert cfg.grpo.environment == H.ENVIRONMENT  # the round's agent family
+    out = tmp_path / "trajectories.jsonl"
+    res = execute(cfg, out, seed=4, progress=False)
+    path = RoundLayout(tmp_path).agent_episodes
+    assert res["agent_episodes"] == 21 and res["agent_output"] == str(path)
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(recs) == 21 and {r["family"] for r in recs} == {H.FAMILY}
+    kinds = set()
+    for r in recs:
+        assert r["tools"] == W.tool_schema()  # Hermes's schemas, as its requests send them
+        user = r["messages"][0]
+        assert user["role"] == "user" and T.split_of(user["content"]) == "train"  # held-out tasks stay held out
+        task = H.parse_question(user["content"])
+        assert task is not None and r["task_id"] == task.task_id
+        kinds.add(task.kind)
+        for m in r["messages"]:
+            for c in m.get("tool_calls") or []:
+                assert c["type"] == "function" and isinstance(json.loads(c["function"]["arguments"]), dict)
+        assert H.replay_score(r["messages"]) == r["reward"], r["messages"]
+    assert kinds == set(H.KINDS)  # round-robin over the kinds
+    assert any(m.get("tool_calls") for r in recs for m in r["messages"])  # the base policy calls Hermes's tools
+    assert res["agent_success"] == round(sum(r["reward"] >= 3 for r in recs) / 21, 4)

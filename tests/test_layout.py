@@ -25,6 +25,8 @@ PACKAGE = Path(layout.__file__).resolve().parents[1]
 # policy/model.py's source is hashed into the tiny policy's build recipe (an edit rebuilds it on every machine):
 # it keeps its own build.json and policies/ (core.layout's docstring says so)
 HASHED = {"policy/model.py": {"build.json", "policies"}}
+# names that are not round files there: the Hermes Agent's own $HERMES_HOME/config.yaml
+OTHERS = {"tasks/hermes_agent.py": {"config.yaml"}}
 
 
 SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
@@ -69,7 +71,7 @@ def find_round_names(root: Path = PACKAGE) -> list[str]:
     for py in sorted(root.rglob("*.py")):
         rel = py.relative_to(root).as_posix()
         if rel != "core/layout.py":
-            hits += _scan(rel, py.read_text(encoding="utf-8"), HASHED.get(rel, set()))
+            hits += _scan(rel, py.read_text(encoding="utf-8"), HASHED.get(rel, set()) | OTHERS.get(rel, set()))
     return hits
 
 

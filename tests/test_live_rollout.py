@@ -24,8 +24,9 @@ sys.path.insert(0, str(HERE))
 from fake_openai import FakeOpenAI  # noqa: E402
 from test_serve import Gateway, formula_arm  # noqa: E402
 
-from hermes_lab.tasks import agent as A  # noqa: E402
+from hermes_lab.tasks import hermes as H  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402
+from hermes_lab.tasks import workspace as W  # noqa: E402
 
 SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
 
@@ -71,8 +72,9 @@ class Traffic:
     """Threads posting embedded tasks and the verifier's score as feedback, until stopped. The default, 3 threads
     with a 0.1 s pause, is ~25 requests/s: about params()'s ab.request_rate at SCALE, and a gateway that is not
     kept at full CPU for the seconds a rollout lasts (its stages are wall-clock time: more traffic only adds CPU).
-    ``agents`` more threads play agent-family episodes as a client-side agent loop (the tool's schema sent, its
-    calls executed here, the results sent back, the episode's score posted by conversation id)."""
+    ``agents`` more threads play agent-family episodes (hermes workspace tasks) as a client-side agent loop (Hermes's
+    tool schemas sent, its calls executed here on the task's workspace, the results sent back, the verifier's score of
+    the workspace and the answer posted by conversation id)."""
 
     def __init__(self, url: str, threads: int = 3, prefix: str = "r", pause: float = 0.1, agents: int = 0):
         self.url, self.prefix, self.stop_, self.pause = url, prefix, threading.Event(), pause
@@ -113,13 +115,14 @@ class Traffic:
                 time.sleep(self.pause)
 
     def _agent(self, k: int) -> None:
-        tasks, tools = A.generate_tasks(400, seed=100 + k), A.tool_schema()
+        tasks, tools = H.generate_tasks(400, seed=100 + k), W.tool_schema()
+        env = H.WorkspaceEnv(seed=k)
         with httpx.Client(base_url=self.url, trust_env=False, timeout=30) as h:
             i = 0
             while not self.stop_.is_set():
                 t = tasks[i % len(tasks)]
-                env = A.TimeEnv(seed=k)
-                env.reset(city=t.city, episode_seed=i)
+                env.reset(question=t.question)  # a fresh workspace with the task's files
+                by_name = {f.__name__: f for f in W.env_tools(env)}
                 msgs, cid = t.prompt(), None
                 for turn in range(3):
                     body = {"model": "hermes", "messages": msgs, "tools": tools, "metadata": {"task_id": t.task_id}}
@@ -133,13 +136,13 @@ class Traffic:
                         break
                     for c in msg["tool_calls"]:
                         try:
-                            out = env.time(**json.loads(c["function"]["arguments"]))
+                            out = by_name[c["function"]["name"]](**json.loads(c["function"]["arguments"]))
                         except Exception as e:
                             out = {"error": str(e)}
                         msgs.append({"role": "tool", "tool_call_id": c["id"], "content": str(out)})
                 i += 1
                 if cid is not None and msgs[-1]["role"] == "assistant":
-                    reward = env._hermes_score(A.final_answer(msgs))
+                    reward = env._hermes_score(H.final_answer(msgs))
                     try:
                         h.post("/v1/feedback", json={"conversation_id": cid, "reward": reward})
                     except httpx.HTTPError:
@@ -147,6 +150,7 @@ class Traffic:
                     with self.lock:
                         self.episodes.append((cid, reward))
                 time.sleep(self.pause)
+        env._close()
 
     def stop(self) -> None:
         self.stop_.set()

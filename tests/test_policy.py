@@ -107,6 +107,9 @@ def test_tiny_policy_is_cached_and_mid_range(tiny):
     assert report["greedy_pass_rate"] - report["pass_rate"] >= 0.30, report
     assert set(report["per_family"]) == set(T.FAMILIES)
     assert report["parameters"] < 1_000_000
+    # the agent family it learns is hermes (its episodes in build.json), in a 512-position context
+    assert "agent" not in report and 0 < report["hermes"]["episode_success"] < 1, report.get("hermes")
+    assert json.loads((tiny / "config.json").read_text())["max_position_embeddings"] == P.CONTEXT == 512
 
 
 def test_load_policy_accepts_embedded_name_path_and_adapter(tiny, tmp_path):

@@ -38,7 +38,8 @@ def small_params(tmp_path: Path, **sections) -> Path:
     cfg["grpo"]["max_steps"] = 2  # the runner is under test, not the gain
     cfg["grpo"]["episode_steps"] = 1  # the agent family's episode phase, exercised at CI scale
     # no agent episodes logged: at this scale the few agent conversations in the review queue (the simulated
-    # reviewer cannot label them) leave the review gate inconclusive; the episode phase starts from TimeEnv's rows
+    # reviewer cannot label them) leave the review gate inconclusive; the episode phase starts from the round's
+    # agent environment's own rows (grpo.environment: the hermes family's WorkspaceEnv)
     cfg["execute"]["agent_tasks"] = 0
     cfg["validate"]["eval_tasks_per_family"] = 8
     cfg["validate"]["samples_per_task"] = 2
@@ -226,6 +227,14 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     for stage in STAGES:
         assert (rd / stage.notebook).exists(), stage.notebook
     assert (rd / "train" / "adapter" / "adapter_config.json").exists()
+    # the round's agent family is hermes: trained on whole episodes, checked held-out before/after, gated by validate
+    from hermes_lab.core.layout import RoundLayout
+
+    lay = RoundLayout(rd)
+    ev = json.loads(lay.train.eval.read_text())
+    assert ev["agent"]["before"]["task_ids"][0].startswith("hermes-") and "after" in ev["agent"]
+    per_family = json.loads(lay.validate.regression.read_text())["per_family"]
+    assert "hermes" in per_family and "agent" not in per_family
     report = json.loads((rd / "ab" / "ab_report.json").read_text())
     assert {"delta", "p_value", "significant", "decision"} <= set(report)
     summary = json.loads((rd / "summary.json").read_text())

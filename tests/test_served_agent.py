@@ -1,6 +1,7 @@
 """The policy served exactly as it was trained (issue 41): `hermes-lab serve` with in-process arms (embedded:tiny on
-both, an A/A) driven by the stand-in agent (hermes_lab.live.agent: the openai SDK, the time tool's schema sent, its
-calls executed by the client, the results sent back, the episode's success posted by conversation id).
+both, an A/A) driven by the stand-in agent (hermes_lab.live.agent: the openai SDK, Hermes's own tool schemas sent, the
+round's agent family played (hermes: workspace tasks), its calls executed by the client on the task's workspace, the
+results sent back, the verifier's score posted by conversation id).
 
 - Served = offline: held-out agent episodes played through the gateway succeed as often as the same policy's offline
   episodes (hermes_lab.policy.episodes) on the same tasks and tool results, and most first answers are parsed tool
@@ -24,12 +25,12 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from test_gateway_conversations import HERMES_DRIVER  # noqa: E402
 from test_serve import Gateway  # noqa: E402
 from test_turn import trl_self  # noqa: E402
 
 from hermes_lab.policy import turn  # noqa: E402
-from hermes_lab.tasks import agent as A  # noqa: E402
+from hermes_lab.tasks import hermes as H  # noqa: E402
+from hermes_lab.tasks import workspace as W  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N_EPISODES, N_SAMPLED, SEED = 48, 24, 7
@@ -79,20 +80,20 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
         assert s["errors"] == 0 and s["feedback_accepted"] == s["requests"], s["first_errors"]
     tiny = build_tiny_policy(REPO / "runs", 0)  # what embedded:tiny names (built once per machine)
     policy = load_policy(str(tiny))
-    tasks = A.generate_tasks(N_EPISODES, "heldout", seed=SEED)
+    tasks = H.generate_tasks(N_EPISODES, "heldout", seed=SEED)
     offline = E.run_episodes(policy, tasks, temperature=0, seed=SEED)  # the same tasks and tool results
     off = sum(e.success for e in offline) / len(offline)
     ag = greedy["agent"]
     calls = ag["first_call_rate"]
     print(f"greedy: served {ag['success']:.1%} vs offline {off:.1%}; first answers with tool calls {calls:.1%}")
-    sa, build = sampled["agent"], json.loads((tiny / "build.json").read_text())["agent"]
+    sa, build = sampled["agent"], json.loads((tiny / "build.json").read_text())["hermes"]
     print(
         f"sampled at 0.9: served {sa['success']:.1%} (n={N_SAMPLED}) vs offline {build['episode_success']:.1%} "
-        f"(build.json, n=200); first answers with tool calls {sa['first_call_rate']:.1%}"
+        f"(build.json, n={build['sampled']['n']}); first answers with tool calls {sa['first_call_rate']:.1%}"
     )
     assert abs(ag["success"] - off) <= 0.10 and ag["first_call_rate"] >= 0.6
-    # sampled, the base policy's first answer is a tool call ~70% of the time offline (n=200): the served ones stay
-    # far above a third (a text-only arm: 0%), and with the greedy ones well above 60%
+    # sampled, the base policy's hermes episodes open with a tool call ~67% of the time offline (build.json, n=140): the
+    # served ones stay far above a third (a text-only arm: 0%), and with the greedy ones well above 60%
     n = N_EPISODES + N_SAMPLED
     assert (
         sa["first_call_rate"] >= 0.35
@@ -120,8 +121,9 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
 
     # 1. the episode runner: its continuation (turn.prompt_ids, then turn.continue_ids on the logged completion and
     # the tool results), replayed on every logged agent conversation, and TRL's own (GRPOTrainer's)
-    me = trl_self(tok, [A.TimeEnv().time])
-    schema = A.tool_schema()
+    env = H.WorkspaceEnv()
+    me = trl_self(tok, W.env_tools(env))
+    schema = W.tool_schema()
     for rs in agent_convs.values():
         msgs = [turn.chat_message(m) for m in rs[0]["messages"]]
         ids = turn.prompt_ids(tok, msgs, schema)
@@ -133,11 +135,7 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
                 assert [m["role"] for m in results] == ["tool"] * len(results)
                 done = r["tokens"]["completion_ids"]
                 ids = turn.continue_ids(tok, ids, done, results)
-                trl_ids = (
-                    list(trl_ids)
-                    + done
-                    + GRPOTrainer._get_tool_suffix_ids(me, [{**m, "name": "time"} for m in results])
-                )
+                trl_ids = list(trl_ids) + done + GRPOTrainer._get_tool_suffix_ids(me, results)
     # ... and the runner's own greedy episodes, where the served conversation is the same one (same completions)
     greedy_convs = {r["task_id"]: agent_convs[r["conversation_id"]] for r in greedy["results"]}
     same = 0
@@ -174,13 +172,13 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
     assert len(table) >= N_EPISODES  # prep keeps one of a task's identical conversations
     rows, rendered_same, rendered = [], 0, 0
     for rec in table:
-        got = turn_prompts(rec, "all", tok, budget=256)
+        got = turn_prompts(rec, "all", tok, budget=cfg.data.max_seq_len)
         logged = [r["tokens"]["prompt_ids"] for r in agent_convs[rec["conversation_id"]]]
         assert [r["prompt_ids"] for r in got] == logged and {r["prompt_source"] for r in got} == {"logged"}
         rows += got
         # the same conversation from another upstream (no tokens logged): rendered, the same ids where the policy's
         # answers were canonical (greedy: all of them), never longer than what it saw
-        bare = turn_prompts({**rec, "meta": "{}"}, "all", tok, budget=256)
+        bare = turn_prompts({**rec, "meta": "{}"}, "all", tok, budget=cfg.data.max_seq_len)
         for a, b in zip(bare, got):
             rendered += 1
             rendered_same += a["prompt_ids"] == b["prompt_ids"]
@@ -194,31 +192,55 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
     assert got == want and len(want) >= 20
 
 
+HERMES_FILE_DRIVER = r"""
+import json, sys
+from run_agent import AIAgent
+
+base_url, model, key = sys.argv[1:4]
+out = []
+for q in json.loads(sys.argv[4]):
+    a = AIAgent(base_url=base_url, model=model, api_key=key, max_iterations=4, enabled_toolsets=["file"],
+                quiet_mode=True, platform="cli")
+    r = a.run_conversation(q)
+    out.append(r["messages"])
+    a.close()
+print("MESSAGES " + json.dumps(out))
+"""
+
+
 @pytest.mark.slow
 def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_calls(served, hermes_agent, tmp_path):
-    """Hermes Agent against in-process arms (the tiny policy on both, rendered with its chat template and the
-    agent's tools; its long system prompt cut to the policy's context as turn-level training cuts one): asked the
-    agent family's question, the policy answers with a call of its own tool, `time`, which Hermes does not have. The
-    agent receives it as a tool call (its history holds the call, parsed, and the tool result it made of it, which
-    reports the unknown tool), never as text; the gateway logged the call, its tokens, and the tool result."""
+    """Hermes Agent against in-process arms (the tiny policy on both, rendered with its chat template: Hermes's long
+    system prompt and tool schemas are not rendered, the task and the calls so far are): asked held-out tasks of the
+    agent family that only read (read a line, find a file), with Hermes's file tools and the tasks' files in its
+    working directory, the policy answers with calls of Hermes's own tools. The agent receives them as tool calls
+    (its history holds each call, parsed, and the result its own tool made of it: the file's lines), never as text;
+    the gateway logged every call, its tokens, and continued the next turn from them."""
     gw, before = served, {r["request_id"] for r in served.records()}
-    home = tmp_path / "home"
+    home, ws = tmp_path / "home", tmp_path / "ws"
     home.mkdir()
+    ws.mkdir()
+    # only reading kinds: the file toolset writes nowhere on these tasks, and no terminal is offered
+    tasks = [t for t in H.generate_tasks(28, "heldout", seed=SEED) if t.kind in ("read", "find")][:6]
+    files: dict[str, str] = {}
+    for t in tasks:
+        assert not set(files) & set(t.files)  # made-up names: no two tasks share a file
+        files.update(t.files)
+    W.lay_files(ws, files)
     env = {k: v for k, v in gw.env.items() if k != "PYTHONPATH"}
-    env.update(HERMES_HOME=str(home), NO_COLOR="1", OPENAI_API_KEY="sk-unused")
-    # sampled at execute.temperature, under tool names it never saw, ~55% of its first answers are calls
-    queries = ["time kelo?", "time abcd?", "time zum?", "time pira?", "time lus?", "time okta?"]
+    env.update(HERMES_HOME=str(home), NO_COLOR="1", OPENAI_API_KEY="sk-unused", TERMINAL_CWD=str(ws))
+    queries = [t.question for t in tasks]
     p = subprocess.run(
         [
             str(hermes_agent),
             "-c",
-            HERMES_DRIVER,
+            HERMES_FILE_DRIVER,
             gw.url + "/v1",
             "hermes-agent-model",
             "sk-unused",
             json.dumps(queries),
         ],
-        cwd=tmp_path,
+        cwd=ws,
         env=env,
         capture_output=True,
         text=True,
@@ -235,14 +257,23 @@ def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_ca
                     res = next(x for x in msgs[i + 1 :] if x.get("role") == "tool" and x.get("tool_call_id") == c["id"])
                     results.append(res["content"])
     assert calls, agent_convs
-    assert {c["function"]["name"] for c in calls} == {"time"}  # the policy's own tool, as a structured call
-    assert all(json.loads(c["function"]["arguments"]).get("city") for c in calls)
-    assert all("time" in r and ("unknown" in r.lower() or "not" in r.lower()) for r in results), results
+    names = {c["function"]["name"] for c in calls}
+    assert names <= {"read_file", "search_files"} and names & {"read_file", "search_files"}  # Hermes's own tools
+    reads = 0
+    for c, res in zip(calls, results):  # the result is what Hermes's own tool made of the call, on the workspace
+        args = json.loads(c["function"]["arguments"])
+        if c["function"]["name"] == "read_file" and args.get("path") in files:
+            first = files[args["path"]].splitlines()[0]
+            assert f"1|{first}" in res, (c, res)
+            reads += 1
+    assert reads, list(zip(calls, results))
+    assert {p.name: p.read_text() for p in ws.iterdir()} == files  # nothing written: reading tasks, file tools
     recs = [r for r in gw.records() if r["request_id"] not in before]
     logged = {c["id"]: c for r in recs for c in r["tool_calls"] or []}
     assert logged and set(logged) == {c["id"] for c in calls}  # every call the policy made reached the agent as one
     assert all(logged[c["id"]]["function"] == c["function"] for c in calls)
     assert all(r["finish_reason"] == "tool_calls" for r in recs if r["tool_calls"]) and all(r["stream"] for r in recs)
-    # the opening cut to the context (Hermes's system prompt gives way), the next turn continued from its tokens
-    assert all(r["tokens"]["truncated"] for r in recs if r["turn"] == 0)
+    # the opening fits the policy's window whole (no system prompt or schemas rendered); the next turn continued
+    # from its tokens
+    assert not any(r["tokens"]["truncated"] for r in recs if r["turn"] == 0)
     assert all(r["tokens"]["spliced"] for r in recs if r["turn"] > 0)

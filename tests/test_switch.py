@@ -31,8 +31,8 @@ from hermes_lab.live.local import ArmPool  # noqa: E402
 from hermes_lab.live.serve import bind  # noqa: E402
 from hermes_lab.live.server import Server  # noqa: E402
 from hermes_lab.live.switch import Switchboard  # noqa: E402
-from hermes_lab.tasks import agent as A  # noqa: E402
 from hermes_lab.tasks import suite as T  # noqa: E402
+from hermes_lab.tasks import workspace as W  # noqa: E402
 
 
 def config(**extra):
@@ -242,8 +242,8 @@ def test_swap_vllm_runtime_lora(tmp_path, adapter):
             time.sleep(3)
             # an agent's request (tools, tool_choice, sampling settings) reaches vLLM as the client sent it
             agent = {
-                "messages": [{"role": "user", "content": "time kelo?"}],
-                "tools": A.tool_schema(),
+                "messages": [{"role": "user", "content": "first line of kelo.txt?"}],
+                "tools": W.tool_schema(),  # Hermes's own tool schemas
                 "tool_choice": "auto",
                 "temperature": 0.5,
                 "max_tokens": 64,

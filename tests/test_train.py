@@ -418,6 +418,14 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
     ep_health = json.loads((out / "episodes" / "health.json").read_text())
     assert ep_health["status"] == "completed" and ep_health["episodes"]["episodes"] == 2 * 4 * 8
     assert res.episodes["steps"] == 2
+    # on the round's agent family: hermes workspace tasks, Hermes's own tools served by TRL from WorkspaceEnv
+    from hermes_lab.tasks import hermes as H
+
+    assert trained.cfg.grpo.environment == H.ENVIRONMENT
+    ep_samples = [json.loads(x) for x in (out / "episodes" / "samples.jsonl").read_text().splitlines()]
+    called = [c["function"]["name"] for s in ep_samples for m in s["episode"] for c in m.get("tool_calls") or []]
+    # sampled at 0.9 a call may misspell a tool's name (a slip, shown the tool's error): most name Hermes's tools
+    assert called and sum(n in H.TOOLS for n in called) >= 0.8 * len(called), called
     assert _adapter_tensors(out / "episodes" / "adapter").keys() == tensors.keys()
     assert all((_adapter_tensors(out / "episodes" / "adapter")[k] == v).all() for k, v in tensors.items())
 

@@ -55,23 +55,26 @@ def test_a_turn_the_gateway_answered_is_trained_on_its_logged_tokens():
     from datasets import Dataset
 
     from hermes_lab.policy import turn
-    from hermes_lab.tasks import agent as A
+    from hermes_lab.tasks import workspace as W
     from hermes_lab.train.turns import trainer_class
 
     tok = add_chat_template(build_tokenizer())
-    tools = A.tool_schema()
-    q = [{"role": "user", "content": "time kelo?"}]
+    tools = W.tool_schema()  # Hermes's own schemas, as its requests send them
+    q = [{"role": "user", "content": "first line of kelo.txt?"}]
     first = turn.prompt_ids(tok, q, tools)
-    slip = tok('<tool_call>{"name":"time","arguments":{"city":"kelo"}}</tool_call><eos>', add_special_tokens=False)
-    call = {"id": "c1", "type": "function", "function": {"name": "time", "arguments": '{"city": "kelo"}'}}
-    result = {"role": "tool", "tool_call_id": "c1", "name": "time", "content": "14:05"}
+    slip = tok(
+        '<tool_call>{"name":"read_file","arguments":{"path":"kelo.txt"}}</tool_call><eos>', add_special_tokens=False
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "kelo.txt"}'}}
+    content = '{"content": "1|bien\\n2|nxq\\n3|", "total_lines": 2, "file_size": 9, "truncated": false}'
+    result = {"role": "tool", "tool_call_id": "c1", "name": "read_file", "content": content}
     second = turn.continue_ids(tok, first, slip["input_ids"], [result])
     rec = {
         "messages": [
             *q,
             {"role": "assistant", "content": None, "tool_calls": [call]},
             result,
-            {"role": "assistant", "content": "14:05"},
+            {"role": "assistant", "content": "bien"},
         ],
         "tools": json.dumps(tools),
         "reward": 5.0,
@@ -86,7 +89,7 @@ def test_a_turn_the_gateway_answered_is_trained_on_its_logged_tokens():
     }
     rows = turn_prompts(rec, "all", tok, budget=200)
     assert [r["prompt_ids"] for r in rows] == [first, second] and {r["prompt_source"] for r in rows} == {"logged"}
-    assert rows[1]["prompt"] == tok.decode(second) and '"name":"time"' in rows[1]["prompt"]  # what the policy saw
+    assert rows[1]["prompt"] == tok.decode(second) and '"name":"read_file"' in rows[1]["prompt"]  # what it saw
     bare = turn_prompts({**rec, "meta": "{}"}, "all", tok, budget=200)
     assert bare[0]["prompt_ids"] == first and bare[1]["prompt_ids"] != second  # re-rendered: canonical spacing
     assert {r["prompt_source"] for r in bare} == {"rendered"}

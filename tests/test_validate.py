@@ -336,26 +336,33 @@ def test_gate_stops_a_broken_adapter(tiny_base, adapters, store, tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_family_is_gated_on_whole_episodes(tiny_base, adapters, store, tmp_path):
-    """With the embedded agent family trained (grpo.environment), its held-out episodes are a family of the
-    gate: paired (same seeds and tool results in both arms), and a broken adapter is stopped on them too."""
-    from hermes_lab.tasks import agent as A
+    """With the embedded agent family trained (grpo.environment: hermes, workspace tasks on Hermes's tools), its
+    held-out episodes are a family of the gate, named ``hermes``: paired (same seeds and tasks in both arms, each
+    verified on its own workspace), and a broken adapter is stopped on them too."""
+    from hermes_lab.tasks import hermes as H
 
-    cfg = load_config(store, {"grpo.environment": A.ENVIRONMENT, "validate.eval_tasks_per_family": 12})
+    cfg = load_config(store, {"grpo.environment": H.ENVIRONMENT, "validate.eval_tasks_per_family": 12})
     same = V.regression_gate(cfg, str(tiny_base), str(adapters["identity"]), round_dir=tmp_path / "same")
-    agent = same["per_family"]["agent"]
+    assert "agent" not in same["per_family"]
+    agent = same["per_family"]["hermes"]
     assert agent["n_pairs"] == 12 * 3 and agent["lost"] == agent["gained"] == 0
-    assert 0 < agent["baseline_pass_rate"] == agent["candidate_pass_rate"]  # the base answers some from the tool
+    assert 0 < agent["baseline_pass_rate"] == agent["candidate_pass_rate"]  # the base does some tasks with the tools
     assert same["sampling"]["tasks"]["agent_episodes"] == 36
-    assert same["candidate"]["families"].count("agent") == 36 and same["candidate"]["per_family"]["agent"]["n"] == 36
+    assert same["candidate"]["families"].count("hermes") == 36
+    assert same["candidate"]["per_family"]["hermes"]["n"] == 36
     broken = V.regression_gate(
         cfg, str(tiny_base), str(adapters["broken"]), str(adapters["identity"]), round_dir=tmp_path / "broken"
     )
-    row = broken["per_family"]["agent"]
+    row = broken["per_family"]["hermes"]
     assert row["regressed"] and row["candidate_pass_rate"] < row["baseline_pass_rate"]
-    assert any(r.startswith("family 'agent'") for r in broken["reasons"])
+    assert any(r.startswith("family 'hermes'") for r in broken["reasons"])
+    # the gate's held-out tasks are the family's held-out split, every kind among them
+    tasks = V.agent_tasks(cfg)
+    assert len(tasks) == 12 and {t.kind for t in tasks} == set(H.KINDS)
+    assert all(T.split_of(t.question) == "heldout" for t in tasks)
     # a user's own environment: no held-out tasks the gate knows of, so no agent family
     mine = load_config(store, {"grpo.environment": "mypkg.envs:Shop"})
-    assert V.agent_tasks(mine) == [] and len(V.agent_tasks(cfg)) == 12
+    assert V.agent_tasks(mine) == []
 
 
 @pytest.mark.slow

@@ -65,7 +65,6 @@ from hermes_lab.core.jsonl import write_json_atomic
 from hermes_lab.core.layout import ExperimentLayout, RoundLayout
 from hermes_lab.policy import episodes as E
 from hermes_lab.policy.arms import ArmError, ArmSpec, load_args, resolve_arm
-from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
 log = logging.getLogger("hermes_lab.ab")
@@ -178,7 +177,7 @@ class Server:
             status = "ok" if r.strip() or (i in episodes and episodes[i].turns) else "error"
             # rounded as logged, so that re-analysing the log reproduces every number of the report
             lat = round(float(base[k] + a.latency_ms_per_char * len(r)), 2)
-            fam = A.FAMILY if i in episodes else T.family_of(traffic.prompts[i]) or "other"
+            fam = episodes[i].task.family if i in episodes else T.family_of(traffic.prompts[i]) or "other"
             t = round(float(traffic.t[i]), 3)
             rec = {
                 "request_id": traffic.ids[i],

@@ -23,19 +23,21 @@ from hermes_lab.ab import covariates as ab_cov
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.jsonl import iter_objects
 from hermes_lab.core.layout import REQUESTS
+from hermes_lab.policy.episodes import family_of_environment
 from hermes_lab.tasks import agent as A
+from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import suite as T
 
 LOG_NAME = REQUESTS  # the request log, in a round's ab/ as in a live log dir (core.layout)
 COLUMNS = ("t", "stage", "arm", "reward", "error", "latency_ms", "family", "unit")
-FAM_INDEX = {f: i for i, f in enumerate((*T.FAMILIES, A.FAMILY))}
+FAM_INDEX = {f: i for i, f in enumerate((*T.FAMILIES, A.FAMILY, H.FAMILY))}
 FAM_NAMES = [*FAM_INDEX, "other"]
 
 
 def plays_agent(cfg: HermesConfig) -> bool:
     """Whether the A/B serves the embedded agent family as episodes: when the round trains it (grpo.environment
     is the embedded one and execute logs its episodes). A user's own environment has no simulated traffic."""
-    return cfg.grpo.environment == A.ENVIRONMENT and cfg.execute.agent_tasks > 0
+    return family_of_environment(cfg.grpo.environment) is not None and cfg.execute.agent_tasks > 0
 
 
 class Traffic:
@@ -49,7 +51,7 @@ class Traffic:
         units: list[str],
         prompts: list[str],
         task_ids: list[str],
-        agent: dict[int, A.AgentTask] | None = None,
+        agent: dict[int, Any] | None = None,
     ):
         t = np.round(t, 3)  # ms resolution, as logged: windows and the log's re-analysis see the same times
         self.t, self.ids, self.units, self.prompts, self.task_ids = t, ids, units, prompts, task_ids
@@ -77,11 +79,12 @@ class Traffic:
         else:
             units = ids
         prompts, task_ids = [x.prompt for x in tasks], [x.task_id for x in tasks]
-        episodes: dict[int, A.AgentTask] = {}
+        episodes: dict[int, Any] = {}
+        fam = family_of_environment(cfg.grpo.environment) or H
         if agent and len(t):
             share = 1 / (len(T.check_families(cfg.execute.families or None)) + 1)
             where = np.flatnonzero(np.random.default_rng([seed, 13]).random(len(t)) < share)
-            for i, task in zip(where, A.generate_tasks(len(where), split=a.task_split, seed=seed)):
+            for i, task in zip(where, fam.generate_tasks(len(where), split=a.task_split, seed=seed)):
                 episodes[int(i)] = task
                 prompts[i], task_ids[i] = task.question, task.task_id
         return cls(t, ids, units, prompts, task_ids, episodes)

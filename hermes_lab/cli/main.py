@@ -44,6 +44,7 @@ AFTER_STAGES: dict[str, tuple[str, str]] = {
         "hermes_lab.live.agent",
         "Stand-in agent: embedded tasks through the openai SDK, verifier scores as feedback.",
     ),
+    "tasks": ("hermes_lab.cli.tasks", "The embedded task suite: export a family's tasks as JSONL (tasks export)."),
     "lab": ("hermes_lab.cli.lab", "JupyterLab on the project, opening notebooks/README.md (make lab)."),
 }
 

@@ -17,6 +17,7 @@ from typing import Literal
 from hermes_lab.core.yaml_typed import field_with as _f
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HERMES_MIN_CONTEXT = 64_000  # hermes-agent 0.19.0's MINIMUM_CONTEXT_LENGTH: a model stating less is refused
 
 
 @dataclass
@@ -87,6 +88,16 @@ class ServeSection:
         "(a string task) gets execute.max_new_tokens, any other chat what a turn is trained with "
         "(grpo.turn_completion_length, else grpo.max_completion_length); always within the policy's context.",
         ge=1,
+    )
+    context_length: int = _f(
+        65536,
+        "The context length the gateway states for its models (max_model_len in GET /v1/models, as vLLM states it) "
+        "and holds in-process arms to: a request whose messages' texts and tools' JSON count more tokens (the arm's "
+        "tokenizer) is refused with 400 context_length_exceeded; below it the conversation is fitted into the "
+        "policy's own window (oldest messages first). An upstream arm states its server's max_model_len where it "
+        "says one. Hermes Agent refuses a stated length under 64000 (set model.context_length in its config.yaml "
+        "for a smaller one: docs/live.md), so it is the least allowed.",
+        ge=HERMES_MIN_CONTEXT,
     )
     agent_share: float = _f(
         0.3,

@@ -104,7 +104,8 @@ class GrpoSection:
         "text for the user turn; its public, typed and documented methods are the tools; get_reward() or "
         "_hermes_score(final_answer) scores the episode). After the prompt set, train runs episode_steps more steps on "
         "whole episodes (TRL's multi-turn tool calling), continuing the same adapter. Empty: no episode phase. "
-        "The embedded agent family: hermes_lab.tasks.agent:TimeEnv.",
+        "The embedded agent families: hermes_lab.tasks.hermes:WorkspaceEnv (workspace tasks on the Hermes Agent's "
+        "own tools, the default), hermes_lab.tasks.agent:TimeEnv (one made-up time tool).",
     )
     max_turns: int = _f(
         2, "Episode mode: tool-calling turns per episode at most (TRL max_tool_calling_iterations).", ge=1, le=16

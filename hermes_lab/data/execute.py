@@ -123,11 +123,11 @@ def execute_agent(
     cfg: HermesConfig, pol: Any, output: Path, seed: int, start: datetime, adapter: str | None
 ) -> dict[str, Any]:
     """The agent family's episodes (``execute.agent_tasks`` train-split tasks, played as TRL plays them), written
-    as OpenAI chat conversations (messages with tool_calls and tool results, tools, reward, family ``agent``):
+    as OpenAI chat conversations (messages with tool_calls and tool results, tools, reward, the family ``hermes``):
     what prep reads into its conversations and the episode phase of train starts from."""
     from hermes_lab.policy import episodes as E
-    from hermes_lab.tasks import agent as A
 
+    A = E.family_of_environment(cfg.grpo.environment) or E.H  # the round's agent family (default: hermes)
     tasks_ = A.generate_tasks(cfg.execute.agent_tasks, split="train", seed=seed)
     eps = E.run_episodes(pol, tasks_, temperature=cfg.execute.temperature, seed=seed, max_turns=cfg.grpo.max_turns)
     tmp = output.with_suffix(".jsonl.tmp")

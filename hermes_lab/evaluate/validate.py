@@ -18,10 +18,11 @@ Reads:
   20-point "regression". Without prep's set, every task is generated.
 - the candidate adapter (``<round_dir>/train/adapter``, base from ``train/run.json``) and the baseline
   adapter (explicit, else the champion in ``runs/state.json``, else ``model.adapter``, else none).
-- when the round trains the embedded agent family (``grpo.environment`` is ``hermes_lab.tasks.agent:TimeEnv``),
-  ``validate.eval_tasks_per_family`` generated held-out agent tasks, each played as a whole episode (tool call,
-  tool result, answer) ``validate.samples_per_task`` times per arm with the same seeds and tool results: the
-  family ``agent`` of the gate, paired like the others. A user's own environment has no held-out tasks the
+- when the round trains an embedded agent family (``grpo.environment`` is ``hermes_lab.tasks.hermes:WorkspaceEnv``,
+  the default, or ``hermes_lab.tasks.agent:TimeEnv``), ``validate.eval_tasks_per_family`` generated held-out tasks
+  of it, each played as a whole episode (tool calls, their results, the answer; a hermes task verified on its
+  workspace) ``validate.samples_per_task`` times per arm with the same seeds: the family ``hermes`` (or ``agent``)
+  of the gate, paired like the others. A user's own environment has no held-out tasks the
   gate knows of: it is not evaluated here (train's episode metrics and the live A/B judge it).
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
@@ -53,7 +54,6 @@ from hermes_lab.core.jsonl import safe_name, write_json_atomic
 from hermes_lab.core.layout import RoundLayout, ValidateLayout
 from hermes_lab.core.verdict import STOP_REGRESSION, gate, write_verdict
 from hermes_lab.policy.arms import ADAPTER_KINDS, ArmError, resolve_adapter, resolve_baseline
-from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -287,15 +287,18 @@ def compare(baseline: dict[str, Any], candidate: dict[str, Any], cfg: Any) -> di
 EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets the same torch seed in each
 
 
-def agent_tasks(cfg: Any) -> list[A.AgentTask]:
-    """The agent family's held-out tasks for the gate: none unless the round trains the embedded agent family."""
-    if cfg.grpo.environment != A.ENVIRONMENT:
+def agent_tasks(cfg: Any) -> list[Any]:
+    """The agent family's held-out tasks for the gate: none unless the round trains an embedded agent family."""
+    from hermes_lab.policy.episodes import family_of_environment
+
+    fam = family_of_environment(cfg.grpo.environment)
+    if fam is None:
         return []
-    return A.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
+    return fam.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
 
 
 def evaluate_arm(
-    base_model: str, adapter: str | None, tasks: list[T.Task], cfg: Any, agent: list[A.AgentTask] | None = None
+    base_model: str, adapter: str | None, tasks: list[T.Task], cfg: Any, agent: list[Any] | None = None
 ) -> dict[str, Any]:
     """One arm's per-item scores on the regression set, with the gate's sampling settings, and their pass
     rates overall and per family. Both arms get the same prompts in the same order, the same seed and the

@@ -9,11 +9,12 @@ conversation, mixed at ``serve.agent_share`` (``--agent-share``):
 
 - a string task (``hermes_lab.tasks.suite``): one request, its answer scored by the task's verifier, the score
   posted under the request id;
-- an agent episode (``hermes_lab.tasks.agent``, the embedded agent family) played as a client-side agent loop: the
-  question with the ``time`` tool's schema in ``tools``, every tool call the answer makes executed by the agent on
-  its own environment (``TimeEnv``; an error becomes the tool message ``{'error': ...}``, as TRL shows it) and its
-  result sent back in the next request, for at most ``max_turns`` tool-calling turns; the episode's success (the
-  environment's score of the final answer) posted under the conversation id.
+- an agent episode (``hermes_lab.tasks.hermes``, the embedded agent family: a workspace task on the Hermes Agent's
+  own tools) played as a client-side agent loop: the task with Hermes's tool schemas in ``tools``, every tool call
+  the answer makes executed by the agent on the task's own workspace (``WorkspaceEnv``: Hermes's tools and result
+  strings, confined to a temporary folder; an unknown tool becomes the tool message ``{'error': ...}``) and its result
+  sent back in the next request, for at most ``max_turns`` tool-calling turns; the verifier's score of what the
+  workspace holds afterwards and of the final answer posted under the conversation id.
 
     hermes-lab agent --url http://127.0.0.1:8700 --requests 500 --concurrency 8 --agent-share 0.3
 """
@@ -30,8 +31,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hermes_lab.tasks import agent as A
+from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import suite as T
+from hermes_lab.tasks import workspace as W
 
 
 def plays_agent(seed: int, i: int, share: float) -> bool:
@@ -74,8 +76,8 @@ def run_agent(
     model = client.models.list().data[0].id  # the gateway's one public model
     http = httpx.Client(base_url=root, headers={"Authorization": f"Bearer {key}"}, timeout=30, trust_env=False)
     tasks = T.generate_tasks(n, split=split, seed=seed)
-    agent_tasks = A.generate_tasks(n, split=split, seed=seed) if agent_share > 0 else []
-    tools = A.tool_schema() if agent_share > 0 else []
+    agent_tasks = H.generate_tasks(n, split=split, seed=seed) if agent_share > 0 else []
+    tools = W.tool_schema() if agent_share > 0 else []
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     lock = threading.Lock()
     bar = tqdm(total=n, desc="agent conversations", disable=not progress, mininterval=1)
@@ -121,39 +123,50 @@ def run_agent(
 
     def episode(i: int, kw: dict[str, Any], out: dict[str, Any]) -> None:
         t = agent_tasks[i]
-        env = A.TimeEnv(seed=seed)
-        env.reset(city=t.city, episode_seed=i)
-        msgs: list[dict[str, Any]] = t.prompt()
-        out.update(kind="agent", task_id=t.task_id, prompt=t.question, requests=0, tool_calls=0, tool_errors=0)
-        kw = {**kw, "tools": tools, "metadata": {"task_id": t.task_id}}
-        for k in range(max_turns + 1):
-            msg, h = ask(msgs, kw)
-            out["requests"] += 1
-            if k == 0:
-                out.update(request_id=h.get("x-request-id"), conversation_id=h.get("x-hermes-conversation"))
-                out.update(arm=h.get("x-hermes-arm"), first_call=bool(msg.get("tool_calls")))
-            msgs.append(msg)
-            calls = msg.get("tool_calls") or []
-            if not calls or k == max_turns:
-                break
-            for c in calls:  # executed here, by the agent, as its tools are
-                f, out["tool_calls"] = c.get("function") or {}, out["tool_calls"] + 1
-                try:
-                    if f.get("name") != A.TOOL:
-                        raise ValueError(f"Tool {f.get('name')} not found.")
-                    args = json.loads(f.get("arguments") or "{}")
-                    result: Any = env.time(**(args if isinstance(args, dict) else {}))
-                except Exception as e:  # shown to the policy as TRL shows it
-                    out["tool_errors"] += 1
-                    result = {"error": str(e)}
-                msgs.append(
-                    {"role": "tool", "tool_call_id": c.get("id"), "name": f.get("name") or "", "content": str(result)}
-                )
-        answer = A.final_answer(msgs)
-        out.update(turns=out["requests"], response=answer, reward=env._hermes_score(answer))
-        if feedback:
-            fb = {"conversation_id": out["conversation_id"], "reward": out["reward"], "source": "system"}
-            out["feedback_status"] = http.post("/v1/feedback", json=fb).status_code
+        env = H.WorkspaceEnv(seed=seed)
+        env.reset(question=t.question)
+        by_name = {f.__name__: f for f in W.env_tools(env)}
+        try:
+            msgs: list[dict[str, Any]] = t.prompt()
+            out.update(kind="agent", task_id=t.task_id, prompt=t.question, requests=0, tool_calls=0, tool_errors=0)
+            kw = {**kw, "tools": tools, "metadata": {"task_id": t.task_id}}
+            for k in range(max_turns + 1):
+                msg, h = ask(msgs, kw)
+                out["requests"] += 1
+                if k == 0:
+                    out.update(request_id=h.get("x-request-id"), conversation_id=h.get("x-hermes-conversation"))
+                    out.update(arm=h.get("x-hermes-arm"), first_call=bool(msg.get("tool_calls")))
+                msgs.append(msg)
+                calls = msg.get("tool_calls") or []
+                if not calls or k == max_turns:
+                    break
+                for c in calls:  # executed here, by the agent, as its tools are
+                    f, out["tool_calls"] = c.get("function") or {}, out["tool_calls"] + 1
+                    errors = env.errors
+                    try:
+                        if f.get("name") not in by_name:
+                            raise ValueError(f"Tool {f.get('name')} not found.")
+                        args = json.loads(f.get("arguments") or "{}")
+                        result: Any = by_name[f["name"]](**(args if isinstance(args, dict) else {}))
+                        out["tool_errors"] += env.errors - errors  # an error result of Hermes's tools
+                    except Exception as e:  # shown to the policy as TRL shows it
+                        out["tool_errors"] += 1
+                        result = {"error": str(e)}
+                    msgs.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": c.get("id"),
+                            "name": f.get("name") or "",
+                            "content": str(result),
+                        }
+                    )
+            answer = H.final_answer(msgs)
+            out.update(turns=out["requests"], response=answer, reward=env._hermes_score(answer))
+            if feedback:
+                fb = {"conversation_id": out["conversation_id"], "reward": out["reward"], "source": "system"}
+                out["feedback_status"] = http.post("/v1/feedback", json=fb).status_code
+        finally:
+            env._close()  # the workspace goes, whatever happened
 
     def one(i: int) -> None:
         out: dict[str, Any] = {}

@@ -40,6 +40,7 @@ switchable because the choice is a measurement (``benchmarks/bench_gateway.py --
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ from hermes_lab.live.wire import ChatBody
 from hermes_lab.llm.client import normalize_base_url, proxy_for, redact, safe_url
 
 ARMS = ("baseline", "candidate")
+log = logging.getLogger("hermes_lab.serve")
 
 
 class UpstreamError(RuntimeError):
@@ -242,6 +244,7 @@ class UpstreamArm:
                 )
             self.headers["Authorization"] = f"Bearer {self._key}"
         self._session: Any = None
+        self.context_length: int | None = None  # the upstream's max_model_len for this model (Gateway.startup)
         self._pool: Any = None  # serve.upstream_client httptools: hermes_lab.live.upstream.Pool
         self._proxy: str | None = None
 
@@ -249,6 +252,29 @@ class UpstreamArm:
         self._open()
         if self.spec.lora:
             await self.load_lora()
+
+    async def stated_length(self) -> int | None:
+        """The upstream's own context length for this arm's model: ``max_model_len`` (vLLM), or another key a
+        server states it under, in its ``GET /v1/models`` listing; None when it states none or cannot be asked
+        (the gateway then states ``serve.context_length``). The gateway asks once, at its start."""
+        import httpx
+
+        root = self.spec.url.removesuffix("/v1/chat/completions")
+        auth = {"Authorization": self.headers["Authorization"]} if "Authorization" in self.headers else {}
+        try:
+            async with httpx.AsyncClient(timeout=5, headers=auth) as client:
+                r = await client.get(root + "/v1/models")
+            data = r.json().get("data") if r.status_code == 200 else None
+        except Exception as e:  # a server without the listing still serves chats: nothing stated
+            log.info("%s: %s/v1/models: %s", self.name, safe_url(root), redact(str(e), self._key))
+            return None
+        for m in data if isinstance(data, list) else []:
+            if isinstance(m, dict) and m.get("id") == self.spec.model:
+                for key in ("max_model_len", "context_length", "max_context_length"):
+                    n = m.get(key)
+                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                        return n
+        return None
 
     async def load_lora(self) -> None:
         """vLLM's runtime LoRA API: ``POST /v1/load_lora_adapter {lora_name, lora_path}`` (the server runs with

@@ -26,6 +26,12 @@ forgotten) when its last answer had no tool call and ``serve.conversation_idle_s
 turn, when its last answer asked for tools and ``serve.conversation_tool_wait_s`` passed, when feedback
 closes it, or when ``serve.max_conversations`` are open and it is the longest idle. A later request that
 would have continued an ended conversation opens a new one.
+
+A retry stays in its conversation: a turn whose answer failed (an error status) or was empty (no text, no tool
+call; or a tool call left as text, which the server could not read) registers the digest of its messages, and a
+request with exactly those messages (an agent retrying: Hermes Agent resends them up to 3 times) is that turn
+again: the same conversation, turn number, arm and unit, logged with ``retry`` = its attempt (1, 2, ...; 0 for
+every other request). An answer with text or tool calls ends it.
 """
 
 from __future__ import annotations
@@ -104,6 +110,15 @@ def _utf8(s: str) -> bytes:
     return s.encode("utf-8", "surrogatepass")
 
 
+def empty(answer: dict[str, Any]) -> bool:
+    """An answer an agent retries: no text but white space and no tool call, or a tool call left as text (the
+    server could not read it: Hermes Agent resends the same messages for one, as for an empty answer)."""
+    c = answer.get("content")
+    if answer.get("tool_calls"):
+        return False
+    return not (isinstance(c, str) and c.strip()) or "<tool_call>" in c
+
+
 def tool_errors(messages: list[Any]) -> int:
     """Tool results among a turn's new messages that report an error (Hermes's rule, ``is_tool_error``)."""
     n = 0
@@ -132,12 +147,24 @@ class Conversation:
 
 class Link:
     """What ``Tracker.link`` found for a request: the conversation (None: open a new one), the turn's index,
-    how many of the request's messages were logged before (``history``), and the digest to extend."""
+    how many of the request's messages were logged before (``history``), the digest to extend, the digest of all
+    its messages (``full``: a retry of them finds it) and, for a retry, which attempt at its turn it is (``retry``,
+    1 for the first retry; 0: not a retry) with the arm and unit of the turn it retries."""
 
-    __slots__ = ("conv", "hasher", "history", "turn")
+    __slots__ = ("arm", "conv", "full", "hasher", "history", "retry", "turn", "unit")
 
-    def __init__(self, conv: Conversation | None, turn: int, history: int, hasher: Any):
-        self.conv, self.turn, self.history, self.hasher = conv, turn, history, hasher
+    def __init__(self, conv: Conversation | None, turn: int, history: int, hasher: Any, full: bytes = b""):
+        self.conv, self.turn, self.history, self.hasher, self.full = conv, turn, history, hasher, full
+        self.retry, self.arm, self.unit = 0, 0, ""
+
+
+class _Failed:
+    """A turn whose answer failed or was empty: a request with exactly its messages is its retry."""
+
+    __slots__ = ("arm", "attempts", "conv", "history", "turn", "unit")
+
+    def __init__(self, conv: Conversation, turn: int, history: int, arm: int, unit: str):
+        self.conv, self.turn, self.history, self.arm, self.unit, self.attempts = conv, turn, history, arm, unit, 0
 
 
 SEEN_MAX = 65536  # raw messages whose encodings are kept, and their bytes at most (past either, the memory starts
@@ -148,6 +175,9 @@ class Tracker:
     def __init__(self, idle_s: float, tool_wait_s: float, max_open: int):
         self.idle_s, self.tool_wait_s, self.max_open = idle_s, tool_wait_s, max_open
         self.by_key: dict[bytes, tuple[Conversation, int]] = {}  # digest -> (conversation, messages so far)
+        # digest of a request's messages -> its turn, while that turn's answer failed or was empty: an agent resends
+        # the same messages (Hermes Agent: up to 3 times), and the retry stays in the turn's conversation and arm
+        self.failed_turns: dict[bytes, _Failed] = {}
         self.open: OrderedDict[str, Conversation] = OrderedDict()  # by id, least recently active first
         self.ended = 0
         self._opened = 0
@@ -180,10 +210,13 @@ class Tracker:
 
     def _forget(self, c: Conversation) -> None:
         self.open.pop(c.id, None)
-        for k in c.keys:
+        for k in c.keys:  # its continuation keys, and the digests of its failed turns
             hit = self.by_key.get(k)
             if hit is not None and hit[0] is c:
                 del self.by_key[k]
+            f = self.failed_turns.get(k)
+            if f is not None and f.conv is c:
+                del self.failed_turns[k]
         c.keys = []
         self.ended += 1
 
@@ -226,6 +259,13 @@ class Tracker:
 
     def _linked(self, key: bytes | None, h: Any, explicit: str | None) -> Link:
         now = time.monotonic()
+        full = h.digest()  # the digest of all the messages: a retry's (and the key of this turn if it fails)
+        f = self.failed_turns.get(full) if self.failed_turns else None
+        if f is not None and not self._expired(f.conv, now) and explicit in (None, f.conv.id):
+            f.attempts += 1
+            link = Link(f.conv, f.turn, f.history, h, full)
+            link.retry, link.arm, link.unit = f.attempts, f.arm, f.unit
+            return link
         hit = self.by_key.get(key) if key is not None else None
         if hit is not None and self._expired(hit[0], now):
             self._forget(hit[0])
@@ -234,11 +274,11 @@ class Tracker:
             c = self.get(explicit)
             if c is not None:  # named: continues it; the logged history is what the key proves, else none
                 n = hit[1] if hit is not None and hit[0] is c else 0
-                return Link(c, c.turns, n, h)
-            return Link(None, 0, 0, h)
+                return Link(c, c.turns, n, h, full)
+            return Link(None, 0, 0, h, full)
         if hit is not None:
-            return Link(hit[0], hit[0].turns, hit[1], h)
-        return Link(None, 0, 0, h)
+            return Link(hit[0], hit[0].turns, hit[1], h, full)
+        return Link(None, 0, 0, h, full)
 
     def open_new(self, cid: str, arm: int, explicit: bool) -> Conversation:
         self._opened += 1
@@ -251,15 +291,30 @@ class Tracker:
         self.open[cid] = c
         return c
 
-    def started(self, c: Conversation) -> None:
-        """A turn of ``c`` was routed: it is active now."""
-        c.turns += 1
+    def started(self, c: Conversation, retry: bool = False) -> None:
+        """A turn of ``c`` was routed: it is active now (a retry is the same turn again: the count stays)."""
+        c.turns += not retry
         c.last = time.monotonic()
         self.open.move_to_end(c.id)
 
-    def answered(self, c: Conversation, hasher: Any, n_messages: int, answer: dict[str, Any] | None) -> None:
-        """A turn's answer came: register the key a continuation will look up (messages + answer)."""
+    def failed(self, c: Conversation, link: Link, turn: int, arm: int, unit: str) -> None:
+        """A turn's answer failed or was empty: a request with the same messages is its retry (same turn, arm and
+        unit) while the conversation is open."""
         c.last = time.monotonic()
+        if c.closed or self.open.get(c.id) is not c or not link.full:
+            return
+        if link.full not in self.failed_turns:
+            c.keys.append(link.full)
+            self.failed_turns[link.full] = _Failed(c, turn, link.history, arm, unit)
+
+    def answered(
+        self, c: Conversation, hasher: Any, n_messages: int, answer: dict[str, Any] | None, full: bytes = b""
+    ) -> None:
+        """A turn's answer came: register the key a continuation will look up (messages + answer). An answer
+        with text or tool calls ends the retries of its messages: the same messages again are a new request."""
+        c.last = time.monotonic()
+        if full and answer is not None and not empty(answer):
+            self.failed_turns.pop(full, None)
         if answer is None or c.closed or self.open.get(c.id) is not c:
             return
         hasher.update(encode(answer))  # the request's digest is not needed after this: extend it in place

@@ -12,13 +12,14 @@ The server's parts: ``hermes_lab.live.routes`` (the routes; the endpoints but on
 (``POST /v1/chat/completions``: a request from its bytes to its answer), ``hermes_lab.live.records`` (a
 request's record, durable before its answer's last byte).
 
-Endpoints: ``GET /healthz``, ``GET /v1/models``, ``POST /v1/chat/completions`` (non-streaming and ``stream:
-true``: SSE chunks passed through as they arrive; any model name is served unless ``serve.models`` lists the
-accepted ones), ``POST /v1/feedback`` (``{"conversation_id" | "request_id", "reward", "source"?, "detail"?,
-"close"?}``: it scores the whole conversation; 202; 404 unknown id; 422 bad body or reward outside
-0..reward.scale), ``GET /v1/conversations/{id}`` (a conversation's turns, arm, state, reward; a request id
-finds its conversation), ``GET /v1/experiment`` (stage, ratio, counts, per-arm conversation statistics, the
-decision of ``hermes_lab.ab.stats``, the latest look's delta and interval).
+Endpoints: ``GET /healthz``, ``GET /v1/models`` and ``/v1/models/{name}`` (``max_model_len``: the least of the arms'
+context lengths, ``hermes_lab.live.routes``), ``GET /version``, ``POST /v1/chat/completions`` (non-streaming and
+``stream: true``: SSE chunks passed through as they arrive; any model name is served unless ``serve.models`` lists
+the accepted ones), ``POST /v1/feedback`` (``{"conversation_id" | "request_id", "reward", "source"?, "detail"?,
+"close"?}``: it scores the whole conversation; 202; 404 unknown id; 422 bad body or reward outside 0..reward.scale),
+``GET /v1/conversations/{id}`` (a conversation's turns, arm, state, reward; a request id finds its conversation),
+``GET /v1/experiment`` (stage, ratio, counts, per-arm conversation statistics, the decision of
+``hermes_lab.ab.stats``, the latest look's delta and interval).
 
 Routing is the user's ABRouter bucket (``hermes_lab.ab.stats.bucket``, md5 of the unit id, ``ab.salt``) on the
 unit. ``ab.unit: conversation``: a conversation's first turn is routed on its id (``hermes_lab.live.conversations``
@@ -132,6 +133,8 @@ class Gateway(Routes, ChatHandling, RequestRecords):
         self.tools_log = L.ToolsLog(self.log_dir, s.durability, s.fsync_ms)
         for a in self.arms.values():
             await a.start()
+            if hasattr(a, "stated_length"):  # an upstream's own max_model_len: what GET /v1/models passes on
+                a.context_length = await a.stated_length()
         # the decision's scipy/statsmodels imports take seconds: done now, off the loop, not at the first look
         self._warm = asyncio.get_running_loop().run_in_executor(None, X.warm_up)
         # the cyclic GC took 18% of the gateway's CPU (bench_gateway's load, timed by gc.callbacks): full collections

@@ -209,6 +209,10 @@ class ChatHandling:
             unit = self._route(rid, cid, req, hdr)
             arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
             conv = self.convs.open_new(cid, arm, explicit is not None)
+        elif link.retry:  # the same messages after a failed or empty answer: that turn again, on its arm and unit
+            unit, arm = link.unit, link.arm
+            if arm == 1 and self.ratio <= 0 and self.unit == "conversation":
+                arm, switched, conv.switched = 0, True, True
         elif self.unit == "conversation":
             unit, arm = conv.id, conv.arm
             if arm == 1 and self.ratio <= 0:  # rolled back: the candidate's running conversations go to the baseline
@@ -216,8 +220,8 @@ class ChatHandling:
         else:  # request / user units: every turn routed on its own unit
             unit = self._route(rid, conv.id, req, hdr)
             arm = 1 if ab.bucket(unit, self.salt) < self.ratio else 0
-        turn = conv.turns
-        self.convs.started(conv)
+        turn = link.turn if link.retry else conv.turns
+        self.convs.started(conv, link.retry > 0)
         n = req.n
         new = req.messages(link.history if link.history <= n else 0)
         md = req.get("metadata")
@@ -234,7 +238,10 @@ class ChatHandling:
             "tools_hash": tools_hash,
             "tool_errors": tool_errors(new),
             "switched": switched,
+            "retry": link.retry,
         }
+        # the conversation's id on every answer (plain, streamed, refused by the arm), so a client can post
+        # feedback for it (POST /v1/feedback {"conversation_id"}) or name it on its next turn
         headers = [(b"x-request-id", rid.encode()), (b"x-hermes-arm", ARM_HEADER[arm])]
         headers.append((b"x-hermes-conversation", conv.id.encode()))
         rec = self._record(rid, unit, arm, req, task_id, t_start, info)
@@ -320,7 +327,7 @@ class ChatHandling:
             except BaseException:  # the client went away (cancelled): record what it got, without waiting
                 self._finish(rec, answer(499, "client disconnected"), t_start)
                 rec["ttft_ms"] = ttft
-                await self._commit(rec, wait=False)
+                await self._commit(rec, wait=False, link=ctx)  # failed: the client's retry is this turn again
                 done = True
                 raise
             finally:

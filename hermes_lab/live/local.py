@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,37 @@ class GenerationWorker:
             j.loop.call_soon_threadsafe(_settle, j.future, out, exc)
 
 
+class ContextLengthExceeded(ValueError):
+    """A request longer than what the gateway states it serves (``serve.context_length``): vLLM's 400."""
+
+    def __init__(self, limit: int, asked: int):
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested {asked} tokens in the "
+            f"messages (their texts, tool calls and the tools' JSON). Please reduce the length of the messages."
+        )
+        self.limit, self.asked = limit, asked
+
+
+def byte_level_specials(tok: Any) -> list[str] | None:
+    """For a byte-level BPE tokenizer with no merges and no normaliser but NFC (one token per UTF-8 byte of the
+    NFC text: the embedded policy's, ``policy.model.build_tokenizer``), the texts of its added tokens (a text
+    holding one counts it as one token); None for any other tokenizer, whose texts are counted by tokenizing."""
+    try:
+        spec = orjson.loads(tok.backend_tokenizer.to_str())
+    except Exception:  # a slow tokenizer, or none that says
+        return None
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    byte_level = pre.get("type") == "ByteLevel" or any(
+        p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [] if isinstance(p, dict)
+    )
+    norm = spec.get("normalizer")
+    if model.get("type") != "BPE" or model.get("merges") or not byte_level or norm not in (None, {"type": "NFC"}):
+        return None
+    if len(model.get("vocab") or {}) < 256:  # every byte must be a token of its own
+        return None
+    return [a["content"] for a in spec.get("added_tokens") or [] if a.get("content")]
+
+
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if fut.done():
         return  # the client went away
@@ -150,8 +182,10 @@ class LocalArm:
     tokens of the turns this arm answered (``turn.Splicer``), the answer read by TRL's parser into ``tool_calls``
     (ids, type function, arguments as JSON text; ``finish_reason: tool_calls``; streamed as tool-call deltas).
     A conversation longer than the policy's context (less a string answer's ``execute.max_new_tokens``) loses its
-    earliest messages first (``turn.fit``, as turn-level training cuts one). Every answer carries its prompt and
-    completion token ids and the sampled tokens' logprobs for the log."""
+    earliest messages first (``turn.fit``, as turn-level training cuts one; what still does not fit, its front
+    tokens); one over ``serve.context_length`` (``count_tokens``) is refused with vLLM's 400
+    ``context_length_exceeded``, as the gateway states that length in GET /v1/models. Every answer carries its
+    prompt and completion token ids and the sampled tokens' logprobs for the log."""
 
     needs_prompt = False  # it renders the request's messages itself, in the generation thread
     wire = False  # so it is called with the body parsed whole
@@ -165,6 +199,8 @@ class LocalArm:
         self.turn_tokens = cfg.grpo.turn_completion_length or cfg.grpo.max_completion_length  # as turns are trained
         self.cap = cfg.serve.max_new_tokens
         self.splicer = Splicer(policy.tokenizer)  # touched only in the generation thread
+        self.context_length = cfg.serve.context_length  # what the gateway states and holds a request to
+        self._specials = byte_level_specials(policy.tokenizer)  # not None: a text's UTF-8 bytes are its tokens
 
     async def start(self) -> None:
         return None
@@ -188,11 +224,17 @@ class LocalArm:
         room = self.policy.model.config.max_position_embeddings - self.default_tokens  # a string answer's room left
 
         def prepare() -> list[int]:
+            n = self.count_tokens(messages, tools)
+            if n > self.context_length:  # what the gateway states it serves: beyond it, vLLM's 400
+                raise ContextLengthExceeded(self.context_length, n)
             seen["msgs"] = msgs = [turn.chat_message(m) for m in messages if isinstance(m, dict)]
             ids, seen["spliced"] = self.splicer.prompt_ids(msgs, tools)
             seen["truncated"] = len(ids) > room
             if seen["truncated"]:  # longer than the context: its latest part, cut as turn-level training cuts it
                 ids, seen["spliced"] = turn.prompt_ids(tok, turn.fit(tok, msgs, tools, room)[0], tools), False
+                # what fit cannot cut (a template's fixed part, e.g. a header naming many tools, over the window
+                # by itself) is cut from the front of the tokens: a request within context_length is answered
+                ids = ids[-room:]
             return ids
 
         def finish(prompt: list[int], completion: list[int], logprobs: list[float] | None) -> dict[str, Any]:
@@ -214,12 +256,44 @@ class LocalArm:
         self.worker.submit(_Job(self.policy, prepare, finish, temperature, tokens, fut, loop))
         return await fut
 
+    def count_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
+        """A request's length as the gateway holds it to ``serve.context_length``: the tokens of its messages'
+        texts (and tool calls' names and arguments) plus its tools' JSON, by the arm's tokenizer. For a byte-level
+        tokenizer without merges (the embedded policy's) a text's tokens are its UTF-8 bytes, one each, unless
+        it holds a special token's text (then the tokenizer counts it): no 60 KB request is tokenized to count it."""
+        from hermes_lab.policy import turn
+
+        texts = [orjson.dumps(tools).decode()] if tools else []
+        for m in messages:
+            if isinstance(m, dict):
+                texts.append(turn.text_of(m.get("content")))
+                for c in m.get("tool_calls") or []:
+                    f = (c.get("function") if isinstance(c, dict) else None) or {}
+                    texts.append(f"{f.get('name') or ''}{turn.text_of(f.get('arguments'))}")
+        tok, specials, n = self.policy.tokenizer, self._specials, 0
+        for t in texts:
+            if specials is not None and not any(sp in t for sp in specials):
+                if not unicodedata.is_normalized("NFC", t):  # its normaliser composes first (e + U+0301: é)
+                    t = unicodedata.normalize("NFC", t)
+                n += len(t.encode("utf-8", "surrogatepass"))
+            elif t:
+                n += len(tok(t, add_special_tokens=False)["input_ids"])
+        return n
+
+    def _refusal(self, e: ContextLengthExceeded) -> Answer:
+        """vLLM's answer to a conversation over its max_model_len (an OpenAI-shaped 400 Hermes Agent reads)."""
+        err = {"message": str(e), "type": "BadRequestError", "param": None, "code": "context_length_exceeded"}
+        return Answer(400, orjson.dumps({"error": err}), error=str(e))
+
     def _usage(self, out: dict[str, Any]) -> dict[str, int]:
         p, c = len(out["tokens"]["prompt_ids"]), len(out["tokens"]["completion_ids"])
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def complete(self, payload: dict[str, Any], prompt: str, rid: str) -> Answer:
-        out = await self._generate(payload, rid)
+        try:
+            out = await self._generate(payload, rid)
+        except ContextLengthExceeded as e:
+            return self._refusal(e)
         usage, msg = self._usage(out), out["message"]
         body = {
             "id": f"chatcmpl-{rid}",
@@ -238,7 +312,10 @@ class LocalArm:
         """The finished answer as OpenAI chunks: a role chunk, content pieces, each tool call as deltas (its id,
         type and name first, then its arguments in pieces), the finish, usage."""
         so = payload.get("stream_options") if isinstance(payload.get("stream_options"), dict) else {}
-        out = await self._generate(payload, rid)
+        try:
+            out = await self._generate(payload, rid)
+        except ContextLengthExceeded as e:  # refused before the first byte: a plain JSON error, as vLLM answers
+            return self._refusal(e), None
         usage, created, msg = self._usage(out), int(time.time()), out["message"]
 
         def ev(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:

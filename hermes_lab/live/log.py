@@ -10,9 +10,11 @@ Stage: validate (live A/B). ``hermes-lab serve`` writes, in its log dir (``runs/
                     turns logged: the conversation so far, their messages and answers), messages (only the
                     new ones: messages[history:]), tools_hash (its schemas in tools.jsonl), tool_errors (of
                     the new tool results), switched (a candidate conversation's turn the baseline answered
-                    after a roll back); the answer, whole whether streamed or not: response (text),
-                    tool_calls (assembled from the stream's deltas), reasoning, finish_reason, usage;
-                    prompt (the flattened opening of a conversation's first turn, null later); tokens
+                    after a roll back), retry (0; a resend of a failed or empty turn's very messages: its
+                    attempt, 1, 2, ..., logged under that turn's number, arm and unit); the answer, whole
+                    whether streamed or not: response (text), tool_calls (assembled from the stream's
+                    deltas), reasoning, finish_reason, usage; prompt (the flattened opening of a
+                    conversation's first turn, null later); tokens
                     (in-process arms only: prompt_ids and completion_ids as the policy saw and sampled them,
                     logprobs of the sampled tokens, spliced: continued from its earlier turns' tokens,
                     truncated: cut to the policy's context)
@@ -265,7 +267,8 @@ def open_conversations(log_dir: str | os.PathLike[str], within_s: float) -> list
         if age < within_s and ts[-1][1].get("status") == "ok":
             line = conversation_line(cid, ts, {}, None, "")
             arm = 1 if ts[0][1].get("arm") == "candidate" else 0
-            out.append((cid, arm, len(ts), line["messages"], age))
+            n_turns = max(int(r.get("turn") or 0) for _, r in ts) + 1  # a turn's retries share its number
+            out.append((cid, arm, n_turns, line["messages"], age))
     return out
 
 
@@ -283,7 +286,8 @@ class Tally:
     is carried by the conversation's first turn, its later turns have none (NaN: they count in the error and
     latency guardrails, not in the reward's numbers), so the reward's statistics count conversations; a
     single-turn request is a conversation of one turn, as before. A failed first turn counts as reward 0 (as
-    ab-run scores an empty answer). Times are the
+    ab-run scores an empty answer) unless a retry of it (the same turn, ``hermes_lab.live.conversations``) was
+    answered: then the conversation's feedback is its reward. Times are the
     experiment clock's (seconds since the start, ``serve.time_scale`` included): ``t`` when the request
     arrived, ``t_done`` when its answer was complete, ``t_fb`` when its first counted feedback arrived (a
     failed request: its ``t_done``), so that ``columns(known_by=T)`` is what a look at T could know.
@@ -312,6 +316,7 @@ class Tally:
         self.conv_rows: dict[str, list[int]] = {}  # conversation id -> its rows, in arrival order
         self.conv_ids: list[str] = []  # conversation code -> id
         self.conv_reward: dict[str, tuple[float, str]] = {}
+        self._failed_open: set[str] = set()  # conversations whose opening failed and no retry answered it: reward 0
         self.reward: list[float] = []
         self.family: list[int] = []  # filled by from_dir(families=True) only (the report's per-family rows)
         self.units: dict[str, int] = {}
@@ -364,8 +369,15 @@ class Tally:
         if len(rows) > 1:  # a later turn: its conversation's reward is on the first turn
             c["t_fb"][-1] = math.inf
             self.reward.append(math.nan)
+            if not err and cid in self._failed_open and not rec.get("turn"):
+                # a retry answered the opening that failed: the conversation goes on, its reward is its feedback's
+                self._failed_open.discard(cid)
+                first = rows[0]
+                self.reward[first], c["t_fb"][first] = math.nan, math.inf
         else:
             self.reward.append(0.0 if err else math.nan)
+            if err:
+                self._failed_open.add(cid)
         self.n[arm] += 1
         self.errors[arm] += err
 
@@ -398,7 +410,7 @@ class Tally:
         t = float(rec.get("t") or 0.0)
         self.conv_reward[cid] = (float(rec["reward"]), t)
         i = self.conv_rows[cid][0]
-        if not self.cols["error"][i]:
+        if cid not in self._failed_open:
             if math.isnan(self.reward[i]):  # the first counted feedback: the reward is known from then on
                 self.feedback[self.cols["arm"][i]] += 1
                 self.cols["t_fb"][i] = t

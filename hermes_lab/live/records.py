@@ -19,7 +19,7 @@ import orjson
 
 from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS, Answer
-from hermes_lab.live.conversations import Link
+from hermes_lab.live.conversations import Link, empty
 
 log = logging.getLogger("hermes_lab.serve")
 
@@ -87,10 +87,14 @@ class RequestRecords:
         headers.append((b"x-hermes-fallback", b"baseline"))
 
     async def _commit(self, rec: dict[str, Any], wait: bool = True, link: tuple[Any, Link, int] | None = None) -> None:
-        if link is not None and rec["status"] == "ok":  # a continuation can link from now on
+        if link is not None:
             conv, lk, n = link
             answer = {"role": "assistant", "content": rec["response"], "tool_calls": rec["tool_calls"]}
-            self.convs.answered(conv, lk.hasher, n, answer)
+            if rec["status"] != "ok" or empty(answer):  # the same messages again are this turn's retry
+                arm = 1 if rec["arm"] == "candidate" else 0
+                self.convs.failed(conv, lk, rec["turn"], arm, rec["unit"])
+            if rec["status"] == "ok":  # a continuation can link from now on
+                self.convs.answered(conv, lk.hasher, n, answer, lk.full)
         line = orjson.dumps(rec) + b"\n"
         if wait:
             await self.req_log.append(line)

@@ -2,9 +2,10 @@
 
 Stage: validate (live A/B). The app sends ``POST /v1/chat/completions`` straight to the request handling
 (``hermes_lab.live.handling``: no router on the hot path) and the rest through Starlette's router to the
-``Routes`` methods of ``hermes_lab.live.gateway.Gateway``: ``GET /healthz``, ``GET /v1/models``, ``POST
-/v1/feedback`` (appended to feedback.jsonl), ``GET /v1/conversations/{id}``, ``GET /v1/experiment``; the
-lifespan starts and stops the gateway.
+``Routes`` methods of ``hermes_lab.live.gateway.Gateway``: ``GET /healthz``, ``GET /v1/models`` and ``GET
+/v1/models/{name}`` (each model's ``max_model_len``, as vLLM states it), ``GET /version``, ``POST /v1/feedback``
+(appended to feedback.jsonl), ``GET /v1/conversations/{id}``, ``GET /v1/experiment``; any other path an
+OpenAI-shaped 404. The lifespan starts and stops the gateway.
 
     hermes-lab serve --params params/embedded.yaml      # then GET http://127.0.0.1:8700/v1/experiment
 """
@@ -15,6 +16,7 @@ import asyncio
 import os
 import time
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import orjson
@@ -26,6 +28,11 @@ from starlette.routing import Route
 from hermes_lab.live import log as L
 from hermes_lab.live.arms import ARMS
 from hermes_lab.live.handling import _Raw, _Refused, error_body
+
+try:
+    VERSION = version("hermes-lab")
+except PackageNotFoundError:  # a checkout run without being installed
+    VERSION = "0"
 
 
 class Routes:
@@ -41,14 +48,50 @@ class Routes:
         out = {"status": "ok", "experiment": self.name, "pid": os.getpid(), "warm": warm, "event_loop": loop}
         return _Raw(orjson.dumps(out), 200, [])
 
+    def context_length(self) -> int:
+        """The context length the gateway states: the least of its arms' (``serve.context_length`` for an
+        in-process arm, an upstream's own ``max_model_len`` where its /v1/models states one), so that whichever
+        arm answers, a conversation within it is served."""
+        lengths = [getattr(a, "context_length", None) for a in self.arms.values()]
+        return min([n for n in lengths if n] or [self.cfg.serve.context_length])
+
+    def _model(self, name: str) -> dict[str, Any]:
+        """One model object as vLLM lists it: ``max_model_len`` is what Hermes Agent (and vLLM's clients) read."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.t0),
+            "owned_by": "hermes-lab",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.context_length(),
+        }
+
     async def models(self, request: Request) -> Response:
         try:
             await self._body(request)
         except _Refused as e:
             return self._refuse(e)
         names = [self.public, *sorted((self.accepted or set()) - {self.public})]
-        data = [{"id": n, "object": "model", "created": int(self.t0), "owned_by": "hermes-lab"} for n in names]
+        data = [self._model(n) for n in names]
         return _Raw(orjson.dumps({"object": "list", "data": data}), 200, [])
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{name}: the model's object, for a name the chat endpoint serves (any name while
+        serve.models is empty); else 404 as OpenAI answers an unknown model."""
+        try:
+            await self._body(request)
+        except _Refused as e:
+            return self._refuse(e)
+        name = request.path_params["name"]
+        if self.accepted is not None and name not in self.accepted:
+            msg = f"The model {name[:128]!r} does not exist; ask for one of {sorted(self.accepted)}"
+            return _Raw(error_body(msg, code="model_not_found"), 404, [])
+        return _Raw(orjson.dumps(self._model(name)), 200, [])
+
+    async def version(self, request: Request) -> Response:
+        """GET /version, as vLLM answers it (Hermes Agent probes it to tell a vLLM server; nothing rides on it)."""
+        return _Raw(orjson.dumps({"version": VERSION, "server": "hermes-lab"}), 200, [])
 
     async def feedback(self, request: Request) -> Response:
         try:
@@ -169,6 +212,15 @@ class Routes:
         return _Raw(orjson.dumps(out), 200, [])
 
 
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _Raw(error_body(f"no route {request.url.path[:128]!r} (see GET /v1/models)", code="not_found"), 404, [])
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    msg = f"{request.method} is not allowed on {request.url.path[:128]!r}"
+    return _Raw(error_body(msg, code="method_not_allowed"), 405, [])
+
+
 def build_app(gw: Any) -> Any:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
@@ -181,11 +233,15 @@ def build_app(gw: Any) -> Any:
     routes = [
         Route("/healthz", gw.healthz, methods=["GET"]),
         Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", gw.model, methods=["GET"]),
+        Route("/version", gw.version, methods=["GET"]),
         Route("/v1/feedback", gw.feedback, methods=["POST"]),
         Route("/v1/experiment", gw.experiment, methods=["GET"]),
         Route("/v1/conversations/{cid:path}", gw.conversation, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # any other path (llama.cpp's /props, Ollama's /api/tags and /api/show, LM Studio's /api/v1/models, which Hermes
+    # Agent probes before a session): an OpenAI-shaped 404 at once, so a client's probe reads "not this server"
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
 
     async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/chat/completions":  # the hot path, no router

@@ -4,34 +4,41 @@ Reads and writes nothing; ``hermes_lab.policy.model.build_tiny_policy`` sets it 
 ``AutoTokenizer`` loads it with the policy), the build's teacher renders its agent episodes with it, TRL renders
 prompts and tool results with it and parses completions with ``response_template``. A conversation renders as::
 
-    <|tools|>time<|user|>time kelo?<|assistant|>
-    <tool_call>{"name": "time", "arguments": {"city": "kelo"}}</tool_call><eos><|tool|>14:05<|assistant|>14:05<eos>
+    <|user|>first line of kelo.txt?<|assistant|><tool_call>{"name": "read_file", "arguments": {"path": "kelo.txt"}}
+    </tool_call><eos><|tool|>{"content": "1|mor\\n2|zip\\n3|", "total_lines": 2, "file_size": 8, "truncat
+    <|assistant|>mor<eos>
 
-(one line: it is broken here after the first ``<|assistant|>``).
+(one line: it is broken here after the call and after the tool result's 64 characters).
 
-No newlines and only the tool names (not their schemas): every character is a token of a 0.3M-parameter
-policy with 256 positions. The template passes TRL's ``supports_tool_calling`` and is prefix-preserving (what
-TRL's multi-turn loop needs to append tool results to a completion without re-tokenizing it).
+No newlines, and a compact rendering of what an agent sends: every character is a token of a 0.3M-parameter policy
+with 512 positions, and a real Hermes Agent request is ~60 KB (a 6.7k-character system prompt, up to 28 tool
+schemas). So the template leaves out system messages and the tool list (the policy knows the tools it was taught
+by their calls), cuts a tool result to its first ``TOOL_CHARS`` characters (what the tasks read is at its head),
+and renders tool-call arguments with sorted keys (Hermes echoes a call's arguments sorted: the echo renders to
+the tokens the policy sampled). Its markers (``MARKERS``) are one token each, as a real family's ``<tool_call>``
+is. The template passes TRL's ``supports_tool_calling`` and is prefix-preserving (what TRL's multi-turn loop
+needs to append tool results to a completion without re-tokenizing it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+MARKERS = ("<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>")  # one token each (policy.model)
+TOOL_CHARS = 64  # of a tool result: the head holds what the tasks need (a line, a match, a count)
 CHAT_TEMPLATE = (
-    "{%- if tools %}<|tools|>{% for t in tools %}{{ (t.function or t).name }}{% if not loop.last %},{% endif %}"
-    "{% endfor %}{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'user' or m.role == 'system' %}<|{{ m.role }}|>{{ m.content }}"
+    "{%- if m.role == 'user' %}<|user|>{{ m.content }}"
     "{%- elif m.role == 'assistant' %}<|assistant|>{{ m.content or '' }}"
     "{%- for tc in m.tool_calls or [] %}{% set f = tc.function or tc %}"
     '<tool_call>{"name": "{{ f.name }}", "arguments": '
-    "{%- if f.arguments is string %} {{ f.arguments }}{% else %} {{ f.arguments | tojson }}{% endif %}}</tool_call>"
+    "{%- if f.arguments is string %} {{ f.arguments }}{% else %} {{ f.arguments | tojson(sort_keys=True) }}{% endif %}}"
+    "</tool_call>"
     "{%- endfor %}<eos>"
-    "{%- elif m.role == 'tool' %}<|tool|>{{ m.content }}"
+    "{%- elif m.role == 'tool' %}<|tool|>{{ (m.content or '')[:TOOL_CHARS] }}"
     "{%- endif %}{% endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+).replace("TOOL_CHARS", str(TOOL_CHARS))
 
 # transformers' response parsing (``tokenizer.parse_response``): what TRL reads tool calls with
 RESPONSE_TEMPLATE: dict[str, Any] = {

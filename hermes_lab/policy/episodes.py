@@ -21,12 +21,34 @@ from typing import Any
 
 from hermes_lab.policy import turn
 from hermes_lab.tasks import agent as A
+from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import suite as T
+from hermes_lab.tasks import workspace as W
+
+# the embedded agent families by their environment (grpo.environment): the time tool, Hermes's workspace tools
+FAMILIES = {A.ENVIRONMENT: A, H.ENVIRONMENT: H}
+
+
+def family_of_environment(environment: str) -> Any:
+    """The embedded agent family module a ``grpo.environment`` names (``tasks.agent`` or ``tasks.hermes``), or None
+    for a user's own environment (no held-out tasks known here)."""
+    return FAMILIES.get(environment or "")
+
+
+def _env(task: Any, seed: int, episode_seed: int) -> tuple[Any, list[Any]]:
+    """A reset environment for the task and its tools (what TRL collects: the public methods)."""
+    if isinstance(task, H.HermesTask):
+        env = H.WorkspaceEnv(seed=seed)
+        env.reset(question=task.question)
+        return env, W.env_tools(env)
+    env = A.TimeEnv(seed=seed)
+    env.reset(city=task.city, episode_seed=episode_seed)
+    return env, [env.time]
 
 
 @dataclass
 class Episode:
-    task: A.AgentTask
+    task: Any  # tasks.agent.AgentTask or tasks.hermes.HermesTask
     messages: list[dict[str, Any]]
     reward: float = 0.0
     answer: str | None = None
@@ -44,11 +66,11 @@ class Episode:
 
 def run_episodes(
     policy: Any,
-    tasks: list[A.AgentTask],
+    tasks: list[Any],
     temperature: float = 0.9,
     seed: int = 0,
     max_turns: int = 2,
-    max_new_tokens: int = 80,
+    max_new_tokens: int = 128,
     batch_size: int = 128,
 ) -> list[Episode]:
     """Play one episode per task (``episode_seed``: the task's index, so a seed's tool results are fixed)."""
@@ -58,12 +80,11 @@ def run_episodes(
     out: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start : start + batch_size]
-        eps = []
+        eps, tools = [], []
         for i, t in enumerate(chunk):
-            env = A.TimeEnv(seed=seed)
-            env.reset(city=t.city, episode_seed=start + i)
+            env, tl = _env(t, seed, start + i)
             eps.append(Episode(t, t.prompt(), env=env))
-        tools = [[e.env.time] for e in eps]
+            tools.append(tl)
         prompts = [turn.prompt_ids(tok, e.messages, tl) for e, tl in zip(eps, tools)]
         live = list(range(len(eps)))
         for k in range(max_turns + 1):
@@ -84,13 +105,16 @@ def run_episodes(
                 if not calls or k == max_turns:
                     continue
                 results = []
+                by_name = {fn.__name__: fn for fn in tools[i]}
                 for c in calls:
                     f = c.get("function", c)
                     ep.tool_calls += 1
+                    errors = getattr(ep.env, "errors", 0)
                     try:
-                        if f.get("name") != A.TOOL:
+                        if f.get("name") not in by_name:
                             raise ValueError(f"Tool {f.get('name')} not found.")
-                        result: Any = ep.env.time(**(f.get("arguments") or {}))
+                        result: Any = by_name[f["name"]](**(f.get("arguments") or {}))
+                        ep.tool_errors += getattr(ep.env, "errors", 0) - errors  # an error result (workspace tools)
                     except Exception as e:  # shown to the policy, as TRL does
                         ep.tool_errors += 1
                         result = {"error": str(e)}
@@ -102,19 +126,22 @@ def run_episodes(
         for ep in eps:
             ep.answer = A.final_answer(ep.messages)
             ep.reward = ep.env._hermes_score(ep.answer)
+            if isinstance(ep.env, W.Workspace):
+                ep.env._close()  # the verdict is in: the workspace goes
         out.extend(eps)
     return out
 
 
 def score_messages(messages: list[dict[str, Any]], scale: float = A.SCALE) -> float | None:
-    """A logged agent-family conversation scored as its environment scores the episode (``TimeEnv._hermes_score``),
-    from its messages alone: the final answer against the result of a good call (the tool, the asked city) that
-    came back without an error; no good call: 0. None: not an agent-family conversation (the simulated reviewer's
-    label for one, as the task verifier labels a string task)."""
+    """A logged agent-family conversation scored as its environment scores the episode, from its messages alone.
+    The time family (``TimeEnv._hermes_score``): the final answer against the result of a good call (the tool, the
+    asked city) that came back without an error; no good call: 0. The hermes family: its tool calls replayed in a
+    fresh workspace of the task and the end state verified (``tasks.hermes.replay_score``). None: not an embedded
+    agent task (the simulated reviewer's label for one, as the task verifier labels a string task)."""
     user = next((m for m in messages if m.get("role") == "user"), None)
     task = A.parse_question(turn.text_of(user.get("content")) if user else "")
-    if task is None:
-        return None
+    if task is None:  # a hermes workspace task: its calls replayed in a fresh workspace, the end state verified
+        return H.replay_score([{**m, "content": turn.text_of(m.get("content"))} for m in messages], scale)
     value, good, order = None, {}, iter(())  # the last exchange's calls: id -> good?, and in order
     for m in messages:
         if m.get("role") == "assistant":
@@ -154,7 +181,7 @@ def summarize(episodes: list[Episode]) -> dict[str, Any]:
 
 
 def evaluate_episodes(
-    policy: Any, tasks: list[A.AgentTask], temperature: float = 0.9, seed: int = 0, max_turns: int = 2
+    policy: Any, tasks: list[Any], temperature: float = 0.9, seed: int = 0, max_turns: int = 2
 ) -> dict[str, Any]:
     """``summarize`` of one episode per task, with ``task_ids`` and ``samples_per_task`` so that two reports on
     the same tasks and seed pair up (``policy.model.paired_gain``)."""

@@ -359,9 +359,16 @@ def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
         return
     rep = _read(PolicyLayout(d).build)
     fams = ", ".join(f"{f} {v['pass_rate']:.0%}" for f, v in rep.get("per_family", {}).items())
+    h = rep.get("hermes") or {}
+    agent = (
+        f"; hermes tasks (Hermes's own tools, verified on disk) {h['episode_success']:.0%} of held-out episodes, "
+        f"greedy {h['greedy_episode_success']:.0%}"
+        if h
+        else ""
+    )
     print(
         f"base policy {d} ({rep.get('parameters', 0):,} parameters): sampled pass rate at T=0.9 on held-out "
-        f"tasks {rep.get('pass_rate', 0):.1%} ({fams}), greedy {rep.get('greedy_pass_rate', 0):.0%}; "
+        f"tasks {rep.get('pass_rate', 0):.1%} ({fams}), greedy {rep.get('greedy_pass_rate', 0):.0%}{agent}; "
         f"report in {PolicyLayout(d).build}",
         flush=True,
     )

@@ -65,21 +65,25 @@ def _agent_rows_from_prep(data: Path, cfg: HermesConfig) -> list[dict[str, Any]]
         return []
     from datasets import load_from_disk
 
-    from hermes_lab.tasks import agent as A
+    from hermes_lab.policy.episodes import family_of_environment
 
+    fam = family_of_environment(cfg.grpo.environment)
+    if fam is None:  # a user's environment: its rows come from its own _hermes_rows or reset()
+        return []
     try:
         ds = load_from_disk(str(conv))
     except (IndexError, FileNotFoundError, ValueError):  # prep wrote no conversation (an empty dataset dir)
         return []
     rows = []
     for r in ds:
-        if r.get("family") != A.FAMILY or r.get("split", "train") != "train":
+        if r.get("family") != fam.FAMILY or r.get("split", "train") != "train":
             continue
         msgs = r["messages"]
         user = next((m for m in msgs if m.get("role") == "user"), None)
-        task = A.parse_question(user.get("content") if user else "")
+        task = fam.parse_question(user.get("content") if user else "")
         if task is not None:
-            rows.append({"prompt": task.prompt(), "city": task.city, "task_id": task.task_id})
+            row = {"prompt": task.prompt(), "task_id": task.task_id}
+            rows.append({**row, "city": task.city} if hasattr(task, "city") else row)
     return rows
 
 
@@ -130,7 +134,11 @@ class EpisodeReward:
             answer = A.final_answer(msgs)
             out.append(float(env._hermes_score(answer)))
             c = sum(len(m.get("tool_calls") or []) for m in msgs if m.get("role") == "assistant")
-            e = sum(1 for m in msgs if m.get("role") == "tool" and str(m.get("content", "")).startswith("{'error'"))
+            e = sum(
+                1
+                for m in msgs
+                if m.get("role") == "tool" and str(m.get("content", "")).startswith(("{'error'", '{"error"'))
+            )
             bad = sum(1 for m in msgs if m.get("role") == "assistant" and "<tool_call>" in (m.get("content") or ""))
             calls, errors, invalid, no_tool = calls + c, errors + e, invalid + bad, no_tool + (c == 0)
             turns += sum(1 for m in msgs if m.get("role") == "assistant")
@@ -180,9 +188,9 @@ def eval_before_after(
     paired by task (the embedded agent family's episodes; same tasks, seeds and tool results for both)."""
     from hermes_lab.policy import episodes as E
     from hermes_lab.policy import model as P
-    from hermes_lab.tasks import agent as A
+    from hermes_lab.policy.episodes import family_of_environment
 
-    tasks = A.generate_tasks(n_tasks, split="heldout", seed=cfg.grpo.seed + 1)
+    tasks = family_of_environment(cfg.grpo.environment).generate_tasks(n_tasks, split="heldout", seed=cfg.grpo.seed + 1)
     kw = dict(temperature=cfg.grpo.temperature, seed=cfg.grpo.seed, max_turns=cfg.grpo.max_turns)
     before = E.evaluate_episodes(P.load_policy(base, adapter=start_adapter), tasks, **kw)
     after = E.evaluate_episodes(P.load_policy(base, adapter=str(adapter_dir)), tasks, **kw)

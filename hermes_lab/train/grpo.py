@@ -52,7 +52,7 @@ from hermes_lab.core.redaction import redact
 from hermes_lab.core.reports import EvalReport
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
 from hermes_lab.policy.arms import resolve_adapter
-from hermes_lab.tasks import agent as A
+from hermes_lab.policy.episodes import family_of_environment
 from hermes_lab.train import episodes as EP
 from hermes_lab.train.callback import TrainingHealthError, make_callback
 from hermes_lab.train.prompts import (
@@ -283,7 +283,7 @@ def train(
                 result.eval = _eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
                 # the embedded agent family's held-out episodes, before and after, as many as a family's tasks (a
                 # user's environment has no held-out tasks known here: its episode metrics are in train_log.jsonl)
-                if cfg.grpo.environment == A.ENVIRONMENT:
+                if family_of_environment(cfg.grpo.environment) is not None:
                     result.eval["agent"] = EP.eval_before_after(cfg, base, start_adapter, adapter_dir, per_family)
                 EvalReport.from_json(result.eval).write(lay.eval)
             result.seconds = round(time.time() - t0, 1)
