@@ -66,7 +66,7 @@ TINY_LR = 3e-3
 TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2, "hermes": 1}
 # tokens per packed row: an agent episode is ~130 tokens (at most 169), a string example 17.5 on average
 PACK_WIDTH = 320
-HERMES_EVAL = 140  # held-out hermes tasks the build plays (20 of each kind), sampled and greedy
+HERMES_EVAL = 70  # held-out hermes tasks the build plays (10 of each kind), sampled and greedy
 CONTEXT = 512  # positions: a hermes episode (two calls and their results) is up to 320 tokens
 log = logging.getLogger(__name__)
 
