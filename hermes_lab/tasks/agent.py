@@ -200,8 +200,9 @@ def tool_schema() -> list[dict[str, Any]]:
     return [get_json_schema(TimeEnv.time)]
 
 
-def conversation_record(task: AgentTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
-    """An episode as execute logs it: the canonical conversation record's fields (``data.conversation``)."""
+def logged_messages(messages: list[dict[str, Any]], sort_keys: bool = False) -> list[dict[str, Any]]:
+    """An episode's messages as execute logs them (OpenAI form): each tool call with an id (``call_<message>_<k>``),
+    type function and its arguments as JSON text (``sort_keys``: in key order, as Hermes keeps them)."""
     msgs = []
     for i, m in enumerate(messages):
         m = dict(m)
@@ -210,9 +211,23 @@ def conversation_record(task: AgentTask, messages: list[dict[str, Any]], reward:
                 {
                     "id": f"call_{i}_{j}",
                     "type": "function",
-                    "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])},
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.dumps(c["function"]["arguments"], sort_keys=sort_keys),
+                    },
                 }
                 for j, c in enumerate(m["tool_calls"])
             ]
         msgs.append(m)
-    return {"task_id": task.task_id, "family": FAMILY, "messages": msgs, "tools": tool_schema(), "reward": reward}
+    return msgs
+
+
+def conversation_record(task: AgentTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
+    """An episode as execute logs it: the canonical conversation record's fields (``data.conversation``)."""
+    return {
+        "task_id": task.task_id,
+        "family": FAMILY,
+        "messages": logged_messages(messages),
+        "tools": tool_schema(),
+        "reward": reward,
+    }

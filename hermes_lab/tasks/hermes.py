@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import suite as T
 from hermes_lab.tasks import workspace as W
 
@@ -296,14 +297,7 @@ class WorkspaceEnv(W.Workspace):
         return verify(self.task, self._root, answer, SCALE)
 
 
-def final_answer(messages: list[dict[str, Any]]) -> str | None:
-    """The last assistant message's text when it makes no tool call (the episode's answer), else None."""
-    for m in reversed(messages):
-        if m.get("role") == "assistant":
-            return None if m.get("tool_calls") else (m.get("content") or "")
-        if m.get("role") == "tool":
-            return None
-    return None
+final_answer = A.final_answer  # the last assistant message's text when it makes no tool call, else None
 
 
 def replay_score(messages: list[dict[str, Any]], scale: float = SCALE) -> float | None:
@@ -401,20 +395,5 @@ def _guess(t: HermesTask, rng: random.Random) -> str:
 
 def conversation_record(task: HermesTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
     """An episode as execute logs it: the canonical conversation record's fields (``data.conversation``)."""
-    msgs = []
-    for i, m in enumerate(messages):
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {
-                    "id": f"call_{i}_{j}",
-                    "type": "function",
-                    "function": {
-                        "name": c["function"]["name"],
-                        "arguments": json.dumps(c["function"]["arguments"], sort_keys=True),
-                    },
-                }
-                for j, c in enumerate(m["tool_calls"])
-            ]
-        msgs.append(m)
+    msgs = A.logged_messages(messages, sort_keys=True)
     return {"task_id": task.task_id, "family": FAMILY, "messages": msgs, "tools": W.tool_schema(), "reward": reward}
