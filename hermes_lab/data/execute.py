@@ -126,8 +126,10 @@ def execute_agent(
     as OpenAI chat conversations (messages with tool_calls and tool results, tools, reward, the family ``hermes``):
     what prep reads into its conversations and the episode phase of train starts from."""
     from hermes_lab.policy import episodes as E
+    from hermes_lab.tasks import hermes as H
 
-    A = E.family_of_environment(cfg.grpo.environment) or E.H  # the round's agent family (default: hermes)
+    # the round's embedded agent family; with a user's own environment, the hermes family's episodes are logged
+    A = E.family_of_environment(cfg.grpo.environment) or H
     tasks_ = A.generate_tasks(cfg.execute.agent_tasks, split="train", seed=seed)
     eps = E.run_episodes(pol, tasks_, temperature=cfg.execute.temperature, seed=seed, max_turns=cfg.grpo.max_turns)
     tmp = output.with_suffix(".jsonl.tmp")
