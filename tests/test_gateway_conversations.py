@@ -416,9 +416,11 @@ import json, sys
 from run_agent import AIAgent
 
 base_url, model, key = sys.argv[1:4]
+toolsets = (sys.argv[5] if len(sys.argv) > 5 else "terminal").split(",")
+turns = int(sys.argv[6]) if len(sys.argv) > 6 else 6
 out = []
 for q in json.loads(sys.argv[4]):
-    a = AIAgent(base_url=base_url, model=model, api_key=key, max_iterations=6, enabled_toolsets=["terminal"],
+    a = AIAgent(base_url=base_url, model=model, api_key=key, max_iterations=turns, enabled_toolsets=toolsets,
                 quiet_mode=True, platform="cli")
     r = a.run_conversation(q)
     out.append(r["messages"])

@@ -25,6 +25,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from test_gateway_conversations import HERMES_DRIVER  # noqa: E402
 from test_serve import Gateway  # noqa: E402
 from test_turn import trl_self  # noqa: E402
 
@@ -192,22 +193,6 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
     assert got == want and len(want) >= 20
 
 
-HERMES_FILE_DRIVER = r"""
-import json, sys
-from run_agent import AIAgent
-
-base_url, model, key = sys.argv[1:4]
-out = []
-for q in json.loads(sys.argv[4]):
-    a = AIAgent(base_url=base_url, model=model, api_key=key, max_iterations=4, enabled_toolsets=["file"],
-                quiet_mode=True, platform="cli")
-    r = a.run_conversation(q)
-    out.append(r["messages"])
-    a.close()
-print("MESSAGES " + json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_calls(served, hermes_agent, tmp_path):
     """Hermes Agent against in-process arms (the tiny policy on both, rendered with its chat template: Hermes's long
@@ -234,11 +219,13 @@ def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_ca
         [
             str(hermes_agent),
             "-c",
-            HERMES_FILE_DRIVER,
+            HERMES_DRIVER,
             gw.url + "/v1",
             "hermes-agent-model",
             "sk-unused",
             json.dumps(queries),
+            "file",  # Hermes's file toolset only, 4 iterations
+            "4",
         ],
         cwd=ws,
         env=env,
