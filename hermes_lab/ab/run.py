@@ -80,6 +80,7 @@ def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
         return spec
     key = _name(spec)
     if key not in cache:
+        from hermes_lab.policy import formats
         from hermes_lab.policy.model import load_policy
 
         arm = resolve_arm(spec, "policy", cfg) if isinstance(spec, str) else spec  # ArmError: names nothing
@@ -92,6 +93,7 @@ def load_arm(spec: Any, cfg: HermesConfig, cache: dict[str, Any]) -> Any:
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
         )
+        formats.prepare(cache[key].tokenizer, cfg.model.tool_parser)  # the policy's reader, as every stage's
     return cache[key]
 
 

@@ -20,6 +20,7 @@ from typing import Literal
 
 from hermes_lab.core.yaml_typed import field_with as _f
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")  # vLLM --tool-call-parser names policy reads
 EMBEDDED_MODEL = "embedded:tiny"  # builds the tiny local policy under runs/policies/ (no hub download)
 
 
@@ -43,6 +44,13 @@ class ModelSection:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Torch dtype to load the policy in.")
     trust_remote_code: bool = _f(False, "Pass trust_remote_code to from_pretrained (off: never run hub code).")
     seed: int = _f(0, "Seed of the embedded tiny policy (its build is deterministic by seed).")
+    tool_parser: Literal[TOOL_PARSERS] | None = _f(
+        None,
+        "How the policy's answers are read into tool calls when TRL does not know its chat template (TRL knows "
+        "Qwen2.5, Qwen3, Llama 3.1/3.2, GPT-OSS, ...: then TRL's reader is used and this is ignored). Named as "
+        "vLLM's --tool-call-parser: hermes (Hermes 3 / ChatML <tool_call> JSON), llama3_json, mistral, "
+        "qwen3_coder. Unset with a template TRL does not know: a named error at doctor and round start.",
+    )
 
 
 @dataclass

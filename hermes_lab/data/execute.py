@@ -49,6 +49,7 @@ def execute(
 ) -> dict[str, Any]:
     """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL.
     ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.data.gateway``)."""
+    from hermes_lab.policy import formats
     from hermes_lab.policy.model import load_policy
 
     ex = cfg.execute
@@ -78,6 +79,7 @@ def execute(
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    formats.prepare(pol.tokenizer, cfg.model.tool_parser)  # the policy's reader, as every stage reads it
     tasks_ = T.generate_tasks(ex.num_tasks, split="train", seed=seed, families=ex.families or None)
     tasks_ = [t for t in tasks_ for _ in range(ex.samples_per_task)]  # neighbours: one batch samples a group
     responses = pol.generate(

@@ -307,6 +307,7 @@ def evaluate_arm(
     ``validate.samples_per_task`` times, also with the same seeds and tool results in both arms. The model is
     freed afterwards so the two arms never sit in memory together."""
     from hermes_lab.policy import episodes as E
+    from hermes_lab.policy import formats
     from hermes_lab.policy import model as P
 
     if adapter and not Path(adapter, "adapter_config.json").is_file():
@@ -319,6 +320,7 @@ def evaluate_arm(
         dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    formats.prepare(pol.tokenizer, cfg.model.tool_parser)  # the policy's reader, as every stage reads it
     v, thr = cfg.validate, cfg.reward.success_threshold
     items = [t for t in tasks for _ in range(v.samples_per_task)]
     responses = pol.generate(

@@ -209,7 +209,7 @@ class LocalArm:
         return None
 
     async def _generate(self, payload: dict[str, Any], rid: str) -> dict[str, Any]:
-        from hermes_lab.policy import turn
+        from hermes_lab.policy import formats, turn
 
         t = payload.get("temperature")
         temperature = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else self.temperature
@@ -221,13 +221,14 @@ class LocalArm:
         asked = int(mt) if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None
         tokens = min(asked or (self.default_tokens if single else self.turn_tokens), self.cap)
         tok, seen = self.policy.tokenizer, {}
+        stops = formats.stop_ids(self.policy.model, tok)
         room = self.policy.model.config.max_position_embeddings - self.default_tokens  # a string answer's room left
 
         def prepare() -> list[int]:
             n = self.count_tokens(messages, tools)
             if n > self.context_length:  # what the gateway states it serves: beyond it, vLLM's 400
                 raise ContextLengthExceeded(self.context_length, n)
-            seen["msgs"] = msgs = [turn.chat_message(m) for m in messages if isinstance(m, dict)]
+            seen["msgs"] = msgs = turn.chat_messages(messages)
             ids, seen["spliced"] = self.splicer.prompt_ids(msgs, tools)
             seen["truncated"] = len(ids) > room
             if seen["truncated"]:  # longer than the context: its latest part, cut as turn-level training cuts it
@@ -245,7 +246,7 @@ class LocalArm:
                 msg = {"role": "assistant", "content": tok.decode(completion, skip_special_tokens=True)}
             answer = turn.to_openai(msg, rid)
             self.splicer.remember(msgs, tools, turn.chat_message(answer), prompt + completion)
-            ended = bool(completion) and completion[-1] == tok.eos_token_id
+            ended = bool(completion) and completion[-1] in stops
             finish_reason = "tool_calls" if answer.get("tool_calls") else ("stop" if ended else "length")
             ids = {"prompt_ids": prompt, "completion_ids": completion, "logprobs": logprobs}
             ids.update(spliced=seen["spliced"], truncated=seen["truncated"])
@@ -356,9 +357,10 @@ class ArmPool:
     def policy(self, cfg: HermesConfig, spec: ArmSpec) -> Any:
         key = (spec.base, spec.adapter)
         if key not in self.loaded:
+            from hermes_lab.policy.formats import prepare
             from hermes_lab.policy.model import load_policy
 
-            self.loaded[key] = load_policy(
+            pol = load_policy(
                 spec.base,
                 adapter=spec.adapter,
                 runs_dir=cfg.round.runs_dir,
@@ -366,6 +368,8 @@ class ArmPool:
                 dtype=cfg.model.dtype,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
+            prepare(pol.tokenizer, cfg.model.tool_parser)  # its reader (ChatFormatError: the arm is not served)
+            self.loaded[key] = pol
         if self.worker is None:
             self.worker = GenerationWorker(cfg.serve.batch_wait_ms / 1000, cfg.serve.max_batch)
         return self.loaded[key]

@@ -38,6 +38,8 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from hermes_lab.policy import formats
+
 # ------------------------------------------------------------------------------------------- messages
 
 
@@ -76,6 +78,26 @@ def chat_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """A request's (or record's) messages as ``chat_message`` returns them, a tool result without a ``name`` (OpenAI
+    clients send ``tool_call_id`` only) named after the call it answers (by id, else by its place after the
+    assistant's calls): templates that name the tool in a result's header (GPT-OSS) render it as TRL does."""
+    out = [chat_message(m) for m in messages if isinstance(m, dict)]
+    calls: list[dict[str, Any]] = []
+    k = 0
+    for m in out:
+        if m["role"] == "assistant":
+            calls, k = m.get("tool_calls") or [], 0
+        elif m["role"] == "tool":
+            if not m.get("name"):
+                by_id = next((c for c in calls if m.get("tool_call_id") and c.get("id") == m["tool_call_id"]), None)
+                c = by_id or (calls[k] if k < len(calls) else None)
+                if c is not None:
+                    m["name"] = (c.get("function") or {}).get("name") or ""
+            k += 1
+    return out
+
+
 def tool_list(tools: Any) -> list[Any] | None:
     """A request's ``tools`` as apply_chat_template takes them (OpenAI function schemas or callables), or None."""
     if not isinstance(tools, list) or not tools:
@@ -110,7 +132,25 @@ def render_text(tok: Any, messages: list[dict[str, Any]], tools: Any = None, gen
         return messages[0].get("content") or ""
     if not has_template(tok):
         return _lines(messages)
-    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
+    return tok.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=generation_prompt,
+        tokenize=False,
+        chat_template=formats.render_template(tok),
+    )
+
+
+def _ids(tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, generation_prompt: bool) -> list[int]:
+    """The chat template's token ids (the one ``formats.render_template`` names: GRPOTrainer's)."""
+    return tok.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        chat_template=formats.render_template(tok),
+    )
 
 
 def prompt_ids(tok: Any, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
@@ -120,9 +160,7 @@ def prompt_ids(tok: Any, messages: list[dict[str, Any]], tools: Any = None) -> l
         return completion_ids(tok, messages[0].get("content") or "")
     if not has_template(tok):
         return completion_ids(tok, _lines(messages))
-    return list(
-        tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
+    return list(_ids(tok, messages, tools, True))
 
 
 def fit(tok: Any, messages: list[dict[str, Any]], tools: Any, budget: int) -> tuple[list[dict[str, Any]], bool]:
@@ -150,8 +188,8 @@ def tool_suffix_ids(tok: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
     came before; the prefix is trimmed at its last EOS)."""
     calls = [{"type": "function", "function": {"name": tool_messages[0].get("name") or "", "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, return_dict=False)
-    full = tok.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prefix = _ids(tok, dummy, None, False)
+    full = _ids(tok, dummy + tool_messages, None, True)
     eos = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
     if eos:
         prefix = prefix[: eos[-1] + 1]
@@ -168,8 +206,7 @@ def continue_ids(tok: Any, prompt: list[int], completion: list[int], tool_messag
 # ------------------------------------------------------------------------------------------------ reading
 def parse(tok: Any, completion: list[int], prompt: list[int], tools: Any, completion_form: bool) -> dict[str, Any]:
     """The sampled turn as an assistant message (tool-call arguments as objects), read as TRL reads it."""
-    reader = getattr(tok, "response_template", None) or getattr(tok, "response_schema", None)
-    if completion_form or reader is None or not has_template(tok):  # TRL decodes these as text
+    if completion_form or not has_template(tok) or not formats.reader(tok):  # TRL decodes these as text
         return {"role": "assistant", "content": tok.decode(completion, skip_special_tokens=True)}
     from trl.chat_template_utils import parse_response
 
@@ -231,7 +268,9 @@ def sample(
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kw: dict[str, Any] = dict(max_new_tokens=budget, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    stops = formats.stop_ids(model, tok)  # GRPOTrainer's: the tokenizer's eos and the model's generation_config's
+    eos: Any = stops[0] if len(stops) == 1 else (stops or None)  # one id: passed as the int it always was
+    kw: dict[str, Any] = dict(max_new_tokens=budget, pad_token_id=pad, eos_token_id=eos)
     if temperature > 0:
         kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     else:
@@ -248,8 +287,9 @@ def sample(
     out = []
     for row in range(len(prompts)):
         c = new[row].tolist()
-        if tok.eos_token_id in c:
-            c = c[: c.index(tok.eos_token_id) + 1]
+        end = next((i for i, t in enumerate(c) if t in stops), None)
+        if end is not None:
+            c = c[: end + 1]
         out.append((c, [round(x, 5) for x in lps[row][: len(c)]] if lps is not None else None))
     return out
 
@@ -335,10 +375,8 @@ class Splicer:
         """The template's tokens for what follows the answer ``k`` (a new user turn), or None when the rendering of
         the conversation does not extend the rendering up to the answer."""
         tok, tl = self.tok, tool_list(tools)
-        head = tok.apply_chat_template(
-            messages[: k + 1], tools=tl, add_generation_prompt=False, tokenize=True, return_dict=False
-        )
-        full = tok.apply_chat_template(messages, tools=tl, add_generation_prompt=True, tokenize=True, return_dict=False)
+        head = _ids(tok, messages[: k + 1], tl, False)
+        full = _ids(tok, messages, tl, True)
         eos = [i for i, t in enumerate(head) if t == tok.eos_token_id]
         if eos:
             head = head[: eos[-1] + 1]

@@ -51,6 +51,7 @@ from hermes_lab.core.layout import TrainLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.reports import EvalReport
 from hermes_lab.core.verdict import STOP_HEALTH, gate, write_verdict
+from hermes_lab.policy import formats
 from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.policy.episodes import family_of_environment
 from hermes_lab.train import episodes as EP
@@ -180,6 +181,7 @@ def train(
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    formats.prepare(tok, cfg.model.tool_parser)  # the policy's reader, as the gateway and execute read it
     if cfg.grpo.turns and not turn_phase:  # turn-level: one row per chosen assistant turn of the conversations
         from hermes_lab.train.turns import turn_dataset
 
@@ -347,6 +349,7 @@ def train_episodes(
     tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    formats.prepare(tok, cfg.model.tool_parser)  # the policy's reader, as the gateway and execute read it
     model, peft_config = _policy_for_training(cfg, base, start_adapter)
     reward = EP.EpisodeReward(cfg.reward.success_threshold)
     gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])

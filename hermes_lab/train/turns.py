@@ -76,7 +76,7 @@ def turn_prompts(
     tools = record.get("tools") or []
     if isinstance(tools, str):
         tools = json.loads(tools) if tools.strip() else []
-    messages = [turn.chat_message(m) for m in record["messages"]]
+    messages = turn.chat_messages(record["messages"])
     logged = logged_tokens(record)
     rows = []
     for k in chosen_turns(messages, which, record.get("reward"), threshold):
