@@ -304,3 +304,50 @@ def _ask(client, messages: list[dict], stream: bool) -> dict:
     if calls:
         msg["tool_calls"] = [calls[k] for k in sorted(calls)]
     return {"message": msg, "finish_reason": finish}
+
+
+def _params(tmp_path: Path, base: Path, extra: str = "") -> Path:
+    p = tmp_path / "params.yaml"
+    runs = tmp_path / "runs"
+    p.write_text(f"model:\n  base_model: {base}\n{extra}round:\n  runs_dir: {runs}\n")
+    return p
+
+
+def test_doctor_says_template_reader_tools_and_prefix(tmp_path):
+    """doctor's chat format row: PASS with the template, reader, tools and prefix facts; FAIL naming the error."""
+    from hermes_lab.cli import doctor
+    from hermes_lab.config.schema import load_config
+
+    qwen3 = build_family("qwen3", CACHE)
+    c = doctor._format_check(load_config(_params(tmp_path, qwen3)))
+    assert c.status == doctor.PASS, c
+    assert "template trl:qwen3, reader trl, renders tools, not prefix-preserving" in c.detail
+    assert "rendered with trl:qwen3_training" in c.detail
+    hermes3 = build_family("hermes3", CACHE)
+    c = doctor._format_check(load_config(_params(tmp_path, hermes3)))
+    assert c.status == doctor.FAIL and "unknown_format" in c.detail and "reader none" in c.detail
+    c = doctor._format_check(load_config(_params(tmp_path, hermes3, "  tool_parser: hermes\n")))
+    assert c.status == doctor.PASS and "reader tool_parser:hermes" in c.detail and "custom:" in c.detail
+    bare = tmp_path / "bare"
+    shutil.copytree(hermes3, bare)
+    conf = json.loads((bare / "tokenizer_config.json").read_text())
+    conf.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(conf))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    c = doctor._format_check(load_config(_params(tmp_path, bare)))
+    assert c.status == doctor.FAIL and "no_chat_template" in c.detail
+    c = doctor._format_check(load_config(_params(tmp_path, tmp_path / "nowhere")))
+    assert c.status == doctor.WARN and "no tokenizer on this machine" in c.detail
+    assert doctor._format_check(load_config(None)).status == doctor.PASS  # the embedded policy: nothing loaded
+
+
+def test_a_round_on_an_unreadable_format_stops_before_its_first_stage(tmp_path):
+    """The round's start: a named error (one line, exit 2), no round directory made."""
+    from hermes_lab.round import runner
+
+    hermes3 = build_family("hermes3", CACHE)
+    params = _params(tmp_path, hermes3)
+    with pytest.raises(formats.ChatFormatError, match="unknown_format"):
+        runner.run_round(str(params), quiet=True)
+    assert not list((tmp_path / "runs").glob("round-*"))
+    assert runner.main(["--params", str(params)]) == 2

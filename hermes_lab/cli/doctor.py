@@ -110,6 +110,7 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
 
     if "tests" in cfg.reward.types:
         checks.extend(_sandbox_checks(cfg))
+    checks.append(_format_check(cfg))
     m, r = cfg.model, cfg.reward
     if m.base_url:
         add(
@@ -147,6 +148,40 @@ def _config_targets(params: str, checks: list[Check]) -> list[Target]:
             )
         )
     return list(found.values())
+
+
+def _format_check(cfg: object) -> Check:
+    """The policy's chat format (``hermes_lab.policy.formats``): its template, the reader its tool calls are read
+    with, whether the template renders tools, is prefix-preserving and re-renders a tool-result turn as TRL
+    trains it. FAIL: no template, a format no reader knows, or a reader that cannot read the template's calls."""
+    from hermes_lab.policy import formats
+
+    m = cfg.model  # type: ignore[attr-defined]
+    try:
+        tok = formats.model_tokenizer(cfg, local_only=True)
+    except Exception as e:  # not on this machine (doctor downloads nothing): said, and checked at round start
+        why = str(e).splitlines()[0][:160]
+        return Check(
+            "chat format",
+            WARN,
+            f"{m.base_model}: no tokenizer on this machine to check ({type(e).__name__}: {why}); the round checks "
+            "it at its start",
+        )
+    if tok is None:
+        return Check("chat format", PASS, f"{m.base_model}: the tiny policy's own template and reader (policy.chat)")
+    d = formats.describe(tok, m.tool_parser)
+    facts = (
+        f"template {d['template']}, reader {d['reader'] or 'none'}, "
+        f"{'renders' if d['renders_tools'] else 'does not render'} tools, "
+        f"{'' if d['prefix_preserving'] else 'not '}prefix-preserving"
+        + (f" (rendered with {d['render']})" if d["render"] != "own" else "")
+        + f", a tool-result turn re-renders {'to' if d['rerender_stable'] else 'NOT to'} the trained tokens"
+    )
+    if d["error"]:
+        return Check("chat format", FAIL, f"{m.base_model}: {d['error']} [{facts}]")
+    if not d["renders_tools"] or not d["multi_turn"]:
+        return Check("chat format", WARN, f"{m.base_model}: {facts}: tool-calling episodes cannot be trained")
+    return Check("chat format", PASS, f"{m.base_model}: {facts}")
 
 
 def _sandbox_checks(cfg: object) -> list[Check]:

@@ -393,3 +393,27 @@ def template_name_of(text: str) -> str | None:
         if k.endswith("_training_chat_template") and v == text:
             return "trl:" + k.removesuffix("_chat_template")
     return None
+
+
+def model_tokenizer(cfg: Any, local_only: bool = False) -> Any | None:
+    """The tokenizer of ``cfg.model.base_model`` (its ``model.adapter``'s when that carries one), None for the
+    embedded tiny policy (its own template and reader, ``policy.chat``: nothing to resolve, nothing built).
+    ``local_only``: from disk or the hub cache only (doctor: no download)."""
+    from pathlib import Path
+
+    from hermes_lab.config.training import EMBEDDED_MODEL
+
+    m = cfg.model
+    if m.base_model == EMBEDDED_MODEL:
+        return None
+    from transformers import AutoTokenizer
+
+    src = m.adapter if m.adapter and Path(m.adapter, "tokenizer_config.json").is_file() else m.base_model
+    return AutoTokenizer.from_pretrained(src, trust_remote_code=m.trust_remote_code, local_files_only=local_only)
+
+
+def check_model(cfg: Any) -> Reader | None:
+    """``check`` on the config's policy (the start of a round): ChatFormatError before any stage runs; None for
+    the embedded tiny policy."""
+    tok = model_tokenizer(cfg)
+    return None if tok is None else check(tok, cfg.model.tool_parser)

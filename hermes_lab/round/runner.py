@@ -46,6 +46,7 @@ from hermes_lab.core.layout import PolicyLayout, RoundLayout, RunsLayout, round_
 from hermes_lab.core.paths import PACKAGE_REPO
 from hermes_lab.core.state import FlywheelState, SimulatedClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, WAITING, read_verdict
+from hermes_lab.policy import formats
 from hermes_lab.round.outcome import finish_round, log_round, print_summary
 from hermes_lab.round.stages import STAGES, RoundContext, Stage, fresh_data
 
@@ -253,6 +254,7 @@ def run_round(
         for w in _check_deep(cfg, runs):
             if not quiet:
                 print(f"warning: {w}", flush=True)
+        formats.check_model(cfg)  # a policy whose tool calls cannot be read: a named error now, not text answers
         state = FlywheelState.load(state_path(runs))
         n = state.last_round + 1
         rd = _round_dir(runs, n)
