@@ -351,3 +351,23 @@ def test_a_round_on_an_unreadable_format_stops_before_its_first_stage(tmp_path):
         runner.run_round(str(params), quiet=True)
     assert not list((tmp_path / "runs").glob("round-*"))
     assert runner.main(["--params", str(params)]) == 2
+
+
+def test_the_documented_vllm_flags_are_the_formats(played):
+    """docs/gpu.md's row for the family is formats.vllm_flags; where the loop implements vLLM's parser, that parser
+    reads the family's own tool call exactly as TRL's reader does (what vLLM serves is what is trained)."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith(f"| {played.name} "))
+    flags = formats.vllm_flags(played.tok, played.fam.tool_parser)
+    import trl
+
+    shown = " ".join(flags).replace(str(Path(trl.__file__).parent), "<trl>")
+    assert f"`{shown}`" in row and played.reader.source in row
+    parser = flags[flags.index("--tool-call-parser") + 1]
+    if parser in formats.TOOL_PARSERS:
+        from transformers import AutoTokenizer
+
+        other = AutoTokenizer.from_pretrained(played.dir)
+        other.response_template = formats.parser_template(other, parser)
+        for t in played.turns[:6]:
+            assert calls_of(other.parse_response(t.c1, prefix=t.p1)) == calls_of(t.msg)

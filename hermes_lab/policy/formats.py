@@ -417,3 +417,43 @@ def check_model(cfg: Any) -> Reader | None:
     the embedded tiny policy."""
     tok = model_tokenizer(cfg)
     return None if tok is None else check(tok, cfg.model.tool_parser)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+# vLLM's --tool-call-parser for each template TRL knows (vLLM's docs, tool_calling.md): Qwen2.5/Qwen3 write Hermes'
+# <tool_call> JSON blocks, Llama 3.1/3.2 JSON with "parameters", GPT-OSS the harmony format (vLLM's openai parser).
+VLLM_PARSERS = {
+    "trl:qwen2_5": "hermes",
+    "trl:qwen3": "hermes",
+    "trl:qwen3_instruct_2507": "hermes",
+    "trl:llama3_1": "llama3_json",
+    "trl:llama3_2": "llama3_json",
+    "trl:gptoss": "openai",
+    "trl:qwen3_5_nothink": "qwen3_coder",
+    "trl:qwen3_5_think": "qwen3_coder",
+    "trl:glm4moe": "glm45",
+}
+
+
+def vllm_flags(tok: Any, tool_parser: str | None = None) -> list[str]:
+    """The ``vllm serve <model>`` flags that serve this policy as the loop trains it: its tool-call parser
+    (``VLLM_PARSERS``, else ``model.tool_parser``), the template GRPOTrainer renders with when it is not the
+    model's own (``--chat-template`` TRL's file), runtime LoRA (with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in
+    its environment: the gateway loads each round's adapter). ChatFormatError when no parser is known."""
+    from pathlib import Path
+
+    import trl
+
+    name = template_name(tok)
+    parser = VLLM_PARSERS.get(name) or tool_parser
+    if not parser:
+        raise ChatFormatError(
+            "unknown_format", f"no vLLM tool-call parser is known for template {name}: set model.tool_parser"
+        )
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    prepare(tok, tool_parser)
+    tpl = render_template(tok)
+    if tpl is not None:
+        trained = (template_name_of(tpl) or "").removeprefix("trl:")
+        flags += ["--chat-template", str(Path(trl.__file__).parent / "chat_templates" / f"{trained}.jinja")]
+    return [*flags, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64"]
