@@ -9,7 +9,8 @@ interpreter, which may be another virtualenv's).
 What each layer does, and what it is for:
 
 - ``private_mounts``: a size- and inode-capped tmpfs on the work dir, /tmp and /dev/shm of the run's own mount
-  namespace (a fresh one per run, so nothing written survives it), and a /proc of its own pid namespace.
+  namespace (a fresh one per run, so nothing written survives it), a devpts instance of its own (no pty of one
+  run is another's), and a /proc of its own pid namespace.
 - ``drop_privileges``: as root, the program runs as ``nobody`` with no groups; otherwise with every capability
   gone from every set, the bounding set and ambient ones included, and ``SECBIT_NOROOT`` locked (an exec never
   gives them back); ``no_new_privs`` either way.
@@ -32,7 +33,7 @@ import stat
 import sys
 
 NOBODY = 65534
-CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
@@ -77,12 +78,15 @@ class Kernel:
     # ------------------------------------------------------------------------------------------- mounts
     def private_mounts(self, work, size_mb, uid):
         """In a fresh mount namespace: the work dir, /tmp and /dev/shm as tmpfs of ``size_mb`` each and
-        TMPFS_INODES files at most, owned by the user the program runs as."""
+        TMPFS_INODES files at most, owned by the user the program runs as; a devpts instance of the run's own on
+        /dev/pts (bubblewrap's one served every run: a pty one run opened, another could open and read)."""
         self.mount(None, "/", None, MS_REC | MS_PRIVATE)
         opts = f"size={max(1, size_mb)}m,nr_inodes={TMPFS_INODES},uid={uid},gid={uid}"
         self.mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,{opts}")
         for d in PRIVATE_TMP:
             self.mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{opts}")
+        # /dev/ptmx is bubblewrap's link to pts/ptmx: it opens this instance's
+        self.mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0600")
 
     def mount_proc(self):
         """A /proc of this pid namespace (the caller is its pid 1): only the run's own processes in it."""

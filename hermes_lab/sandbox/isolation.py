@@ -11,11 +11,14 @@ The layers, each enforced by the kernel (the audit hook inside the run is a seco
 - **a root of its own** (namespaces): the fork server runs inside bubblewrap (Debian's ``bubblewrap``, the
   sandbox Flatpak uses) in a root built of read-only binds of /usr, the interpreter and the libraries the run
   may import, and nothing else of the host (no checkout, no runs/, no $HOME, no /root); its own pid, network,
-  IPC, UTS and cgroup namespaces. Each run adds a mount and pid namespace of its own with private tmpfs work
-  dir, /tmp and /dev/shm (size- and inode-capped). Without namespaces (or bubblewrap), the fallback:
+  IPC, UTS and cgroup namespaces. Each run adds a mount, pid and network namespace of its own with private tmpfs
+  work dir, /tmp and /dev/shm (size- and inode-capped) and a devpts instance: no address, file, pty or process
+  of one run is in another's reach. Without namespaces (or bubblewrap), the fallback:
 - **Landlock** (``landlock_abi() >= 6``): each run in a Landlock domain of its own that reads only the
   interpreter, the system libraries and a few /etc files and writes only its work dir (on /dev/shm, a tmpfs
-  whose pages the run's memory cgroup counts), and sends no signal outside itself.
+  whose pages the run's memory cgroup counts), and sends no signal outside itself; the seccomp filter refuses
+  every unix socket address (Landlock scopes abstract ones, not paths): the probe run checks it, and without it
+  the fallback is missing its "pathname unix socket barrier".
 - **seccomp** (``hermes_lab.sandbox.seccomp``), in both modes; the fallback's filter also refuses changing a
   file's mode, owner, times, extended attributes or flags by path (Landlock does not govern those).
 - **a cgroup per run** (v1's memory, pids and freezer hierarchies, or v2): memory for the whole run (every
@@ -382,6 +385,13 @@ def missing(report: dict[str, Any]) -> list[str]:
             out.append(f"filesystem barrier (no namespaces: {report.get('namespaces')}; no Landlock in this kernel)")
         if abi < 6:
             out.append(f"signal barrier (no pid namespace, and Landlock ABI {abi} < 6 has no signal scoping)")
+        # Landlock scopes abstract sockets, not a path's: without the filter's refusal, a run reaches a host's
+        # listener (/dev/log, journald, docker.sock) and another run's socket by path
+        if report.get("unix_sockets") != "refused":
+            out.append(
+                "pathname unix socket barrier (no namespaces, and a run's unix socket reaches addresses: "
+                f"{report.get('unix_sockets', 'not probed')})"
+            )
     return out
 
 

@@ -398,6 +398,7 @@ class LocalExecutor(Executor):
                 rep["user"] = "nobody" if probe["uid"] == 65534 else f"uid {probe['uid']}, no capabilities"
                 rep["root_entries"] = probe["root"]
                 rep["host_paths"] = probe["host_paths"]
+                rep["unix_sockets"] = probe.get("unix_sockets", "not probed")
             rep["missing"] = iso.missing(rep)
             self._report = rep
         return dict(self._report)
@@ -411,12 +412,14 @@ class LocalExecutor(Executor):
         }
         if self.namespaced:
             user = "user+" if os.geteuid() != 0 else ""
-            out["namespaces"] = f"{user}net+pid+mount+ipc+uts (bubblewrap; a mount and pid namespace per run)"
+            out["namespaces"] = f"{user}net+pid+mount+ipc+uts (bubblewrap; a mount, pid and network namespace per run)"
             out["filesystem"] = (
                 "a root of its own: /usr and the interpreter read-only, nothing else of the host; "
-                f"tmpfs {NS_WORK}, /tmp, /dev/shm per run (file_mb each, {4096} inodes)"
+                f"tmpfs {NS_WORK}, /tmp, /dev/shm and a devpts per run (file_mb each, {4096} inodes)"
             )
-            out["network"] = "cut off (own network namespace, and no socket: seccomp)"
+            out["network"] = (
+                "cut off (a network namespace per run; no socket but a socketpair, and no address for it: seccomp)"
+            )
             out["processes"] = "own pid namespace per run"
         else:
             abi = self.landlock_abi
@@ -428,7 +431,9 @@ class LocalExecutor(Executor):
                 if abi
                 else "NOT confined (no namespaces, no Landlock): only the audit hook"
             )
-            out["network"] = "no socket (seccomp)" + (", no TCP (Landlock)" if abi >= 4 else "")
+            out["network"] = "no socket but a socketpair, and no unix address for it (seccomp)" + (
+                ", no TCP (Landlock)" if abi >= 4 else ""
+            )
             out["processes"] = "Landlock signal scope" if abi >= 6 else "NOT confined: signals reach the host"
         return out
 

@@ -8,10 +8,12 @@ namespaces or without them.
     python -c "from hermes_lab.sandbox import seccomp; print(seccomp.describe(), len(seccomp.filter_bpf()))"
 
 The filter allows by default and refuses (EPERM) what a program that computes an answer never needs and an
-attacker does: every socket but an AF_UNIX socketpair (a harness talks to its child over one), memory the
+attacker does: every socket but an AF_UNIX socketpair, and any address for that one (bind, connect, sendto with
+an address, sendmsg: no message or descriptor to another run or a host's listener), memory the
 run's cgroup would not see or that outlives it (memfd, SysV shared memory), state shared across runs (keyrings,
 SysV IPC, POSIX message queues), other processes (ptrace, process_vm_*, pidfd_getfd), new namespaces and
-mounts, and the kernel's larger attack surfaces (io_uring, which can open sockets past seccomp; bpf,
+mounts, what one run could see of another through a file both read (flock, F_GETLK, inotify, fanotify, dnotify,
+leases), and the kernel's larger attack surfaces (io_uring, which can open sockets past seccomp; bpf,
 perf_event_open, userfaultfd; modules, kexec, reboot, clocks). ``clone3`` answers ENOSYS, so the C library
 falls back to ``clone``, whose flags a filter can see (a clone asking for a namespace is refused). Syscalls of
 another ABI (x32, i386 on x86_64) kill the process: libseccomp's architecture check.
@@ -47,6 +49,19 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "mq_notify",
         "mq_getsetattr",
     ),
+    # a socketpair talks to its peer only; an address (abstract or a path) reaches another run or a host's
+    # listener, a descriptor sent reaches whoever receives it: the harness needs none of these (pipes)
+    "unix socket addresses and descriptors passed": (
+        "bind",
+        "connect",
+        "listen",
+        "accept",
+        "accept4",
+        "sendmsg",
+        "sendmmsg",
+    ),
+    # what one run can see of another through a file both may read (the interpreter's): a lock held, a watch
+    "channels through shared files": ("flock", "inotify_add_watch", "fanotify_mark"),
     "other processes": ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "process_madvise"),
     "namespaces and mounts": (
         "unshare",
@@ -117,12 +132,14 @@ BY_PATH_ATTRIBUTES = (
     "lremovexattr",
     "setxattrat",
     "removexattrat",
-    "inotify_add_watch",
-    "fanotify_mark",
 )
 FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR = 0x40086602, 0x401C5820
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C  # push input into a terminal; the console's own ioctl
+# fcntl commands that reach past the run's own files: another's lock on a file both read (F_GETLK, F_OFD_GETLK),
+# leases and directory notifications (F_SETLEASE, F_NOTIFY), SIGIO sent to a process of one's choosing
+F_GETLK, F_SETOWN, F_SETOWN_EX, F_OFD_GETLK, F_SETLEASE, F_NOTIFY = 5, 8, 15, 36, 1024, 1026
+FCNTL_REFUSED = (F_GETLK, F_SETOWN, F_SETOWN_EX, F_OFD_GETLK, F_SETLEASE, F_NOTIFY)
 
 
 class SeccompUnavailable(RuntimeError):
@@ -130,7 +147,8 @@ class SeccompUnavailable(RuntimeError):
 
 
 def refused_count() -> int:
-    return sum(len(v) for v in REFUSED.values()) + 3  # + clone with a namespace flag, clone3, socketpair
+    # + clone with a namespace flag, clone3, socketpair other than AF_UNIX, sendto an address, fcntl's commands
+    return sum(len(v) for v in REFUSED.values()) + 5
 
 
 def filter_bpf(landlocked: bool = False) -> bytes:
@@ -149,6 +167,9 @@ def filter_bpf(landlocked: bool = False) -> bytes:
             with contextlib.suppress(OSError, RuntimeError, ValueError):  # a syscall unknown here: none to refuse
                 f.add_rule(deny, name)
     f.add_rule(deny, "socketpair", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    f.add_rule(deny, "sendto", sc.Arg(4, sc.NE, 0))  # an address: send() (no address) to the peer stays
+    for cmd in FCNTL_REFUSED:
+        f.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, cmd))
     for flag in NAMESPACE_FLAGS:
         f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags live in memory no filter reads: use clone
