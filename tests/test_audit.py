@@ -35,7 +35,7 @@ def test_the_embedded_default_passes_the_audit(capsys):
     out = capsys.readouterr().out
     for reward in ("system", "tests", "comparison"):
         assert re.search(rf"reward {reward}\s+│ PASS", out), out
-    assert "46 adversarial completions, paid at most 0/5" in out  # the tests reward: the hostile set
+    assert "51 adversarial completions, paid at most 0/5" in out  # the tests reward: the hostile set
 
 
 @pytest.mark.slow

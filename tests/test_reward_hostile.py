@@ -1,9 +1,10 @@
-"""The tests reward against a reward-hunting policy: the hostile set (hermes_lab.rewards.adversarial.TESTS, 47
-wrong completions, each with an attack on its grader, written for this project) on MBPP, HumanEval,
-stdin/stdout and the embedded code family, through the tests reward with the default config and the real
-sandbox. None is paid; the right answers to the same tasks are, so the zeros are the attacks'. Then the wire
-between the judge and the candidate (sandbox/harness.py) against hostile bytes, and the harness's source
-fallback for another interpreter."""
+"""The tests reward against a reward-hunting policy: the hostile set (hermes_lab.rewards.adversarial.TESTS, 52
+wrong completions, each with an attack on its grader, written for this project) on MBPP, HumanEval (its prompt
+raw, chat-wrapped and as a system + user pair), stdin/stdout and the embedded code family, through the tests
+reward with the default config and the real sandbox. None is paid; the right answers to the same tasks are, so
+the zeros are the attacks'. Then exceptions against every judge-side protocol that catches one (each shown to
+bend the same statement run in one process), the wire between the judge and the candidate (sandbox/harness.py)
+against hostile bytes, and the harness's source fallback for another interpreter."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ RIGHT = {  # the honest answer to every probe of the set
     "stale": "    return x * x\n",
     "nested": "    return x * x\n",
     "longest": "    return max(words, key=len) if words else None\n",
+    # chat forms: the whole function in a fence, relying on the prompt's helper (it stays defined)
+    "helper_chat": "```python\ndef decode(s):\n    return encode(s)\n```\n",
+    "helper_pair": "Sure.\n```python\ndef decode(s):\n    return encode(s)\n```\n",
+    "protocol": "    return n % 2 == 0\n",
     "io": "a, b = map(int, input().split())\nprint(a + b)\n",
     "code": "(x+9)*7",
 }
@@ -61,6 +66,66 @@ def test_the_hostile_set_is_paid_nothing_and_the_right_answers_are(tests_reward)
     # contained in every way the set tries: the judge killed, stopped, the candidate gone, nonsense answered
     assert kinds["crash"] >= 8 and kinds["timeout"] == 1 and kinds["runtime_error"] >= 2, kinds
     assert tests_reward.sandbox.runner.stats.exposed == 0  # every judge's memory was out of the candidate's reach
+
+
+# A test statement that reads the candidate through a protocol, and the exception the protocol takes for its
+# signal: a candidate that raises it (and computes nothing) passes the statement in one process.
+PROTOCOLS = {
+    "StopIteration": "assert all(map(f, [1, 2, 3])) and not any(map(f, [4, 5]))",
+    "StopIteration ": "assert list(iter(lambda: f(0), 1)) == []",  # iter(callable, sentinel)
+    "IndexError": "class _S:\n    def __getitem__(self, i):\n        return f(i)\nassert list(_S()) == []",
+    "AttributeError": "class _P:\n    v = property(lambda self: f(0))\nassert not hasattr(_P(), 'v')",
+    "KeyError": "import collections\nclass _M(dict):\n    def __missing__(self, k):\n        return f(k)\n"
+    "assert collections.ChainMap(_M(), {'k': 7})['k'] == 7",
+    "TypeError": "import operator\nclass _L:\n    def __length_hint__(self):\n        return f(0)\n"
+    "assert operator.length_hint(_L(), 7) == 7",
+}
+
+
+def _raiser(exc: str) -> str:
+    return f"def f(x):\n    raise {exc.strip()}('computed nothing')\n"
+
+
+def test_no_exception_of_the_candidate_steers_a_protocol_of_the_judge(tests_reward):
+    """Each statement passes in one process with a candidate that raises the protocol's signal (the control:
+    the bend is real); through the sandbox it fails: the exception arrives as CandidateRaised."""
+    for exc, stmt in PROTOCOLS.items():
+        ns: dict = {}
+        exec(_raiser(exc), ns)
+        exec(compile(stmt, "test.py", "exec"), ns)  # passes: the protocol swallowed the candidate's exception
+    specs = [json.dumps({"kind": "assert", "tests": [stmt], "entry_point": "f"}) for stmt in PROTOCOLS.values()]
+    scores = tests_reward(prompts=["f"] * len(specs), completions=[_raiser(e) for e in PROTOCOLS], tests=specs)
+    assert scores == [0.0] * len(specs), dict(zip(PROTOCOLS, scores))
+
+
+def test_an_exception_the_tests_catch_by_name_still_arrives_as_itself_but_a_protocol_signal_never(tests_reward):
+    expects = "try:\n    f(-1)\n    assert False\nexcept {exc}:\n    pass"
+    cases = [  # (the exception the test expects, what the candidate raises, paid)
+        ("ValueError", "ValueError", 5.0),
+        ("LookupError", "IndexError", 5.0),  # a base class named: IndexError is caught as in one process
+        ("(KeyError, TypeError)", "TypeError", 5.0),
+        ("ValueError", "TypeError", 0.0),
+        ("StopIteration", "StopIteration", 0.0),  # a protocol's signal: never itself, even where it is expected
+    ]
+    specs = [
+        json.dumps({"kind": "assert", "tests": [expects.format(exc=want), "assert f(2) == 2"], "entry_point": "f"})
+        for want, _, _ in cases
+    ]
+    codes = [f"def f(x):\n    if x < 0:\n        raise {got}('no')\n    return x\n" for _, got, _ in cases]
+    scores = tests_reward(prompts=["f"] * len(cases), completions=codes, tests=specs)
+    assert scores == [paid for _, _, paid in cases], scores
+
+
+def test_raised_maps_every_protocol_signal_to_a_distinct_error():
+    every = frozenset(harness.PROTOCOL_SIGNALS | {"ValueError", "IndexError", "LookupError"})
+    for name in (*harness.PROTOCOL_SIGNALS, "NotAnException", "UnicodeDecodeError"):
+        e = harness.raised(name, "x", every | {name})
+        assert type(e) is harness.CandidateRaised and str(e) == f"{name}: x"
+    assert type(harness.raised("ValueError", "x", every)) is ValueError
+    assert type(harness.raised("IndexError", "x", frozenset({"LookupError"}))) is IndexError
+    assert type(harness.raised("IndexError", "x", frozenset())) is harness.CandidateRaised
+    assert type(harness.raised("MemoryError", "x", frozenset())) is MemoryError  # still the memory kind
+    assert not issubclass(harness.CandidateRaised, (StopIteration, LookupError, AttributeError, TypeError))
 
 
 def test_the_verdict_cannot_exceed_full_marks_whatever_the_run_prints():

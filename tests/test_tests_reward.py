@@ -16,7 +16,7 @@ from hermes_lab.config.schema import REWARD_TYPES, ConfigError, load_config
 from hermes_lab.rewards import registry as R
 from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox.local import LocalExecutor
-from hermes_lab.sandbox.shapes import SpecError, TestSpec, extract_code, parse_tests
+from hermes_lab.sandbox.shapes import SpecError, TestSpec, extract_code, parse_tests, plan_of, prompt_code
 from hermes_lab.tasks import suite as T
 
 MBPP_REC = {
@@ -144,6 +144,28 @@ def test_humaneval_continuation_full_function_and_all_or_nothing(executor):
     runner = reward.sandbox.runner
     wrong_outcome = runner.cache[runner.key(extract_code(wrong, "auto"), TestSpec.from_json(spec))]
     assert wrong_outcome.marks == "110-" and wrong_outcome.share == 0.0  # the 4th never ran: check stops
+
+
+def test_a_prompt_in_every_form_keeps_its_code_judge_side(executor):
+    """Raw code, chat-wrapped (prose, then a fenced block) and a system + user pair (chat messages; the system
+    message names ```python in passing): the prompt's code is the same, its imports and helpers run judge-side,
+    and the completion continues it or defines the whole function, in every form."""
+    chat = "Complete the function below.\n\n```python\n" + HE_PROMPT + "```\n\nAnswer with the whole function."
+    system = "You are a careful Python programmer; answer in one ```python block."
+    pair = [{"role": "system", "content": system}, {"role": "user", "content": chat}]
+    specs = [parse_tests({"test": HE_TEST, "entry_point": "below_zero"}, p) for p in (HE_PROMPT, chat, pair)]
+    assert specs[2].prefix == f"{system}\n\n{chat}"
+    assert [prompt_code(s.prefix) for s in specs] == [HE_PROMPT] * 3
+    assert [plan_of(s).prelude for s in specs] == [(HE_PROMPT,)] * 3
+    assert prompt_code("def f(x):\n    return ") == "def f(x):\n    return "  # the code family's: continued as is
+    fenced = f"```python\ndef below_zero(ops: List[int]) -> bool:\n{HE_BODY}```"  # List: the prompt's import
+    reward = reward_for(executor)
+    got = reward(
+        prompts=[""] * 9,
+        completions=[HE_BODY, fenced, "    return False\n"] * 3,
+        tests=[s.to_json() for s in specs for _ in range(3)],
+    )
+    assert got == [5.0, 5.0, 0.0] * 3
 
 
 def test_stdin_stdout_cases(executor):

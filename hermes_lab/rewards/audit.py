@@ -10,7 +10,7 @@ Each reward of ``reward.types`` (and ``reward.system`` when it names a function)
 ``hermes_lab.rewards.adversarial`` that apply to it, exactly as TRL calls it (prompts, completions and the
 dataset columns it reads):
 
-- ``tests``: the hostile set, wrong code with an attack on its grader (46 of its 47 cases: the judge stopped, which
+- ``tests``: the hostile set, wrong code with an attack on its grader (51 of its 52 cases: the judge stopped, which
   only ends at the run's wall-clock limit, runs in the suite);
 - ``system`` (the verifier): the hostile set's code-family cases, and the generic set on embedded tasks;
 - ``comparison``, ``group_comparison``: completions that ask for a high score or close the judge's delimiters, and

