@@ -37,10 +37,10 @@ def executor():
 class StandIn:
     """The stand-in server on 127.0.0.1 in a thread, ``workers`` programs at once."""
 
-    def __init__(self, executor: LocalExecutor, workers: int):
+    def __init__(self, executor: LocalExecutor, workers: int, **kw):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        self.server = serve(sock, executor, Limits(max_output_kb=64), workers=workers)
+        self.server = serve(sock, executor, Limits(max_output_kb=64), workers=workers, **kw)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -127,6 +127,49 @@ def test_malformed_requests_are_422_and_what_the_standin_cannot_run_a_sandbox_er
         call(standin, code="int main() {}", language="cpp")
     with pytest.raises(Exception, match="Sandbox responded with error"):
         call(standin, code="print(1)", language="python", files={"../escape.txt": b64("x")})
+
+
+def test_deep_or_huge_json_is_a_400_or_413_never_a_500(standin, executor):
+    """A 100,000-deep array (the parser's RecursionError, which is no ValueError) and bodies past the limit,
+    declared or streamed (chunked: no Content-Length). The control: the same nesting does raise RecursionError
+    in json.loads, and a body under the limit runs."""
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    r = httpx.post(f"{standin}/run_code", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], r.text
+    wrapped = '{"code": "print(1)", "language": "python", "x": ' + deep + "}"
+    assert httpx.post(f"{standin}/run_code", content=wrapped).status_code == 400
+    small = StandIn(executor, workers=1, max_body=1 << 20)
+    try:
+        ok = {"code": "print(len('" + "x" * (600 << 10) + "'))", "language": "python"}
+        assert httpx.post(f"{small.url}/run_code", json=ok).json()["run_result"]["stdout"] == f"{600 << 10}\n"
+        big = json.dumps({"code": "#" + "x" * (2 << 20), "language": "python"}).encode()
+        assert httpx.post(f"{small.url}/run_code", content=big).status_code == 413
+        chunks = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no Content-Length: counted as it comes
+        assert httpx.post(f"{small.url}/run_code", content=chunks).status_code == 413
+    finally:
+        small.close()
+
+
+def test_fetch_reads_regular_files_only_and_its_names_are_checked_like_files(standin):
+    """A FIFO the run leaves (the fetch once blocked on it until the run's timeout) and a link to a device are
+    not fetched, a regular file beside them is, at once; a fetch_files name that leaves the work dir is refused
+    as a files name is."""
+    code = (
+        "import ctypes, os\nos.mkfifo('pipe')\nctypes.CDLL(None).symlink(b'/dev/zero', b'zeros')\n"
+        "open('out.txt', 'w').write('done')\nprint(os.path.exists('zeros') and 'left')"
+    )
+    t0 = time.monotonic()
+    r = call(standin, code=code, language="python", run_timeout=10, fetch_files=["pipe", "zeros", "out.txt"])
+    took = time.monotonic() - t0
+    assert r.run_result.stdout == "left\n" and r.files == {"out.txt": b64("done")}, r
+    assert took < 5, took  # a blocked fetch would end at the run's 10 s
+    for name in ("../escape.txt", "/etc/passwd", "a/../../b", "", "nul\0byte"):
+        with pytest.raises(Exception, match="Sandbox responded with error"):
+            call(standin, code="print(1)", language="python", fetch_files=[name])
+    with pytest.raises(Exception, match="Sandbox responded with error"):
+        call(standin, code="print(1)", language="python", files={"nul\0byte": b64("x")})
 
 
 def test_workers_bound_every_request(executor):

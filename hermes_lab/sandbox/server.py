@@ -10,7 +10,9 @@ speaks the API as SandboxFusion's ``sandbox/server/sandbox_api.py`` defines it a
   ``{"detail": [{"loc", "msg", "type"}]}``; a language SandboxFusion knows but this stand-in does not run
   answers ``SandboxError``, as SandboxFusion answers what it cannot run;
 - ``files`` (path -> base64, relative to the program's work dir) written before the run, ``fetch_files`` read
-  after it and returned base64 in ``files`` (a file not there is left out);
+  after it and returned base64 in ``files`` (a file not there, or not a regular file: a FIFO, a device, is
+  left out); a name of either that leaves the work dir answers ``SandboxError``;
+- a body over ``--max-body-mb`` answers 413, JSON nested past the parser's depth 400 (never a 500);
 - ``run_result``: ``Finished`` with the program's own exit code (negative: the signal that killed it, as
   asyncio reports it), ``TimeLimitExceeded`` with no code; the program's ``__file__`` is its file in the work
   dir and its tracebacks are its own; output past the server's limit is cut and ``message`` says
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import json
 import os
 import socket
 import sys
@@ -37,6 +40,7 @@ from hermes_lab.sandbox.executor import Limits, RunRequest, RunResult
 from hermes_lab.sandbox.local import LocalExecutor
 
 MAX_TIMEOUT_S = 60.0
+MAX_BODY = 64 << 20  # a request's bytes (its files travel in it, base64): more is answered 413
 RUNS = ("python", "bash")
 # SandboxFusion's Language literal (sandbox/runners/types.py): anything else is a malformed request (422)
 LANGUAGES = RUNS + (
@@ -114,11 +118,13 @@ def run_code_response(req: dict[str, Any], executor: LocalExecutor, default: Lim
     if req["language"] not in RUNS:
         return _error(f"language {req['language']!r} is not run by this stand-in (python and bash only)")
     files: dict[str, bytes] = {}
+    for name in [*req["files"], *req["fetch_files"]]:
+        if not _inside(name):
+            field = "files" if name in req["files"] else "fetch_files"
+            return _error(f"{field}: {name!r} must be a relative path inside the work dir")
     for name, content in req["files"].items():
         if content is None:
             continue  # SandboxFusion skips a file without content
-        if os.path.isabs(name) or ".." in name.split("/"):
-            return _error(f"files: {name!r} must be a relative path inside the work dir")
         try:
             files[name] = base64.b64decode(content, validate=True)
         except (binascii.Error, ValueError):
@@ -150,6 +156,11 @@ def run_code_response(req: dict[str, Any], executor: LocalExecutor, default: Lim
     }
 
 
+def _inside(name: str) -> bool:
+    """A name of ``files`` or ``fetch_files``: a relative path that stays in the work dir (no '..', no NUL)."""
+    return bool(name) and "\0" not in name and not os.path.isabs(name) and ".." not in name.split("/")
+
+
 def _run_result(r: RunResult) -> dict[str, Any]:
     status, code = "Finished", r.exit_code
     if r.status == "timeout":
@@ -172,8 +183,40 @@ def _error(message: str) -> dict[str, Any]:
     }
 
 
-def build_app(executor: LocalExecutor, default: Limits | None = None, workers: int | None = None) -> Any:
-    """The Starlette app: POST /run_code, GET /v1/ping. ``workers``: programs at once (default the executor's)."""
+class BodyRefused(ValueError):
+    """A request body the stand-in does not parse: too large (413) or nested too deep for the parser (400)."""
+
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+async def read_json(request: Any, max_body: int) -> Any:
+    """The body as JSON, read at most ``max_body`` bytes (Content-Length first, then as it streams: a chunked
+    body has none). Too large: 413; nested past the parser's recursion (a RecursionError, no ValueError): 400;
+    malformed: ValueError (422, as FastAPI answers)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body:
+        raise BodyRefused(413, f"the request body is over {max_body >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise BodyRefused(413, f"the request body is over {max_body >> 20} MiB")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except RecursionError:
+        raise BodyRefused(400, "the JSON body is nested too deeply") from None
+    except MemoryError:
+        raise BodyRefused(413, "the JSON body does not fit in memory") from None
+
+
+def build_app(
+    executor: LocalExecutor, default: Limits | None = None, workers: int | None = None, max_body: int = MAX_BODY
+) -> Any:
+    """The Starlette app: POST /run_code, GET /v1/ping. ``workers``: programs at once (default the executor's);
+    ``max_body``: a request's bytes at most."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
@@ -189,7 +232,9 @@ def build_app(executor: LocalExecutor, default: Limits | None = None, workers: i
 
     async def run_code(request: Request) -> JSONResponse:
         try:
-            req = validate(await request.json())
+            req = validate(await read_json(request, max_body))
+        except BodyRefused as e:
+            return JSONResponse({"detail": str(e)}, status_code=e.status)
         except ValueError as e:
             error = (
                 e.error
@@ -206,12 +251,16 @@ def build_app(executor: LocalExecutor, default: Limits | None = None, workers: i
 
 
 def serve(
-    sock: socket.socket, executor: LocalExecutor, default: Limits | None = None, workers: int | None = None
+    sock: socket.socket,
+    executor: LocalExecutor,
+    default: Limits | None = None,
+    workers: int | None = None,
+    max_body: int = MAX_BODY,
 ) -> Any:
     """A uvicorn server on a bound socket (``server.run(sockets=[sock])`` blocks; tests run it in a thread)."""
     import uvicorn
 
-    app = build_app(executor, default, workers)
+    app = build_app(executor, default, workers, max_body)
     config = uvicorn.Config(app, log_level="warning", access_log=False, ws="none")
     return uvicorn.Server(config)
 
@@ -221,6 +270,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8800, help="port to bind (0: any free port)")
     p.add_argument("--workers", type=int, default=None, help="programs run at once (default: the cores)")
     p.add_argument("--python", default=None, help="the runs' interpreter, a virtualenv's (default: stdlib only)")
+    p.add_argument("--max-body-mb", type=int, default=MAX_BODY >> 20, help="a request's size at most (413 past it)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -235,7 +285,7 @@ def run_cli(args: argparse.Namespace) -> int:
     rep = executor.describe()
     gaps = "; ".join(rep.get("missing") or []) or "every layer enforced"
     print(f"sandbox server: http://{args.host}:{sock.getsockname()[1]}/run_code  ({rep['mode']}: {gaps})", flush=True)
-    serve(sock, executor, workers=args.workers).run(sockets=[sock])
+    serve(sock, executor, workers=args.workers, max_body=args.max_body_mb << 20).run(sockets=[sock])
     return 0
 
 
