@@ -42,19 +42,31 @@ An answer to a LoRA adapter's model name starts with that name (which adapter an
     loras        None: vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING (load_lora_adapter answers 404); a dict:
                  LoRA name -> path of the adapters loaded so far (a loaded name joins ``models``)
 
+A vLLM stand-in: ``FakeOpenAI(models=("base",), vllm_flags=formats.vllm_flags(tok), env={...}, tokenizer=tok)`` is a
+``vllm serve base <flags>`` (``VllmServe``): it parses the flags as vLLM's CLI does (unknown ones and an
+``--enable-auto-tool-choice`` without ``--tool-call-parser`` fail at start), answers 400 to ``tools`` with
+tool_choice auto unless both tool flags are set, mounts /v1/load_lora_adapter only with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING true in ``env`` (else 404) and loads an adapter only with ``--enable-lora`` (else
+400), renders each prompt with its ``--chat-template`` (else the tokenizer's), writes a tool call as the model's
+template writes it and reads it back into ``tool_calls`` with the project's reader of the ``--tool-call-parser``
+name (``policy.formats.parser_template``), as vLLM's parser does: structured calls only when the flags are right.
+
 Every request is recorded (``requests``: method, path, lower-cased headers, JSON body); ``max_inflight`` is the
 most requests seen in flight at once. Reads and writes nothing on disk but an adapter dir's config, looked up.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import codecs
 import copy
 import json
 import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -121,8 +133,18 @@ class Recorded:
 
 
 class FakeOpenAI:
-    def __init__(self, models: tuple[str, ...] | list[str] = ("judge-1", "policy-1"), **settings: Any):
+    def __init__(
+        self,
+        models: tuple[str, ...] | list[str] = ("judge-1", "policy-1"),
+        *,
+        vllm_flags: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        tokenizer: Any = None,
+        **settings: Any,
+    ):
         self.models = list(models)
+        # a `vllm serve` started with these flags, in this environment, serving this tokenizer's model (None: not vLLM)
+        self.vllm = None if vllm_flags is None else VllmServe.start(vllm_flags, tokenizer, env or {})
         self.requests: list[Recorded] = []
         self.inflight = self.max_inflight = 0
         self.port = 0
@@ -135,6 +157,8 @@ class FakeOpenAI:
     def reset(self) -> None:
         for k, v in _DEFAULTS.items():
             setattr(self, k, copy.copy(v))
+        if self.vllm is not None and self.vllm.runtime_lora:  # the LoRA API is mounted: none loaded yet
+            self.loras = {}
 
     def configure(self, **settings: Any) -> FakeOpenAI:
         for k, v in settings.items():
@@ -264,7 +288,11 @@ class FakeOpenAI:
         if name in self.loras:
             msg = f"The lora adapter '{name}' has already been loaded."
             return web.json_response({"error": {"message": msg, "type": "InvalidUserInput"}}, status=400)
-        if not (Path(path) / "adapter_config.json").is_file():
+        if self.vllm is not None:
+            refused = self.vllm.refuse_lora(name, path)
+            if refused is not None:
+                return refused
+        elif not (Path(path) / "adapter_config.json").is_file():
             return web.json_response({"error": {"message": f"No adapter found for {path}"}}, status=400)
         self.loras[name] = path
         self.models.append(name)
@@ -281,15 +309,22 @@ class FakeOpenAI:
             return web.json_response({"error": error}, status=404)
         msgs = body.get("messages", [])
         user = next((m.get("content", "") for m in reversed(msgs) if m.get("role") == "user"), "")
-        reply = self._reply(msgs, user)
-        if self.loras is not None and model in self.loras:  # which adapter answered, in the text
-            reply = f"{model}: {reply}"
-        calls: list[dict[str, Any]] = []
-        reasoning = ""
-        if self.agent and body.get("tools"):
-            reply, calls, reasoning = self._agent_turn(body)
-        n_in = len(str(user))
-        usage = {"prompt_tokens": n_in, "completion_tokens": len(reply), "total_tokens": n_in + len(reply)}
+        if self.vllm is not None:
+            turn = self.vllm.chat(body, lambda: self._reply(msgs, user), self._agent_turn, self.loras or {})
+            if isinstance(turn, web.Response):
+                return turn
+            reply, calls, usage = turn
+            reasoning = ""
+        else:
+            reply = self._reply(msgs, user)
+            if self.loras is not None and model in self.loras:  # which adapter answered, in the text
+                reply = f"{model}: {reply}"
+            calls = []
+            reasoning = ""
+            if self.agent and body.get("tools"):
+                reply, calls, reasoning = self._agent_turn(body)
+            n_in = len(str(user))
+            usage = {"prompt_tokens": n_in, "completion_tokens": len(reply), "total_tokens": n_in + len(reply)}
         base = {"id": "cmpl-1", "created": int(time.time()), "model": model}
         finish = "tool_calls" if calls else "stop"
         if not body.get("stream"):
@@ -378,3 +413,189 @@ class FakeOpenAI:
             return "", calls, f"The user asks: {first[:60]}. I will call {names} first."
         quoted = " | ".join(r[:200] for r in results) or "nothing"
         return f"Done. The tools returned: {quoted}", [], "I have the tool results; time to answer."
+
+
+# ------------------------------------------------------------------------------ vLLM: `vllm serve <model> <flags>`
+# What each check mirrors is vLLM 0.x's own code (github.com/vllm-project/vllm), named at each place.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+# the tokens a tool parser looks up in the vocabulary when it is made, per request (hermes_tool_parser.py
+# Hermes2ProToolParser.__init__: "could not locate tool call start/end tokens in the tokenizer!"; mistral's and
+# qwen3_coder's parsers look theirs up the same way; llama3_json only encodes <|python_tag|>, which never fails)
+VLLM_PARSER_TOKENS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]",),
+    "llama3_json": (),
+}
+
+
+def vllm_error(message: str, status: int = 400, kind: str = "BadRequestError") -> web.Response:
+    """vLLM's ErrorResponse (serving_engine.create_error_response: BAD_REQUEST unless told)."""
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
+
+
+def _vllm_cli(flags: list[str]) -> argparse.Namespace:
+    """The serve flags this stand-in knows, parsed as vLLM's FlexibleArgumentParser does (argparse: an unknown flag
+    or a bad value fails the start). Defaults as vLLM's EngineArgs/LoRAConfig: LoRA off, max_loras 1, max_lora_rank
+    16 (one of MaxLoRARanks)."""
+    p = argparse.ArgumentParser(prog="vllm serve", add_help=False, exit_on_error=False)
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser")
+    p.add_argument("--chat-template")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-lora-rank", type=int, default=16, choices=VLLM_MAX_LORA_RANKS)
+    try:
+        args, unknown = p.parse_known_args(list(flags))
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"vllm serve: error: {e}") from None
+    if unknown:
+        raise ValueError(f"vllm serve: error: unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _load_chat_template(value: str) -> str:
+    """vllm/entrypoints/chat_utils.load_chat_template: a file's text; a value that cannot be opened is the template
+    itself only when it holds one of "{}\\n", else the start fails ("looks like a file path, but it failed to be
+    opened")."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"The supplied chat template ({value}) looks like a file path, but it failed to be opened. Reason: {e}"
+            ) from None
+        return codecs.decode(value, "unicode_escape")
+
+
+@dataclass
+class VllmServe:
+    """``vllm serve <model> <flags>`` as far as the gateway meets it: the chat route's tool handling and the runtime
+    LoRA route. The model is scripted (FakeOpenAI's replies and agent plans); what it writes for a tool call is its
+    chat template's own rendering of that call, as a model trained on the template writes it."""
+
+    args: argparse.Namespace
+    tokenizer: Any
+    template: str  # the chat template prompts are rendered with: --chat-template, else the tokenizer's
+    runtime_lora: bool  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter is mounted
+
+    @classmethod
+    def start(cls, flags: list[str], tokenizer: Any, env: dict[str, str]) -> VllmServe:
+        args = _vllm_cli(flags)
+        # cli_args.validate_parsed_serve_args: "Error: --enable-auto-tool-choice requires --tool-call-parser"
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise TypeError("Error: --enable-auto-tool-choice requires --tool-call-parser")
+        if args.tool_call_parser and args.tool_call_parser not in VLLM_PARSER_TOKENS:
+            # vLLM knows more parsers (openai, glm45, ...); this stand-in reads only those the project implements
+            raise ValueError(
+                f"--tool-call-parser {args.tool_call_parser}: this stand-in implements {', '.join(VLLM_PARSER_TOKENS)}"
+            )
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("a vLLM stand-in serves a model: pass tokenizer= (one with a chat template)")
+        template = _load_chat_template(args.chat_template) if args.chat_template else tokenizer.chat_template
+        # vllm/envs.py: VLLM_ALLOW_RUNTIME_LORA_UPDATING is true for "1" or "true", any case
+        runtime = env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+        return cls(args, tokenizer, template, runtime)
+
+    # ------------------------------------------------------------------------------------------ LoRA
+    def refuse_lora(self, name: str, path: str) -> web.Response | None:
+        """The engine's add_lora, after the route's own checks (serving_models.load_lora_adapter wraps what it raises:
+        400, 404 for "No adapter found"). Mounted at all only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        (entrypoints/serve/lora/api_router.attach_router): FakeOpenAI answers 404 before this otherwise."""
+        if not self.args.enable_lora:  # LoRAModelRunnerMixin.add_lora: no lora_manager without --enable-lora
+            return vllm_error("LoRA is not enabled.")
+        cfg = Path(path) / "adapter_config.json"
+        if not cfg.is_file():  # lora/worker_manager._load_adapter
+            return vllm_error(f"Loading lora {name} failed: No adapter found for {path}", 404, "NotFoundError")
+        rank = json.loads(cfg.read_text()).get("r", 0)
+        if rank > self.args.max_lora_rank:  # lora/worker_manager._load_adapter
+            return vllm_error(f"LoRA rank {rank} is greater than max_lora_rank {self.args.max_lora_rank}.")
+        return None
+
+    # ------------------------------------------------------------------------------------------ chat
+    def chat(
+        self, body: dict[str, Any], reply: Any, agent_turn: Any, loras: dict[str, str]
+    ) -> web.Response | tuple[str, list[dict[str, Any]], dict[str, int]]:
+        """(content, tool_calls, usage) of serving_chat.create_chat_completion + chat_completion_full_generator for
+        this request, or its error response. ``reply()``: the scripted text answer; ``agent_turn(body)``: the
+        scripted tool-using turn (FakeOpenAI._agent_turn)."""
+        a, tok = self.args, self.tokenizer
+        tools = body.get("tools") or None
+        # protocol.ChatCompletionRequest.check_tool_usage: tools without a tool_choice mean "auto"
+        choice = body.get("tool_choice", "auto" if tools else "none")
+        auto_tools = bool(a.enable_auto_tool_choice and a.tool_call_parser)
+        if choice == "auto" and not auto_tools:  # serving_chat.create_chat_completion, for HF tokenizers
+            return vllm_error('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        if tools and choice not in ("auto", "none"):  # "required" / a named tool: vLLM's structured outputs
+            return vllm_error(f"this vLLM stand-in does not emulate tool_choice={choice!r}", 501, "NotImplementedError")
+        try:  # _preprocess_chat: the served template renders the conversation (a template error is a 400)
+            prompt = tok.apply_chat_template(
+                body.get("messages", []),
+                tools=tools,
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as e:
+            return vllm_error(f"{e} {e.__cause__}")
+        model = body.get("model")
+        if tools and choice == "auto":
+            text, calls, _ = agent_turn(body)  # no --reasoning-parser: no reasoning_content
+            text = self.write(calls, tools) if calls else text
+            for t in VLLM_PARSER_TOKENS[a.tool_call_parser]:  # the parser is made for this request
+                if t not in tok.get_vocab():
+                    return vllm_error(f"{a.tool_call_parser} tool parser could not locate {t} in the tokenizer!")
+            content, out = self.read(text, prompt)
+        else:  # tool_choice none, or no tools: content as the model wrote it
+            content = reply()
+            if model in loras:  # which adapter answered, in the text
+                content = f"{model}: {content}"
+            text, out = content, []
+        n_in = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        n_out = len(tok(text, add_special_tokens=False)["input_ids"]) + 1  # and its stop token
+        return content or "", out, {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    def write(self, calls: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        """The model's text for these calls: the served template's rendering of them after its generation prompt, up
+        to its stop token (vLLM's output text leaves the stop token out)."""
+        tok = self.tokenizer
+        user = [{"role": "user", "content": "x"}]
+        fns = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls]
+        msg = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": f} for f in fns]}
+        kw: dict[str, Any] = dict(tools=tools, chat_template=self.template, tokenize=False)
+        head = tok.apply_chat_template(user, add_generation_prompt=True, **kw)
+        full = tok.apply_chat_template([*user, msg], **kw)
+        assert full.startswith(head), "the template's answer does not extend its generation prompt"
+        text = full[len(head) :]
+        stops = [tok.eos_token] if tok.eos_token else []
+        return text[: min([text.index(s) for s in stops if s in text] or [len(text)])]
+
+    def read(self, text: str, prompt: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) as vLLM's tool parser returns them (ExtractedToolCallInformation), read with the
+        project's reader of that parser name (policy.formats.parser_template): each call an OpenAI tool call with a
+        ``chatcmpl-tool-`` id and its arguments as a JSON string (json.dumps, ensure_ascii=False); the content
+        before the calls, or None. A text the reader cannot parse, or one without calls, is the content as it was
+        written (the parsers' ``except``: tools_called=False, content=model_output)."""
+        from hermes_lab.policy import formats
+
+        tok = self.tokenizer
+        try:
+            parsed = tok.parse_response(
+                text, schema=formats.parser_template(tok, self.args.tool_call_parser), prefix=prompt
+            )
+        except Exception:
+            return text, []
+        calls = [c.get("function", c) for c in parsed.get("tool_calls") or []]
+        if not calls:
+            return text, []
+        out = [
+            {
+                "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
+            for c in calls
+        ]
+        return parsed.get("content") or None, out

@@ -214,14 +214,75 @@ def test_swap_in_process_under_load(tmp_path, adapter):
     assert not late, late[:2]
 
 
+VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # docs/gpu.md: the environment `vllm serve` runs in
+TERMINAL = {"name": "terminal", "arguments": {"command": "echo hello from the fixture"}}  # the stand-in's scripted call
+AGENT = {
+    "messages": [{"role": "user", "content": "first line of kelo.txt?"}],
+    "tools": W.tool_schema(),  # Hermes's own tool schemas
+    "tool_choice": "auto",
+    "temperature": 0.5,
+    "max_tokens": 64,
+}
+
+
+@pytest.fixture(scope="module", params=["embedded", "qwen2_5", "llama3_1"])
+def served(request, adapter) -> tuple[str, object]:
+    """(family, the tokenizer of the model a vLLM server serves): the embedded tiny policy's, or a real family's
+    (tests/families.py: its real template and special tokens, built here, nothing downloaded)."""
+    if request.param == "embedded":
+        from transformers import AutoTokenizer
+
+        from hermes_lab.policy.model import build_tiny_policy
+
+        return request.param, AutoTokenizer.from_pretrained(build_tiny_policy(str(REPO / "runs"), 0))
+    from families import FAMILIES, build_tokenizer
+
+    return request.param, build_tokenizer(FAMILIES[request.param])
+
+
+def vllm_stub(tok, flags: list[str], env: dict | None = None) -> FakeOpenAI:
+    """tests/fake_openai.py as `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve base-model <flags>`."""
+    return FakeOpenAI(models=("base-model",), vllm_flags=flags, env=VLLM_ENV if env is None else env, tokenizer=tok)
+
+
+def calls_of(message: dict) -> list[dict]:
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in message]
+
+
+def streamed(r: httpx.Response) -> tuple[str, list[dict], str | None]:
+    """(content, tool calls, finish_reason) joined from an OpenAI event stream's deltas."""
+    content, calls, finish = "", {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for ch in json.loads(line[6:]).get("choices", []):
+            d = ch.get("delta") or {}
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                c["name"] += (tc.get("function") or {}).get("name") or ""
+                c["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            finish = ch.get("finish_reason") or finish
+    return content, [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls.values()], finish
+
+
 @pytest.mark.slow
-def test_swap_vllm_runtime_lora(tmp_path, adapter):
+def test_swap_vllm_runtime_lora(tmp_path, adapter, served):
     """serve.lora_upstream: the new adapter goes into the vLLM server through its runtime LoRA API and the
-    candidate asks for it by name; a server without runtime updating refuses, and the old experiment serves on."""
-    vllm = FakeOpenAI(models=("base-model",)).start()
-    vllm.loras = {}
-    off = FakeOpenAI(models=("base-model",)).start()  # a vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    candidate asks for it by name; a server without runtime updating refuses, and the old experiment serves on.
+    The server is a vLLM stand-in started with the flags policy.formats.vllm_flags gives for the served model
+    (docs/gpu.md's table), for the embedded policy and for real families: an agent's tool request comes back as
+    structured tool_calls (streamed and not), read by the parser those flags name."""
+    family, tok = served
+    from hermes_lab.policy import formats
+
+    flags = formats.vllm_flags(tok)
+    doc = (REPO / "docs" / "gpu.md").read_text().splitlines()
+    assert f"`{' '.join(flags)}`" in next(row for row in doc if row.startswith(f"| {family} "))  # the documented row
+    vllm = vllm_stub(tok, flags).start()
+    off = vllm_stub(tok, flags, env={}).start()  # the same flags, without VLLM_ALLOW_RUNTIME_LORA_UPDATING
     try:
+        assert vllm.loras == {} and off.loras is None
         cfg = config(**{"serve.lora_upstream": vllm.url, "serve.lora_base_model": "base-model"})
         pool = ArmPool()
         base = {a: resolve_arm(cfg, a, "embedded:tiny") for a in ("baseline", "candidate")}
@@ -240,34 +301,156 @@ def test_swap_vllm_runtime_lora(tmp_path, adapter):
             assert board.current is gw_a  # the refused swap changed nothing
             srv.swap(lambda: Gateway(cfg, specs_b, ratio=0.5, log_dir=tmp_path / "b", experiment="b", pool=pool))
             time.sleep(3)
-            # an agent's request (tools, tool_choice, sampling settings) reaches vLLM as the client sent it
-            agent = {
-                "messages": [{"role": "user", "content": "first line of kelo.txt?"}],
-                "tools": W.tool_schema(),  # Hermes's own tool schemas
-                "tool_choice": "auto",
-                "temperature": 0.5,
-                "max_tokens": 64,
-            }
+            # an agent's request (tools, tool_choice, sampling settings) reaches vLLM as the client sent it, and
+            # its answer is the model's tool call as vLLM's parser reads it: tool_calls, not text
+            answers = []
             with httpx.Client(base_url=srv.url, trust_env=False, timeout=30) as h:
                 for i in range(8):
                     r = h.post(
                         "/v1/chat/completions",
-                        json={"model": "my-agent", **agent},
+                        json={"model": "my-agent", **AGENT, "stream": i % 4 == 3},
                         headers={"X-Request-ID": f"tools-{i}"},
                     )
-                    assert r.status_code == 200
+                    assert r.status_code == 200, r.text[:300]
+                    answers.append(r)
+        for r in answers:
+            if r.headers["content-type"].startswith("text/event-stream"):
+                content, got, finish = streamed(r)
+            else:
+                choice = r.json()["choices"][0]
+                content, got, finish = (
+                    choice["message"]["content"],
+                    calls_of(choice["message"]["tool_calls"]),
+                    choice["finish_reason"],
+                )
+            assert got == [TERMINAL] and finish == "tool_calls" and not content, (family, r.text[:300])
         assert vllm.loras == {"hermes-round-07": str(adapter.resolve())}
         sent = [q.body for q in vllm.requests if q.path == "/v1/chat/completions" and q.body.get("tools")]
         assert len(sent) == 8 and {b["model"] for b in sent} <= {"base-model", "hermes-round-07"}
-        assert all({k: b[k] for k in agent} == agent for b in sent)  # tools passed through, untouched
+        assert all({k: b[k] for k in AGENT} == AGENT for b in sent)  # tools passed through, untouched
         assert not [d for d in load.done if d["status"] != 200]
         logged = records(tmp_path / "a") + records(tmp_path / "b")
         assert {d["rid"] for d in load.done} <= {r["request_id"] for r in logged}
+        tool_recs = [r for r in logged if str(r["request_id"]).startswith("tools-")]
+        assert len(tool_recs) == 8 and all(calls_of(r["tool_calls"]) == [TERMINAL] for r in tool_recs)
         cand_recs = [r for r in records(tmp_path / "b") if r["arm"] == "candidate"]
         assert cand_recs and all(r["model"] == "hermes-round-07" for r in cand_recs)
-        assert all(r["response"].startswith("hermes-round-07: ") for r in cand_recs if r["status"] == "ok")
+        text_recs = [r for r in cand_recs if r["status"] == "ok" and not r["tool_calls"]]
+        assert text_recs and all(r["response"].startswith("hermes-round-07: ") for r in text_recs)
         asked = {q.body["model"] for q in vllm.requests if q.path == "/v1/chat/completions"}
         assert asked == {"base-model", "hermes-round-07"}
     finally:
         vllm.stop()
         off.stop()
+
+
+def _without(flags: list[str], *drop: str) -> list[str]:
+    """``flags`` less the named flags (with the value of one that takes one)."""
+    out, skip = [], False
+    for i, f in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if f in drop:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            continue
+        out.append(f)
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, change, expect",
+    [
+        ("qwen2_5", ("drop", "--enable-auto-tool-choice"), "400 auto"),
+        ("llama3_1", ("drop", "--enable-auto-tool-choice"), "400 auto"),
+        ("qwen2_5", ("parser", "llama3_json"), "text"),  # the wrong family's parser: the call stays text
+        ("llama3_1", ("parser", "hermes"), "400 parser"),  # hermes' markers are not in Llama's vocabulary
+        ("qwen2_5", ("drop", "--enable-lora"), "lora"),
+        ("qwen2_5", ("env", None), "no route"),
+    ],
+)
+def test_the_vllm_stand_in_refuses_without_its_flags(tmp_path, adapter, family, change, expect):
+    """The control of test_swap_vllm_runtime_lora: the same gateway against the stand-in started with one of
+    vllm_flags' flags missing or wrong gets no tool_calls (a 400 naming the flag, or the call as raw text) or
+    cannot load the round's adapter (a refused swap, the old experiment serving on)."""
+    from families import FAMILIES, build_tokenizer
+
+    from hermes_lab.policy import formats
+
+    tok = build_tokenizer(FAMILIES[family])
+    flags, env = formats.vllm_flags(tok), VLLM_ENV
+    kind, arg = change
+    if kind == "drop":
+        flags = _without(flags, arg)
+    elif kind == "parser":
+        flags[flags.index("--tool-call-parser") + 1] = arg
+    else:
+        env = {}
+    stub = vllm_stub(tok, flags, env).start()
+    try:
+        cfg = config(**{"serve.lora_upstream": stub.url, "serve.lora_base_model": "base-model"})
+        pool = ArmPool()
+        base = {a: resolve_arm(cfg, a, "embedded:tiny") for a in ("baseline", "candidate")}
+        gw_a = Gateway(cfg, base, ratio=0.0, log_dir=tmp_path / "a", experiment="a", say=lambda m: None, pool=pool)
+        board = Switchboard(gw_a, pool)
+        specs_b = {"baseline": base["baseline"], "candidate": resolve_arm(cfg, "candidate", str(adapter))}
+        with Served(board) as srv:
+            swap = lambda: Gateway(cfg, specs_b, ratio=0.5, log_dir=tmp_path / "b", experiment="b", pool=pool)  # noqa: E731
+            if expect in ("lora", "no route"):
+                match = "LoRA is not enabled" if expect == "lora" else "status 404.*VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+                with pytest.raises(UpstreamError, match=match):
+                    srv.swap(swap)
+                assert board.current is gw_a and stub.loras in (None, {})
+                r = httpx.post(
+                    srv.url + "/v1/chat/completions", json={"model": "m", **AGENT}, trust_env=False, timeout=30
+                )
+                assert r.status_code == 200 and calls_of(r.json()["choices"][0]["message"]["tool_calls"]) == [TERMINAL]
+                return
+            r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "m", **AGENT}, trust_env=False, timeout=30)
+        if expect == "400 auto":
+            assert r.status_code == 400 and "--enable-auto-tool-choice and --tool-call-parser" in r.text
+        elif expect == "400 parser":
+            assert r.status_code == 400 and "could not locate <tool_call>" in r.text
+        else:  # the family's call, unread: content holding its raw text, no tool_calls, finish_reason stop
+            msg = r.json()["choices"][0]
+            assert r.status_code == 200 and not msg["message"].get("tool_calls") and msg["finish_reason"] == "stop"
+            assert "<tool_call>" in msg["message"]["content"] and "terminal" in msg["message"]["content"]
+        (rec,) = [
+            x
+            for x in records(tmp_path / "a")
+            if x["messages"] and x["messages"][0]["content"] == "first line of kelo.txt?"
+        ]
+        assert not rec["tool_calls"]
+    finally:
+        stub.stop()
+
+
+def test_the_vllm_stand_in_starts_as_vllm_serve_does(adapter):
+    """vLLM's CLI checks at start: an unknown flag, a rank not in MaxLoRARanks, --enable-auto-tool-choice without
+    --tool-call-parser, a --chat-template path that cannot be opened; and the runtime LoRA route's answers."""
+    from families import FAMILIES, build_tokenizer
+
+    tok = build_tokenizer(FAMILIES["qwen2_5"])
+    for flags, err in [
+        (["--enable-lora", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--max-lora-rank", "48"], "invalid choice"),
+        (["--enable-auto-tool-choice"], "requires --tool-call-parser"),
+        (["--chat-template", "/nowhere/t.jinja"], "looks like a file path"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=err):
+            vllm_stub(tok, flags)
+    with pytest.raises(ValueError, match="tokenizer"):
+        vllm_stub(None, ["--enable-lora"])
+    assert vllm_stub(tok, ["--enable-lora"], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}).loras == {}
+    assert vllm_stub(tok, ["--enable-lora"], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}).loras is None
+    body = {"lora_name": "round-07", "lora_path": str(adapter)}  # an adapter of rank 4
+    for flags, env, status, said in [
+        (["--enable-lora", "--max-lora-rank", "8"], VLLM_ENV, 200, "added successfully"),
+        (["--enable-lora", "--max-lora-rank", "1"], VLLM_ENV, 400, "LoRA rank 4 is greater than max_lora_rank 1."),
+        (["--max-lora-rank", "8"], VLLM_ENV, 400, "LoRA is not enabled."),
+        (["--enable-lora"], {}, 404, "Not Found"),
+    ]:
+        with vllm_stub(tok, flags, env) as stub:
+            r = httpx.post(stub.url + "/v1/load_lora_adapter", json=body, trust_env=False, timeout=30)
+            assert (r.status_code, said in r.text) == (status, True), (flags, env, r.text)
+            assert ("round-07" in stub.models) == (status == 200)
