@@ -283,6 +283,12 @@ def test_within_one_run_its_own_socketpair_pty_and_locks_still_work():
         "    print(os.read(s, 8).decode().strip(), os.ttyname(s))\n"
         "except OSError as e:\n"
         "    print('no pty', e.errno)\n"
+        "if os.path.isdir('/sandbox'):  # namespaces: bubblewrap's root (a user's runs own it: uid 0 of a userns)\n"
+        "    for d in ('/hx-shared', '/dev/hx-shared'):\n"
+        "        try:\n"
+        "            os.mkfifo(d)\n"
+        "        except OSError as e:\n"
+        "            print(e.errno)\n"
     )
     for mode in ("namespaces", "fallback"):
         ex = LocalExecutor(workers=1, isolate=mode == "namespaces", guard=False)
@@ -296,6 +302,8 @@ def test_within_one_run_its_own_socketpair_pty_and_locks_still_work():
         assert r.status == "ok" and lines[:5] == ["ping", "locked", "1", "1", "1"], (mode, r.stdout, r.stderr)
         # namespaces: the run's own devpts, its first pty is pts/0 whatever other runs hold; fallback: none
         assert lines[5] == ("pty /dev/pts/0" if mode == "namespaces" else "no pty 13"), r.stdout
+        if mode == "namespaces":  # bubblewrap's root and /dev, shared by every run: read-only in each (EROFS)
+            assert lines[6:] == ["30", "30"], r.stdout
 
 
 # ------------------------------------------------------------------------------ signals and /proc of a sibling

@@ -10,7 +10,7 @@ What each layer does, and what it is for:
 
 - ``private_mounts``: a size- and inode-capped tmpfs on the work dir, /tmp and /dev/shm of the run's own mount
   namespace (a fresh one per run, so nothing written survives it), a devpts instance of its own (no pty of one
-  run is another's), and a /proc of its own pid namespace.
+  run is another's), bubblewrap's shared root and /dev read-only, and a /proc of its own pid namespace.
 - ``drop_privileges``: as root, the program runs as ``nobody`` with no groups; otherwise with every capability
   gone from every set, the bounding set and ambient ones included, and ``SECBIT_NOROOT`` locked (an exec never
   gives them back); ``no_new_privs`` either way.
@@ -35,6 +35,8 @@ import sys
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1, 32, 4096, 1024, 2048, 1 << 21
+ST_RELATIME = 4096  # statvfs's f_flag for relatime (the other flags it shares share MS_*'s values)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
@@ -87,6 +89,18 @@ class Kernel:
             self.mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{opts}")
         # /dev/ptmx is bubblewrap's link to pts/ptmx: it opens this instance's
         self.mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0600")
+        # bubblewrap's root and /dev are tmpfs every run shares, and uid 0 of a user namespace (a user's runs) owns
+        # them: read-only in this run's mount namespace, nothing one run makes there (a file, a FIFO) another sees
+        for d in ("/", "/dev"):
+            self.remount_read_only(d)
+
+    def remount_read_only(self, path):
+        """This mount namespace's mount at ``path`` read-only, its other flags kept (a user namespace locks
+        nosuid, nodev, noexec and the atime ones: a remount that dropped one would be refused)."""
+        f = os.statvfs(path).f_flag
+        keep = f & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
+        keep |= MS_RELATIME if f & ST_RELATIME else 0
+        self.mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
     def mount_proc(self):
         """A /proc of this pid namespace (the caller is its pid 1): only the run's own processes in it."""
