@@ -1,0 +1,310 @@
+"""The real Hermes Agent's own loop on ``hermes`` tasks: many tasks in one sandboxed process, graded on disk.
+
+Stage: execute, validate and the live traffic against the real agent (``hermes-lab agent --runner hermes``; the
+tests in tests/test_hermes_loop.py). Reads tasks (``tasks.hermes.HermesTask`` or lines of ``hermes-lab tasks
+export``) and the pinned hermes-agent virtualenv (``agents.hermes_env``'s, ``tasks.hermes_agent.find_hermes``).
+Writes only under ``workspace_root``: ``model.sock`` (the sandbox's one way to the model server) and one folder
+per task, ``<task id>-XXXX/`` with ``ws/`` (the task's files, then what Hermes left), ``home/`` (its HERMES_HOME:
+``config.yaml``, Hermes's ``state.db``, ``sessions/``, ``logs/``, ``driver.log``) and ``tmp/``.
+
+    with HermesLoop(base_url, model, workspace_root=root) as loop:
+        runs = loop.run(tasks)          # one HermesRun each: the verifier's reward, the messages, the id
+
+What runs: ``agents/hermes_driver.py`` in the virtualenv's interpreter, under bubblewrap::
+
+    bwrap --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp --bind ROOT ROOT --unshare-net --unshare-pid
+          --unshare-ipc --die-with-parent --new-session  python hermes_driver.py
+
+The driver imports Hermes once and forks a child per task that confines itself (Landlock: only its own three
+folders writable or readable among the tasks', TCP to the model's port only; the driver's docstring) before Hermes
+sees the prompt, and is killed at the task's timeout. The network namespace is empty: the model server is reached
+through ``model.sock``, which this module forwards to ``base_url``'s 127.0.0.1 port.
+
+Each task's ``config.yaml`` names the model server (provider ``custom``) and sends ``X-Hermes-Conversation: <id>``
+on every request (``model.default_headers``), so the gateway files the whole run under that id; after the run the
+verifier (``tasks.hermes.verify``: the workspace and the final answer, never Hermes's account) scores it, and with
+``feedback=True`` the reward is posted to the gateway as that conversation's feedback (``POST /v1/feedback``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import socket
+import subprocess
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from hermes_lab.tasks import hermes as H
+from hermes_lab.tasks import hermes_agent as HA
+from hermes_lab.tasks import workspace as W
+
+DRIVER = Path(__file__).with_name("hermes_driver.py")
+START_TIMEOUT = 120.0  # seconds for the driver to import Hermes and say it is ready
+
+
+class HermesLoopError(HA.HermesRunError):
+    """The sandboxed driver could not start, or died."""
+
+
+@dataclass
+class LoopRun(HA.HermesRun):
+    """A task run by Hermes's loop: the CLI run's fields (``session_id`` is the gateway's conversation id), and
+    the conversation as Hermes kept it and the feedback post's HTTP status (None: not posted or no answer)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    feedback_status: int | None = None
+
+
+def local_url(base_url: str) -> tuple[str, int]:
+    """``base_url`` with its host 127.0.0.1 (the only address the sandbox reaches), and its port. Another host is a
+    named error: the runner never sends a task anywhere but this machine."""
+    u = urlsplit(base_url)
+    if u.hostname not in ("127.0.0.1", "localhost"):
+        raise ValueError(f"base_url {base_url!r}: the Hermes runner only reaches a model server on 127.0.0.1")
+    port = u.port or (443 if u.scheme == "https" else 80)
+    return urlunsplit((u.scheme, f"127.0.0.1:{port}", u.path, u.query, u.fragment)), port
+
+
+class _Forwarder:
+    """A unix socket at ``path`` whose every connection is passed on to 127.0.0.1:``port`` (the model server)."""
+
+    def __init__(self, path: Path, port: int):
+        self.path, self.port = path, port
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(str(path))
+        self.srv.listen(64)
+        threading.Thread(target=self._accept, daemon=True, name="hermes-model-forward").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return  # closed
+            try:
+                up = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+                up.settimeout(None)
+            except OSError:
+                conn.close()
+                continue
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.srv.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := a.recv(65536):
+            b.sendall(data)
+    for s in (a, b):
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+
+
+class HermesLoop:
+    """One sandboxed Hermes process running tasks one after another (``run``); a context manager."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        workspace_root: str | os.PathLike[str],
+        toolsets: Sequence[str] | None = HA.DEFAULT_TOOLSETS,
+        timeout: float = 120,
+        max_turns: int = 6,
+        hermes_bin: str | os.PathLike[str] | None = None,
+        context_length: int | None = None,
+        feedback: bool = False,
+        api_key: str = "sk-unused",
+    ):
+        self.base_url, self.port = local_url(base_url)
+        self.model, self.toolsets, self.timeout, self.max_turns = model, toolsets, timeout, max_turns
+        self.context_length, self.feedback, self.api_key = context_length, feedback, api_key
+        self.hermes = HA.find_hermes(hermes_bin)
+        self.python = self.hermes.parent / "python"
+        self.root = Path(workspace_root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[str] | None = None
+        self.forward: _Forwarder | None = None
+
+    # ------------------------------------------------------------------------------------- the process
+    def command(self) -> list[str]:
+        """The driver under bubblewrap: the sandbox of the module's docstring."""
+        bwrap = HA.check_sandbox()
+        cmd = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for p in HA._ro_binds(self.hermes):
+            cmd += ["--ro-bind", p, p]
+        root = str(self.root)
+        cmd += ["--bind", root, root, "--chdir", root]
+        cmd += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
+        return [*cmd, str(self.python), str(DRIVER)]
+
+    def start(self) -> HermesLoop:
+        sock = self.root / "model.sock"
+        sock.unlink(missing_ok=True)
+        self.forward = _Forwarder(sock, self.port)
+        home = self.root / ".driver"  # the driver's own HERMES_HOME (what Hermes writes at import); tasks have theirs
+        home.mkdir(exist_ok=True)
+        env = HA.sandbox_env(self.root, home, self.api_key)
+        env.update(HERMES_LAB_MODEL_SOCKET=str(sock), HERMES_LAB_MODEL_PORT=str(self.port))
+        env.update(HERMES_LAB_DRIVER_HOME=str(home))
+        self.proc = subprocess.Popen(
+            self.command(),
+            cwd=self.root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.root / "driver.stderr", "ab"),  # noqa: SIM115 - the child keeps it
+            text=True,
+            start_new_session=True,
+        )
+        line = self._read_line(START_TIMEOUT)
+        if not line or not json.loads(line).get("ready"):
+            self.close()
+            tail = (self.root / "driver.stderr").read_text(errors="replace")[-2000:]
+            raise HermesLoopError(f"the sandboxed Hermes driver did not start: {tail or 'no output'}")
+        return self
+
+    def _read_line(self, timeout: float) -> str | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(timeout):
+                return None
+            return self.proc.stdout.readline() or None
+        finally:
+            sel.close()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self.forward is not None:
+            self.forward.close()
+            self.forward = None
+
+    def __enter__(self) -> HermesLoop:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------- the tasks
+    def prepare(self, task: H.HermesTask) -> dict[str, Any]:
+        """The task's folders (files laid, config.yaml written) and its line for the driver."""
+        run_dir = Path(tempfile.mkdtemp(prefix=f"{task.task_id}-", dir=self.root))
+        ws, home, tmp = run_dir / "ws", run_dir / "home", run_dir / "tmp"
+        for d in (ws, home, tmp):
+            d.mkdir()
+        W.lay_files(ws, task.files)
+        cid = f"hermes-{task.task_id}-{uuid.uuid4().hex[:10]}"
+        HA.hermes_home(home, self.base_url, self.model, api_key=self.api_key, context_length=self.context_length)
+        with (home / "config.yaml").open("a", encoding="utf-8") as f:  # model: is the file's only section
+            f.write(f"  default_headers:\n    X-Hermes-Conversation: {json.dumps(cid)}\n")
+        return {
+            "id": task.task_id,
+            "conversation_id": cid,
+            "prompt": task.question,
+            "workspace": str(ws),
+            "home": str(home),
+            "tmp": str(tmp),
+            "timeout": self.timeout,
+            "toolsets": list(self.toolsets) if self.toolsets is not None else None,
+            "max_turns": self.max_turns,
+            "base_url": self.base_url,
+            "model": self.model,
+            "port": self.port,
+        }
+
+    def run(
+        self,
+        tasks: Iterable[H.HermesTask | Mapping[str, Any]],
+        progress: Callable[[LoopRun], None] | None = None,
+    ) -> list[LoopRun]:
+        """Run each task in turn; each result graded by the verifier (and posted as feedback when asked)."""
+        if self.proc is None:
+            raise HermesLoopError("HermesLoop.run before start() (use it as a context manager)")
+        runs = []
+        for t in map(HA.as_task, tasks):
+            line = self.prepare(t)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(line) + "\n")
+            self.proc.stdin.flush()
+            out = self._read_line(self.timeout + 60)
+            if out is None:
+                raise HermesLoopError(f"task {t.task_id}: no result from the driver (it died or hung)")
+            runs.append(self._grade(t, line, json.loads(out)))
+            if progress is not None:
+                progress(runs[-1])
+        return runs
+
+    def _grade(self, t: H.HermesTask, line: dict[str, Any], res: dict[str, Any]) -> LoopRun:
+        ws, home = Path(line["workspace"]), Path(line["home"])
+        messages = [m for m in res.get("messages") or [] if isinstance(m, dict)]
+        answer = HA.final_answer(messages)
+        source = "messages" if answer is not None else "none"
+        if answer is None and isinstance(res.get("final_response"), str):
+            answer, source = res["final_response"], "final_response"
+        reward = H.verify(t, ws, answer)
+        posted = self._post_feedback(line["conversation_id"], reward) if self.feedback else None
+        exit_code = HA.TIMEOUT_EXIT if res.get("timed_out") else (1 if res.get("error") else 0)
+        return LoopRun(
+            task_id=t.task_id,
+            prompt=t.question,
+            toolsets=tuple(self.toolsets) if self.toolsets is not None else None,
+            exit_code=exit_code,
+            timed_out=bool(res.get("timed_out")),
+            answer=answer,
+            answer_source=source,
+            reward=reward,
+            success=reward >= HA.SUCCESS,
+            seconds=float(res.get("seconds") or 0.0),
+            session_id=line["conversation_id"],
+            tool_calls=HA._tool_names(messages),
+            workspace=ws,
+            home=home,
+            stdout_tail="",
+            stderr_tail=str(res.get("error") or "")[-HA.TAIL :],
+            messages=messages,
+            feedback_status=posted,
+        )
+
+    def _post_feedback(self, conversation_id: str, reward: float) -> int | None:
+        """The verifier's reward as the conversation's feedback on the gateway; its HTTP status (None: no answer)."""
+        import httpx
+
+        root = self.base_url.rsplit("/v1", 1)[0]
+        body = {"conversation_id": conversation_id, "reward": reward, "source": "verifier"}
+        try:
+            with httpx.Client(trust_env=False, timeout=30) as http:
+                return http.post(f"{root}/v1/feedback", json=body).status_code
+        except httpx.HTTPError:
+            return None
+
+
+def run_tasks(tasks: Iterable[H.HermesTask | Mapping[str, Any]], base_url: str, model: str, **kw: Any) -> list[LoopRun]:
+    """``HermesLoop(base_url, model, **kw)`` started, every task run, stopped."""
+    with HermesLoop(base_url, model, **kw) as loop:
+        return loop.run(tasks)

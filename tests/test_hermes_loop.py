@@ -1,0 +1,155 @@
+"""The real Hermes Agent's own loop (run_agent.AIAgent) on many tasks in one sandboxed process (hermes_lab.agents).
+
+The pinned hermes-agent 0.19.0 in its cached virtualenv, driven by hermes_lab.agents.hermes.HermesLoop:
+- against a scripted model (FakeOpenAI's agent plans), Hermes's own tools try every way out of a task's workspace:
+  a write and a read of host files beside the workspaces and outside /tmp (sentinels checked on the host), another
+  task's workspace, a TCP connection to a host listener on 127.0.0.1; a control task does the same inside its own
+  workspace and succeeds, so the tools do run;
+- against `hermes-lab serve` on the embedded policy: held-out `hermes` tasks, each run filed by the gateway under
+  the conversation id the runner gave it, the verifier's reward posted as its feedback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from fake_openai import FakeOpenAI  # noqa: E402
+from test_hermes_real import BUILD_WAIT_S, hermes_bin  # noqa: E402,F401 - the pinned Hermes (a fixture)
+from test_serve import Gateway  # noqa: E402
+
+from hermes_lab.agents.hermes import HermesLoop, local_url  # noqa: E402
+from hermes_lab.tasks import hermes as H  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SECRET = "SECRET-7Q2X"
+
+
+class Listener:
+    """A host TCP listener on 127.0.0.1 that counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.srv.getsockname()[1], 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+
+def text_of(messages: list[dict]) -> str:
+    return json.dumps(messages)
+
+
+def test_a_base_url_off_this_machine_is_refused():
+    assert local_url("http://localhost:8700/v1") == ("http://127.0.0.1:8700/v1", 8700)
+    with pytest.raises(ValueError, match="only reaches a model server on 127.0.0.1"):
+        local_url("http://10.0.0.7:8000/v1")
+
+
+def test_tools_never_touch_anything_outside_their_workspace(hermes_bin, tmp_path):  # noqa: F811
+    host = tmp_path / "host"
+    host.mkdir()
+    secret, beside = host / "secret.txt", host / "sentinel.txt"
+    secret.write_text(SECRET + "\n")
+    beside.write_text("untouched\n")
+    far = Path.home() / ".cache" / "hermes-lab" / f"sentinel-{uuid.uuid4().hex}.txt"  # outside /tmp
+    far.parent.mkdir(parents=True, exist_ok=True)
+    far.write_text("untouched\n")
+    listener = Listener()
+    stub = FakeOpenAI(models=("m",))
+    stub.agent = True
+    connect = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {listener.port}), 3)\""
+    stub.plans = {
+        "inside": [
+            ("write_file", {"path": "ok.txt", "content": "fine"}),
+            ("terminal", {"command": "cat ok.txt && echo more >> ok.txt && cat ok.txt"}),
+        ],
+    }
+    stub.start()
+    root = tmp_path / "runs"
+    try:
+        with HermesLoop(f"{stub.url}/v1", "m", workspace_root=root, timeout=90) as loop:
+            control = loop.run([{"id": "t-inside", "prompt": "inside: write ok.txt", "files": {}, "expect": {}}])[0]
+            other = control.workspace / "ok.txt"
+            left = other.read_text() if other.exists() else None
+            stub.plans["escape"] = [
+                ("write_file", {"path": str(beside), "content": "overwritten"}),
+                ("write_file", {"path": str(far), "content": "overwritten"}),
+                ("write_file", {"path": str(other), "content": "overwritten"}),
+                ("read_file", {"path": str(secret)}),
+                ("read_file", {"path": str(other)}),
+                ("terminal", {"command": f"cat {secret} {other}; echo x > {beside}; echo x > {far}; echo >> {other}"}),
+                ("terminal", {"command": f"cp {secret} leak.txt; ln -s {secret} link.txt; cat link.txt"}),
+                ("terminal", {"command": connect + " && echo CONNECTED"}),
+            ]
+            escape = loop.run([{"id": "t-escape", "prompt": "escape: look around", "files": {}, "expect": {}}])[0]
+    finally:
+        stub.stop()
+        listener.srv.close()
+    try:
+        # the control: Hermes's tools ran, in its own workspace
+        assert control.exit_code == 0 and control.tool_calls == ("write_file", "terminal"), control.stderr_tail
+        assert left == "finemore\n" and "finemore" in text_of(control.messages), left
+        # the escape: every tool ran and got an error or nothing; nothing outside its workspace changed or leaked
+        assert escape.exit_code == 0 and len(escape.tool_calls) == 8, escape.stderr_tail
+        assert beside.read_text() == "untouched\n" and far.read_text() == "untouched\n"
+        assert other.read_text() == left, "another task's workspace was written"
+        assert SECRET not in text_of(escape.messages), "a host file was read"
+        assert not (escape.workspace / "leak.txt").exists() or SECRET not in (escape.workspace / "leak.txt").read_text()
+        results = [str(m.get("content")) for m in escape.messages if m.get("role") == "tool"]
+        assert len(results) == 8 and all("error" in x.lower() or "denied" in x.lower() for x in results[:5]), results
+        assert listener.accepted == 0 and not any("CONNECTED" in x for x in results), results[-1]
+    finally:
+        far.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hermes-loop")
+    args = ["--params", str(REPO / "params/embedded.yaml"), "--ratio", "0.5", "--set", "serve.rollout=false"]
+    args += ["--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
+    gw = Gateway(tmp, args).start(timeout=BUILD_WAIT_S)
+    yield gw
+    gw.stop()
+
+
+def test_hermes_own_loop_on_heldout_tasks_filed_and_paid_by_the_verifier(hermes_bin, gateway, tmp_path):  # noqa: F811
+    tasks = H.generate_tasks(14, split="heldout", seed=7)  # two of each kind
+    with HermesLoop(f"{gateway.url}/v1", "hermes", workspace_root=tmp_path / "runs", feedback=True) as loop:
+        runs = loop.run(tasks)
+    assert all(r.exit_code == 0 and not r.timed_out for r in runs), [r.stderr_tail for r in runs if r.exit_code]
+    recs = gateway.records()
+    assert recs and all(int(r.get("http_status") or 200) < 500 for r in recs)
+    by_conv: dict[str, list] = {}
+    for r in recs:
+        by_conv.setdefault(r["conversation_id"], []).append(r)
+    ours = {r.session_id for r in runs}
+    assert ours <= set(by_conv), ours - set(by_conv)  # each run filed under the id it was given
+    for r in runs:  # a run's requests all in that one conversation: one per assistant turn, and Hermes's resends
+        turns = sum(1 for m in r.messages if m.get("role") == "assistant")
+        firsts = [q for q in by_conv[r.session_id] if not q.get("retry")]
+        assert len(firsts) == turns, (r.task_id, len(firsts), turns)
+        assert r.feedback_status == 202
+        assert r.reward == H.verify(H.parse_question(r.prompt), r.workspace, r.answer)
+    fb = [json.loads(x) for p in Path(gateway.log_dir).glob("feedback*.jsonl") for x in p.read_text().splitlines()]
+    paid = {f["conversation_id"]: f["reward"] for f in fb}
+    assert {r.session_id: r.reward for r in runs} == {c: paid[c] for c in ours}
+    done = sum(r.success for r in runs)
+    print(f"Hermes's own loop on the embedded policy: {done}/{len(runs)} held-out tasks done on disk")
+    assert done >= 2  # the embedded policy does some of them (measured: 40% of 20 through the CLI)
