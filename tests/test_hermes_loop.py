@@ -153,3 +153,20 @@ def test_hermes_own_loop_on_heldout_tasks_filed_and_paid_by_the_verifier(hermes_
     done = sum(r.success for r in runs)
     print(f"Hermes's own loop on the embedded policy: {done}/{len(runs)} held-out tasks done on disk")
     assert done >= 2  # the embedded policy does some of them (measured: 40% of 20 through the CLI)
+
+
+def test_hermes_lab_agent_plays_its_episodes_with_the_real_hermes(hermes_bin, gateway, capsys):  # noqa: F811
+    """`hermes-lab agent --runner hermes`: the live traffic's agent episodes are Hermes's own loop, two sandboxed
+    processes for two conversations in flight, each episode's verifier score posted as its conversation's feedback."""
+    from hermes_lab.live import agent as LA
+
+    before = len(gateway.records("feedback.jsonl"))
+    args = ["--url", gateway.url, "--requests", "6", "--concurrency", "2", "--agent-share", "1", "--split", "heldout"]
+    assert LA.main([*args, "--runner", "hermes"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "agent: 6/6 answered, 0 errors, 6 feedback accepted" in out and "agent episodes: 6" in out, out
+    fb = gateway.records("feedback.jsonl")[before:]
+    convs = {
+        r["conversation_id"] for r in gateway.records() if r["conversation_id"] in {f["conversation_id"] for f in fb}
+    }
+    assert len(fb) == 6 and len(convs) == 6 and all(c.startswith("hermes-hermes-") for c in convs)

@@ -2,7 +2,7 @@
 
 Stage: execute, validate and the live traffic against the real agent (``hermes-lab agent --runner hermes``; the
 tests in tests/test_hermes_loop.py). Reads tasks (``tasks.hermes.HermesTask`` or lines of ``hermes-lab tasks
-export``) and the pinned hermes-agent virtualenv (``agents.hermes_env``'s, ``tasks.hermes_agent.find_hermes``).
+export``) and the pinned hermes-agent virtualenv (``install_hermes`` makes it once).
 Writes only under ``workspace_root``: ``model.sock`` (the sandbox's one way to the model server) and one folder
 per task, ``<task id>-XXXX/`` with ``ws/`` (the task's files, then what Hermes left), ``home/`` (its HERMES_HOME:
 ``config.yaml``, Hermes's ``state.db``, ``sessions/``, ``logs/``, ``driver.log``) and ``tmp/``.
@@ -34,6 +34,7 @@ import os
 import selectors
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -130,11 +131,13 @@ class HermesLoop:
         hermes_bin: str | os.PathLike[str] | None = None,
         context_length: int | None = None,
         feedback: bool = False,
+        feedback_source: str = "system",
         api_key: str = "sk-unused",
     ):
         self.base_url, self.port = local_url(base_url)
         self.model, self.toolsets, self.timeout, self.max_turns = model, toolsets, timeout, max_turns
         self.context_length, self.feedback, self.api_key = context_length, feedback, api_key
+        self.feedback_source = feedback_source  # the gateway's serve.feedback_source: the task harness's verdict
         self.hermes = HA.find_hermes(hermes_bin)
         self.python = self.hermes.parent / "python"
         self.root = Path(workspace_root).resolve()
@@ -296,12 +299,33 @@ class HermesLoop:
         import httpx
 
         root = self.base_url.rsplit("/v1", 1)[0]
-        body = {"conversation_id": conversation_id, "reward": reward, "source": "verifier"}
+        body = {"conversation_id": conversation_id, "reward": reward, "source": self.feedback_source}
         try:
             with httpx.Client(trust_env=False, timeout=30) as http:
                 return http.post(f"{root}/v1/feedback", json=body).status_code
         except httpx.HTTPError:
             return None
+
+
+def install_hermes(version: str = HA.HERMES_VERSION) -> Path:
+    """The pinned hermes-agent's ``hermes`` executable, its virtualenv made first when it is not there
+    (``$HERMES_FIXTURE_VENV``, else ``~/.cache/hermes-lab/hermes-agent-<version>``; from the package registry, about
+    40 s once). Raises HermesMissing when no Python >= 3.11 or no registry can make it."""
+    venv = Path(
+        os.environ.get("HERMES_FIXTURE_VENV") or Path.home() / ".cache" / "hermes-lab" / f"hermes-agent-{version}"
+    )
+    py = venv / "bin" / "python"
+    try:
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, text=True)
+        shown = subprocess.run([str(py), "-m", "pip", "show", "hermes-agent"], capture_output=True, text=True)
+        if f"Version: {version}" not in shown.stdout:
+            cmd = [str(py), "-m", "pip", "install", "-q", f"hermes-agent=={version}"]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        raise HA.HermesMissing(f"cannot install hermes-agent=={version} into {venv}: {detail.strip()[-500:]}") from None
+    return HA.find_hermes(venv / "bin" / "hermes")
 
 
 def run_tasks(tasks: Iterable[H.HermesTask | Mapping[str, Any]], base_url: str, model: str, **kw: Any) -> list[LoopRun]:

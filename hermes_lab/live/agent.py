@@ -16,7 +16,14 @@ conversation, mixed at ``serve.agent_share`` (``--agent-share``):
   sent back in the next request, for at most ``max_turns`` tool-calling turns; the verifier's score of what the
   workspace holds afterwards and of the final answer posted under the conversation id.
 
+With ``--runner hermes`` the agent episodes are the real Hermes Agent's: its own loop (``run_agent.AIAgent``) and
+tools, many tasks per sandboxed process (``hermes_lab.agents.hermes``: each task confined to its own workspace),
+one process per conversation in flight; each run is filed under the conversation id it sends and the verifier's
+score of its workspace and final answer is posted as that conversation's feedback. The pinned hermes-agent's
+virtualenv is made on first use (from the package registry).
+
     hermes-lab agent --url http://127.0.0.1:8700 --requests 500 --concurrency 8 --agent-share 0.3
+    hermes-lab agent --url http://127.0.0.1:8700 --requests 60 --agent-share 1 --runner hermes
 """
 
 from __future__ import annotations
@@ -24,11 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
+import shutil
 import sys
+import tempfile
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from hermes_lab.tasks import hermes as H
@@ -58,6 +69,8 @@ def run_agent(
     max_turns: int = 2,
     temperature: float | None = None,
     stop: threading.Event | None = None,
+    runner: str = "builtin",
+    workspace_root: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Run ``n`` conversations (``concurrency`` in flight), a share ``agent_share`` of them agent episodes, and post
     each one's score; returns a summary.
@@ -65,7 +78,10 @@ def run_agent(
     ``users`` > 0 spreads conversations over that many user ids (``user=``); ``stream_every`` k > 0 streams every
     k-th request; ``temperature`` is sent when given (0: greedy); ``stop`` set: conversations not yet started are
     skipped (counted as ``skipped``). Every conversation ends in ``results`` (kind, request_id, conversation_id,
-    arm, reward, error; an episode also its turns, tool calls and whether its first answer called a tool)."""
+    arm, reward, error; an episode also its turns, tool calls and whether its first answer called a tool).
+    ``runner``: "builtin" (this module's client loop) or "hermes" (the real Hermes Agent's loop, its runs' folders
+    under ``workspace_root``, a temporary folder by default; ``max_tokens``, ``temperature`` and ``users`` are
+    Hermes's own business then)."""
     import httpx
     import openai
     from tqdm.auto import tqdm
@@ -168,6 +184,43 @@ def run_agent(
         finally:
             env._close()  # the workspace goes, whatever happened
 
+    loops: queue.Queue[Any] = queue.Queue()  # the Hermes runner's sandboxed processes, one per episode in flight
+    made: list[Any] = []
+    own_root = runner == "hermes" and workspace_root is None  # a temporary folder of ours: removed at the end
+    root_dir = Path(tempfile.mkdtemp(prefix="hermes-lab-agent-")) if own_root else Path(workspace_root or ".")
+
+    def hermes_episode(i: int, kw: dict[str, Any], out: dict[str, Any]) -> None:
+        from hermes_lab.agents import hermes as HL
+
+        t = agent_tasks[i]
+        out.update(kind="agent", task_id=t.task_id, prompt=t.question, runner="hermes")
+        try:
+            loop = loops.get_nowait()
+        except queue.Empty:
+            hermes = HL.install_hermes()  # HermesMissing (a HermesRunError) when it cannot be made here
+            where = Path(tempfile.mkdtemp(prefix="loop-", dir=root_dir))
+            loop = HL.HermesLoop(
+                root + "/v1",
+                model,
+                workspace_root=where,
+                hermes_bin=hermes,
+                max_turns=max_turns + 1,
+                feedback=feedback,
+                api_key=key,
+            ).start()
+            made.append(loop)
+        try:
+            r = loop.run([t])[0]
+        finally:
+            loops.put(loop)
+        calls = [m for m in r.messages if m.get("role") == "assistant"]
+        out.update(conversation_id=r.session_id, requests=len(calls), turns=len(calls), response=r.answer)
+        out.update(tool_calls=len(r.tool_calls), first_call=bool(calls and calls[0].get("tool_calls")), reward=r.reward)
+        if r.exit_code != 0:
+            out["error"] = f"hermes run {r.exit_code}: {r.stderr_tail[-300:]}"
+        if feedback:
+            out["feedback_status"] = r.feedback_status
+
     def one(i: int) -> None:
         out: dict[str, Any] = {}
         if stop is not None and stop.is_set():
@@ -181,8 +234,9 @@ def run_agent(
             if temperature is not None:
                 kw["temperature"] = temperature
             try:
-                (episode if plays_agent(seed, i, agent_share) else string_task)(i, kw, out)
-            except (openai.OpenAIError, httpx.HTTPError) as e:
+                agent = hermes_episode if runner == "hermes" else episode
+                (agent if plays_agent(seed, i, agent_share) else string_task)(i, kw, out)
+            except (openai.OpenAIError, httpx.HTTPError, RuntimeError) as e:  # RuntimeError: the Hermes runner's
                 out["error"] = f"{type(e).__name__}: {e}"
         with lock:
             results[i] = out
@@ -195,6 +249,10 @@ def run_agent(
         bar.close()
         http.close()
         client.close()
+        for loop in made:
+            loop.close()
+        if own_root:
+            shutil.rmtree(root_dir, ignore_errors=True)
     return summarize(results)
 
 
@@ -250,6 +308,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--agent-share", type=float, default=None, help="share of agent episodes (default serve.agent_share)"
     )
     p.add_argument("--split", default="train", choices=("train", "heldout"), help="which tasks to draw")
+    p.add_argument(
+        "--runner",
+        default="builtin",
+        choices=("builtin", "hermes"),
+        help="who plays the agent episodes: this client's loop, or the real Hermes Agent's own (sandboxed)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -274,6 +338,7 @@ def run_cli(args: argparse.Namespace) -> int:
             split=args.split,
             agent_share=cfg.serve.agent_share,
             max_turns=cfg.grpo.max_turns,
+            runner=args.runner,
         )
     except Exception as e:  # the gateway is down or refuses: one line, not a traceback
         print(f"hermes-lab agent: cannot reach the gateway at {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
