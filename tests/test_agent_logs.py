@@ -38,6 +38,7 @@ def lines(path: Path) -> list[dict]:
 
 def prep(tmp_path: Path, inputs: list[Path], name: str = "out", **over) -> tuple[dict, Path]:
     """run_prep with the data gate at 1 and every bad line tolerated (the counts are what is checked)."""
+    over = {"conversations.no_signal": "warn", **over}  # outcome-rewarded logs: the learning_signal gate warns
     cfg = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, **over})
     try:
         summary = run_prep(inputs, tmp_path / name, cfg, make_plots=False).summary
@@ -146,7 +147,7 @@ def test_trace_shapes_out_of_order_split_sidechain_and_claude_code_own(tmp_path)
     assert ask["reasoning"].startswith("Step 1") and ask["tool_calls"][0]["function"]["name"] == "process"
     assert r["messages"][2]["is_error"] is True and r["outcome"]["tool_errors"] == 1
     assert r["messages"][3]["reasoning"] and r["messages"][3]["content"].startswith("Done.")
-    assert r["reward"] == SCALE * (1 - 0.1)  # the outcome rules: completed, one tool error
+    assert r["reward"] == SCALE * 0.4  # the outcome rules: completed (0.5, unverified), one tool error: partial's
 
 
 def test_hostile_traces_and_exports_are_rejected_by_line_or_session_with_reasons(tmp_path):

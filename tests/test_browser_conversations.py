@@ -54,6 +54,7 @@ def _conversation_round(proj: Path, round_dir: Path) -> Path:
     ]
     chat.write_text(json.dumps({"id": "conv-evil", "messages": msgs}) + "\n")
     over = {"round.runs_dir": str(proj / "runs"), "data.min_samples": 1, "data.review_fraction": 1.0}
+    over["conversations.no_signal"] = "warn"  # outcome rewards only: the review lab still gets its queue
     cfg = load_config(proj / "params" / "embedded.yaml", over)
     inputs = [FIX / "trajectory_samples.jsonl", FIX / "failed_trajectories.jsonl", chat]
     prep.run_prep(inputs, round_dir / "prep", cfg, make_plots=False)

@@ -30,7 +30,9 @@ SCALE = 5.0
 
 
 def cfg(**over):
-    return load_config(None, overrides={"data.min_samples": 1, **over})
+    # these tests read logs the outcome rules reward: the learning_signal gate warns (tests/test_honest_rewards.py
+    # holds it to blocking by default)
+    return load_config(None, overrides={"data.min_samples": 1, "conversations.no_signal": "warn", **over})
 
 
 def lines(path: Path) -> list[dict]:
@@ -48,7 +50,8 @@ def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with
     out = tmp_path / "out"
     p = subprocess.run(
         [PY, "-m", "hermes_lab.cli.main", "prep", "--input", str(FIX / "trajectory_samples.jsonl"),
-         str(FIX / "failed_trajectories.jsonl"), "--output", str(out), "--set", "data.min_samples=1"],
+         str(FIX / "failed_trajectories.jsonl"), "--output", str(out), "--set", "data.min_samples=1",
+         "--set", "conversations.no_signal=warn"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -58,7 +61,8 @@ def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with
     ok, failed = recs[0], recs[2]  # trajectory_samples.jsonl line 1; failed_trajectories.jsonl line 1
     assert (Path(failed["source"]["file"]).name, failed["source"]["line"]) == ("failed_trajectories.jsonl", 1)
     # the logged signals: completed from the line, the failed file's run ran out of turns
-    assert ok["outcome"]["completed"] is True and ok["outcome"]["inferred"] is False and ok["reward"] == SCALE
+    # "completed" is not success: nothing verified it, so the outcome rules pay half marks (below the threshold 3)
+    assert ok["outcome"]["completed"] is True and ok["outcome"]["inferred"] is False and ok["reward"] == SCALE / 2
     assert failed["outcome"] == failed["outcome"] | {"completed": False, "partial": False, "inferred": False}
     assert failed["reward"] == 0.0 and {r["reward_source"] for r in recs} == {"outcome"}
     # what the agent did: a terminal call with JSON arguments, its result, reasoning, the tools it was offered
@@ -71,7 +75,8 @@ def test_hermes_trajectory_pair_through_the_cli_every_conversation_accepted_with
     assert {t["function"]["name"] for t in ok["tools"]} == {"terminal", "process"}
     assert "<tools>\n[" not in msgs[0]["content"]  # the schemas are in tools, not twice
     s = json.loads((out / "summary.json").read_text())
-    assert s["conversations"]["reward_sources"] == {"outcome": {"conversations": 3, "mean_reward": round(10 / 3, 4)}}
+    assert s["conversations"]["reward_sources"] == {"outcome": {"conversations": 3, "mean_reward": round(5 / 3, 4)}}
+    assert "'completed' 2.5/5 (below the success threshold 3" in p.stdout.splitlines()[0]  # said first
     assert s["counts"]["read"] == s["counts"]["accepted"] + s["counts"]["rejected"] + s["counts"]["duplicates"]
 
 
@@ -80,7 +85,7 @@ def test_the_other_shapes_through_the_cli_batch_file_sessions_folder_state_db_op
     out = tmp_path / "out"
     p = subprocess.run(
         [PY, "-m", "hermes_lab.cli.main", "prep", "--input", *(str(FIX / i) for i in inputs), "--output", str(out),
-         "--set", "data.min_samples=1"],
+         "--set", "data.min_samples=1", "--set", "conversations.no_signal=warn"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -119,7 +124,7 @@ def test_batch_runner_file_plain_gzip_and_compressed(tmp_path):
     # the process tool answered {"error": ...}: the runner's tool_error_counts say 1, the penalty applies
     bad = next(r for r in batch if r["outcome"]["tool_errors"])
     assert bad["meta"]["tool_stats"]["process"]["failure"] == 1
-    assert bad["reward"] == SCALE * (1.0 - 0.1)
+    assert bad["reward"] == SCALE * 0.4  # completed 0.5 less 0.1, never below partial 0.4
     _, out2 = prep(tmp_path, [FIX / "compressed_trajectories.jsonl"], name="compressed")
     comp = lines(out2 / "accepted.jsonl")
     assert len(comp) == 3 and all(r["outcome"]["compressed"] for r in comp)
@@ -299,7 +304,8 @@ def test_malformed_messages_name_the_message(raw, reason):
 
 
 def test_outcome_rules_order_and_penalty():
-    rules = cfg().conversations
+    assert outcomes.outcome_reward({"tool_errors": 0, "completed": True}, cfg().conversations, SCALE) == 2.5
+    rules = cfg(**{"conversations.completed_reward": 1.0}).conversations  # completion paid as full marks
     r = lambda **o: outcomes.outcome_reward({"tool_errors": 0, **o}, rules, SCALE)  # noqa: E731
     assert (
         r(completed=True) == 5.0 and r(completed=True, tool_errors=3) == 3.5 and r(completed=True, tool_errors=9) == 2.0
@@ -331,10 +337,11 @@ def test_feedback_joined_by_conversation_id_and_judge_for_the_rest(tmp_path):
     s, out = prep(tmp_path, [chat], feedback=[fb], over={"conversations.reward": "judge"}, plots=True)
     got = {r["conversation_id"]: r for r in lines(out / "accepted.jsonl")}
     assert (got["s3"]["reward"], got["s3"]["reward_source"]) == (1.5, "feedback:tests")
-    assert (got["p0"]["reward"], got["p0"]["reward_source"]) == (SCALE, "outcome")
-    # the local judge: each answer against the best other conversation of its task ("5", outcome 5.0)
+    assert (got["p0"]["reward"], got["p0"]["reward_source"]) == (SCALE / 2, "outcome")
+    # the local judge: each answer against the best other conversation of its task ("5", completed: outcome 2.5,
+    # unverified, so compared as a reference answer, not as a failure)
     assert [got[c]["reward_source"] for c in ("s0", "s1", "s2")] == ["judge"] * 3
-    # "5." against "5" (5.0): similarity 2/3; "six": none; "5" itself against the next best, "4" (1.5, a fail)
+    # "5." against "5": similarity 2/3; "six": none; "5" itself against the next best, "4" (1.5, a fail)
     assert [got[c]["reward"] for c in ("s0", "s1", "s2")] == [2.5, round(SCALE * 2 / 3, 4), 0.0]
     srcs = s["conversations"]["reward_sources"]
     assert {k: v["conversations"] for k, v in srcs.items()} == {"feedback": 1, "outcome": 1, "judge": 3}
@@ -377,7 +384,7 @@ def test_split_by_task_keeps_every_conversation_of_a_task_on_one_side(tmp_path):
     held = {t for t, v in sides.items() if v == {"heldout"}}
     assert set(datasets.load_from_disk(str(out / "heldout_dataset"))["task_id"]) == held
     assert s["conversations"]["split"] == {"train": ds["split"].count("train"), "heldout": len(held) * 3}
-    assert ds["reward"][:3] == [0.0, 5.0, 5.0]  # completed false without partial: failed
+    assert ds["reward"][:3] == [0.0, 2.5, 2.5]  # completed false without partial: failed; completed: half marks
 
 
 def test_a_conversation_whose_prompt_is_held_out_elsewhere_moves_to_heldout_in_the_dataset(tmp_path):

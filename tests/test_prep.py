@@ -175,7 +175,8 @@ def test_summary_counts_add_up(mixed):
     assert f["read"] == f["accepted"] + f["rejected"] + f["duplicates"] and f["by_reason"]["line too long"] == 1
     assert len(read_jsonl(d / "out" / "duplicates.jsonl")) == info["dups"]
     assert s["status"] == "ok" and s["gates_passed"] and res.gates_passed
-    assert [g["name"] for g in s["gates"]] == ["min_samples", "cooldown"]
+    assert [g["name"] for g in s["gates"]] == ["min_samples", "cooldown", "learning_signal"]
+    assert s["gates"][2]["passed"] and s["gates"][2]["detail"].startswith("no conversations")  # seed lines only
     for p in ("plot_rewards", "plot_rejects"):
         assert Path(s["paths"][p]).stat().st_size > 1000
 
@@ -318,7 +319,11 @@ def test_min_samples_gate(tmp_path, cfg):
     assert "120 new samples (need >= 500)" in str(e.value)
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["status"] == "gates_refused" and not s["gates_passed"]
-    assert {g["name"]: g["passed"] for g in s["gates"]} == {"min_samples": False, "cooldown": True}
+    assert {g["name"]: g["passed"] for g in s["gates"]} == {
+        "min_samples": False,
+        "cooldown": True,
+        "learning_signal": True,
+    }
     assert (tmp_path / "out" / "grpo_dataset").is_dir()  # the data is still written for the next round
 
 
@@ -455,7 +460,7 @@ def test_cli_exit_codes(tmp_path, small_file):
     )
     assert refused.returncode == 3 and "cooldown: 1h 0m left" in refused.stderr
     s = json.loads((tmp_path / "out3" / "summary.json").read_text())
-    assert [g["passed"] for g in s["gates"]] == [True, False]
+    assert [g["passed"] for g in s["gates"]] == [True, False, True]
     forced = cli(
         "--input",
         str(small_file),
@@ -926,9 +931,8 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     raw[0], raw[5] = b"\xef\xbb\xbf" + raw[0], raw[5] + b"\r"
     p = tmp_path / "traj.jsonl"
     p.write_bytes(b"\n".join(raw))
-    c = load_config(
-        None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 40_000}
-    )
+    over = {"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 40_000}
+    c = load_config(None, overrides={**over, "conversations.no_signal": "warn"})  # outcome rewards only: it warns
     monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1)
     monkeypatch.setattr(conv_ingest, "TASK_BYTES", 64 << 10)  # many tasks in flight
     res = run_prep([p], tmp_path / "workers", c, make_plots=False)

@@ -142,6 +142,7 @@ def test_registry_rows_are_consistent():
     assert gates == [
         "min_samples",
         "cooldown",
+        "learning_signal",
         "review_agreement",
         "reward_audit",
         "training_health",

@@ -131,9 +131,12 @@ class ConversationsSection:
         "line of an id wins): joined into conversations by id before any rule (reward_source feedback:<source>).",
     )
     completed_reward: float = _f(
-        1.0,
+        0.5,
         "Outcome rule: share of reward.scale for a completed conversation without tool errors (Hermes: "
-        "completed true; other logs: ends on a text answer).",
+        "completed true; other logs: ends on a text answer). 'The run ended' is not success: nothing verified "
+        "the answer, so the default pays half marks, below reward.success_threshold (an unverified completion "
+        "never counts as a success and never outranks a verified one); a verifier, feedback, tests or the judge "
+        "pays the rest. 1.0 pays completion as full marks (prep's first line then says so).",
         ge=0,
         le=1,
     )
@@ -163,6 +166,22 @@ class ConversationsSection:
         "Atropos scored groups: the [low, high] range of the environment's scores, mapped linearly onto "
         "0..reward.scale (low -> 0, high -> scale); a group holding a score outside it is rejected. Atropos "
         "environments score on their own scale: gsm8k's -1 / 1 (the default), most others 0..1.",
+    )
+    min_signal_share: float = _f(
+        0.1,
+        "Prep's learning_signal gate: least share of the accepted conversations that must carry a learning "
+        "signal, i.e. a reward from a source that checks the task (log, feedback, judge, atropos; not the outcome "
+        "rules, which only say how a run ended) that differs from another such reward of its task (the tasks with "
+        "one rewarded conversation are compared with each other). Below it every task's conversations are paid the "
+        "same: GRPO's group advantages are zero and an A/B on that score measures nothing, so prep says "
+        "no_learning_signal, naming the reward source responsible, and the round stops. 0: no check.",
+        ge=0,
+        le=1,
+    )
+    no_signal: Literal["block", "warn"] = _f(
+        "block",
+        "What prep's learning_signal gate does below min_signal_share: block (the round stops at prep: 'stopped: "
+        "no learning signal', prep exits 3) or warn (says so in the verdict and the reward audit, and goes on).",
     )
     max_message_chars: int = _f(
         1_000_000,

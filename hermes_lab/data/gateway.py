@@ -22,6 +22,12 @@ log by conversation (``conversation_id``; a log from before conversations: one p
   index of its answer in ``messages``) and, answered in-process, ``tokens`` (the prompt and completion token ids
   and logprobs the policy saw and sampled: what turn-level training trains on, ``hermes_lab.train.turns``) in
   ``meta.turns``. turns = failed turns + answered turns.
+- the gateway's own failures never become training data: a request it answered with an error (a 5xx of the
+  upstream, a timeout: any status but ok) and a conversation it failed (no turn answered, or its last turn an
+  error: the gateway cut it, the policy did not end it) are left out and kept with their reason in
+  ``<name>.gateway_failures.jsonl``, counted apart (``errors``, ``gateway_failed``), never rejected lines or
+  "failed" conversations of the policy's. A failed turn that a retry answered is the retry's (its messages come
+  again). requests = errors + answered + conversation turns; conversations seen = conversations + gateway_failed.
 
 A live round's data (``execute.source: live``): ``runs/round-NN/trajectories.jsonl`` is the gateway log
 ``execute.live_dir`` (empty: the live experiment of the previous round, ``runs/live/round-<NN-1>``) joined with
@@ -135,6 +141,50 @@ def _answer(rec: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
+def _statuses(recs: list[dict[str, Any]]) -> str:
+    """'HTTP 500 x3, timeout x1': the failed requests' statuses."""
+    got: dict[str, int] = {}
+    for r in recs:
+        k = f"HTTP {r['http_status']}" if isinstance(r.get("http_status"), int) else str(r.get("status") or "error")
+        got[k] = got.get(k, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in got.items())
+
+
+def gateway_failure(turns: list[tuple[int, dict[str, Any]]]) -> str | None:
+    """Why a conversation of the log is the gateway's failure, not the policy's (None: it is the policy's): no
+    turn answered, or its last turn (after any retry) failed."""
+    ordered = sorted(turns, key=lambda x: (int(x[1].get("turn") or 0), x[0]))
+    bad = [r for _, r in ordered if r.get("status") != "ok"]
+    if not bad:
+        return None
+    if len(bad) == len(ordered):
+        return f"gateway error: no turn answered ({_statuses(bad)})"
+    last = ordered[-1][1]
+    if last.get("status") != "ok":  # every attempt at it failed (a retry that was answered comes after them)
+        tries = [r for r in bad if r.get("turn") == last.get("turn")]
+        return (
+            f"gateway error on its last turn (turn {last.get('turn')}, {_statuses(tries)}): the gateway cut the "
+            "conversation, the policy did not end it"
+        )
+    return None
+
+
+def _failure_line(reason: str, recs: list[tuple[int, dict[str, Any]]], cid: Any, where: str) -> bytes:
+    return (
+        orjson.dumps(
+            {
+                "conversation_id": cid,
+                "reason": reason,
+                "gateway_log": where,
+                "lines": [n for n, _ in recs],
+                "request_ids": [r.get("request_id") for _, r in recs],
+                "errors": [str(r.get("error"))[:200] for _, r in recs if r.get("status") != "ok"][:5],
+            }
+        )
+        + b"\n"
+    )
+
+
 def conversation_line(
     cid: str, turns: list[tuple[int, dict[str, Any]]], tools: dict[str, Any], fb: dict[str, Any] | None, where: str
 ) -> dict[str, Any]:
@@ -229,15 +279,15 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
     tools = {str(r.get("tools_hash")): r.get("tools") for _, r in read_jsonl(src / TOOLS)}
     name = src.name or "gateway"
     traj, unrew = out / f"{name}.trajectories.jsonl", out / f"{name}.unrewarded.jsonl"
-    convf = out / f"{name}.conversations.jsonl"
+    convf, failf = out / f"{name}.conversations.jsonl", out / f"{name}.gateway_failures.jsonl"
     c = dict.fromkeys(("requests", "errors", "answered", "rewarded", "judged", "unrewarded"), 0)
-    cc = dict.fromkeys(("conversations", "conversation_turns", "failed_turns", "with_feedback"), 0)
+    cc = dict.fromkeys(("conversations", "conversation_turns", "failed_turns", "with_feedback", "gateway_failed"), 0)
     seen: set[str] = set()
     pending: list[dict[str, Any]] = []
     best: dict[str, tuple[float, str]] = {}
     bad_req: list[int] = []
     convs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    with open(traj, "wb") as ft:
+    with open(traj, "wb") as ft, open(failf, "wb") as ff:
         for lineno, rec in read_jsonl(src / REQUESTS, bad_req):
             c["requests"] += 1
             rid = str(rec.get("request_id"))
@@ -249,6 +299,8 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                 continue
             if rec.get("status") != "ok":
                 c["errors"] += 1
+                why = f"gateway error: the request failed ({_statuses([rec])})"
+                ff.write(_failure_line(why, [(lineno, rec)], cid, str(src / REQUESTS)))
                 continue
             c["answered"] += 1
             prompt = rec.get("prompt") if isinstance(rec.get("prompt"), str) else ""
@@ -281,8 +333,14 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
                     c["judged"] += 1
                     row.update(reward=s, reward_source="judge")
                     ft.write(orjson.dumps(row) + b"\n")
-    with open(convf, "wb") as fc:
+    with open(convf, "wb") as fc, open(failf, "ab") as ff:
         for cid, turns in convs.items():
+            why = gateway_failure(turns)
+            if why is not None:  # the gateway's failure: kept with its reason, never training data
+                cc["gateway_failed"] += 1
+                cc["conversation_turns"] += len(turns)
+                ff.write(_failure_line(why, turns, cid, str(src / REQUESTS)))
+                continue
             f = fb_conv.get(cid) or next(
                 (fb[str(r.get("request_id"))] for _, r in turns if str(r.get("request_id")) in fb), None
             )
@@ -300,13 +358,14 @@ def gateway_trajectories(log_dir: str | os.PathLike[str], out_dir: str | os.Path
         "trajectories": str(traj),
         "unrewarded_file": str(unrew),
         "conversations_file": str(convf),
+        "gateway_failures_file": str(failf),
         **c,
         **cc,
         **counts,
         "torn_lines": {"requests": len(bad_req), "feedback": len(bad_fb)},
         "feedback_source": source,
         "score_unrewarded": cfg.serve.score_unrewarded,
-        "identity": "requests = errors + answered; answered = rewarded + judged + unrewarded",
+        "identity": "requests = errors + answered + conversation turns; answered = rewarded + judged + unrewarded",
     }
 
 
@@ -338,6 +397,12 @@ def describe_gateway(info: dict[str, Any]) -> str:
             f"; {info['conversations']} conversations ({info['conversation_turns']} turns, {info['failed_turns']} "
             f"failed), {info['with_feedback']} with feedback, the rest rewarded by the outcome rules "
             f"({info['conversations_file']})"
+        )
+    if info.get("gateway_failed") or info.get("errors"):
+        line += (
+            f"; the gateway's own failures left out of training ({info['errors']} failed requests, "
+            f"{info.get('gateway_failed', 0)} conversations it failed; kept with their reason in "
+            f"{info.get('gateway_failures_file')})"
         )
     return line
 

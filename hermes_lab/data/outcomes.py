@@ -14,6 +14,15 @@ the first that applies sets a conversation's reward and names itself in ``reward
                reward.model through the API or the local judge offline; a task with no other conversation
                keeps its outcome reward (source "outcome")
 
+"The run ended" is not success. The outcome rules check nothing: they say how a run ended (completed, partial,
+failed, tool errors), so by default a completed run is paid half marks (``completed_reward`` 0.5: 2.5 of 5, below
+``reward.success_threshold``), never a success and never above a verified one; a verifier, feedback, tests or the
+judge pays the rest. ``paying_for`` is the line prep and the round print first about it. Rewards of the outcome
+rules alone carry no learning signal (``hermes_lab.data.signal``: prep's ``learning_signal`` gate stops a round
+whose conversations nothing but them rewarded). For the local judge, a reference answer that only the outcome
+rules scored and that completed is a reference of unknown worth (compared by similarity, as a passing one), not
+a failure.
+
 Reads the feedback files; writes ``judge-queue.jsonl`` into prep's temp dir (the conversations waiting for
 the judge, so that memory stays bounded: only two references per task are held).
 """
@@ -44,6 +53,25 @@ def outcome_reward(outcome: dict[str, Any], rules: Any, scale: float) -> float:
     else:
         share = rules.failed_reward
     return round(scale * share, 6)
+
+
+def paying_for(cfg: Any) -> str:
+    """One line: what a conversation with no reward of its own is paid, and whether that is a success."""
+    c, r = cfg.conversations, cfg.reward
+    scale = float(r.scale)
+    done = scale * c.completed_reward
+    verdict = (
+        "PAID AS A SUCCESS though nothing verified it"
+        if done >= r.success_threshold
+        else f"below the success threshold {r.success_threshold:g}: the run ended, nothing verified it"
+    )
+    how = "the comparison judge, else the outcome rules" if c.reward == "judge" else "the outcome rules"
+    return (
+        f"rewards: a conversation without a reward of its own or feedback is paid by {how}: 'completed' "
+        f"{done:g}/{scale:g} ({verdict}), partial {scale * c.partial_reward:g}, failed {scale * c.failed_reward:g}; "
+        f"the learning_signal gate ({c.no_signal}) needs {c.min_signal_share:.0%} of conversations scored by a "
+        "verifier, feedback, tests or the judge and differing within their task"
+    )
 
 
 def load_feedback(files: list[Path] | None, scale: float) -> tuple[dict[str, tuple[float, str]], dict[str, Any]]:
@@ -123,12 +151,14 @@ class JudgeQueue:
     def __init__(self, tmp: Path, cfg: Any):
         self.cfg, self.path, self.n = cfg, tmp / "judge-queue.jsonl", 0
         self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by drain
-        self.refs: dict[str, list[tuple[float, str, str]]] = {}  # task_id -> [(reward, conversation_id, answer)] x2
+        # task_id -> [(reward, conversation_id, answer, the reward the local judge is told)] x2
+        self.refs: dict[str, list[tuple[float, str, str, float | None]]] = {}
         self.counts: Counter = Counter()
 
     def offer(self, rec: dict[str, Any], reward: float) -> None:
         best = self.refs.setdefault(rec["task_id"], [])
-        best.append((reward, rec["conversation_id"], final_answer(rec["messages"])))
+        unverified = rec.get("reward_source") in (None, "outcome") and (rec.get("outcome") or {}).get("completed")
+        best.append((reward, rec["conversation_id"], final_answer(rec["messages"]), None if unverified else reward))
         best.sort(key=lambda b: -b[0])
         del best[2:]
 
@@ -174,7 +204,7 @@ class JudgeQueue:
                 [ref[2] for _, ref in todo],
             )
         else:
-            scores = [local_judge(final_answer(rec["messages"]), ref[2], ref[0], scale, thr) for rec, ref in todo]
+            scores = [local_judge(final_answer(rec["messages"]), ref[2], ref[3], scale, thr) for rec, ref in todo]
         for (rec, _), s in zip(todo, scores):
             rec["reward"], rec["reward_source"] = float(s), "judge"
         return batch

@@ -82,20 +82,21 @@ from hermes_lab.core.jsonl import plot_label, safe_name, write_json_atomic
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
-from hermes_lab.core.verdict import STOP_DATA, gate, write_verdict
+from hermes_lab.core.verdict import STOP_DATA, STOP_NO_SIGNAL, gate, write_verdict
 from hermes_lab.data.conversation import FORMATS
 from hermes_lab.data.gateway import describe_gateway, expand_inputs
 from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
 from hermes_lab.data.inputs import PrepError, expand_folders, resolve_inputs
-from hermes_lab.data.outcomes import plot_conversations
+from hermes_lab.data.outcomes import paying_for, plot_conversations
 from hermes_lab.data.resources import arrow_pool
+from hermes_lab.data.signal import describe_signal, learning_signal
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 
 
 class GateRefused(Exception):
-    """A data gate (min_samples, cooldown) said no. ``result`` holds the full, written PrepResult."""
+    """A data gate (min_samples, cooldown, learning_signal) said no. ``result`` holds the full, written PrepResult."""
 
     def __init__(self, message: str, result: PrepResult):
         super().__init__(message)
@@ -324,6 +325,12 @@ def run_prep(
         t_ingest = time.perf_counter()
         summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
         summary["gateway"] = gateway
+        if gateway:  # the gateway's own failures: left out of the data, counted apart (hermes_lab.data.gateway)
+            summary["gateway_failures"] = {
+                "requests": sum(g["errors"] for g in gateway.values()),
+                "conversations": sum(g.get("gateway_failed", 0) for g in gateway.values()),
+                "files": [g["gateway_failures_file"] for g in gateway.values()],
+            }
         conv = ing.conversation_stats()
         arrays = conv.pop("arrays")
         summary["conversations"] = conv | {"feedback": feedback_info}
@@ -349,8 +356,12 @@ def run_prep(
     summary["gates"] = evaluate_gates(
         counts["new_samples"], cfg, state, clock.now(), override_cooldown, override_reason
     )
+    data_ok = all(g["passed"] for g in summary["gates"])
+    conv_dir = paths.get("conversations") if summary["conversations"]["conversations"] else None
+    sig = summary["learning_signal"] = learning_signal(conv_dir, cfg)
+    summary["gates"].append({"name": sig["gate"], "passed": sig["gate_passed"], "detail": sig["detail"]})
     summary["gates_passed"] = all(g["passed"] for g in summary["gates"])
-    summary["status"] = "ok" if summary["gates_passed"] else "gates_refused"
+    summary["status"] = "ok" if summary["gates_passed"] else "gates_refused" if not data_ok else sig["verdict"]
     summary["memory"] = {"budget_mb": cfg.data.memory_budget_mb, "partitions": len(ing.part_paths)}
     summary["timing_s"] = {
         "ingest": round(t_ingest - t0, 3),
@@ -363,7 +374,8 @@ def run_prep(
         out,
         "prep",
         [gate(g["name"], g["passed"], g["detail"]) for g in summary["gates"]],
-        stop=None if summary["gates_passed"] else STOP_DATA,
+        stop=None if summary["gates_passed"] else STOP_DATA if not data_ok else STOP_NO_SIGNAL,
+        learning_signal={k: v for k, v in sig.items() if k != "by_source"} | {"by_source": sig.get("by_source")},
     )
     result = PrepResult(summary, out, paths)
     if not result.gates_passed:
@@ -489,12 +501,17 @@ def run_cli(args: argparse.Namespace) -> int:
     except GateRefused as e:
         for info in (e.result.summary.get("gateway") or {}).values():
             print(describe_gateway(info))
+        if "outcome" in ((e.result.summary.get("conversations") or {}).get("reward_sources") or {}):
+            print(f"prep: {paying_for(cfg)}")
+        print(describe_signal(e.result.summary["learning_signal"]))
         print(f"hermes-lab prep: refused: {redact(str(e))}", file=sys.stderr)
         return EXIT_REFUSED
     except (PrepError, ConfigError) as e:  # details quote the data: a key that sits in it is masked
         print(f"hermes-lab prep: error: {redact(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     k = res.summary["counts"]
+    if "outcome" in res.summary["conversations"]["reward_sources"]:  # first: what the outcome rules pay
+        print(f"prep: {paying_for(cfg)}")
     print(
         f"prep: {k['accepted']} accepted, {k['rejected']} rejected, {k['duplicates']} duplicates, "
         f"{k['blank']} blank; {res.summary['split']['grpo_prompts']} GRPO prompts, "
@@ -504,6 +521,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(describe_gateway(info))
     if res.summary["conversations"]["conversations"]:
         print(describe_conversations(res.summary["conversations"], res.paths["conversations"]))
+        print(describe_signal(res.summary["learning_signal"]))
     sel = res.summary["selection"]
     print(
         f"prep: selection ({cfg.data.select}): {sel['select_mixed']} mixed, {sel['select_all_fail']} all-fail, "

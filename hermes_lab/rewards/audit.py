@@ -19,6 +19,12 @@ dataset columns it reads):
 - a ``module:function`` (in ``reward.types`` or as ``reward.system``): the generic set (empty, the prompt echoed, a
   refusal, a very long answer).
 
+With a round dir whose prep ran, the audit also names the reward of the round's data that gives every
+conversation of a task the same score (prep's ``learning_signal``, ``hermes_lab.data.signal``): "outcome: 6 of 6
+conversations are rewarded only by how the run ended". No learning signal, no A/B signal: a finding of class
+``no learning signal`` (case ``no_learning_signal``, the source as its reward) with ``conversations.no_signal:
+block``, a note in the report and the output with ``warn``.
+
 A completion paid more than ``reward.audit_threshold`` x ``reward.scale`` is a finding, named with its reward in
 the output, the verdict and MLflow. ``reward.audit: block`` (the default) stops the round before training
 (``blocked: reward audit``); ``warn`` says so and goes on. A reward that cannot score a set (a column the
@@ -73,6 +79,7 @@ class AuditResult:
     rows: list[dict[str, Any]] = field(default_factory=list)  # every (reward, case) scored
     findings: list[Finding] = field(default_factory=list)
     not_audited: dict[str, str] = field(default_factory=dict)  # reward -> why
+    signal: dict[str, Any] | None = None  # the round's data: prep's learning_signal, when prep ran
 
     @property
     def blocked(self) -> bool:
@@ -102,6 +109,7 @@ class AuditResult:
             "blocked": self.blocked,
             "findings": [asdict(f) for f in self.findings],
             "not_audited": self.not_audited,
+            "learning_signal": self.signal,
             "rows": self.rows,
         }
 
@@ -212,9 +220,34 @@ def _audit_one(result: AuditResult, name: str, fn: RewardFn, cfg: HermesConfig) 
             result.findings.append(Finding(label, case.name, case.klass, probe.prompt, case.completion, v))
 
 
+def data_signal(result: AuditResult, cfg: HermesConfig, round_dir: str | Path) -> None:
+    """The round's data: prep's learning_signal (summary.json), a finding when it found none and
+    conversations.no_signal is block."""
+    try:
+        summary = json.loads(RoundLayout(round_dir).prep.summary.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    sig = summary.get("learning_signal") if isinstance(summary, dict) else None
+    if not isinstance(sig, dict):
+        return
+    result.signal = sig
+    if sig.get("passed") is False and cfg.conversations.no_signal == "block":
+        src = str(sig.get("source") or "reward")
+        by = (sig.get("by_source") or {}).get(src) or {}
+        paid = str(by.get("paid") or "").split("/", 1)[0]
+        try:
+            value = float(paid)
+        except ValueError:
+            value = 0.0
+        detail = str(sig.get("detail") or "")
+        result.findings.append(Finding(src, "no_learning_signal", "no learning signal", "", detail, value))
+
+
 def run_audit(cfg: HermesConfig, round_dir: str | Path | None = None, say: bool = True) -> AuditResult:
     """The stage: the audit, its files under ``<round_dir>/audit/``, MLflow on the active run, the verdict."""
     result = audit_rewards(cfg)
+    if round_dir is not None:
+        data_signal(result, cfg, round_dir)
     if say:
         print(format_result(result), flush=True)
     from hermes_lab.core import tracking
@@ -250,6 +283,12 @@ def format_result(result: AuditResult) -> str:
         lines.append(f"  {mark:5s} {name:18s} {len(paid)} cases, paid at most {max(paid, default=0):g}")
         lines += [f"          {f.line(result.scale)}" for f in bad]
     lines += [f"  ----  {name:18s} not audited: {why}" for name, why in result.not_audited.items()]
+    sig = result.signal
+    if sig is not None:
+        mark = "PASS" if sig.get("passed") else ("BLOCK" if result.mode == "block" else "WARN")
+        if not sig.get("passed") and not any(f.klass == "no learning signal" for f in result.findings):
+            mark = "WARN"  # conversations.no_signal: warn
+        lines.append(f"  {mark:5s} {'data: ' + str(sig.get('gate')):18s} {str(sig.get('detail'))[:200]}")
     return "\n".join(lines)
 
 

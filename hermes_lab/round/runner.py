@@ -271,6 +271,10 @@ def run_round(
         rd.mkdir(parents=True, exist_ok=True)
         if cfg.model.base_model == "embedded:tiny" and not quiet:
             _report_tiny(cfg, say=n == 1)  # the starting point once, not again every flywheel round
+        if not quiet:  # what a conversation with no verifier, feedback or judge is paid (issue 56)
+            from hermes_lab.data.outcomes import paying_for
+
+            print(f"[round {n:02d}] {paying_for(cfg)}", flush=True)
         if cfg.round.simulated_clock:
             if due:
                 _due(state, cfg)

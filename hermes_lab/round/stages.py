@@ -31,6 +31,7 @@ from hermes_lab.core.verdict import (
     STOP_BLOCKED_REVIEW,
     STOP_DATA,
     STOP_HEALTH,
+    STOP_NO_SIGNAL,
     STOP_REGRESSION,
     read_verdict,
 )
@@ -118,9 +119,9 @@ def _execute_params(ctx: RoundContext) -> dict[str, Any]:
 def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
     """A round's new samples: everything logged since the last round that reached training. That is its own
     execution log and the previous round's A/B traffic (the execution logs of both policies), and, while
-    the rounds before stopped at the data gate (too few samples, or the cooldown) or only continued a held
-    A/B (``round.on_held: continue``), their logs as well: samples pile up until they trigger a training,
-    none is dropped by a skipped round."""
+    the rounds before stopped at the data gate (too few samples, the cooldown, no learning signal) or only
+    continued a held A/B (``round.on_held: continue``), their logs as well: samples pile up until they trigger
+    a training, none is dropped by a skipped round."""
     runs = RunsLayout(runs_dir)
     rd = runs.round(round_no)
     out = [rd.trajectories]
@@ -133,7 +134,8 @@ def fresh_data(runs_dir: str | Path, round_no: int) -> list[Path]:
         verdict = read_verdict(prev.prep.verdict)
         if _continued_only(prev.root):  # it ran no prep: what came before it is still fresh
             continue
-        if not verdict or verdict.get("stop") != STOP_DATA:  # round k trained on what came before it
+        # round k trained on what came before it; one stopped for no learning signal did not (feedback may come)
+        if not verdict or verdict.get("stop") not in (STOP_DATA, STOP_NO_SIGNAL):
             break
         if prev.trajectories.exists():
             out.append(prev.trajectories)
@@ -196,12 +198,12 @@ STAGES: tuple[Stage, ...] = (
         "10_data_prep.ipynb",
         "hermes_lab.data.prep",
         verdict=str(_IN_ROUND.prep.verdict),
-        gates=("min_samples", "cooldown"),
-        stops=(STOP_DATA,),
+        gates=("min_samples", "cooldown", "learning_signal"),
+        stops=(STOP_DATA, STOP_NO_SIGNAL),
         params=_prep_params,
         inputs=stage_inputs.PREP,
         command="prep",
-        help="Ingest, validate and distill trajectories; apply the data gates.",
+        help="Ingest, validate and distill trajectories; apply the data gates and the learning-signal gate.",
         consumes_negatives=True,
     ),
     Stage(
