@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
+# make live-demo RUNNER=hermes: the real Hermes Agent's own loop plays the agent episodes (hermes_lab.agents)
+RUNNER ?= builtin
 ROUNDS ?= 3
 # DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
 HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
@@ -45,7 +47,7 @@ live: setup
 
 ## the live flywheel on a 360x clock with a stand-in agent: two rounds start themselves, swap in, are decided live
 live-demo: setup
-	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS)
+	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS) --runner $(RUNNER)
 
 ## the suite on every core, and two workers more (pytest-xdist: whole files per worker, the longest first:
 ## tests/conftest.py). Many tests wait (servers starting, a rollout's wall-clock stages, a killed process's

@@ -83,7 +83,17 @@ def get(url: str) -> dict[str, Any] | None:
         return None
 
 
-def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share: float | None = None) -> int:
+HERMES_IN_FLIGHT = 4  # the real Hermes runner: sandboxed Hermes processes at once (each ~150 MB, its own requests)
+
+
+def run(
+    base_params: str,
+    time_scale: float,
+    rounds: int,
+    port: int,
+    agent_share: float | None = None,
+    runner: str = "builtin",
+) -> int:
     from hermes_lab.config.schema import load_config
     from hermes_lab.core import paths
     from hermes_lab.live.agent import run_agent
@@ -97,7 +107,8 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     say(f"{params} = {base_params} + {json.dumps(DEMO_KEYS)}; clock x{time_scale:g}; gateway {url}")
-    say(f"traffic: string tasks and agent episodes (tools, client-side calls), {share:.0%} agent (serve.agent_share)")
+    who = "the real Hermes Agent's own loop" if runner == "hermes" else "client-side calls"
+    say(f"traffic: string tasks and agent episodes ({who}), {share:.0%} agent (serve.agent_share)")
     cmd = [sys.executable, "-m", "hermes_lab.round.supervisor", "--live", "--params", str(params)]
     cmd += ["--time-scale", str(time_scale), "--port", str(port), "--rounds", str(rounds)]
     sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -125,8 +136,17 @@ def run(base_params: str, time_scale: float, rounds: int, port: int, agent_share
             busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
             batch += 1
             n, conc = (4, 1) if busy else (240, 32)  # a trickle while a round trains; else two arms batch
+            if runner == "hermes":
+                conc = min(conc, HERMES_IN_FLIGHT)
             s = run_agent(
-                url, n, conc, seed=10_000 + batch, progress=False, agent_share=share, max_turns=cfg.grpo.max_turns
+                url,
+                n,
+                conc,
+                seed=10_000 + batch,
+                progress=False,
+                agent_share=share,
+                max_turns=cfg.grpo.max_turns,
+                runner=runner,
             )
             answered, failed, sent = answered + s["answered"], failed + s["errors"], sent + s["http_requests"]
             if s["errors"]:
@@ -236,10 +256,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--agent-share", type=float, default=None, help="share of agent episodes in the traffic (serve.agent_share)"
     )
+    p.add_argument(
+        "--runner",
+        default="builtin",
+        choices=("builtin", "hermes"),
+        help="who plays the agent episodes: the stand-in's client loop, or the real Hermes Agent's own (sandboxed)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return run(args.params, args.time_scale, args.rounds, args.port, args.agent_share)
+    return run(args.params, args.time_scale, args.rounds, args.port, args.agent_share, args.runner)
 
 
 def main(argv: list[str] | None = None) -> int:
