@@ -119,6 +119,12 @@ class GrpoSection:
         2, "Episode mode: tool-calling turns per episode at most (TRL max_tool_calling_iterations).", ge=1, le=16
     )
     episode_steps: int = _f(0, "Episode mode: optimizer steps of the episode phase (0: grpo.max_steps).", ge=0)
+    episode_iterations: int = _f(
+        0,
+        "Episode mode: optimizer steps per generated batch of episodes (TRL num_iterations; 0: grpo.num_iterations). "
+        "Episodes cost far more to generate than to learn from: 2 learns about as much per step at half the cost.",
+        ge=0,
+    )
     episode_completion_length: int = _f(
         144,
         "Episode mode: tokens an episode may add after its prompt, tool results included (TRL max_completion_length; "

@@ -354,6 +354,7 @@ def train_episodes(
     reward = EP.EpisodeReward(cfg.reward.success_threshold)
     gkw = grpo_kwargs(cfg, out, cfg.grpo.episode_completion_length, [1.0])
     gkw.update(max_steps=cfg.grpo.episode_steps or cfg.grpo.max_steps, max_tool_calling_iterations=cfg.grpo.max_turns)
+    gkw.update(num_iterations=cfg.grpo.episode_iterations or cfg.grpo.num_iterations)
     gkw.update(save_strategy="no")  # the phase is short; a killed round reruns it
     gkw.pop("save_steps", None)
     args = GRPOConfig(**gkw)
