@@ -14,6 +14,7 @@ results sent back, the verifier's score posted by conversation id).
 
 from __future__ import annotations
 
+import difflib
 import json
 import subprocess
 import sys
@@ -259,9 +260,12 @@ def test_real_hermes_agent_receives_the_in_process_policys_tool_calls_as_tool_ca
     logged = {c["id"]: c for r in recs for c in r["tool_calls"] or []}
     assert logged and set(logged) == {c["id"] for c in calls}  # every call the policy made reached the agent as one
     # the same call: name and arguments (Hermes keeps a call's arguments re-serialised, keys sorted and compact)
+    offered = [t["function"]["name"] for t in W.tool_schema()]  # Hermes's own tools, as it names them
     for c in calls:
         got = logged[c["id"]]["function"]
-        assert got["name"] == c["function"]["name"], (got, c)
+        if got["name"] != c["function"]["name"]:  # Hermes repairs a name no tool has to its closest one (difflib, 0.7)
+            assert got["name"] not in offered, (got, c)
+            assert difflib.get_close_matches(got["name"].lower(), offered, n=1, cutoff=0.7) == [c["function"]["name"]]
         assert json.loads(got["arguments"]) == json.loads(c["function"]["arguments"]), (got, c)
     assert all(r["finish_reason"] == "tool_calls" for r in recs if r["tool_calls"]) and all(r["stream"] for r in recs)
     # the opening fits the policy's window whole (no system prompt or schemas rendered); the next turn continued

@@ -414,8 +414,19 @@ def model_tokenizer(cfg: Any, local_only: bool = False) -> Any | None:
 
 def check_model(cfg: Any) -> Reader | None:
     """``check`` on the config's policy (the start of a round): ChatFormatError before any stage runs; None for
-    the embedded tiny policy."""
-    tok = model_tokenizer(cfg)
+    the embedded tiny policy, or for one whose tokenizer does not load here (a warning: the stage that loads the
+    policy says why, and a round of stand-in stages never needs it)."""
+    import warnings
+
+    try:
+        tok = model_tokenizer(cfg)
+    except (OSError, ValueError) as e:  # a hub id with no hub and no cache, a path that is not there
+        warnings.warn(
+            f"model.base_model {cfg.model.base_model!r}: its chat format is not checked before the round, its "
+            f"tokenizer does not load here ({type(e).__name__}: {str(e)[:160]})",
+            stacklevel=2,
+        )
+        return None
     return None if tok is None else check(tok, cfg.model.tool_parser)
 
 
