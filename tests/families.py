@@ -110,25 +110,18 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("qwen2_5", "Qwen2Config", _QWEN, _QWEN_ADDED, eos="<|im_end|>", pad="<|endoftext|>"),
         Family("qwen3", "Qwen3Config", _QWEN, (*_QWEN_ADDED, "<think>", "</think>"), "<|im_end|>", "<|endoftext|>"),
-        Family(
-            "llama3_1",
-            "LlamaConfig",
-            _LLAMA,
-            (),
-            "<|eot_id|>",
-            "<|end_of_text|>",
-            "<|begin_of_text|>",
-            multi_call=False,
-        ),
-        Family(
-            "llama3_2",
-            "LlamaConfig",
-            _LLAMA,
-            (),
-            "<|eot_id|>",
-            "<|end_of_text|>",
-            "<|begin_of_text|>",
-            multi_call=False,
+        *(  # Llama 3.1 and 3.2: the same tokens, two templates
+            Family(
+                name,
+                "LlamaConfig",
+                _LLAMA,
+                (),
+                "<|eot_id|>",
+                "<|end_of_text|>",
+                bos="<|begin_of_text|>",
+                multi_call=False,
+            )
+            for name in ("llama3_1", "llama3_2")
         ),
         Family(
             "gptoss", "GptOssConfig", _GPTOSS, (), "<|return|>", "<|endoftext|>", stop=("<|call|>",), multi_call=False

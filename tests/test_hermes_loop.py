@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from fake_openai import FakeOpenAI  # noqa: E402
-from test_hermes_real import BUILD_WAIT_S, hermes_bin  # noqa: E402,F401 - the pinned Hermes (a fixture)
-from test_serve import Gateway  # noqa: E402
+from test_hermes_real import gateway, hermes_bin  # noqa: E402,F401 - fixtures: an A/A gateway, the pinned Hermes
 
 from hermes_lab.agents.hermes import HermesLoop, local_url  # noqa: E402
 from hermes_lab.tasks import hermes as H  # noqa: E402
@@ -117,16 +115,6 @@ def test_tools_never_touch_anything_outside_their_workspace(hermes_bin, tmp_path
         assert listener.accepted == 0 and not any("CONNECTED" in x for x in results), results[-1]
     finally:
         far.unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hermes-loop")
-    args = ["--params", str(REPO / "params/embedded.yaml"), "--ratio", "0.5", "--set", "serve.rollout=false"]
-    args += ["--baseline", "embedded:tiny", "--candidate", "embedded:tiny"]
-    gw = Gateway(tmp, args).start(timeout=BUILD_WAIT_S)
-    yield gw
-    gw.stop()
 
 
 def test_hermes_own_loop_on_heldout_tasks_filed_and_paid_by_the_verifier(hermes_bin, gateway, tmp_path):  # noqa: F811

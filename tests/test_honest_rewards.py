@@ -32,6 +32,7 @@ EXPORTS = HERE / "fixtures" / "hermes_exports"
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 sys.path.insert(0, str(HERE))
 from fake_openai import FakeOpenAI  # noqa: E402
+from test_audit import _notebook as _standin_train  # noqa: E402 - a stand-in training stage that leaves a marker
 from test_serve import Gateway  # noqa: E402
 
 
@@ -279,20 +280,6 @@ def test_the_gateways_own_failures_are_left_out_counted_apart_and_prep_goes_on(t
 
 
 # ------------------------------------------------------------------------------------------ a round
-def _standin_train(path: Path, marker: Path) -> Path:
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    cell = 'config_path = ""  # help\nround_dir = ""  # help\nparent_run_id = ""  # help'
-    nb.cells = [
-        nbformat.v4.new_code_cell(cell, metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell(f"open({str(marker)!r}, 'w').write('trained')"),
-    ]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(path))
-    return path
-
-
 @pytest.mark.slow
 def test_a_round_on_real_sessions_stops_at_prep_and_trains_with_feedback(tmp_path, mlflow_store):
     from hermes_lab.round import runner as R
