@@ -114,6 +114,18 @@ def run(
     sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     threading.Thread(target=lambda: [print(line, end="", flush=True) for line in sup.stdout], daemon=True).start()
     pid, answered, failed, sent, batch = None, 0, 0, 0, 0
+    # once the rounds are done no conversation starts (run_agent skips the rest of its batch): the supervisor closes
+    # the gateway after 2 s without a request, and the real Hermes runner's batch of 240 outlived that by a minute
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            fw = get(url + "/v1/flywheel") or {}
+            if fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
+                done.set()
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
         while sup.poll() is None:
             h = get(url + "/healthz")
@@ -131,7 +143,7 @@ def run(
             elif h["pid"] != pid:
                 raise SystemExit(f"live-demo: the gateway's pid changed ({pid} -> {h['pid']})")
             fw = get(url + "/v1/flywheel") or {}
-            if fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
+            if done.is_set() or fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
                 break  # the traffic stops first; the supervisor closes its gateway once it has paused
             busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
             batch += 1
@@ -147,6 +159,7 @@ def run(
                 agent_share=share,
                 max_turns=cfg.grpo.max_turns,
                 runner=runner,
+                stop=done,
             )
             answered, failed, sent = answered + s["answered"], failed + s["errors"], sent + s["http_requests"]
             if s["errors"]:
@@ -156,6 +169,7 @@ def run(
         say("traffic stopped; waiting for the supervisor to close its gateway")
         rc = sup.wait(120)
     finally:
+        done.set()
         if sup.poll() is None:
             sup.terminate()
             sup.wait(60)
