@@ -20,8 +20,8 @@ from hermes_lab.tasks import workspace as W
 ROOT = Path(__file__).resolve().parents[1]
 READ = "first line of kelo.txt?"
 CALL = '<tool_call>{"name": "read_file", "arguments": {"path": "kelo.txt"}}</tool_call><eos>'
-# the v12 builds' hermes family (build.json, 140 held-out tasks): greedy 29-30%, sampled 10-19% (it copies the task's
-# words into the calls; copying from a tool's result into the answer is what it has not learned yet)
+# the hermes family in build.json (70 held-out tasks): v12 greedy 44%, sampled 27% (it never copied from a tool's
+# result); v13 greedy 81%, sampled 56%. The floors leave room for a build that learns the copy later than these did
 GREEDY_MIN, HEADROOM = 0.25, 0.08
 
 
