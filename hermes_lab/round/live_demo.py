@@ -118,10 +118,12 @@ def run(
     # the gateway after 2 s without a request, and the real Hermes runner's batch of 240 outlived that by a minute
     done = threading.Event()
 
+    def finished(fw: dict[str, Any]) -> bool:
+        return fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds
+
     def watch() -> None:
         while not done.is_set():
-            fw = get(url + "/v1/flywheel") or {}
-            if fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
+            if finished(get(url + "/v1/flywheel") or {}):
                 done.set()
             time.sleep(1.0)
 
@@ -133,7 +135,7 @@ def run(
                 if pid is not None:
                     # closed while the agent paused between batches: fine once its rounds were done
                     st = read_json_or_empty(RunsLayout(runs).flywheel.status)
-                    if st.get("phase") == "stopped" or len(st.get("rounds") or []) >= rounds:
+                    if finished(st):
                         break
                     raise SystemExit(f"live-demo: the gateway at {url} stopped answering while the demo sent traffic")
                 time.sleep(0.5)
@@ -143,7 +145,7 @@ def run(
             elif h["pid"] != pid:
                 raise SystemExit(f"live-demo: the gateway's pid changed ({pid} -> {h['pid']})")
             fw = get(url + "/v1/flywheel") or {}
-            if done.is_set() or fw.get("phase") == "stopped" or len(fw.get("rounds") or []) >= rounds:
+            if done.is_set() or finished(fw):
                 break  # the traffic stops first; the supervisor closes its gateway once it has paused
             busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
             batch += 1
