@@ -158,3 +158,25 @@ def test_hermes_lab_agent_plays_its_episodes_with_the_real_hermes(hermes_bin, ga
         r["conversation_id"] for r in gateway.records() if r["conversation_id"] in {f["conversation_id"] for f in fb}
     }
     assert len(fb) == 6 and len(convs) == 6 and all(c.startswith("hermes-hermes-") for c in convs)
+
+
+def test_hermes_in_flight_bounds_the_hermes_processes_not_the_string_traffic(hermes_bin, gateway):  # noqa: F811
+    """live-demo's mixed traffic with the real Hermes runner: 4 conversations in flight, at most 1 of them a Hermes
+    process (each ~150 MB and its own requests); the string tasks keep the other workers, nothing fails."""
+    from hermes_lab.live import agent as LA
+
+    s = LA.run_agent(
+        gateway.url,
+        8,
+        4,
+        seed=3,
+        split="heldout",
+        agent_share=0.5,
+        progress=False,
+        runner="hermes",
+        hermes_in_flight=1,
+    )
+    kinds = [r.get("kind") for r in s["results"]]
+    assert s["errors"] == 0 and s["answered"] == 8, s["first_errors"]
+    assert "agent" in kinds and "string" in kinds, kinds
+    assert s["hermes_processes"] == 1

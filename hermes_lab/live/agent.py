@@ -71,6 +71,7 @@ def run_agent(
     stop: threading.Event | None = None,
     runner: str = "builtin",
     workspace_root: str | os.PathLike[str] | None = None,
+    hermes_in_flight: int = 0,
 ) -> dict[str, Any]:
     """Run ``n`` conversations (``concurrency`` in flight), a share ``agent_share`` of them agent episodes, and post
     each one's score; returns a summary.
@@ -81,7 +82,8 @@ def run_agent(
     arm, reward, error; an episode also its turns, tool calls and whether its first answer called a tool).
     ``runner``: "builtin" (this module's client loop) or "hermes" (the real Hermes Agent's loop, its runs' folders
     under ``workspace_root``, a temporary folder by default; ``max_tokens``, ``temperature`` and ``users`` are
-    Hermes's own business then)."""
+    Hermes's own business then; ``hermes_in_flight`` > 0: at most that many of its processes run at once, while the
+    string tasks keep the whole ``concurrency``)."""
     import httpx
     import openai
     from tqdm.auto import tqdm
@@ -185,17 +187,17 @@ def run_agent(
             env._close()  # the workspace goes, whatever happened
 
     loops: queue.Queue[Any] = queue.Queue()  # the Hermes runner's sandboxed processes, one per episode in flight
+    slots = threading.BoundedSemaphore(hermes_in_flight or max(1, concurrency))
     made: list[Any] = []
     own_root = runner == "hermes" and workspace_root is None  # a temporary folder of ours: removed at the end
     root_dir = Path(tempfile.mkdtemp(prefix="hermes-lab-agent-")) if own_root else Path(workspace_root or ".")
 
-    def hermes_episode(i: int, kw: dict[str, Any], out: dict[str, Any]) -> None:
+    def hermes_loop() -> Any:
+        """A Hermes runner's process from the pool, or a new one (its own folder under ``root_dir``)."""
         from hermes_lab.agents import hermes as HL
 
-        t = agent_tasks[i]
-        out.update(kind="agent", task_id=t.task_id, prompt=t.question, runner="hermes")
         try:
-            loop = loops.get_nowait()
+            return loops.get_nowait()
         except queue.Empty:
             hermes = HL.install_hermes()  # HermesMissing (a HermesRunError) when it cannot be made here
             where = Path(tempfile.mkdtemp(prefix="loop-", dir=root_dir))
@@ -209,10 +211,17 @@ def run_agent(
                 api_key=key,
             ).start()
             made.append(loop)
-        try:
-            r = loop.run([t])[0]
-        finally:
-            loops.put(loop)
+            return loop
+
+    def hermes_episode(i: int, kw: dict[str, Any], out: dict[str, Any]) -> None:
+        t = agent_tasks[i]
+        out.update(kind="agent", task_id=t.task_id, prompt=t.question, runner="hermes")
+        with slots:
+            loop = hermes_loop()
+            try:
+                r = loop.run([t])[0]
+            finally:
+                loops.put(loop)
         calls = [m for m in r.messages if m.get("role") == "assistant"]
         out.update(conversation_id=r.session_id, requests=len(calls), turns=len(calls), response=r.answer)
         out.update(tool_calls=len(r.tool_calls), first_call=bool(calls and calls[0].get("tool_calls")), reward=r.reward)
@@ -253,7 +262,7 @@ def run_agent(
             loop.close()
         if own_root:
             shutil.rmtree(root_dir, ignore_errors=True)
-    return summarize(results)
+    return {**summarize(results), "hermes_processes": len(made)}
 
 
 def _rates(rs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -314,6 +323,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("builtin", "hermes"),
         help="who plays the agent episodes: this client's loop, or the real Hermes Agent's own (sandboxed)",
     )
+    p.add_argument(
+        "--hermes-in-flight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--runner hermes: at most N Hermes processes at once, the string tasks keeping --concurrency "
+        "(0: --concurrency)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -339,6 +356,7 @@ def run_cli(args: argparse.Namespace) -> int:
             agent_share=cfg.serve.agent_share,
             max_turns=cfg.grpo.max_turns,
             runner=args.runner,
+            hermes_in_flight=args.hermes_in_flight,
         )
     except Exception as e:  # the gateway is down or refuses: one line, not a traceback
         print(f"hermes-lab agent: cannot reach the gateway at {args.url}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -150,8 +150,6 @@ def run(
             busy = fw.get("phase") in ("training", "deciding")  # leave the worker its core
             batch += 1
             n, conc = (4, 1) if busy else (240, 32)  # a trickle while a round trains; else two arms batch
-            if runner == "hermes":
-                conc = min(conc, HERMES_IN_FLIGHT)
             s = run_agent(
                 url,
                 n,
@@ -162,6 +160,7 @@ def run(
                 max_turns=cfg.grpo.max_turns,
                 runner=runner,
                 stop=done,
+                hermes_in_flight=min(conc, HERMES_IN_FLIGHT),
             )
             answered, failed, sent = answered + s["answered"], failed + s["errors"], sent + s["http_requests"]
             if s["errors"]:
