@@ -79,6 +79,24 @@ def test_larger_effect_needs_fewer_requests_and_the_cap_is_reported_when_it_bind
     assert m["plan_capped"] == 1.0 and m["plan_power"] == capped.power and m["plan_rate"] == capped.rate
 
 
+def test_a_huge_gain_still_plans_enough_units_for_the_rule_to_decide():
+    """A +45-point gain at the approximation's rate is a handful of requests, and the rule decides nothing under
+    ``ab.min_per_arm`` units an arm: the plan must count that (a round planned 7 candidate requests for +32 points
+    and held its A/B undecided), and the runner's own decision must widen at the planned rate."""
+    cfg = _cfg(plan_effect=45)
+    plan = _plan(cfg)
+    st = ab.Settings.from_config(cfg)
+    s0 = plan.stages[0]  # units by the hard end: the planned stage and its extensions
+    assert s0["requests_with_extension"] * s0["ratio"] >= st.min_per_arm, s0
+    assert _runner_power(cfg, plan.rate, plan.baseline_share, 0.45, 200, seed=11) >= 0.7
+    # the approximation knows it: half the units an arm needs is (almost) no chance, whatever the gain
+    stage = ab_rollout.start_stage(ab.plan_stages(ab_stages(cfg), 1.0, cfg.ab.look_every, cfg.ab.max_extension)[0], 0)
+    arms = ab_plan.plan_arms(cfg, None, 0.5, 0.45)
+    n = st.min_per_arm / 2 / (stage.ratio * stage.seconds * (1 + stage.max_extension))
+    assert ab_plan.approx_power(stage, n, arms, 0.45, st.alpha, st.min_per_arm) < 0.01
+    assert ab_plan.approx_power(stage, n, arms, 0.45, st.alpha) > 0.5  # without the count: what the bug planned
+
+
 def test_the_effect_comes_from_trains_held_out_gain(tmp_path):
     ev = tmp_path / "eval.json"
     ev.write_text(json.dumps({"before": {"pass_rate": 0.4}, "after": {"pass_rate": 0.52}, "gain_points": 12.0}))

@@ -252,16 +252,18 @@ def _eval_cells(
     return n / n.sum(), pr, miss
 
 
-def approx_power(stage: ab.Stage, rate: float, arms: Arms, delta: float, alpha: float) -> float:
+def approx_power(stage: ab.Stage, rate: float, arms: Arms, delta: float, alpha: float, min_per_arm: int = 0) -> float:
     """The normal approximation of a stage's chance to widen, read at its hard end (the last look), with the
-    variance the covariate cells leave (all of it with one cell)."""
-    from scipy.stats import norm
+    variance the covariate cells leave (all of it with one cell), times the chance that both arms' Poisson counts
+    reach ``min_per_arm`` by then (the rule decides nothing before: a large gain at a low rate is no decision)."""
+    from scipy.stats import norm, poisson
 
     v = arms.variance(stage.ratio, adjusted=arms.cells > 1)
     n = rate * stage.seconds * (1 + stage.max_extension)
     n_star = max(stage.tune_n, 2.0)
     half = math.sqrt(math.log(2 / alpha) * v / (2 * n_star)) * (n_star / n + 1)
-    return float(norm.cdf((delta - half) * math.sqrt(n / v)))
+    enough = poisson.sf(min_per_arm - 1, n * stage.ratio) * poisson.sf(min_per_arm - 1, n * (1 - stage.ratio))
+    return float(norm.cdf((delta - half) * math.sqrt(n / v)) * enough)
 
 
 def stage_power(stage: ab.Stage, st: ab.Settings, rate: float, arms: Arms, reps: int = REPS, seed: int = 0) -> float:
@@ -319,7 +321,7 @@ def plan_rate(
         if rate not in cache:
             out = []
             for s in stages_at(rate):
-                ap = approx_power(s, rate, arms, delta, st.alpha)
+                ap = approx_power(s, rate, arms, delta, st.alpha, st.min_per_arm)
                 if ap > SKIP_ABOVE:
                     out.append((ap, "approximation"))
                 else:
@@ -331,7 +333,7 @@ def plan_rate(
         return float(np.prod([p for p, _ in per_stage(rate)]))
 
     def approx(rate: float) -> float:
-        return float(np.prod([approx_power(s, rate, arms, delta, st.alpha) for s in stages_at(rate)]))
+        return float(np.prod([approx_power(s, rate, arms, delta, st.alpha, st.min_per_arm) for s in stages_at(rate)]))
 
     def approx_rate(power_wanted: float) -> float:  # a geometric bisection, no simulation
         lo, hi = 1e-4, 1e4
