@@ -380,6 +380,16 @@ def test_train_embedded_writes_adapter_log_and_samples(trained, tiny_policy):
     tensors = _adapter_tensors(res.adapter_dir)
     assert tensors and not any(".ref." in k for k in tensors)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in tensors.items())  # it trained: B left zero
+    # the final norm trained in full (lora.modules_to_save) at its own learning rate: Adam moves a parameter by
+    # about its learning rate a step, so 6 steps at grpo.learning_rate could not move a gain by 10x that much
+    from safetensors.torch import load_file
+
+    assert acfg["modules_to_save"] == ["model.norm"] == trained.cfg.lora.modules_to_save
+    (norm_key,) = [k for k in tensors if "norm" in k]
+    base_norm = load_file(str(tiny_policy / "model.safetensors"))["model.norm.weight"]
+    moved = float((tensors[norm_key] - base_norm).abs().max())
+    assert moved > 10 * 6 * trained.cfg.grpo.learning_rate, moved
+    assert trained.cfg.lora.modules_to_save_learning_rate > 10 * trained.cfg.grpo.learning_rate
 
     steps = _step_rows(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -59,6 +59,19 @@ class LoraSection:
     lora_alpha: int = _f(32, "LoRA scaling alpha (effective scale alpha/r).", gt=0)
     lora_dropout: float = _f(0.05, "Dropout on the LoRA path.", ge=0, lt=1)
     target_modules: list[str] = _f(["q_proj", "v_proj", "k_proj", "o_proj"], "Module names LoRA wraps.")
+    modules_to_save: list[str] = _f(
+        [],
+        "Modules trained in full and saved in the adapter (PEFT's modules_to_save), matched by the end of their "
+        "name: e.g. 'model.norm', the final norm, whose scale a LoRA cannot change (it sets how sharp every "
+        "sampled token is).",
+    )
+    modules_to_save_learning_rate: float | None = _f(
+        None,
+        "AdamW learning rate of the modules_to_save' parameters (a few hundred dimensions of a norm need a far "
+        "larger step than LoRA's matrices to move in a short round). Unset: grpo.learning_rate.",
+        gt=0,
+        lt=10,
+    )
     bias: Literal["none", "all", "lora_only"] = _f("none", "Which biases train.")
     task_type: str = _f("CAUSAL_LM", "PEFT task type (peft.TaskType; checked by config --check).")
 

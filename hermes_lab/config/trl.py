@@ -19,6 +19,8 @@ only inside ``grpo_kwargs``, PEFT only inside ``lora_config``.
 | reward.types / weights       | reward_funcs / reward_weights (hermes_lab.rewards.registry)            |
 | grpo.use_vllm / vllm_mode    | use_vllm / vllm_mode (GPU only)                                        |
 | lora.*                       | peft.LoraConfig(**lora)                                                |
+| lora.modules_to_save_        | the optimizer's own param group for the modules_to_save (train.grpo's  |
+|   learning_rate              | with_module_lr); not a LoraConfig key                                  |
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def lora_config(cfg: HermesConfig) -> Any:
         lora_alpha=lc.lora_alpha,
         lora_dropout=lc.lora_dropout,
         target_modules=list(lc.target_modules),
+        modules_to_save=list(lc.modules_to_save) or None,
         bias=lc.bias,
         task_type=lc.task_type,
     )

@@ -127,6 +127,34 @@ def _policy_for_training(cfg: HermesConfig, base: str, start_adapter: str | None
     return model, lora_config(cfg)
 
 
+def with_module_lr(trainer_cls: type, lr: float | None) -> type:
+    """``trainer_cls`` whose optimizer gives the adapter's modules_to_save (``lora.modules_to_save``: trained in
+    full, e.g. the final norm) their own learning rate, ``lora.modules_to_save_learning_rate``; unset: unchanged.
+    Why: Adam moves every parameter by about the learning rate a step, which a LoRA's small matrices need and a
+    norm's gains (~1.0 each) do not notice in 20 steps; the final norm sets how sharp every sampled token is, the
+    sharpening a policy whose greedy answers beat its sampled ones needs most (docs/training.md)."""
+    if lr is None:
+        return trainer_cls
+
+    class ModuleLrTrainer(trainer_cls):  # type: ignore[misc, valid-type]
+        def create_optimizer(self, model: Any = None) -> Any:
+            fresh = self.optimizer is None
+            opt = super().create_optimizer(model)
+            if not fresh:
+                return opt
+            own = [
+                p for n, p in (model or self.model).named_parameters() if p.requires_grad and ".modules_to_save." in n
+            ]
+            if own:
+                ids = {id(p) for p in own}
+                for g in opt.param_groups:
+                    g["params"] = [p for p in g["params"] if id(p) not in ids]
+                opt.add_param_group({"params": own, "lr": lr, "weight_decay": 0.0})
+            return opt
+
+    return ModuleLrTrainer
+
+
 def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -228,7 +256,8 @@ def train(
                 tracking.set_tags({"train.resumed_from_step": str(resumed_from)})
         if is_main:
             write_json_atomic(lay.resume, {**marker, "mlflow_run_id": run_id})
-        trainer = trainer_class(ds)(  # TRL's GRPOTrainer, the prompts' tokens the loop's (train.turns)
+        # TRL's GRPOTrainer, the prompts' tokens the loop's (train.turns)
+        trainer = with_module_lr(trainer_class(ds), cfg.lora.modules_to_save_learning_rate)(
             model=model,
             reward_funcs=funcs,
             args=args,
@@ -372,7 +401,7 @@ def train_episodes(
                     "episodes.start_adapter": start_adapter or "",
                 }
             )
-            trainer = GRPOTrainer(
+            trainer = with_module_lr(GRPOTrainer, cfg.lora.modules_to_save_learning_rate)(
                 model=model,
                 reward_funcs=[reward],
                 args=args,
