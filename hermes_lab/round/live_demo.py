@@ -55,6 +55,10 @@ DEMO_KEYS: dict[str, dict[str, Any]] = {
     # the demo's training: the string tasks as a round trains them, the turn and episode phases shorter (they take
     # most of a round's time: 8 turn steps 31 s, 20 episode steps 70 s of a 181 s train stage)
     "grpo": {"turn_steps": 4, "episode_steps": 10},
+    # the final norm at the LoRA's own rate: at the round's 0.08 the first round takes the tiny policy to its greedy
+    # ceiling (+44.6 points) and the second has nothing left but to regress (add -6.8: the regression gate stops it),
+    # so a demo of two compounding rounds would show only one
+    "lora": {"modules_to_save_learning_rate": None},
     # the held-out sets at 48 tasks a family (a round's regression gate, the train stage's before/after pass rate
     # and as many agent episodes): the 200 of a round's headline gain took 50 s of a train stage
     "validate": {"eval_tasks_per_family": 48, "gain_tasks_per_family": 48},
