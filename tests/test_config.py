@@ -295,6 +295,8 @@ CROSS_FIELD = [  # (YAML, key named in the error): each failed a stage mid-round
     ("grpo:\n  loss_type: ppo\n", "grpo.loss_type"),  # train: TRL's own list, read from TRL
     ("round:\n  registered_model: it's\n", "round.registered_model"),  # the champion's registry search
     ("model:\n  api_key_env: sk-abc123-secret\n", "model.api_key_env"),  # a pasted key, not a variable name
+    ("lora:\n  modules_to_save_learning_rate: 0.08\n", "lora.modules_to_save_learning_rate"),  # nothing at it
+    ("lora:\n  modules_to_save_learning_rate: 0\n", "lora.modules_to_save_learning_rate"),  # its bound
 ]
 
 

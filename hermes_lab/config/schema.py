@@ -130,6 +130,11 @@ def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
         errs.append("model.base_model must not be empty")
     if not cfg.lora.target_modules:
         errs.append("lora.target_modules must name at least one module")
+    if cfg.lora.modules_to_save_learning_rate is not None and not cfg.lora.modules_to_save:
+        errs.append(
+            "lora.modules_to_save_learning_rate is set but lora.modules_to_save names no module: nothing would "
+            "train at that rate (e.g. modules_to_save: [model.norm], the final norm)"
+        )
     choices = trl_choices("loss_type")
     if choices and g.loss_type not in choices:
         errs.append(f"grpo.loss_type must be one of the installed TRL's: {', '.join(choices)}; got {g.loss_type!r}")
