@@ -77,24 +77,35 @@ def test_grpo_config_from_our_mapping_raises_no_deprecation(tmp_path):
     assert any("gradient_checkpointing" in str(w.message) for w in caught)  # the old name does warn
 
 
-def test_adapter_load_hides_peft_deprecation_unless_debug(tmp_path, monkeypatch):
-    """PEFT reads transformers' deprecated is_gradient_checkpointing on every adapter load."""
+def test_adapter_load_hides_peft_deprecation_unless_debug(tmp_path):
+    """PEFT reads transformers' deprecated is_gradient_checkpointing on every adapter load.
+
+    Each load runs in its own interpreter, as a user's would: ``warnings.catch_warnings`` is process-global
+    and not thread-safe, so a thread left running by an earlier test in the same pytest worker could swap
+    the recorder out mid-load (CI saw exactly that once: nothing recorded with --debug on)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hermes_lab.policy.model import build_tiny_policy, load_policy
+    from hermes_lab.policy.model import build_tiny_policy
 
     tiny = build_tiny_policy(REPO / "runs", 0, quiet=True)
     lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     with quiet.third_party_deprecations():
         get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), lora).save_pretrained(tmp_path / "ad")
+    code = "import sys; from hermes_lab.policy.model import load_policy; load_policy(sys.argv[1], adapter=sys.argv[2])"
     for debug, expect in (("", False), ("1", True)):
-        monkeypatch.setenv(quiet.ENV_DEBUG, debug)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            load_policy(str(tiny), adapter=str(tmp_path / "ad"))
-        shown = [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
-        assert bool(shown) is expect, (debug, shown)
+        env = {**os.environ, quiet.ENV_DEBUG: debug, "OMP_NUM_THREADS": "1"}
+        env.pop("PYTHONWARNINGS", None)  # Python's default filters: a FutureWarning is shown once per place
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(tiny), str(tmp_path / "ad")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert ("is_gradient_checkpointing" in r.stderr) is expect, (debug, r.stderr[-2000:])
 
 
 @pytest.mark.slow
