@@ -2,7 +2,8 @@
 
 Writes ``train_log.jsonl`` (every TRL log line, under ``--output``: ``runs/round-NN/train/``) and the
 ``train/<TRL name>`` MLflow metrics of the running training, and stops it on a NaN loss
-(``TrainingHealthError``); warns once per kind when KL runs off or groups stop differing. Built by
+(``TrainingHealthError``); warns once per kind when KL runs off (above ``grpo.kl_warn``, or two logs in a row
+far above its recent median: one spike is the estimator's noise) or groups stop differing. Built by
 ``hermes_lab.train.grpo`` (``hermes-lab train``) for each phase.
 """
 
@@ -40,6 +41,7 @@ def make_callback(
         def __init__(self) -> None:
             self.warnings: list[str] = []
             self.kl_hist: list[float] = []
+            self._spike: tuple[int, float] | None = None  # (step, median before it) of a KL spike not yet a trend
             self.zero_hist: list[float] = []
             self._warned: set[str] = set()
             self._file: Any = None  # train_log.jsonl, opened on the first line
@@ -85,18 +87,26 @@ def make_callback(
                 return
             hist = self.kl_hist[-5:]
             med = sorted(hist)[len(hist) // 2] if hist else None
+            jump = med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3)
+            spike, self._spike = self._spike, None
             if kl > cfg.grpo.kl_warn:
                 self._warn(
                     "kl_high",
                     f"KL {kl:.3f} at step {step} exceeds {cfg.grpo.kl_warn}: the policy is "
                     f"running off; raise kl_coefficient (now {cfg.grpo.kl_coefficient}) and rerun.",
                 )
-            elif med is not None and len(hist) >= 3 and kl > 0.2 and kl > 4 * max(med, 1e-3):
+            elif spike is not None and kl > 0.2 and kl > 4 * max(spike[1], 1e-3):
                 self._warn(
                     "kl_rising",
-                    f"KL jumped to {kl:.3f} at step {step} (recent median {med:.3f}): "
+                    f"KL rose to {kl:.3f} by step {step} and stayed (median {spike[1]:.3f} before step {spike[0]}): "
                     f"raise kl_coefficient (now {cfg.grpo.kl_coefficient}).",
                 )
+            elif jump:
+                # one log this far above the median is not yet a trend: TRL's per-token k3 estimate spikes when the
+                # sharpened policy samples a token the reference found unlikely (0.74 against a median of 0.09 in
+                # the embedded round, back to the median the next step). The next log tells.
+                self._spike = (step, med)
+                log.debug("KL spiked to %.3f at step %d (recent median %.3f)", kl, step, med)
             self.kl_hist.append(kl)
 
         def _guard_zero_std(self, zero: Any, step: int) -> None:
