@@ -66,27 +66,35 @@ def test_build_is_deterministic_by_seed_and_kept_in_the_machine_cache(tmp_path, 
 
 def test_packed_teacher_batch_has_the_padded_batch_loss():
     """Packing only saves compute: same examples, same loss, and no example attends to its row neighbours
-    (a wrong mask would let answers leak across examples and lower the packed loss)."""
+    (a wrong mask would let answers leak across examples and lower the packed loss). The rows come in several
+    widths (the episodes' wide rows, the strings' narrow ones): the loss is still the one batch's."""
     import random
 
     import torch
 
     tok = P.build_tokenizer()
     model = P._tiny_model(len(tok), seed=0).eval()
-    batch = P._teacher_batch(random.Random("pack"), tok, 128)
-    rows, width = batch["input_ids"].shape
-    assert width == P.PACK_WIDTH and rows < 128 / 2.5  # several examples per row
-    ids, labels = P.unpack_teacher_batch(batch, tok.pad_token_id)
+    parts = P._teacher_batch(random.Random("pack"), tok, 128)
+    widths = [p["input_ids"].shape[1] for p in parts]
+    assert widths == sorted(set(widths), reverse=True) and set(widths) <= set(P.PACK_WIDTHS) and len(widths) >= 2
+    assert sum(p["input_ids"].shape[0] for p in parts) < 128 / 2.5  # several examples per row
+    ids, labels = P.unpack_teacher_batch(parts, tok.pad_token_id)
     assert len(ids) == 128  # every example is in exactly one block
+    # the narrow rows hold only what is too long for none of them, and every row holds at least one example
+    for p in parts:
+        assert ((p["labels"] != -100).any(dim=1)).all()
     with torch.no_grad():
-        packed = model(**batch, use_cache=False).loss
+        packed = P.teacher_loss(model, parts)
         padded = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
         # the same rows without position ids: one long causal sequence per row, examples see each other
-        leaky = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        leaky = P.teacher_loss(model, [{k: v for k, v in p.items() if k != "position_ids"} for p in parts])
+        # each part's own mean, unweighted: what a loss that ignored the parts' sizes would train on
+        unweighted = sum(model(**p, use_cache=False).loss for p in parts) / len(parts)
     assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
     # an untrained model attends weakly: the leak moves the loss by ~6e-4 with v10's teacher mix, still 60x the
     # 1e-5 to which the packed and padded losses agree
     assert not torch.allclose(packed, leaky, atol=1e-4)
+    assert not torch.allclose(packed, unweighted, atol=1e-4)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ another clone or worktree on the same machine copies it in seconds instead of bu
 
 The embedded default needs no hub download. It is a Qwen2-style causal LM (so LoRA's q_proj/k_proj/
 v_proj/o_proj exist) of about 0.3M parameters with a character-level tokenizer built with the
-``tokenizers`` library, trained for about four minutes on a deliberately *noisy teacher*: on a share of the
+``tokenizers`` library, trained for about three and a half minutes on a deliberately *noisy teacher*: on a share of the
 training examples the teacher's answer is corrupted (a swapped, dropped, doubled or replaced
 character, or a format slip: a trailing period, quotes, chatter). The policy therefore learns the right
 answer as its main mode with plausible wrong answers beside it: its *greedy* pass rate on held-out tasks is
@@ -48,11 +48,13 @@ from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import suite as T
 
 # bump when the recipe changes: a new cache dir (6: packed batches, 8: graded levels, 10: code, 11: agent + chat,
-# 13: 8 attention heads)
-TINY_VERSION = 13
+# 13: 8 attention heads, 14: rows of several widths)
+TINY_VERSION = 14
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 NOISE = 0.65  # share of teacher answers that are corrupted (9 in 10 of them format slips)
 HERMES_NOISE = 0.5  # of the hermes family's episodes: its copies are harder to learn (tasks.hermes.SLIPS)
+# v14, one build each: 840 steps built in 206 s but learnt the hermes family worse (39% of held-out episodes sampled,
+# 69% greedy, against 59% and 83% at 900), and 800 steps too (40%, 59%)
 TINY_STEPS = 900
 TINY_BATCH = 128
 # v9: peak lr 3e-3, not 1e-2. At 1e-2 the policy under-learnt its content (greedy 67% on held-out tasks, copy
@@ -65,12 +67,13 @@ TINY_LR = 3e-3
 # with the chat template, policy.chat). v12, measured: twice as many hermes episodes did not learn the family better
 # (greedy 30% against 46% on held-out tasks, one build each) and cost a third more build time
 TEACHER_MIX = {"upper": 1, "reverse": 2, "sort": 1, "tool": 2, "add": 2, "code": 2, "hermes": 1}
-# tokens per packed row: an agent episode is ~130 tokens (at most 169), a string example 17.5 on average
-PACK_WIDTH = 320
+# tokens per packed row, by width (_teacher_batch): an agent episode is ~170 tokens (up to 320), a string example 17.5
+PACK_WIDTHS = (320, 192, 64)
 HERMES_EVAL = 70  # held-out hermes tasks the build plays (10 of each kind), sampled and greedy
 # v13: 8 heads of 12 dimensions (4 key/value heads), not 4 of 24: the same 330,720 parameters, and the policy learns
 # to copy from a tool's result (read: greedy 0% -> 93%; the hermes family's held-out episodes 27% -> 56% sampled,
-# 44% -> 81% greedy) for ~20% more build time (236 s on 2 quiet cores, against 202 s)
+# 44% -> 81% greedy) for ~20% more build time (236 s on 2 quiet cores, against 202 s). v14: the same recipe in rows of
+# several widths (_teacher_batch): 212-219 s in three builds (v13: 213 s and 236 s)
 HEADS, KV_HEADS = 8, 4
 CONTEXT = 512  # positions: a hermes episode (two calls and their results) is up to 320 tokens
 log = logging.getLogger(__name__)
@@ -206,8 +209,9 @@ def _lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH) -> dict[str, Any]:
-    """Model inputs for n noisy-teacher examples, packed into rows of ``width`` tokens.
+def _teacher_batch(rng: random.Random, tok: Any, n: int, widths: tuple[int, ...] = PACK_WIDTHS) -> list[dict[str, Any]]:
+    """Model inputs for n noisy-teacher examples, packed into rows of a few ``widths``: one batch per width in use,
+    widest first. ``teacher_loss`` trains on them as one batch.
 
     Padding every example to the batch's longest (36 tokens, against 17.5 on average) spent half of each
     step on padding. Packing several examples into one row with ``position_ids`` restarting at 0 and no
@@ -215,9 +219,12 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH
     ``find_packed_sequence_indices``): each example attends only to itself, so the loss is the padded
     batch's loss (mean over the same answer tokens) at about half the compute. Labels are -100 on
     prompts and on the row's tail padding, which is its own block.
-    """
-    import torch
 
+    Several widths, not one (v14): a row's attention costs its width squared whatever it holds (the mask is
+    dense), and with every row 320 wide it was 40% of a step. Now an episode (~170 tokens, up to 320) opens a row
+    just wide enough for it, the strings fill the gaps the episodes leave (free) and then rows of 64, a 25th of a
+    wide row's attention each: a step costs ~15% less for the same examples and the same loss.
+    """
     fams = tuple(f for f, k in TEACHER_MIX.items() for _ in range(k))
     prompts, answers, episodes = [], [], []
     for _ in range(n):
@@ -233,63 +240,91 @@ def _teacher_batch(rng: random.Random, tok: Any, n: int, width: int = PACK_WIDTH
         # code: the teacher writes any correct form (x*x or x**2), so only the tests can tell right from wrong
         answer = T.teacher_answer(t, rng)
         answers.append(T.corrupt(answer, rng) if rng.random() < NOISE else answer)
-    # one batched call each: the fast tokenizer's per-call overhead was a tenth of a step
-    p_all = tok(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-    a_all = [a + [tok.eos_token_id] for a in tok(answers, add_special_tokens=False)["input_ids"]] if answers else []
-    examples = list(zip(p_all, a_all))
+    # one batched call each: the fast tokenizer's per-call overhead was a tenth of a step; the Rust tokenizer's own
+    # ids (transformers' wrapper converts every encoding to Python first: half the tokenizing time)
+    p_all, a_all = _ids(tok, prompts), [a + [tok.eos_token_id] for a in _ids(tok, answers)]
+    examples = [(p + a, [-100] * len(p) + a) for p, a in zip(p_all, a_all)]  # labels on the answer
     if episodes:
         # each piece's tokens (the tokenizer is per character, so the pieces' tokens are the whole's)
-        piece_ids = iter(tok([t for ep in episodes for t, _ in ep], add_special_tokens=False)["input_ids"])
+        piece_ids = iter(_ids(tok, [t for ep in episodes for t, _ in ep]))
         for ep in episodes:
             ids, lab = [], []
             for _, trained in ep:
                 x = next(piece_ids)
                 ids += x
                 lab += x if trained else [-100] * len(x)
-            examples.append((ids, lab, None))
-    rows: list[list[tuple[list[int], list[int] | None, Any]]] = [[]]
-    used = [0]
-    for ex in examples:
-        # (prompt, answer): labels on the answer; (ids, labels, None): an episode with its own labels
-        k = len(ex[0]) + (len(ex[1]) if ex[2:] == () else 0)
-        if k > width:
-            raise ValueError(f"a teacher example of {k} tokens does not fit a packed row of {width}")
-        # first fit: the first row with room (examples stay in order within a row)
-        r = next((i for i, u in enumerate(used) if u + k <= width), None)
+            examples.append((ids, lab))  # an episode: the assistant turns labelled
+    ws = sorted(widths, reverse=True)
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    room: list[int] = []
+    row_width: list[int] = []
+    # first fit decreasing: the longest first, each into the first open row with room (the wide rows' gaps cost
+    # nothing), else a new row of the narrowest width that holds it
+    for ex in sorted(examples, key=lambda e: -len(e[0])):
+        k = len(ex[0])
+        r = next((i for i, left in enumerate(room) if k <= left), None)
         if r is None:
+            fits = [w for w in ws if w >= k]
+            if not fits:
+                raise ValueError(f"a teacher example of {k} tokens does not fit a packed row of {ws[0]}")
             rows.append([])
-            used.append(0)
+            room.append(fits[-1])
+            row_width.append(fits[-1])
             r = len(rows) - 1
         rows[r].append(ex)
-        used[r] += k
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        at = 0
-        for ex in row:
-            if ex[2:] == ():
-                p, a = ex
-                seq, lab = p + a, [-100] * len(p) + a
-            else:
-                seq, lab = ex[0], ex[1]
-            ids[i, at : at + len(seq)] = torch.tensor(seq)
-            labels[i, at : at + len(seq)] = torch.tensor(lab)
-            pos[i, at : at + len(seq)] = torch.arange(len(seq))
-            at += len(seq)
-        pos[i, at:] = torch.arange(width - at)  # the tail padding: one more block, no labels
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+        room[r] -= k
+    return [
+        _pack_rows([row for row, rw in zip(rows, row_width) if rw == w], w, tok.pad_token_id)
+        for w in ws
+        if w in row_width
+    ]
 
 
-def unpack_teacher_batch(batch: dict[str, Any], pad_id: int = 0) -> tuple[Any, Any]:
+def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of ``texts`` without special tokens (``tok(texts)["input_ids"]``), from the Rust tokenizer."""
+    return [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
+
+
+def _pack_rows(rows: list[list[tuple[list[int], list[int]]]], width: int, pad_id: int) -> dict[str, Any]:
+    """Rows of examples as tensors: ids, labels (-100 on the tail padding) and positions restarting at each
+    example (the tail padding one more block). Built as lists, one tensor each: per-slice writes cost a tenth of
+    the batch."""
+    import torch
+
+    ids, labels, pos = [], [], []
+    for row in rows:
+        r_ids, r_lab, r_pos = [], [], []
+        for seq, lab in row:
+            r_ids += seq
+            r_lab += lab
+            r_pos += range(len(seq))
+        pad = width - len(r_ids)
+        ids.append(r_ids + [pad_id] * pad)
+        labels.append(r_lab + [-100] * pad)
+        pos.append(r_pos + list(range(pad)))
+    return {
+        k: torch.tensor(v, dtype=torch.long) for k, v in (("input_ids", ids), ("labels", labels), ("position_ids", pos))
+    }
+
+
+def teacher_loss(model: Any, parts: list[dict[str, Any]]) -> Any:
+    """The mean cross-entropy over every answer token of a ``_teacher_batch``, its wide and narrow rows together:
+    each part's mean weighted by its count of predicted tokens (a label after the shift, as transformers counts)."""
+    counts = [(p["labels"][:, 1:] != -100).sum() for p in parts]
+    total = sum(counts)
+    return sum(model(**p, use_cache=False).loss * (c / total) for p, c in zip(parts, counts))  # no cache: packed mask
+
+
+def unpack_teacher_batch(parts: list[dict[str, Any]], pad_id: int = 0) -> tuple[Any, Any]:
     """The packed rows' examples one per row, right-padded to the longest: the batch the build used before
     packing (v5). For the equivalence test and benchmarks/bench_build.py."""
     import torch
 
     seqs = []
-    for ids, labels, pos in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
-        starts = [j for j, x in enumerate(pos.tolist()) if x == 0] + [len(pos)]
-        seqs += [(ids[a:b], labels[a:b]) for a, b in itertools.pairwise(starts) if (labels[a:b] != -100).any()]
+    for batch in parts:
+        for ids, labels, pos in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+            starts = [j for j, x in enumerate(pos.tolist()) if x == 0] + [len(pos)]
+            seqs += [(ids[a:b], labels[a:b]) for a, b in itertools.pairwise(starts) if (labels[a:b] != -100).any()]
     width = max(len(x) for x, _ in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -340,7 +375,7 @@ def build_tiny_policy(
             batch = ahead.result()
             if k + 1 < steps:
                 ahead = pool.submit(_teacher_batch, rng, tok, TINY_BATCH)
-            loss = model(**batch, use_cache=False).loss  # no cache: packed mask
+            loss = teacher_loss(model, batch)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
