@@ -1,0 +1,119 @@
+"""Benchmark: what one held-out `hermes` task costs played by the real Hermes Agent, against the built-in loop.
+
+Issue 56 asks for execute and validate to play the `hermes` family with the real Hermes Agent in a round of <= 6
+minutes. This measures, in one run on the same tasks and the same policy (the embedded tiny one):
+1. the built-in loop (``policy.episodes.run_episodes``: the policy in process, ``WorkspaceEnv``'s tools), the way
+   execute and validate play the family today;
+2. the real Hermes Agent's own loop (``agents.hermes.HermesLoop``: the pinned hermes-agent's ``AIAgent`` in one
+   sandboxed process, a workspace per task) against ``hermes-lab serve`` on the same policy, started here on a free
+   127.0.0.1 port.
+It prints seconds per task, CPU seconds per task (this process and its children: the gateway, Hermes), the success
+rate each way, and what a validate stage playing N tasks per arm would cost at that rate.
+
+Not a test: run it by hand or via ``make bench`` (the pinned hermes-agent's virtualenv is made once, ~40 s).
+
+    .venv/bin/python benchmarks/bench_hermes_loop.py [--tasks 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_seconds() -> float:
+    """The whole machine's busy CPU seconds so far (/proc/stat: user, nice, system, irq, softirq): the gateway and
+    the sandboxed Hermes processes are not this process's waited-for children, so on a quiet machine this is the
+    honest count of what a task costs."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def start_gateway(tmp: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(REPO / "params" / "embedded.yaml")]
+    cmd += ["--baseline", "embedded:tiny", "--candidate", "embedded:tiny", "--ratio", "0", "--port", str(port)]
+    cmd += ["--log-dir", str(tmp / "log"), "--set", "serve.rollout=false", "--set", f"round.runs_dir={REPO / 'runs'}"]
+    out = open(tmp / "gateway.out", "w")  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    with httpx.Client(timeout=1, trust_env=False) as poll:
+        while time.time() - t0 < 300:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited: {(tmp / 'gateway.out').read_text()[-2000:]}")
+            try:
+                if poll.get(url + "/healthz").status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the gateway did not start in 300 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=40, help="held-out hermes tasks each way")
+    ap.add_argument("--validate-tasks", type=int, default=96, help="tasks per arm of the projected validate stage")
+    args = ap.parse_args(argv)
+
+    from hermes_lab.agents import hermes as HL
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.policy import episodes as E
+    from hermes_lab.policy import formats
+    from hermes_lab.policy.model import load_policy
+    from hermes_lab.tasks import hermes as H
+
+    cfg = load_config(REPO / "params" / "embedded.yaml")
+    tasks = H.generate_tasks(args.tasks, split="heldout", seed=11)
+    rows = []
+
+    pol = load_policy(cfg.model.base_model, runs_dir=REPO / "runs")
+    formats.prepare(pol.tokenizer, cfg.model.tool_parser)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    eps = E.run_episodes(pol, tasks, temperature=0.9, seed=0, max_turns=cfg.grpo.max_turns)
+    rows.append(("built-in loop", time.perf_counter() - t0, cpu_seconds() - c0, sum(e.reward >= cfg.reward.success_threshold for e in eps)))
+
+    HL.install_hermes()
+    with tempfile.TemporaryDirectory(prefix="bench-hermes-") as tmp:
+        gw, url = start_gateway(Path(tmp))
+        try:
+            with HL.HermesLoop(f"{url}/v1", "hermes", workspace_root=Path(tmp) / "ws", max_turns=6) as loop:
+                loop.run(tasks[:1])  # warm: Hermes's imports and the gateway's first request
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                runs = loop.run(tasks)
+                rows.append(
+                    ("real Hermes Agent", time.perf_counter() - t0, cpu_seconds() - c0, sum(r.success for r in runs))
+                )
+        finally:
+            gw.terminate()
+            gw.wait(60)
+
+    n = len(tasks)
+    print(f"{n} held-out hermes tasks each way, the embedded tiny policy, temperature 0.9 (Hermes: its own sampling)")
+    for name, wall, cpu, ok in rows:
+        print(f"  {name:18s} {wall / n:6.2f} s/task  {cpu / n:6.2f} CPU s/task  done {ok}/{n} ({ok / n:.0%})")
+    ratio = rows[1][1] / rows[0][1]
+    proj = 2 * args.validate_tasks * rows[1][1] / n
+    print(
+        f"ratio real Hermes / built-in, wall: {ratio:.1f}x; a validate stage of {args.validate_tasks} tasks per arm, "
+        f"two arms, one Hermes process: {proj:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
