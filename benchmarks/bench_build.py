@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     times, tokens = step_times(args.steps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"step (batch included), median of {args.steps}: " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in med.items()))
+    steps = ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in med.items())
+    print(f"step (batch included), median of {args.steps}: {steps}")
     ratio = med["widths"] / med["one width"]
     print(
         f"ratio widths/one width: {ratio:.3f}, widths/padded: {med['widths'] / med['padded']:.3f}  (positions "

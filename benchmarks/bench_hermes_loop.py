@@ -85,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     formats.prepare(pol.tokenizer, cfg.model.tool_parser)
     c0, t0 = cpu_seconds(), time.perf_counter()
     eps = E.run_episodes(pol, tasks, temperature=0.9, seed=0, max_turns=cfg.grpo.max_turns)
-    rows.append(("built-in loop", time.perf_counter() - t0, cpu_seconds() - c0, sum(e.reward >= cfg.reward.success_threshold for e in eps)))
+    rows.append(
+        (
+            "built-in loop",
+            time.perf_counter() - t0,
+            cpu_seconds() - c0,
+            sum(e.reward >= cfg.reward.success_threshold for e in eps),
+        )
+    )
 
     HL.install_hermes()
     with tempfile.TemporaryDirectory(prefix="bench-hermes-") as tmp:
