@@ -7,8 +7,9 @@ minutes. This measures, in one run on the same tasks and the same policy (the em
 2. the real Hermes Agent's own loop (``agents.hermes.HermesLoop``: the pinned hermes-agent's ``AIAgent`` in one
    sandboxed process, a workspace per task) against ``hermes-lab serve`` on the same policy, started here on a free
    127.0.0.1 port.
-It prints seconds per task, CPU seconds per task (this process and its children: the gateway, Hermes), the success
-rate each way, and what a validate stage playing N tasks per arm would cost at that rate.
+It prints seconds per task, the machine's CPU seconds per task (the real agent's split into the gateway's and the
+rest: Hermes's sandboxed processes and this one's forwarding), the success rate each way, and what a validate stage
+playing N tasks per arm would cost at that rate.
 
 Not a test: run it by hand or via ``make bench`` (the pinned hermes-agent's virtualenv is made once, ~40 s).
 
@@ -38,6 +39,12 @@ def cpu_seconds() -> float:
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """One running process's CPU seconds, its threads included (/proc/PID/stat: utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_gateway(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -100,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with HL.HermesLoop(f"{url}/v1", "hermes", workspace_root=Path(tmp) / "ws", max_turns=6) as loop:
                 loop.run(tasks[:1])  # warm: Hermes's imports and the gateway's first request
-                c0, t0 = cpu_seconds(), time.perf_counter()
+                c0, g0, t0 = cpu_seconds(), proc_cpu(gw.pid), time.perf_counter()
                 runs = loop.run(tasks)
+                gateway_cpu = proc_cpu(gw.pid) - g0
                 rows.append(
                     ("real Hermes Agent", time.perf_counter() - t0, cpu_seconds() - c0, sum(r.success for r in runs))
                 )
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} held-out hermes tasks each way, the embedded tiny policy, temperature 0.9 (Hermes: its own sampling)")
     for name, wall, cpu, ok in rows:
         print(f"  {name:18s} {wall / n:6.2f} s/task  {cpu / n:6.2f} CPU s/task  done {ok}/{n} ({ok / n:.0%})")
+    rest = (rows[1][2] - gateway_cpu) / n
+    print(f"  of the real agent's CPU: the gateway {gateway_cpu / n:.2f} s/task, Hermes and the rest {rest:.2f}")
     ratio = rows[1][1] / rows[0][1]
     proj = 2 * args.validate_tasks * rows[1][1] / n
     print(

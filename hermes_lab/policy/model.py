@@ -73,7 +73,7 @@ HERMES_EVAL = 70  # held-out hermes tasks the build plays (10 of each kind), sam
 # v13: 8 heads of 12 dimensions (4 key/value heads), not 4 of 24: the same 330,720 parameters, and the policy learns
 # to copy from a tool's result (read: greedy 0% -> 93%; the hermes family's held-out episodes 27% -> 56% sampled,
 # 44% -> 81% greedy) for ~20% more build time (236 s on 2 quiet cores, against 202 s). v14: the same recipe in rows of
-# several widths (_teacher_batch): 208-219 s in four builds (v13: 213 s and 236 s)
+# several widths (_teacher_batch): 189-219 s in five builds, median 212 s (v13: 213 s and 236 s)
 HEADS, KV_HEADS = 8, 4
 CONTEXT = 512  # positions: a hermes episode (two calls and their results) is up to 320 tokens
 log = logging.getLogger(__name__)
