@@ -80,7 +80,7 @@ def test_packed_teacher_batch_has_the_padded_batch_loss():
     assert sum(p["input_ids"].shape[0] for p in parts) < 128 / 2.5  # several examples per row
     ids, labels = P.unpack_teacher_batch(parts, tok.pad_token_id)
     assert len(ids) == 128  # every example is in exactly one block
-    # the narrow rows hold only what is too long for none of them, and every row holds at least one example
+    # every row holds at least one labelled example: no row is a forward pass for nothing
     for p in parts:
         assert ((p["labels"] != -100).any(dim=1)).all()
     with torch.no_grad():
