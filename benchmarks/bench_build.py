@@ -2,10 +2,10 @@
 
 Two figures, both measured in this one run:
 1. Step ratios. The same noisy-teacher examples trained three ways, the order rotating step by step so that load
-   from other jobs hits all alike: rows of several widths (the v14 recipe, ``policy._teacher_batch`` with
+   from other jobs hits all alike: rows of several widths (the v14 recipe, ``policy.teacher.batch`` with
    ``PACK_WIDTHS``), every row 320 wide (v6 to v13: the same function with one width) and one example per row
-   padded to the batch's longest (v5, rebuilt from the same examples by ``policy.unpack_teacher_batch``). Each
-   step includes building its batch; all three train on the same loss (``policy.teacher_loss``).
+   padded to the batch's longest (v5, rebuilt from the same examples by ``policy.teacher.unpack``). Each
+   step includes building its batch; all three train on the same loss (``policy.teacher.loss``).
 2. A full build into a temporary runs dir (``build_tiny_policy``, the recipe's steps plus the held-out
    evaluation): its wall time against the goal and its sampled pass rate against the mid-range band the
    tests hold it to (0.30-0.60). ``--no-full`` skips it.
@@ -37,6 +37,7 @@ def step_times(steps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
     import torch
 
     from hermes_lab.policy import model as P
+    from hermes_lab.policy import teacher as TB
 
     torch.manual_seed(0)
     tok = P.build_tokenizer()
@@ -51,12 +52,12 @@ def step_times(steps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
             rng.setstate(state)  # each kind trains on the same examples
             t0 = time.perf_counter()
             if kind == "padded":
-                ids, labels = P.unpack_teacher_batch(P._teacher_batch(rng, tok, P.TINY_BATCH), tok.pad_token_id)
+                ids, labels = TB.unpack(TB.batch(rng, tok, P.TINY_BATCH), tok.pad_token_id)
                 parts = [{"input_ids": ids, "attention_mask": (ids != tok.pad_token_id).long(), "labels": labels}]
             else:
-                widths = P.PACK_WIDTHS if kind == "widths" else (max(P.PACK_WIDTHS),)
-                parts = P._teacher_batch(rng, tok, P.TINY_BATCH, widths)
-            loss = P.teacher_loss(models[kind], parts)
+                widths = TB.PACK_WIDTHS if kind == "widths" else (max(TB.PACK_WIDTHS),)
+                parts = TB.batch(rng, tok, P.TINY_BATCH, widths)
+            loss = TB.loss(models[kind], parts)
             opts[kind].zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(models[kind].parameters(), 1.0)

@@ -72,22 +72,24 @@ def test_packed_teacher_batch_has_the_padded_batch_loss():
 
     import torch
 
+    from hermes_lab.policy import teacher
+
     tok = P.build_tokenizer()
     model = P._tiny_model(len(tok), seed=0).eval()
-    parts = P._teacher_batch(random.Random("pack"), tok, 128)
+    parts = teacher.batch(random.Random("pack"), tok, 128)
     widths = [p["input_ids"].shape[1] for p in parts]
-    assert widths == sorted(set(widths), reverse=True) and set(widths) <= set(P.PACK_WIDTHS) and len(widths) >= 2
+    assert widths == sorted(set(widths), reverse=True) and set(widths) <= set(teacher.PACK_WIDTHS) and len(widths) >= 2
     assert sum(p["input_ids"].shape[0] for p in parts) < 128 / 2.5  # several examples per row
-    ids, labels = P.unpack_teacher_batch(parts, tok.pad_token_id)
+    ids, labels = teacher.unpack(parts, tok.pad_token_id)
     assert len(ids) == 128  # every example is in exactly one block
     # every row holds at least one labelled example: no row is a forward pass for nothing
     for p in parts:
         assert ((p["labels"] != -100).any(dim=1)).all()
     with torch.no_grad():
-        packed = P.teacher_loss(model, parts)
+        packed = teacher.loss(model, parts)
         padded = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
         # the same rows without position ids: one long causal sequence per row, examples see each other
-        leaky = P.teacher_loss(model, [{k: v for k, v in p.items() if k != "position_ids"} for p in parts])
+        leaky = teacher.loss(model, [{k: v for k, v in p.items() if k != "position_ids"} for p in parts])
         # each part's own mean, unweighted: what a loss that ignored the parts' sizes would train on
         unweighted = sum(model(**p, use_cache=False).loss for p in parts) / len(parts)
     assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
