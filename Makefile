@@ -18,7 +18,7 @@ setup: $(STAMP)
 # torch first, from requirements/torch-cpu.txt: the CPU wheel. Installing the package afterwards finds
 # torch satisfied and never pulls a CUDA build. GPU users: see docs/gpu.md. requirements/install.py installs
 # with uv (pip's versions and sources, ~25 s instead of ~3.5 min), pip where uv fails
-$(STAMP): pyproject.toml requirements/torch-cpu.txt requirements/install.py
+$(STAMP): pyproject.toml requirements/torch-cpu.txt requirements/constraints.txt requirements/install.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip uv
 	$(BIN)/python requirements/install.py

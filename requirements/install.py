@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = (["-r", str(ROOT / "requirements/torch-cpu.txt")], ["-e", f"{ROOT}[dev]"])
+# constraints.txt: every package at the version the tests passed with (a fresh clone gets what CI ran, not the
+# registry's newest); torch is not in it, its build comes from torch-cpu.txt (or docs/gpu.md)
+PINS = ["-c", str(ROOT / "requirements/constraints.txt")]
+STEPS = (["-r", str(ROOT / "requirements/torch-cpu.txt"), *PINS], ["-e", f"{ROOT}[dev]", *PINS])
 FLAGS = {"find-links", "extra-index-url", "index-url", "constraint"}  # pip's settings that say where packages come from
 
 

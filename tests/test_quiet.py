@@ -105,6 +105,8 @@ def test_adapter_load_hides_peft_deprecation_unless_debug(tmp_path):
             cwd=REPO,
         )
         assert r.returncode == 0, r.stderr[-2000:]
+        # with --debug on and no warning: the installed PEFT no longer reads the deprecated name (0.22 stopped;
+        # requirements/constraints.txt holds 0.21), and core/quiet.py's filter for it can go
         assert ("is_gradient_checkpointing" in r.stderr) is expect, (debug, r.stderr[-2000:])
 
 
