@@ -7,9 +7,9 @@ minutes. This measures, in one run on the same tasks and the same policy (the em
 2. the real Hermes Agent's own loop (``agents.hermes.HermesLoop``: the pinned hermes-agent's ``AIAgent`` in one
    sandboxed process, a workspace per task) against ``hermes-lab serve`` on the same policy, started here on a free
    127.0.0.1 port.
-It prints seconds per task, the machine's CPU seconds per task (the real agent's split into the gateway's and the
-rest: Hermes's sandboxed processes and this one's forwarding), the success rate each way, and what a validate stage
-playing N tasks per arm would cost at that rate.
+It prints seconds per task, the machine's CPU seconds per task (the real agent's, at each ``--parallel``, split into
+the gateway's and the rest: Hermes's sandboxed processes and this one's forwarding), the success rate each way, and
+what a validate stage playing N tasks per arm would cost at that rate.
 
 Not a test: run it by hand or via ``make bench`` (the pinned hermes-agent's virtualenv is made once, ~40 s).
 
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=int, default=40, help="held-out hermes tasks each way")
     ap.add_argument("--validate-tasks", type=int, default=96, help="tasks per arm of the projected validate stage")
+    ap.add_argument(
+        "--parallel", type=int, nargs="+", default=[1, 2], help="the real agent's tasks at once, one run each"
+    )
     args = ap.parse_args(argv)
 
     from hermes_lab.agents import hermes as HL
@@ -102,17 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     HL.install_hermes()
+    gateway_cpu: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-hermes-") as tmp:
         gw, url = start_gateway(Path(tmp))
         try:
-            with HL.HermesLoop(f"{url}/v1", "hermes", workspace_root=Path(tmp) / "ws", max_turns=6) as loop:
-                loop.run(tasks[:1])  # warm: Hermes's imports and the gateway's first request
-                c0, g0, t0 = cpu_seconds(), proc_cpu(gw.pid), time.perf_counter()
-                runs = loop.run(tasks)
-                gateway_cpu = proc_cpu(gw.pid) - g0
-                rows.append(
-                    ("real Hermes Agent", time.perf_counter() - t0, cpu_seconds() - c0, sum(r.success for r in runs))
-                )
+            for par in args.parallel:
+                root = Path(tmp) / f"ws-{par}"
+                with HL.HermesLoop(f"{url}/v1", "hermes", workspace_root=root, max_turns=6, parallel=par) as loop:
+                    loop.run(tasks[:1])  # warm: Hermes's imports and the gateway's first request
+                    c0, g0, t0 = cpu_seconds(), proc_cpu(gw.pid), time.perf_counter()
+                    runs = loop.run(tasks)
+                    gateway_cpu.append(proc_cpu(gw.pid) - g0)
+                    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+                    rows.append((f"real Hermes, {par} at once", wall, cpu, sum(r.success for r in runs)))
         finally:
             gw.terminate()
             gw.wait(60)
@@ -120,15 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     n = len(tasks)
     print(f"{n} held-out hermes tasks each way, the embedded tiny policy, temperature 0.9 (Hermes: its own sampling)")
     for name, wall, cpu, ok in rows:
-        print(f"  {name:18s} {wall / n:6.2f} s/task  {cpu / n:6.2f} CPU s/task  done {ok}/{n} ({ok / n:.0%})")
-    rest = (rows[1][2] - gateway_cpu) / n
-    print(f"  of the real agent's CPU: the gateway {gateway_cpu / n:.2f} s/task, Hermes and the rest {rest:.2f}")
-    ratio = rows[1][1] / rows[0][1]
-    proj = 2 * args.validate_tasks * rows[1][1] / n
-    print(
-        f"ratio real Hermes / built-in, wall: {ratio:.1f}x; a validate stage of {args.validate_tasks} tasks per arm, "
-        f"two arms, one Hermes process: {proj:.0f} s"
-    )
+        print(f"  {name:24s} {wall / n:6.2f} s/task  {cpu / n:6.2f} CPU s/task  done {ok}/{n} ({ok / n:.0%})")
+    for (name, wall, cpu, _), gw_cpu in zip(rows[1:], gateway_cpu, strict=True):
+        rest = (cpu - gw_cpu) / n
+        print(f"  {name}: CPU s/task of the gateway {gw_cpu / n:.2f}, of Hermes and the rest {rest:.2f}")
+        print(
+            f"    wall ratio to the built-in loop {wall / rows[0][1]:.1f}x; a validate stage of {args.validate_tasks} "
+            f"tasks per arm, two arms: {2 * args.validate_tasks * wall / n:.0f} s"
+        )
     return 0
 
 

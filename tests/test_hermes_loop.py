@@ -15,6 +15,7 @@ import json
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -120,7 +121,12 @@ def test_tools_never_touch_anything_outside_their_workspace(hermes_bin, tmp_path
 def test_hermes_own_loop_on_heldout_tasks_filed_and_paid_by_the_verifier(hermes_bin, gateway, tmp_path):  # noqa: F811
     tasks = H.generate_tasks(14, split="heldout", seed=7)  # two of each kind
     with HermesLoop(f"{gateway.url}/v1", "hermes", workspace_root=tmp_path / "runs", feedback=True) as loop:
+        assert loop.parallel == 2 and loop.context_length == 65536  # as /v1/models states it, asked once
+        t0 = time.monotonic()
         runs = loop.run(tasks)
+        wall = time.monotonic() - t0
+    assert [r.task_id for r in runs] == [t.task_id for t in tasks]  # in the tasks' order, whatever ended first
+    assert sum(r.seconds for r in runs) > 1.3 * wall, (wall, [r.seconds for r in runs])  # two at a time
     assert all(r.exit_code == 0 and not r.timed_out for r in runs), [r.stderr_tail for r in runs if r.exit_code]
     recs = gateway.records()
     assert recs and all(int(r.get("http_status") or 200) < 500 for r in recs)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
+import queue
 import socket
 import subprocess
 import sys
@@ -117,7 +117,7 @@ def _pump(a: socket.socket, b: socket.socket) -> None:
 
 
 class HermesLoop:
-    """One sandboxed Hermes process running tasks one after another (``run``); a context manager."""
+    """One sandboxed Hermes process running tasks, ``parallel`` at a time (``run``); a context manager."""
 
     def __init__(
         self,
@@ -133,16 +133,21 @@ class HermesLoop:
         feedback: bool = False,
         feedback_source: str = "system",
         api_key: str = "sk-unused",
+        parallel: int = 2,
     ):
         self.base_url, self.port = local_url(base_url)
         self.model, self.toolsets, self.timeout, self.max_turns = model, toolsets, timeout, max_turns
         self.context_length, self.feedback, self.api_key = context_length, feedback, api_key
         self.feedback_source = feedback_source  # the gateway's serve.feedback_source: the task harness's verdict
+        if parallel < 1:
+            raise ValueError(f"parallel={parallel}: at least one task at a time")
+        self.parallel = parallel  # tasks at once: Hermes's own CPU in one overlaps the model's answer to another
         self.hermes = HA.find_hermes(hermes_bin)
         self.python = self.hermes.parent / "python"
         self.root = Path(workspace_root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
         self.forward: _Forwarder | None = None
 
     # ------------------------------------------------------------------------------------- the process
@@ -154,10 +159,29 @@ class HermesLoop:
             cmd += ["--ro-bind", p, p]
         root = str(self.root)
         cmd += ["--bind", root, root, "--chdir", root]
+        cmd += ["--ro-bind", str(DRIVER), str(DRIVER)]  # a clone under /tmp: the tmpfs above would hide it
         cmd += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
-        return [*cmd, str(self.python), str(DRIVER)]
+        return [*cmd, str(self.python), str(DRIVER), "--parallel", str(self.parallel)]
+
+    def stated_context_length(self) -> int | None:
+        """The model's ``max_model_len`` as the server's ``/v1/models`` states it (what Hermes itself probes for at
+        every agent's start: ~0.15 s and five requests a task), asked once here and written into each task's
+        config.yaml, which Hermes takes before any probe. None where nothing is stated, or the length is one Hermes
+        would not take as stated (under 64,000: it ignores it or refuses to run): Hermes then probes as it would."""
+        import httpx
+
+        try:
+            with httpx.Client(trust_env=False, timeout=10) as http:
+                data = http.get(f"{self.base_url}/models").json().get("data") or []
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        lens = [m.get("max_model_len") for m in data if isinstance(m, dict) and m.get("id") == self.model]
+        n = lens[0] if lens else None
+        return n if isinstance(n, int) and n >= HA.HERMES_MIN_CONTEXT else None
 
     def start(self) -> HermesLoop:
+        if self.context_length is None:
+            self.context_length = self.stated_context_length()
         sock = self.root / "model.sock"
         sock.unlink(missing_ok=True)
         self.forward = _Forwarder(sock, self.port)
@@ -176,6 +200,8 @@ class HermesLoop:
             text=True,
             start_new_session=True,
         )
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read_lines, args=(self.proc.stdout, self.lines), daemon=True).start()
         line = self._read_line(START_TIMEOUT)
         if not line or not json.loads(line).get("ready"):
             self.close()
@@ -183,16 +209,20 @@ class HermesLoop:
             raise HermesLoopError(f"the sandboxed Hermes driver did not start: {tail or 'no output'}")
         return self
 
+    @staticmethod
+    def _read_lines(stdout: Any, lines: queue.Queue[str | None]) -> None:
+        """A thread: the driver's lines into ``lines`` as they come (several may come at once), None at its end."""
+        with contextlib.suppress(OSError, ValueError):
+            for line in stdout:
+                lines.put(line)
+        lines.put(None)
+
     def _read_line(self, timeout: float) -> str | None:
-        assert self.proc is not None and self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        """The driver's next line; None when it ended or said nothing for ``timeout`` seconds."""
         try:
-            if not sel.select(timeout):
-                return None
-            return self.proc.stdout.readline() or None
-        finally:
-            sel.close()
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         if self.proc is not None:
@@ -246,22 +276,35 @@ class HermesLoop:
         tasks: Iterable[H.HermesTask | Mapping[str, Any]],
         progress: Callable[[LoopRun], None] | None = None,
     ) -> list[LoopRun]:
-        """Run each task in turn; each result graded by the verifier (and posted as feedback when asked)."""
-        if self.proc is None:
+        """Run the tasks, ``parallel`` at a time; each result graded by the verifier (and posted as feedback when
+        asked) as it ends, ``progress`` called then. Returns the runs in the tasks' order."""
+        if self.proc is None or self.proc.stdin is None:
             raise HermesLoopError("HermesLoop.run before start() (use it as a context manager)")
-        runs = []
-        for t in map(HA.as_task, tasks):
-            line = self.prepare(t)
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(line) + "\n")
-            self.proc.stdin.flush()
+        todo = [(t, self.prepare(t)) for t in map(HA.as_task, tasks)]
+        by_cid = {line["conversation_id"]: (i, t, line) for i, (t, line) in enumerate(todo)}
+        stdin = self.proc.stdin
+
+        def feed() -> None:  # a thread: the driver takes lines as slots free, while results are read here
+            with contextlib.suppress(OSError, ValueError):  # the driver died: the reads below say so
+                for _, line in todo:
+                    stdin.write(json.dumps(line) + "\n")
+                    stdin.flush()
+
+        writer = threading.Thread(target=feed, daemon=True, name="hermes-loop-feed")
+        writer.start()
+        runs: list[LoopRun | None] = [None] * len(todo)
+        for _ in todo:  # each running task ends within its timeout: the next result is never further off
             out = self._read_line(self.timeout + 60)
             if out is None:
-                raise HermesLoopError(f"task {t.task_id}: no result from the driver (it died or hung)")
-            runs.append(self._grade(t, line, json.loads(out)))
+                left = [t.task_id for (t, _), r in zip(todo, runs, strict=True) if r is None]
+                raise HermesLoopError(f"no result from the driver for {len(left)} task(s) {left[:5]} (died or hung)")
+            res = json.loads(out)
+            i, t, line = by_cid[res.get("conversation_id")]
+            runs[i] = self._grade(t, line, res)
             if progress is not None:
-                progress(runs[-1])
-        return runs
+                progress(runs[i])
+        writer.join()
+        return [r for r in runs if r is not None]
 
     def _grade(self, t: H.HermesTask, line: dict[str, Any], res: dict[str, Any]) -> LoopRun:
         ws, home = Path(line["workspace"]), Path(line["home"])

@@ -4,12 +4,13 @@ Runs inside bubblewrap, in the pinned hermes-agent virtualenv's interpreter (std
 hermes_lab import: that virtualenv does not have it). Reads task lines on stdin, writes one result line per task
 on stdout; writes nothing but under each task's own folders (its workspace, its HERMES_HOME, its tmp)::
 
-    python hermes_driver.py < tasks.jsonl > results.jsonl
+    python hermes_driver.py [--parallel N] < tasks.jsonl > results.jsonl
     in:  {"id", "prompt", "workspace", "home", "tmp", "timeout", "toolsets", "max_turns", "base_url", "model"}
-    out: {"id", "messages", "final_response", "completed", "error", "seconds", "timed_out", "exit"}
+    out: {"id", "conversation_id", "messages", "final_response", "completed", "error", "seconds", "timed_out", "exit"}
 
-``run_agent`` is imported once (~1.2 s); each task then runs in a child forked from the warm process (copy on
-write: ~0.5 s a task against ~5 s for a ``hermes chat`` process). The child, before Hermes sees the task:
+``run_agent`` is imported once (~1.2 s), with what Hermes would otherwise do lazily in every task (``warm``); each
+task then runs in a child forked from the warm process (copy on write), up to ``--parallel`` children at once, each
+result line written as its task ends. The child, before Hermes sees the task:
 
 - moves into the task's workspace, with ``HERMES_HOME`` and ``HOME`` its own folder (its config.yaml names the
   model server and the conversation id header the gateway files it under) and ``TMPDIR`` its own tmp;
@@ -175,6 +176,7 @@ def adopt_home(old, new):
 def child(task, w):
     """In the forked child: confine, run Hermes's loop on the task, write the result to ``w``."""
     out = {"error": None}
+    before = set(sys.modules)
     try:
         os.setsid()
         log = os.open(os.path.join(task["home"], "driver.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -213,6 +215,7 @@ def child(task, w):
 
         out["error"] = f"{type(e).__name__}: {e}"[:2000]
         out["traceback"] = traceback.format_exc()[-4000:]
+    out["imported"] = sorted(set(sys.modules) - before)
     data = json.dumps(out, default=str).encode()
     view = memoryview(data)
     while view:
@@ -220,15 +223,44 @@ def child(task, w):
     os._exit(0)
 
 
+def warm():
+    """What Hermes does lazily on every task, done once here so that every child inherits it: the OpenAI SDK's
+    import (AIAgent imports it when it makes its client: ~0.5 s of pydantic classes a task) and the toolchain probe
+    of its system prompt (python3, pip and uv run as processes, cached per process: ~0.3 s a task). Neither depends
+    on the task: the probe looks at the machine, not the workspace."""
+    with contextlib.suppress(Exception):
+        import openai  # noqa: F401
+    with contextlib.suppress(Exception):
+        from tools.env_probe import get_environment_probe_line
+
+        get_environment_probe_line()
+
+
+def warm_imports(names):
+    """The modules a child imported that this process has not: imported here, so the next child starts with them
+    (the tools' modules, on first use). A module that fails to import here is left to the children, as before."""
+    import importlib
+
+    for name in names:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+FORK = threading.Lock()  # a fork and this process's own imports never overlap: a child forked mid-import would
+# inherit the import lock held by a thread it does not have
+
+
 def run_one(task):
     """Fork the task's child, collect its result, kill its process group at the timeout."""
-    r, w = os.pipe()
-    t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        child(task, w)
-    os.close(w)
+    with FORK:
+        r, w = os.pipe()
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            child(task, w)
+        os.close(w)
     deadline = t0 + float(task.get("timeout") or 120)
     chunks, timed_out = [], False
     while True:
@@ -251,12 +283,15 @@ def run_one(task):
         out = json.loads(b"".join(chunks) or b"{}")
     except json.JSONDecodeError:
         out = {}
+    with FORK:
+        warm_imports(out.pop("imported", ()))
     if timed_out:
         out = {"error": f"timed out after {task.get('timeout')} s"}
     elif not out:
         out = {"error": f"the task's process ended without a result (wait status {status})"}
     exit_ = "timeout" if timed_out else ("error" if out.get("error") else "ok")
-    return {"id": task["id"], **out, "seconds": round(time.monotonic() - t0, 3), "timed_out": timed_out, "exit": exit_}
+    head = {"id": task["id"], "conversation_id": task.get("conversation_id")}
+    return {**head, **out, "seconds": round(time.monotonic() - t0, 3), "timed_out": timed_out, "exit": exit_}
 
 
 def main():
@@ -267,16 +302,35 @@ def main():
         description="Hermes's own agent loop on the task lines read from stdin, one result line each on stdout "
         "(run by hermes_lab.agents.hermes inside its sandbox, in the hermes-agent virtualenv's interpreter).",
     )
-    p.parse_args()
+    p.add_argument("--parallel", type=int, default=1, help="tasks run at once, each in its own child")
+    args = p.parse_args()
     sock, port = os.environ.get("HERMES_LAB_MODEL_SOCKET"), os.environ.get("HERMES_LAB_MODEL_PORT")
     if sock and port:
         serve_model_port(int(port), sock)
     import run_agent  # noqa: F401 - imported once: every task's child starts warm
 
+    warm()
+
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+    slots, out = threading.BoundedSemaphore(max(1, args.parallel)), threading.Lock()
+
+    def one(task):
+        try:
+            res = json.dumps(run_one(task), default=str)
+        except BaseException as e:  # the driver's own failure on this task: its result line says so
+            res = json.dumps({"id": task.get("id"), "error": f"driver: {type(e).__name__}: {e}", "exit": "error"})
+        with out:
+            print(res, flush=True)
+        slots.release()
+
+    threads = []
+    for line in sys.stdin:  # results come back as tasks end, each line carrying its task's id
         if line.strip():
-            print(json.dumps(run_one(json.loads(line)), default=str), flush=True)
+            slots.acquire()
+            threads.append(threading.Thread(target=one, args=(json.loads(line),), daemon=True))
+            threads[-1].start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":

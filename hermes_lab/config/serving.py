@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hermes_lab.core.yaml_typed import field_with as _f
+from hermes_lab.tasks.hermes_agent import HERMES_MIN_CONTEXT
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-HERMES_MIN_CONTEXT = 64_000  # hermes-agent 0.19.0's MINIMUM_CONTEXT_LENGTH: a model stating less is refused
 
 
 @dataclass
