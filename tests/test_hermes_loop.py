@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from fake_openai import FakeOpenAI  # noqa: E402
 from test_hermes_real import gateway, hermes_bin  # noqa: E402,F401 - fixtures: an A/A gateway, the pinned Hermes
+from test_validate import adapters, store, tiny_base  # noqa: E402,F401 - the tiny policy, adapters, a params file
 
 from hermes_lab.agents.hermes import HermesLoop, local_url  # noqa: E402
 from hermes_lab.tasks import hermes as H  # noqa: E402
@@ -186,3 +187,30 @@ def test_hermes_in_flight_bounds_the_hermes_processes_not_the_string_traffic(her
     assert s["errors"] == 0 and s["answered"] == 8, s["first_errors"]
     assert "agent" in kinds and "string" in kinds, kinds
     assert s["hermes_processes"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:regression gate")  # 4 tasks a string family: the gate says they are few
+def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_base, adapters, store, tmp_path):  # noqa: F811
+    """agent.runner hermes: the gate's agent family is the real Hermes Agent's held-out tasks, each arm served in
+    turn by `hermes-lab serve` and the same tasks played against each, paired by task: a broken adapter, which
+    answers Hermes with noise, is stopped on them; the report and each arm's server log say what was played."""
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.evaluate import validate as V
+
+    over = {"grpo.environment": H.ENVIRONMENT, "agent.runner": "hermes", "agent.heldout_tasks": 10}
+    cfg = load_config(store, {**over, "validate.eval_tasks_per_family": 4, "validate.samples_per_task": 1})
+    rd = tmp_path / "round-01"
+    rep = V.regression_gate(cfg, str(tiny_base), str(adapters["broken"]), str(adapters["identity"]), round_dir=rd)
+    played, ids = rep["agent_played"], [t.task_id for t in V.agent_tasks(cfg)]
+    assert played["runner"] == "hermes" and rep["sampling"]["tasks"]["agent_runner"] == "hermes"
+    assert played["before"]["task_ids"] == played["after"]["task_ids"] == ids and len(ids) == 10
+    assert played["before"]["pass_rate"] > 0.2 and played["after"]["pass_rate"] < played["before"]["pass_rate"]
+    row = rep["per_family"]["hermes"]
+    assert row["n_pairs"] == 10 and row["candidate_pass_rate"] < row["baseline_pass_rate"]
+    assert any(r.startswith("family 'hermes'") for r in rep["reasons"]) and not rep["passed"]
+    assert {"add", "hermes"} <= set(rep["per_family"])  # the string families as before, beside it
+    for arm, adapter in (("candidate", adapters["broken"]), ("baseline", adapters["identity"])):
+        log = rd / "validate" / "hermes" / arm / "log" / "requests.jsonl"
+        recs = [json.loads(x) for x in log.read_text().splitlines()]
+        assert {r["model"] for r in recs} == {str(adapter.resolve())}  # this arm's policy answered Hermes
+        assert len({r["conversation_id"] for r in recs}) == 10 and all(r["http_status"] == 200 for r in recs)

@@ -3,7 +3,9 @@
 Stage: execute, validate and the live traffic against the real agent (``hermes-lab agent --runner hermes``; the
 tests in tests/test_hermes_loop.py). Reads tasks (``tasks.hermes.HermesTask`` or lines of ``hermes-lab tasks
 export``) and the pinned hermes-agent virtualenv (``install_hermes`` makes it once).
-Writes only under ``workspace_root``: ``model.sock`` (the sandbox's one way to the model server) and one folder
+Writes ``model.sock`` (the sandbox's one way to the model server) in a folder of its own under the system's temp
+dir (a unix socket's path holds 107 bytes: a deep ``workspace_root`` would not), removed at the end; and only under
+``workspace_root`` else: one folder
 per task, ``<task id>-XXXX/`` with ``ws/`` (the task's files, then what Hermes left), ``home/`` (its HERMES_HOME:
 ``config.yaml``, Hermes's ``state.db``, ``sessions/``, ``logs/``, ``driver.log``) and ``tmp/``.
 
@@ -32,6 +34,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -149,6 +152,7 @@ class HermesLoop:
         self.proc: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.forward: _Forwarder | None = None
+        self.sock_dir: Path | None = None
 
     # ------------------------------------------------------------------------------------- the process
     def command(self) -> list[str]:
@@ -160,6 +164,8 @@ class HermesLoop:
         root = str(self.root)
         cmd += ["--bind", root, root, "--chdir", root]
         cmd += ["--ro-bind", str(DRIVER), str(DRIVER)]  # a clone under /tmp: the tmpfs above would hide it
+        if self.sock_dir is not None:  # the model socket's folder (under /tmp too, most often)
+            cmd += ["--bind", str(self.sock_dir), str(self.sock_dir)]
         cmd += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
         return [*cmd, str(self.python), str(DRIVER), "--parallel", str(self.parallel)]
 
@@ -182,8 +188,8 @@ class HermesLoop:
     def start(self) -> HermesLoop:
         if self.context_length is None:
             self.context_length = self.stated_context_length()
-        sock = self.root / "model.sock"
-        sock.unlink(missing_ok=True)
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="hermes-lab-sock-"))
+        sock = self.sock_dir / "model.sock"
         self.forward = _Forwarder(sock, self.port)
         home = self.root / ".driver"  # the driver's own HERMES_HOME (what Hermes writes at import); tasks have theirs
         home.mkdir(exist_ok=True)
@@ -237,6 +243,9 @@ class HermesLoop:
         if self.forward is not None:
             self.forward.close()
             self.forward = None
+        if self.sock_dir is not None:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+            self.sock_dir = None
 
     def __enter__(self) -> HermesLoop:
         return self.start()

@@ -1,6 +1,7 @@
 """Config sections of a round's data: ``data`` (the data gates, distillation, the GRPO prompt selection),
-``execute`` (where the round's data comes from: the embedded tasks or a gateway's log) and ``conversations``
-(how prep reads agent conversations, and the rewards of logs that carry none).
+``execute`` (where the round's data comes from: the embedded tasks or a gateway's log), ``agent`` (who plays the
+agent family's tasks: the built-in loop or the real Hermes Agent) and ``conversations`` (how prep reads agent
+conversations, and the rewards of logs that carry none).
 
 Part of the config layer (``hermes_lab.config.schema`` builds ``HermesConfig`` from the sections and loads it):
 each field with its help text and bounds, choices as ``Literal`` types, and the conversations' own checks
@@ -61,6 +62,27 @@ class DataSection:
         ge=64,
     )
     seed: int = _f(0, "Seed of the human review sample (the same data and seed give the same sample).")
+
+
+@dataclass
+class AgentSection:
+    runner: Literal["builtin", "hermes"] = _f(
+        "builtin",
+        "Who plays the embedded agent family's held-out tasks in validate. builtin: the project's own loop, the "
+        "policy in process (validate.eval_tasks_per_family x samples_per_task episodes an arm, seconds). hermes: "
+        "the real Hermes Agent (the pinned hermes-agent's own loop and tools, sandboxed, a workspace per task, made "
+        "once from the package registry) against each arm served by `hermes-lab serve` on 127.0.0.1, graded on "
+        "disk by the task's verifier; a round says which it used.",
+    )
+    heldout_tasks: int = _f(
+        96,
+        "agent.runner hermes: held-out tasks the real agent plays per arm in validate, once each (its sampling is "
+        "its own), paired by task between the arms.",
+        ge=1,
+    )
+    parallel: int = _f(2, "agent.runner hermes: tasks run at once in the sandboxed Hermes process.", ge=1)
+    max_turns: int = _f(6, "agent.runner hermes: Hermes's max_iterations per task (model calls).", ge=1)
+    timeout: float = _f(120.0, "agent.runner hermes: seconds a task may take before it is killed.", gt=0)
 
 
 @dataclass

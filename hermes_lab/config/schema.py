@@ -39,7 +39,13 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from hermes_lab.config.gates import ABSection, ReviewSection, ValidateSection, ab_stage_problems
-from hermes_lab.config.round_data import ConversationsSection, DataSection, ExecuteSection, conversations_problems
+from hermes_lab.config.round_data import (
+    AgentSection,
+    ConversationsSection,
+    DataSection,
+    ExecuteSection,
+    conversations_problems,
+)
 from hermes_lab.config.scoring import REWARD_TYPES, RewardSection, SandboxSection, sandbox_problems
 from hermes_lab.config.serving import ServeSection, serve_problems
 from hermes_lab.config.training import EMBEDDED_MODEL, GrpoSection, LoraSection, ModelSection, trl_choices
@@ -75,6 +81,9 @@ class HermesConfig:
     reward: RewardSection = field(default_factory=RewardSection, metadata={"help": "Reward functions."})
     data: DataSection = field(default_factory=DataSection, metadata={"help": "Data gates and distillation."})
     execute: ExecuteSection = field(default_factory=ExecuteSection, metadata={"help": "Execute step."})
+    agent: AgentSection = field(
+        default_factory=AgentSection, metadata={"help": "Who plays the agent family: the built-in loop or Hermes."}
+    )
     conversations: ConversationsSection = field(
         default_factory=ConversationsSection,
         metadata={"help": "Agent conversations in prep: input shapes and the rewards of logs that carry none."},

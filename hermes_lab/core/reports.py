@@ -101,3 +101,4 @@ class RoundSummary(JsonReport):
     held: dict[str, Any] | None = None
     continues: int | None = None
     ab_plan: str | None = None
+    agent_played: dict[str, Any] | None = None  # validate's agent family played by the real Hermes Agent

@@ -288,13 +288,64 @@ EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets 
 
 
 def agent_tasks(cfg: Any) -> list[Any]:
-    """The agent family's held-out tasks for the gate: none unless the round trains an embedded agent family."""
+    """The agent family's held-out tasks for the gate: none unless the round trains an embedded agent family.
+    Played by the real Hermes Agent (``agent.runner: hermes``, the ``hermes`` family): ``agent.heldout_tasks``."""
     from hermes_lab.policy.episodes import family_of_environment
 
     fam = family_of_environment(cfg.grpo.environment)
     if fam is None:
         return []
-    return fam.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
+    n = cfg.agent.heldout_tasks if plays_with_hermes(cfg) else cfg.validate.eval_tasks_per_family
+    return fam.generate_tasks(n, split="heldout", seed=cfg.validate.seed)
+
+
+def plays_with_hermes(cfg: Any) -> bool:
+    """Whether the real Hermes Agent plays the agent family: ``agent.runner: hermes`` and the ``hermes`` family
+    (the real agent has Hermes's tools; the old ``time`` family's tool is not one of them)."""
+    return cfg.agent.runner == "hermes" and cfg.grpo.environment.startswith("hermes_lab.tasks.hermes:")
+
+
+def played_by_hermes(
+    cfg: Any, base_model: str, adapter: str | None, tasks: list[Any], root: Path, arm: dict[str, Any]
+) -> dict[str, Any]:
+    """``arm`` (``evaluate_arm``'s report) with the agent tasks added, each played once by the real Hermes Agent
+    against this policy served on 127.0.0.1 (``agents.play``) and scored by its verifier on what the workspace
+    holds; its rates recomputed over everything."""
+    import time
+
+    from hermes_lab.agents.play import play_policy
+
+    t0 = time.monotonic()
+    runs = play_policy(cfg, base_model, adapter, tasks, root)
+    items = [*arm.pop("items"), *tasks]
+    scores = [*arm["scores"], *(r.reward for r in runs)]
+    done = sum(r.success for r in runs)
+    hermes = {"runner": "hermes", "tasks": len(runs), "pass_rate": round(done / max(1, len(runs)), 4)}
+    hermes.update(samples_per_task=1, task_ids=[t.task_id for t in tasks])  # what policy.paired_gain pairs
+    hermes.update(passes="".join("1" if r.success else "0" for r in runs), seconds=round(time.monotonic() - t0, 1))
+    hermes.update(dir=str(root))
+    return {**arm, **arm_rates(items, scores, cfg.reward.success_threshold), "agent_played": hermes}
+
+
+def arm_rates(items: list[Any], scores: list[float], thr: float) -> dict[str, Any]:
+    """Pass rates and mean rewards of an arm's scored items, overall and per family, with the per-item lists the
+    gate pairs (scores, task_ids, families)."""
+
+    def stats(vs: list[float]) -> dict[str, Any]:
+        return {
+            "pass_rate": round(sum(x >= thr for x in vs) / len(vs), 4),
+            "mean_reward": round(sum(vs) / len(vs), 4),
+            "n": len(vs),
+        }
+
+    fams = sorted({t.family for t in items})
+    return {
+        **stats(scores),
+        "per_family": {f: stats([x for x, t in zip(scores, items) if t.family == f]) for f in fams},
+        "scores": scores,
+        "task_ids": [t.task_id for t in items],
+        "families": [t.family for t in items],
+    }
 
 
 def evaluate_arm(
@@ -337,25 +388,13 @@ def evaluate_arm(
     scores = T.score_tasks(items, responses)  # the code family's hidden tests run in the sandbox, in parallel
     scores += [e.reward for e in episodes]
     items = [*items, *plays]
-
-    def stats(vs: list[float]) -> dict[str, Any]:
-        return {
-            "pass_rate": round(sum(x >= thr for x in vs) / len(vs), 4),
-            "mean_reward": round(sum(vs) / len(vs), 4),
-            "n": len(vs),
-        }
-
-    fams = sorted({t.family for t in items})
     return {
-        **stats(scores),
-        "per_family": {f: stats([x for x, t in zip(scores, items) if t.family == f]) for f in fams},
+        **arm_rates(items, scores, thr),
         "temperature": v.temperature,
         "samples_per_task": v.samples_per_task,
         "model": str(base_model),
         "adapter": adapter,
-        "scores": scores,
-        "task_ids": [t.task_id for t in items],
-        "families": [t.family for t in items],
+        "items": items,  # for played_by_hermes; regression_gate drops it before the report is written
     }
 
 
@@ -377,12 +416,28 @@ def regression_gate(
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
     v = cfg.validate
-    agent = agent_tasks(cfg)
+    agent, hermes = agent_tasks(cfg), plays_with_hermes(cfg)
     if agent and task_note is not None:
-        task_note = {**task_note, "agent_episodes": len(agent) * v.samples_per_task}
-    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg, agent)
-    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg, agent)
+        n = len(agent) if hermes else len(agent) * v.samples_per_task
+        task_note = {**task_note, "agent_episodes": n, "agent_runner": "hermes" if hermes else "builtin"}
+    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg, None if hermes else agent)
+    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg, None if hermes else agent)
+    if hermes and agent:  # each arm served in turn, the same tasks played against each: pairs by task
+        import tempfile
+
+        where = Path(output_dir or (RoundLayout(round_dir).validate.root if round_dir else tempfile.mkdtemp()))
+        candidate = played_by_hermes(
+            cfg, base_model, candidate_adapter, agent, where / "hermes" / "candidate", candidate
+        )
+        baseline = played_by_hermes(cfg, base_model, baseline_adapter, agent, where / "hermes" / "baseline", baseline)
+    for arm in (candidate, baseline):
+        arm.pop("items", None)
     report = compare(baseline, candidate, cfg)
+    if hermes and agent:  # the real agent's held-out success, baseline -> candidate, paired by task
+        from hermes_lab.policy.model import paired_gain
+
+        b, c = baseline["agent_played"], candidate["agent_played"]
+        report["agent_played"] = {"runner": "hermes", "before": b, "after": c, "gain": paired_gain(b, c)}
     report = {
         "passed": report.pop("passed"),
         "baseline": baseline,

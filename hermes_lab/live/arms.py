@@ -138,6 +138,8 @@ def resolve_arm(
 
         base, adapter = candidate_from_train_dir(spec, cfg)
         return lora_upstream(cfg, ArmSpec(name, "local", spec, base=base, adapter=adapter))
+    if (Path(spec) / "adapter_config.json").is_file():  # an adapter's own folder: on model.base_model
+        return lora_upstream(cfg, ArmSpec(name, "local", spec, base=cfg.model.base_model, adapter=spec))
     if spec != EMBEDDED_MODEL and spec.startswith((".", "/", "runs")) and not Path(spec).exists():
         raise ConfigError(f"--{name} {spec}: no such model, adapter or train dir")
     return lora_upstream(cfg, ArmSpec(name, "local", spec, base=spec))

@@ -124,6 +124,7 @@ def finish_round(
         held=held,
         continues=cont["round"] if cont else None,
         ab_plan=_plan_warning(next((v["plan"] for v in done if v.get("plan")), None)),
+        agent_played=_agent_played(RoundLayout(rd).validate.regression),
     )
     summary.write(RoundLayout(rd).summary)
     return summary.to_json()
@@ -133,6 +134,23 @@ def _candidate_dir(stages: Sequence[Stage], verdicts: dict[str, Any], rd: Path) 
     """The folder of the stage whose verdict gave the candidate's outcome (the A/B's: ``runs/round-NN/ab``)."""
     s = next(s for s in reversed(stages) if s.verdict and (verdicts.get(s.name) or {}).get("candidate"))
     return (rd / s.verdict).parent  # type: ignore[operator]
+
+
+def _agent_played(regression: Path) -> dict[str, Any] | None:
+    """Validate's agent family as the real Hermes Agent played it (``agent.runner: hermes``): the baseline's and
+    the candidate's held-out success and the paired gain; None when the built-in loop played it."""
+    import json
+
+    try:
+        played = json.loads(regression.read_text(encoding="utf-8")).get("agent_played")
+    except (OSError, ValueError):
+        return None
+    if not played:
+        return None
+    b, a = played["before"], played["after"]
+    keep = ("pass_rate", "tasks", "seconds")
+    before, after = {k: b.get(k) for k in keep}, {k: a.get(k) for k in keep}
+    return {"runner": played["runner"], "before": before, "after": after, "gain": played.get("gain")}
 
 
 def _plan_warning(plan: dict[str, Any] | None) -> str | None:
@@ -221,4 +239,13 @@ def print_summary(s: dict[str, Any]) -> None:
         if e.get("agent"):  # the embedded agent family, trained episode-level (train/eval.json's agent)
             ag = e["agent"]
             b, a = ag["before"]["episode_success"], ag["after"]["episode_success"]
-            print(f"  held-out agent episode success: {b:.1%} -> {a:.1%}, {describe_gain(ag)}")
+            print(f"  held-out agent episode success (built-in loop): {b:.1%} -> {a:.1%}, {describe_gain(ag)}")
+    if s.get("agent_played"):  # validate's agent family, played by the real Hermes Agent (agent.runner: hermes)
+        from hermes_lab.policy.model import describe_gain
+
+        p = s["agent_played"]
+        b, a = p["before"]["pass_rate"], p["after"]["pass_rate"]
+        print(
+            f"  held-out hermes tasks played by the real Hermes Agent (validate, baseline -> candidate): "
+            f"{b:.1%} -> {a:.1%}, {describe_gain(p)}"
+        )

@@ -1,0 +1,126 @@
+"""The agent family's tasks played by the real Hermes Agent against one policy, served for it on 127.0.0.1.
+
+Stage: validate (``agent.runner: hermes``: the regression gate's agent family, each arm in turn) and the benchmarks.
+Reads the round's config and the policy (a base model, and an adapter or none); writes under ``root``: ``params.yaml``
+(the config the server runs with: the round's own, whole), ``gateway.out`` (its output), ``log/`` (its request log:
+every request Hermes sent, the exact tokens of each answer) and the Hermes runner's folders (``ws/``: one per task,
+its workspace, its HERMES_HOME and its session, as ``agents.hermes.HermesLoop`` leaves them).
+
+The policy is served by ``hermes-lab serve`` (``python -m hermes_lab.live.serve``) in a process of its own, both arms
+of the gateway the one policy (``--ratio 0``, no rollout): the real agent talks to it as to any model server, and
+what the verifier reads afterwards is what Hermes left on disk.
+
+    with served(cfg, base_model, adapter, root) as url:
+        runs = play(cfg, url, tasks, root)         # one agents.hermes.LoopRun each, in the tasks' order
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from hermes_lab.agents import hermes as HL
+
+START_TIMEOUT = 600.0  # seconds for the server to load the policy (the embedded one is built first if need be)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def arm_spec(base_model: str, adapter: str | None) -> str:
+    """What ``hermes-lab serve --baseline`` takes for this policy: the adapter's folder, else the base model."""
+    return str(Path(adapter).resolve()) if adapter else base_model
+
+
+@contextlib.contextmanager
+def served(cfg: Any, base_model: str, adapter: str | None, root: str | Path) -> Iterator[str]:
+    """``hermes-lab serve`` on a free 127.0.0.1 port with this policy as its only arm; yields its root URL and stops
+    it after. A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a RuntimeError with its
+    output's tail."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    params = root / "params.yaml"
+    raw = cfg.to_dict()
+    raw["model"]["base_model"] = base_model
+    params.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")  # the config holds no secret
+    port, spec = free_port(), arm_spec(base_model, adapter)
+    cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--port", str(port)]
+    cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(root / "log")]
+    cmd += ["--experiment", root.name, "--set", "serve.rollout=false"]
+    out = (root / "gateway.out").open("w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, root / "gateway.out")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, out: Path) -> None:
+    t0 = time.monotonic()
+    with httpx.Client(timeout=2, trust_env=False) as http:
+        while time.monotonic() - t0 < START_TIMEOUT:
+            if proc.poll() is not None:
+                raise RuntimeError(f"hermes-lab serve exited ({proc.returncode}): {out.read_text()[-1500:]}")
+            try:
+                if http.get(url + "/healthz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+    raise RuntimeError(f"hermes-lab serve did not answer {url}/healthz in {START_TIMEOUT:.0f} s")
+
+
+def play(
+    cfg: Any,
+    url: str,
+    tasks: Sequence[Any],
+    root: str | Path,
+    progress: Callable[[HL.LoopRun], None] | None = None,
+) -> list[HL.LoopRun]:
+    """The tasks played by the real Hermes Agent against the server at ``url`` (``agent.parallel`` at once, each
+    confined to its own workspace under ``root/ws``), each graded by its verifier; in the tasks' order."""
+    a = cfg.agent
+    hermes = HL.install_hermes()
+    with HL.HermesLoop(
+        f"{url}/v1",
+        cfg.serve.public_model,
+        workspace_root=Path(root) / "ws",
+        hermes_bin=hermes,
+        timeout=a.timeout,
+        max_turns=a.max_turns,
+        parallel=a.parallel,
+    ) as loop:
+        return loop.run(tasks, progress=progress)
+
+
+def play_policy(
+    cfg: Any,
+    base_model: str,
+    adapter: str | None,
+    tasks: Sequence[Any],
+    root: str | Path,
+    progress: Callable[[HL.LoopRun], None] | None = None,
+) -> list[HL.LoopRun]:
+    """``served`` and ``play`` in one: the policy up, the tasks played, the policy down."""
+    with served(cfg, base_model, adapter, root) as url:
+        return play(cfg, url, tasks, root, progress)
