@@ -281,6 +281,39 @@ def test_the_byte_count_is_the_embedded_tokenizers_count():
     assert len(tok(held, add_special_tokens=False)["input_ids"]) < len(held.encode())  # why specials are checked
 
 
+def answers(c: openai.OpenAI, n: int, **kw) -> list[str]:
+    msgs = [{"role": "user", "content": "reverse kelomir"}]
+    out = [
+        c.chat.completions.create(model="hermes", messages=msgs, temperature=1.0, max_tokens=12, **kw) for _ in range(n)
+    ]
+    return [o.choices[0].message.content or "" for o in out]
+
+
+def test_openai_s_seed_is_honoured_and_unseeded_requests_stay_random(tiny):
+    """An in-process arm samples a request carrying OpenAI's ``seed`` with random numbers of its own: the same
+    seed, the same answer, whatever else is in the batch; without one (serve.seed_from_prompt off) each draw is
+    new."""
+    c = client(tiny)
+    assert len(set(answers(c, 5, seed=7))) == 1
+    assert len(set(answers(c, 1, seed=s)[0] for s in range(8))) > 1
+    assert len(set(answers(c, 8))) > 1
+
+
+def test_seed_from_prompt_answers_the_same_state_alike(tmp_path):
+    """serve.seed_from_prompt (validate's servers for the real agent): a request without a seed draws its random
+    numbers from its prompt, so the same messages get the same answer, as two arms would on one task; a request's
+    own seed still wins."""
+    args = ["--params", str(REPO / "params/embedded.yaml"), "--ratio", "0", "--set", "serve.rollout=false"]
+    args += ["--baseline", "embedded:tiny", "--candidate", "embedded:tiny", "--set", "serve.seed_from_prompt=true"]
+    gw = Gateway(tmp_path, args).start(timeout=900)
+    try:
+        c = client(gw)
+        assert len(set(answers(c, 4))) == 1
+        assert len(set(answers(c, 1, seed=s)[0] for s in range(8))) > 1
+    finally:
+        gw.stop()
+
+
 def test_an_over_long_conversation_is_refused_as_vllm_does_and_a_hermes_request_is_answered(tiny):
     """Over serve.context_length (64000 here): 400 context_length_exceeded with the numbers, plain or streamed,
     never a 500; a 60 KB Hermes-style request (its tool header alone longer than the tiny policy's 256 positions)

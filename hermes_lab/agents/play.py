@@ -8,7 +8,9 @@ its workspace, its HERMES_HOME and its session, as ``agents.hermes.HermesLoop`` 
 
 The policy is served by ``hermes-lab serve`` (``python -m hermes_lab.live.serve``) in a process of its own, both arms
 of the gateway the one policy (``--ratio 0``, no rollout): the real agent talks to it as to any model server, and
-what the verifier reads afterwards is what Hermes left on disk.
+what the verifier reads afterwards is what Hermes left on disk. The server samples each request with random numbers
+drawn from its prompt (``serve.seed_from_prompt``): a task played against two policies meets the same draws wherever
+their conversations agree, so the two arms' runs pair as the built-in loop's seeded episodes do.
 
     with served(cfg, base_model, adapter, root) as url:
         runs = play(cfg, url, tasks, root)         # one agents.hermes.LoopRun each, in the tasks' order
@@ -58,7 +60,8 @@ def served(cfg: Any, base_model: str, adapter: str | None, root: str | Path) -> 
     port, spec = free_port(), arm_spec(base_model, adapter)
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--port", str(port)]
     cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(root / "log")]
-    cmd += ["--experiment", root.name, "--set", "serve.rollout=false"]
+    # seed_from_prompt: the same task's same state sampled with the same random numbers under either arm (pairs)
+    cmd += ["--experiment", root.name, "--set", "serve.rollout=false", "--set", "serve.seed_from_prompt=true"]
     out = (root / "gateway.out").open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -82,6 +82,14 @@ class ServeSection:
         5.0, "In-process arms: collect requests this long into one batched generate.", ge=0, le=1000
     )
     max_batch: int = _f(32, "In-process arms: most requests in one batched generate.", ge=1)
+    seed_from_prompt: bool = _f(
+        False,
+        "In-process arms: a request without a seed of its own (OpenAI's `seed`, which is always honoured) is sampled "
+        "with random numbers drawn from its prompt's tokens, so the same conversation state gets the same random "
+        "numbers under every policy and on every run: two arms' answers to one task are paired (common random "
+        "numbers), as the regression gate's built-in episodes are. For evaluation servers (validate's, with "
+        "agent.runner hermes): a retry of the same messages is answered the same.",
+    )
     max_new_tokens: int = _f(
         256,
         "In-process arms: cap on a request's max_tokens. A request without one: a lone user message without tools "

@@ -18,11 +18,13 @@ import queue
 import threading
 import time
 import unicodedata
+from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.live.arms import ARMS, Answer, ArmSpec, UpstreamArm
@@ -43,6 +45,8 @@ class _Job:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     prompt: list[int] = field(default_factory=list)
+    seed: int | None = None  # the request's own (OpenAI's ``seed``): its sample drawn with random numbers of its own
+    seed_from_prompt: bool = False  # no seed given: one from the prompt's tokens (serve.seed_from_prompt)
 
 
 class GenerationWorker:
@@ -90,6 +94,8 @@ class GenerationWorker:
                 except Exception as e:  # a conversation the template cannot render: that request's 500
                     j.loop.call_soon_threadsafe(_settle, j.future, None, e)
                     continue
+                if j.seed is None and j.seed_from_prompt:
+                    j.seed = xxhash.xxh3_64_intdigest(array("i", j.prompt).tobytes()) >> 2
                 groups.setdefault((id(j.policy), j.temperature, j.max_new_tokens), []).append(j)
             for jobs in groups.values():
                 self._generate(jobs)
@@ -111,7 +117,13 @@ class GenerationWorker:
 
             torch.manual_seed(self._seed)
             done = turn.sample(
-                p.model, p.tokenizer, [j.prompt for j in jobs], jobs[0].temperature, jobs[0].max_new_tokens, True
+                p.model,
+                p.tokenizer,
+                [j.prompt for j in jobs],
+                jobs[0].temperature,
+                jobs[0].max_new_tokens,
+                True,
+                seeds=[j.seed for j in jobs],
             )
         except Exception as e:  # the requests get a 500 naming it; the worker lives on
             for j in jobs:
@@ -200,6 +212,7 @@ class LocalArm:
         self.cap = cfg.serve.max_new_tokens
         self.splicer = Splicer(policy.tokenizer)  # touched only in the generation thread
         self.context_length = cfg.serve.context_length  # what the gateway states and holds a request to
+        self.seed_from_prompt = cfg.serve.seed_from_prompt
         self._specials = byte_level_specials(policy.tokenizer)  # not None: a text's UTF-8 bytes are its tokens
 
     async def start(self) -> None:
@@ -213,6 +226,8 @@ class LocalArm:
 
         t = payload.get("temperature")
         temperature = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else self.temperature
+        sd = payload.get("seed")
+        seed = sd if isinstance(sd, int) and not isinstance(sd, bool) else None
         messages = payload.get("messages") or []
         tools = turn.tool_list(payload.get("tools"))
         m0 = messages[0] if len(messages) == 1 and isinstance(messages[0], dict) else {}
@@ -254,7 +269,9 @@ class LocalArm:
 
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.worker.submit(_Job(self.policy, prepare, finish, temperature, tokens, fut, loop))
+        job = _Job(self.policy, prepare, finish, temperature, tokens, fut, loop, seed=seed)
+        job.seed_from_prompt = self.seed_from_prompt
+        self.worker.submit(job)
         return await fut
 
     def count_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:

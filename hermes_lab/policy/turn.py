@@ -252,10 +252,13 @@ def sample(
     temperature: float,
     max_new_tokens: int,
     logprobs: bool = False,
+    seeds: list[int | None] | None = None,
 ) -> list[tuple[list[int], list[float] | None]]:
     """One completion per prompt (left-padded batch, one ``generate``; temperature 0: greedy), cut after its EOS;
     with ``logprobs``, each sampled token's log-probability under the sampling distribution (logits / temperature).
-    Seed torch's RNG before calling for a reproducible draw. ``max_new_tokens`` is capped by the model's context."""
+    Seed torch's RNG before calling for a reproducible draw. ``max_new_tokens`` is capped by the model's context.
+    ``seeds``: a row with a seed is sampled with random numbers of its own (``RowSampler``), the same whatever
+    else is in the batch; rows without one draw theirs from torch's RNG."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -271,15 +274,17 @@ def sample(
     stops = formats.stop_ids(model, tok)  # GRPOTrainer's: the tokenizer's eos and the model's generation_config's
     eos: Any = stops[0] if len(stops) == 1 else (stops or None)  # one id: passed as the int it always was
     kw: dict[str, Any] = dict(max_new_tokens=budget, pad_token_id=pad, eos_token_id=eos)
-    if temperature > 0:
+    rows = RowSampler(seeds, temperature) if temperature > 0 and seeds and any(x is not None for x in seeds) else None
+    if temperature > 0 and rows is None:
         kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
+    else:  # greedy, or the rows' own draws made by RowSampler (the token it picks is the only one left)
         kw.update(do_sample=False)
     rec = _Logprobs(temperature) if logprobs else None
-    if rec is not None:
+    procs = [x for x in (rec, rows) if x is not None]  # the log-probabilities read before RowSampler masks
+    if procs:
         from transformers import LogitsProcessorList
 
-        kw["logits_processor"] = LogitsProcessorList([rec])
+        kw["logits_processor"] = LogitsProcessorList(procs)
     with torch.no_grad():
         gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kw)
     new = gen[:, width:]
@@ -292,6 +297,31 @@ def sample(
             c = c[: end + 1]
         out.append((c, [round(x, 5) for x in lps[row][: len(c)]] if lps is not None else None))
     return out
+
+
+class RowSampler:
+    """A logits processor that samples each row from softmax(logits / temperature) with the row's own generator
+    (the Gumbel-max draw: argmax of logits / T plus Gumbel noise is an exact sample) and leaves that token the only
+    one possible, for greedy decoding to take. A row seeded alike samples alike in any batch: the same prompt under
+    two policies gets the same random numbers (common random numbers, which is what pairs two arms' samples)."""
+
+    def __init__(self, seeds: list[int | None], temperature: float):
+        import torch
+
+        self.t = temperature
+        self.gens = []
+        for s in seeds:
+            g = torch.Generator()
+            g.manual_seed(int(s) if s is not None else int(torch.randint(0, 2**62, (1,))))
+            self.gens.append(g)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        u = torch.stack([torch.rand(scores.shape[1], generator=g) for g in self.gens]).to(scores.device)
+        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+        pick = (scores.float() / self.t + gumbel).argmax(dim=-1, keepdim=True)
+        return torch.full_like(scores, -float("inf")).scatter_(1, pick, 0.0)
 
 
 class _Logprobs:
