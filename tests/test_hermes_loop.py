@@ -214,3 +214,37 @@ def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_b
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         assert {r["model"] for r in recs} == {str(adapter.resolve())}  # this arm's policy answered Hermes
         assert len({r["conversation_id"] for r in recs}) == 10 and all(r["http_status"] == 200 for r in recs)
+
+
+def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tmp_path):  # noqa: F811
+    """agent.runner hermes: execute's agent episodes are the real Hermes Agent's runs against the policy served on
+    127.0.0.1, logged as the conversations Hermes kept (its messages, its tools as its requests carried them, the
+    verifier's reward) under the conversation ids the server filed them by; prep reads them as OpenAI lines."""
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.core.layout import RoundLayout
+    from hermes_lab.data import readers
+    from hermes_lab.data.execute import execute
+
+    over = {"round.runs_dir": str(tmp_path / "runs"), "agent.runner": "hermes", "execute.agent_tasks": 6}
+    cfg = load_config(HERE.parent / "params" / "embedded.yaml", {**over, "execute.num_tasks": 8})
+    rd = RoundLayout(tmp_path / "runs" / "round-01")
+    res = execute(cfg, rd.trajectories, seed=3)
+    assert res["agent_runner"] == "hermes" and res["agent_episodes"] == 6
+    lines = [json.loads(x) for x in rd.agent_episodes.read_text().splitlines()]
+    tasks = H.generate_tasks(6, split="train", seed=3)
+    assert [x["task_id"] for x in lines] == [t.task_id for t in tasks]
+    served = [json.loads(x) for x in (rd.hermes / "log" / "requests.jsonl").read_text().splitlines()]
+    for line, t in zip(lines, tasks, strict=True):
+        roles = [m["role"] for m in line["messages"]]
+        # as run_agent returns them: its system prompt is sent with every request, not kept among the messages
+        assert roles[0] == "user" and line["messages"][0]["content"] == t.question and roles[-1] == "assistant"
+        assert {"read_file", "write_file", "patch", "search_files", "terminal"} <= {
+            x["function"]["name"] for x in line["tools"]
+        }
+        assert any(r["conversation_id"] == line["id"] for r in served)  # filed under the id it is logged by
+        assert 0 <= line["reward"] <= 5 and line["runner"] == "hermes"
+    assert sum(x["reward"] >= 3 for x in lines) == round(res["agent_success"] * 6)
+    path = rd.agent_episodes
+    fmt = readers.detect(path, lines[0])
+    parsed = [readers.parse_line(x, fmt, str(path), i, cfg.reward.scale, 200_000) for i, x in enumerate(lines, 1)]
+    assert fmt == "openai" and all(p["messages"] for p in parsed)

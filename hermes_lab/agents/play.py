@@ -35,6 +35,12 @@ from hermes_lab.agents import hermes as HL
 START_TIMEOUT = 600.0  # seconds for the server to load the policy (the embedded one is built first if need be)
 
 
+def plays_hermes(cfg: Any) -> bool:
+    """Whether the real Hermes Agent plays the round's agent family: ``agent.runner: hermes`` and the ``hermes``
+    family (the real agent has Hermes's tools; the old ``time`` family's tool is not one of them)."""
+    return cfg.agent.runner == "hermes" and cfg.grpo.environment.startswith("hermes_lab.tasks.hermes:")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,10 +53,13 @@ def arm_spec(base_model: str, adapter: str | None) -> str:
 
 
 @contextlib.contextmanager
-def served(cfg: Any, base_model: str, adapter: str | None, root: str | Path) -> Iterator[str]:
+def served(
+    cfg: Any, base_model: str, adapter: str | None, root: str | Path, seed_from_prompt: bool = True
+) -> Iterator[str]:
     """``hermes-lab serve`` on a free 127.0.0.1 port with this policy as its only arm; yields its root URL and stops
-    it after. A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a RuntimeError with its
-    output's tail."""
+    it after. ``seed_from_prompt``: each request sampled with random numbers drawn from its prompt (validate's pairs;
+    execute's traffic draws afresh). A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a
+    RuntimeError with its output's tail."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     params = root / "params.yaml"
@@ -61,7 +70,8 @@ def served(cfg: Any, base_model: str, adapter: str | None, root: str | Path) -> 
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--port", str(port)]
     cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(root / "log")]
     # seed_from_prompt: the same task's same state sampled with the same random numbers under either arm (pairs)
-    cmd += ["--experiment", root.name, "--set", "serve.rollout=false", "--set", "serve.seed_from_prompt=true"]
+    cmd += ["--experiment", root.name, "--set", "serve.rollout=false"]
+    cmd += ["--set", f"serve.seed_from_prompt={str(seed_from_prompt).lower()}"]
     out = (root / "gateway.out").open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -123,7 +133,37 @@ def play_policy(
     tasks: Sequence[Any],
     root: str | Path,
     progress: Callable[[HL.LoopRun], None] | None = None,
+    seed_from_prompt: bool = True,
 ) -> list[HL.LoopRun]:
     """``served`` and ``play`` in one: the policy up, the tasks played, the policy down."""
-    with served(cfg, base_model, adapter, root) as url:
+    with served(cfg, base_model, adapter, root, seed_from_prompt) as url:
         return play(cfg, url, tasks, root, progress)
+
+
+def conversation_records(runs: Sequence[HL.LoopRun], root: str | Path) -> list[dict[str, Any]]:
+    """The runs as the canonical conversation record (``data.conversation``'s fields): the messages as Hermes kept
+    them, the tools its requests carried (the server's log, ``root/log``), the verifier's reward, the run's
+    conversation id; what prep reads as a logged agent conversation."""
+    import json
+
+    def lines(name: str) -> list[dict[str, Any]]:
+        path = Path(root) / "log" / name
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+
+    by_hash = {r["tools_hash"]: r["tools"] for r in lines("tools.jsonl")}
+    tools: dict[str, Any] = {}
+    for r in lines("requests.jsonl"):  # a conversation's tools: those of its first request
+        if r.get("conversation_id") and r.get("tools_hash") in by_hash:
+            tools.setdefault(r["conversation_id"], by_hash[r["tools_hash"]])
+    return [
+        {
+            "id": r.session_id,
+            "task_id": r.task_id,
+            "family": "hermes",
+            "messages": r.messages,
+            "tools": tools.get(r.session_id or "") or [],
+            "reward": r.reward,
+            "runner": "hermes",
+        }
+        for r in runs
+    ]

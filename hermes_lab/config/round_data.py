@@ -68,11 +68,11 @@ class DataSection:
 class AgentSection:
     runner: Literal["builtin", "hermes"] = _f(
         "builtin",
-        "Who plays the embedded agent family's held-out tasks in validate. builtin: the project's own loop, the "
-        "policy in process (validate.eval_tasks_per_family x samples_per_task episodes an arm, seconds). hermes: "
-        "the real Hermes Agent (the pinned hermes-agent's own loop and tools, sandboxed, a workspace per task, made "
-        "once from the package registry) against each arm served by `hermes-lab serve` on 127.0.0.1, graded on "
-        "disk by the task's verifier; a round says which it used.",
+        "Who plays the embedded agent family's tasks: execute's logged episodes (execute.agent_tasks) and "
+        "validate's held-out ones. builtin: the project's own loop, the policy in process (seconds). hermes: the "
+        "real Hermes Agent (the pinned hermes-agent's own loop and tools, sandboxed, a workspace per task, made "
+        "once from the package registry) against the policy served by `hermes-lab serve` on 127.0.0.1 (in "
+        "validate each arm in turn), graded on disk by the task's verifier; a round says which it used.",
     )
     heldout_tasks: int = _f(
         96,

@@ -12,6 +12,7 @@ nowhere (tests/test_layout.py fails on a round file's literal name anywhere else
       round-NN/                            .round(n) -> RoundLayout
         trajectories.jsonl                 .trajectories (data.execute; data.gateway when live: its join in live/)
         agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
+        hermes/                            .hermes (agent.runner hermes: execute's server log, the real agent's runs)
         NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
         prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
                                            conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
@@ -275,6 +276,7 @@ class RoundLayout(_Dir):
     trajectories = property(lambda self: self.root / "trajectories.jsonl")
     # OpenAI chat conversations: execute.agent_tasks' episodes, or (live) the traffic's, per-turn tokens in meta.turns
     agent_episodes = property(lambda self: self.root / "agent_episodes.jsonl")
+    hermes = property(lambda self: self.root / "hermes")  # agents.play's folder when execute plays with real Hermes
     summary = property(lambda self: self.root / _SUMMARY)
     progress = property(lambda self: self.root / "progress.json")
     live = property(lambda self: self.root / "live")  # execute.source live: data.gateway's join of the traffic

@@ -14,7 +14,8 @@ production: with ``execute.source: live`` the round's trajectories are the gatew
 round's live A/B, joined with the agent's feedback (``hermes_lab.live.round``), and its multi-turn and
 tool-calling conversations go to ``agent_episodes.jsonl`` (prep's conversations); on the embedded default
 this stage is where every round's data comes from (later rounds also feed the A/B traffic logs of the
-previous round into prep).
+previous round into prep). The agent family's episodes (``execute.agent_tasks``) are played by the built-in loop, or
+with ``agent.runner: hermes`` by the real Hermes Agent against the policy served on 127.0.0.1 (``round-NN/hermes/``).
 
     hermes-lab execute --params params/embedded.yaml --output runs/round-01/trajectories.jsonl
 """
@@ -31,6 +32,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from hermes_lab.agents.play import plays_hermes
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.inputs import EXECUTE
 from hermes_lab.core.layout import RoundLayout
@@ -133,6 +135,8 @@ def execute_agent(
     # the round's embedded agent family; with a user's own environment, the hermes family's episodes are logged
     A = E.family_of_environment(cfg.grpo.environment) or H
     tasks_ = A.generate_tasks(cfg.execute.agent_tasks, split="train", seed=seed)
+    if plays_hermes(cfg):
+        return execute_with_hermes(cfg, tasks_, output, seed, start, adapter)
     eps = E.run_episodes(pol, tasks_, temperature=cfg.execute.temperature, seed=seed, max_turns=cfg.grpo.max_turns)
     tmp = output.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -145,6 +149,31 @@ def execute_agent(
     os.replace(tmp, output)
     s = E.summarize(eps)
     return {"agent_episodes": len(eps), "agent_success": s["episode_success"], "agent_output": str(output)}
+
+
+def execute_with_hermes(
+    cfg: HermesConfig, tasks_: list[Any], output: Path, seed: int, start: datetime, adapter: str | None
+) -> dict[str, Any]:
+    """``agent.runner: hermes``: the tasks played by the real Hermes Agent against the policy served on 127.0.0.1
+    (``agents.play``; the server's log and each task's folders under ``round-NN/hermes/``), written as the
+    conversations Hermes kept, with its tools and the verifier's reward on what it left on disk."""
+    from hermes_lab.agents.play import conversation_records, play_policy
+
+    root = RoundLayout(output.parent).hermes
+    runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root, seed_from_prompt=False)  # fresh draws
+    tmp = output.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, rec in enumerate(conversation_records(runs, root)):
+            rec.update(timestamp=(start + timedelta(seconds=i)).isoformat(), model=adapter or "base", seed=seed)
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, output)
+    done = sum(r.success for r in runs)
+    return {
+        "agent_episodes": len(runs),
+        "agent_success": round(done / max(1, len(runs)), 4),
+        "agent_output": str(output),
+        "agent_runner": "hermes",
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

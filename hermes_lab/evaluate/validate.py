@@ -290,19 +290,14 @@ EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets 
 def agent_tasks(cfg: Any) -> list[Any]:
     """The agent family's held-out tasks for the gate: none unless the round trains an embedded agent family.
     Played by the real Hermes Agent (``agent.runner: hermes``, the ``hermes`` family): ``agent.heldout_tasks``."""
+    from hermes_lab.agents.play import plays_hermes
     from hermes_lab.policy.episodes import family_of_environment
 
     fam = family_of_environment(cfg.grpo.environment)
     if fam is None:
         return []
-    n = cfg.agent.heldout_tasks if plays_with_hermes(cfg) else cfg.validate.eval_tasks_per_family
+    n = cfg.agent.heldout_tasks if plays_hermes(cfg) else cfg.validate.eval_tasks_per_family
     return fam.generate_tasks(n, split="heldout", seed=cfg.validate.seed)
-
-
-def plays_with_hermes(cfg: Any) -> bool:
-    """Whether the real Hermes Agent plays the agent family: ``agent.runner: hermes`` and the ``hermes`` family
-    (the real agent has Hermes's tools; the old ``time`` family's tool is not one of them)."""
-    return cfg.agent.runner == "hermes" and cfg.grpo.environment.startswith("hermes_lab.tasks.hermes:")
 
 
 def played_by_hermes(
@@ -415,8 +410,10 @@ def regression_gate(
 
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
+    from hermes_lab.agents.play import plays_hermes
+
     v = cfg.validate
-    agent, hermes = agent_tasks(cfg), plays_with_hermes(cfg)
+    agent, hermes = agent_tasks(cfg), plays_hermes(cfg)
     if agent and task_note is not None:
         n = len(agent) if hermes else len(agent) * v.samples_per_task
         task_note = {**task_note, "agent_episodes": n, "agent_runner": "hermes" if hermes else "builtin"}
