@@ -259,3 +259,36 @@ def test_round_killed_then_resumed_against_an_mlflow_server(tmp_path, mlflow_ser
     parent_run = mlflow.get_run(parent)
     assert parent_run.data.tags["gate.regression"] in {"pass", "stop"}
     assert parent_run.data.tags["round.status"] == summary["status"]
+
+
+def test_a_round_says_who_plays_the_agent_family_and_what_the_real_agent_did(tmp_path, capsys):
+    """The round's first lines name the agent runner (agent.runner); with the real Hermes Agent playing validate's
+    held-out tasks, the summary reads regression.json's agent_played and prints each arm's success and the paired
+    gain; the built-in loop's reports carry none, and nothing is printed for it."""
+    from hermes_lab.config.schema import load_config
+    from hermes_lab.core.layout import RoundLayout
+    from hermes_lab.policy.model import paired_gain
+    from hermes_lab.round import outcome as O
+
+    params = Path(__file__).resolve().parent.parent / "params" / "embedded.yaml"
+    assert "built-in loop plays the hermes family" in R.who_plays(load_config(params))
+    assert "real Hermes Agent" in R.who_plays(load_config(params, {"agent.runner": "hermes"}))
+    assert "none" in R.who_plays(load_config(params, {"agent.runner": "hermes", "grpo.environment": "my.env:Shop"}))
+    lay = RoundLayout(tmp_path / "round-01")
+    lay.validate.root.mkdir(parents=True)
+    assert O._agent_played(lay.validate.regression) is None  # no report yet
+    ids = [f"t{i}" for i in range(4)]
+    b = {"pass_rate": 0.25, "tasks": 4, "seconds": 3.0, "samples_per_task": 1, "task_ids": ids, "passes": "1000"}
+    a = {**b, "pass_rate": 0.75, "passes": "1110"}
+    lay.validate.regression.write_text(
+        json.dumps({"agent_played": {"runner": "hermes", "before": b, "after": a, "gain": paired_gain(b, a)}})
+    )
+    played = O._agent_played(lay.validate.regression)
+    assert played["before"]["pass_rate"] == 0.25 and played["gain"]["gain"] == 0.5 and "passes" not in played["after"]
+    s = {"round": 1, "status": "promoted", "decision": "promote", "total_s": 1.0, "gates": [], "timings_s": {}}
+    O.print_summary({**s, "agent_played": played})
+    assert "played by the real Hermes Agent (validate, baseline -> candidate): 25.0% -> 75.0%, +50.0 points" in (
+        capsys.readouterr().out
+    )
+    O.print_summary(s)
+    assert "real Hermes" not in capsys.readouterr().out

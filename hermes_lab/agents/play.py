@@ -57,8 +57,8 @@ def served(
     cfg: Any, base_model: str, adapter: str | None, root: str | Path, seed_from_prompt: bool = True
 ) -> Iterator[str]:
     """``hermes-lab serve`` on a free 127.0.0.1 port with this policy as its only arm; yields its root URL and stops
-    it after. ``seed_from_prompt``: each request sampled with random numbers drawn from its prompt (validate's pairs;
-    execute's traffic draws afresh). A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a
+    it after. ``seed_from_prompt``: each request sampled with random numbers drawn from its prompt (validate's pairs,
+    execute's reproducible draws). A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a
     RuntimeError with its output's tail."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

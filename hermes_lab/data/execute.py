@@ -160,7 +160,9 @@ def execute_with_hermes(
     from hermes_lab.agents.play import conversation_records, play_policy
 
     root = RoundLayout(output.parent).hermes
-    runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root, seed_from_prompt=False)  # fresh draws
+    # each request's random numbers drawn from its prompt: a round's execution is reproducible, as the built-in
+    # loop's seeded episodes are (each task is played once, so nothing is sampled twice alike)
+    runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root)
     tmp = output.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for i, rec in enumerate(conversation_records(runs, root)):

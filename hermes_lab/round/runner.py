@@ -275,6 +275,7 @@ def run_round(
             from hermes_lab.data.outcomes import paying_for
 
             print(f"[round {n:02d}] {paying_for(cfg)}", flush=True)
+            print(f"[round {n:02d}] {who_plays(cfg)}", flush=True)
         if cfg.round.simulated_clock:
             if due:
                 _due(state, cfg)
@@ -354,6 +355,23 @@ def run_round(
         if not quiet:
             print_summary(summary)
         return RoundResult(n, rd, summary["status"], summary["decision"], summary)
+
+
+def who_plays(cfg: HermesConfig) -> str:
+    """One line: who plays the round's agent family in execute and validate (agent.runner)."""
+    from hermes_lab.agents.play import plays_hermes
+    from hermes_lab.policy.episodes import family_of_environment
+
+    fam = family_of_environment(cfg.grpo.environment)
+    if fam is None:
+        return "agent runner: none (grpo.environment names no embedded family: no held-out tasks to play here)"
+    if plays_hermes(cfg):
+        return (
+            "agent runner: the real Hermes Agent (its own loop and tools, sandboxed) plays the hermes family in "
+            "execute and validate, against the policy served on 127.0.0.1 (agent.runner: hermes)"
+        )
+    name = fam.FAMILY
+    return f"agent runner: the built-in loop plays the {name} family in execute and validate (agent.runner: builtin)"
 
 
 def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
