@@ -197,6 +197,13 @@ class HermesLoop:
         env = HA.sandbox_env(self.root, home, self.api_key)
         env.update(HERMES_LAB_MODEL_SOCKET=str(sock), HERMES_LAB_MODEL_PORT=str(self.port))
         env.update(HERMES_LAB_DRIVER_HOME=str(home))
+        try:
+            return self._start(env)
+        except BaseException:
+            self.close()  # the forwarder and the socket's folder too, whatever failed (bubblewrap missing...)
+            raise
+
+    def _start(self, env: dict[str, str]) -> HermesLoop:
         if Path(SYSTEM_CA_DIR).is_dir():
             # the system's hashed CA folder, which OpenSSL reads a certificate at a time when one is needed, for
             # certifi's bundle, which every HTTP client Hermes makes parses whole (five a task, ~0.15 s of CPU)
@@ -216,7 +223,6 @@ class HermesLoop:
         threading.Thread(target=self._read_lines, args=(self.proc.stdout, self.lines), daemon=True).start()
         line = self._read_line(START_TIMEOUT)
         if not line or not json.loads(line).get("ready"):
-            self.close()
             tail = (self.root / "driver.stderr").read_text(errors="replace")[-2000:]
             raise HermesLoopError(f"the sandboxed Hermes driver did not start: {tail or 'no output'}")
         return self

@@ -318,7 +318,8 @@ def main():
         try:
             res = json.dumps(run_one(task), default=str)
         except BaseException as e:  # the driver's own failure on this task: its result line says so
-            res = json.dumps({"id": task.get("id"), "error": f"driver: {type(e).__name__}: {e}", "exit": "error"})
+            res = {"id": task.get("id"), "conversation_id": task.get("conversation_id"), "exit": "error"}
+            res = json.dumps({**res, "error": f"driver: {type(e).__name__}: {e}"})
         with out:
             print(res, flush=True)
         slots.release()
