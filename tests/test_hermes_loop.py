@@ -195,6 +195,7 @@ def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_b
     turn by `hermes-lab serve` and the same tasks played against each, paired by task: a broken adapter, which
     answers Hermes with noise, is stopped on them; the report and each arm's server log say what was played."""
     from hermes_lab.config.schema import load_config
+    from hermes_lab.core.layout import ValidateLayout
     from hermes_lab.evaluate import validate as V
 
     over = {"grpo.environment": H.ENVIRONMENT, "agent.runner": "hermes", "agent.heldout_tasks": 10}
@@ -210,7 +211,7 @@ def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_b
     assert any(r.startswith("family 'hermes'") for r in rep["reasons"]) and not rep["passed"]
     assert {"add", "hermes"} <= set(rep["per_family"])  # the string families as before, beside it
     for arm, adapter in (("candidate", adapters["broken"]), ("baseline", adapters["identity"])):
-        log = rd / "validate" / "hermes" / arm / "log" / "requests.jsonl"
+        log = ValidateLayout(rd / "validate").hermes(arm).log.requests
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         assert {r["model"] for r in recs} == {str(adapter.resolve())}  # this arm's policy answered Hermes
         assert len({r["conversation_id"] for r in recs}) == 10 and all(r["http_status"] == 200 for r in recs)
@@ -233,7 +234,7 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tmp_path
     lines = [json.loads(x) for x in rd.agent_episodes.read_text().splitlines()]
     tasks = H.generate_tasks(6, split="train", seed=3)
     assert [x["task_id"] for x in lines] == [t.task_id for t in tasks]
-    served = [json.loads(x) for x in (rd.hermes / "log" / "requests.jsonl").read_text().splitlines()]
+    served = [json.loads(x) for x in rd.hermes.log.requests.read_text().splitlines()]
     for line, t in zip(lines, tasks, strict=True):
         roles = [m["role"] for m in line["messages"]]
         # as run_agent returns them: its system prompt is sent with every request, not kept among the messages

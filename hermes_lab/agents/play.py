@@ -31,6 +31,7 @@ import httpx
 import yaml
 
 from hermes_lab.agents import hermes as HL
+from hermes_lab.core.layout import PlayLayout
 
 START_TIMEOUT = 600.0  # seconds for the server to load the policy (the embedded one is built first if need be)
 
@@ -60,23 +61,23 @@ def served(
     it after. ``seed_from_prompt``: each request sampled with random numbers drawn from its prompt (validate's pairs,
     execute's reproducible draws). A server that exits or does not answer ``/healthz`` in START_TIMEOUT is a
     RuntimeError with its output's tail."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    params = root / "params.yaml"
+    lay = PlayLayout(root)
+    lay.root.mkdir(parents=True, exist_ok=True)
+    params = lay.params
     raw = cfg.to_dict()
     raw["model"]["base_model"] = base_model
     params.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")  # the config holds no secret
     port, spec = free_port(), arm_spec(base_model, adapter)
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--port", str(port)]
-    cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(root / "log")]
+    cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(lay.log.root)]
     # seed_from_prompt: the same task's same state sampled with the same random numbers under either arm (pairs)
-    cmd += ["--experiment", root.name, "--set", "serve.rollout=false"]
+    cmd += ["--experiment", lay.root.name, "--set", "serve.rollout=false"]
     cmd += ["--set", f"serve.seed_from_prompt={str(seed_from_prompt).lower()}"]
-    out = (root / "gateway.out").open("w")
+    out = lay.output.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, root / "gateway.out")
+        _wait_healthy(proc, url, lay.output)
         yield url
     finally:
         proc.terminate()
@@ -117,7 +118,7 @@ def play(
     with HL.HermesLoop(
         f"{url}/v1",
         cfg.serve.public_model,
-        workspace_root=Path(root) / "ws",
+        workspace_root=PlayLayout(root).runs,
         hermes_bin=hermes,
         timeout=a.timeout,
         max_turns=a.max_turns,
@@ -146,13 +147,13 @@ def conversation_records(runs: Sequence[HL.LoopRun], root: str | Path) -> list[d
     conversation id; what prep reads as a logged agent conversation."""
     import json
 
-    def lines(name: str) -> list[dict[str, Any]]:
-        path = Path(root) / "log" / name
+    def lines(path: Path) -> list[dict[str, Any]]:
         return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
 
-    by_hash = {r["tools_hash"]: r["tools"] for r in lines("tools.jsonl")}
+    log = PlayLayout(root).log
+    by_hash = {r["tools_hash"]: r["tools"] for r in lines(log.tools)}
     tools: dict[str, Any] = {}
-    for r in lines("requests.jsonl"):  # a conversation's tools: those of its first request
+    for r in lines(log.requests):  # a conversation's tools: those of its first request
         if r.get("conversation_id") and r.get("tools_hash") in by_hash:
             tools.setdefault(r["conversation_id"], by_hash[r["tools_hash"]])
     return [

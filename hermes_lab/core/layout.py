@@ -12,7 +12,8 @@ nowhere (tests/test_layout.py fails on a round file's literal name anywhere else
       round-NN/                            .round(n) -> RoundLayout
         trajectories.jsonl                 .trajectories (data.execute; data.gateway when live: its join in live/)
         agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
-        hermes/                            .hermes (agent.runner hermes: execute's server log, the real agent's runs)
+        hermes/                            .hermes -> PlayLayout (agent.runner hermes: execute's): params.yaml
+                                           gateway.out log/ (its server's) ws/ (the real agent's runs)
         NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
         prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
                                            conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
@@ -24,6 +25,7 @@ nowhere (tests/test_layout.py fails on a round file's literal name anywhere else
                                            trl/ (trl/hermes_resume.json) verdict.json; turns/ and
                                            episodes/ are TrainLayouts of their own (the same files)
         validate/                          .validate -> ValidateLayout: diagnostics.json regression.json plots/
+                                           hermes/<arm>/ (.hermes(arm) -> PlayLayout, agent.runner hermes)
         ab/                                .ab -> ABLayout: requests.jsonl ab_report.json plots/ live/
                                            live_trajectories.jsonl verdict.json
         compare/                           .compare -> CompareLayout: its plots
@@ -234,6 +236,10 @@ class ValidateLayout(_Dir):
     plots = property(lambda self: self.root / _PLOTS)
     verdict = property(lambda self: self.root / VERDICT)
 
+    def hermes(self, arm: str) -> PlayLayout:
+        """agent.runner hermes: the arm's policy as the real agent played it (``candidate``, ``baseline``)."""
+        return PlayLayout(self.root / "hermes" / arm)
+
 
 @dataclass(frozen=True)
 class ExperimentLayout(_Dir):
@@ -247,6 +253,17 @@ class ExperimentLayout(_Dir):
     experiment = property(lambda self: self.root / EXPERIMENT)
     report = property(lambda self: self.root / AB_REPORT)
     plots = property(lambda self: self.root / _PLOTS)
+
+
+@dataclass(frozen=True)
+class PlayLayout(_Dir):
+    """A policy played by the real Hermes Agent (agents.play): ``round-NN/hermes/`` (execute),
+    ``round-NN/validate/hermes/<arm>/`` (validate)."""
+
+    params = property(lambda self: self.root / "params.yaml")  # the config its server runs with
+    output = property(lambda self: self.root / "gateway.out")  # its server's output
+    log = property(lambda self: ExperimentLayout(self.root / "log"))  # its server's request log
+    runs = property(lambda self: self.root / "ws")  # agents.hermes.HermesLoop's folders, one per task
 
 
 @dataclass(frozen=True)
@@ -276,7 +293,7 @@ class RoundLayout(_Dir):
     trajectories = property(lambda self: self.root / "trajectories.jsonl")
     # OpenAI chat conversations: execute.agent_tasks' episodes, or (live) the traffic's, per-turn tokens in meta.turns
     agent_episodes = property(lambda self: self.root / "agent_episodes.jsonl")
-    hermes = property(lambda self: self.root / "hermes")  # agents.play's folder when execute plays with real Hermes
+    hermes = property(lambda self: PlayLayout(self.root / "hermes"))  # execute's, with agent.runner hermes
     summary = property(lambda self: self.root / _SUMMARY)
     progress = property(lambda self: self.root / "progress.json")
     live = property(lambda self: self.root / "live")  # execute.source live: data.gateway's join of the traffic

@@ -159,7 +159,7 @@ def execute_with_hermes(
     conversations Hermes kept, with its tools and the verifier's reward on what it left on disk."""
     from hermes_lab.agents.play import conversation_records, play_policy
 
-    root = RoundLayout(output.parent).hermes
+    root = RoundLayout(output.parent).hermes.root
     # each request's random numbers drawn from its prompt: a round's execution is reproducible, as the built-in
     # loop's seeded episodes are (each task is played once, so nothing is sampled twice alike)
     runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root)

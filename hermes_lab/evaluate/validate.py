@@ -422,11 +422,10 @@ def regression_gate(
     if hermes and agent:  # each arm served in turn, the same tasks played against each: pairs by task
         import tempfile
 
-        where = Path(output_dir or (RoundLayout(round_dir).validate.root if round_dir else tempfile.mkdtemp()))
-        candidate = played_by_hermes(
-            cfg, base_model, candidate_adapter, agent, where / "hermes" / "candidate", candidate
-        )
-        baseline = played_by_hermes(cfg, base_model, baseline_adapter, agent, where / "hermes" / "baseline", baseline)
+        val = ValidateLayout(output_dir or (RoundLayout(round_dir).validate.root if round_dir else tempfile.mkdtemp()))
+        cand, base = val.hermes("candidate").root, val.hermes("baseline").root
+        candidate = played_by_hermes(cfg, base_model, candidate_adapter, agent, cand, candidate)
+        baseline = played_by_hermes(cfg, base_model, baseline_adapter, agent, base, baseline)
     for arm in (candidate, baseline):
         arm.pop("items", None)
     report = compare(baseline, candidate, cfg)
