@@ -247,8 +247,8 @@ def warm_imports(names):
                 importlib.import_module(name)
 
 
-FORK = threading.Lock()  # a fork and this process's own imports never overlap: a child forked mid-import would
-# inherit the import lock held by a thread it does not have
+FORK = threading.Lock()  # a fork never overlaps this process's own imports or prints: a child forked mid-import or
+# mid-print would inherit a lock (the import lock, stdout's buffer) held by a thread it does not have
 
 
 def run_one(task):
@@ -312,7 +312,7 @@ def main():
     warm()
 
     print(json.dumps({"ready": True}), flush=True)
-    slots, out = threading.BoundedSemaphore(max(1, args.parallel)), threading.Lock()
+    slots = threading.BoundedSemaphore(max(1, args.parallel))
 
     def one(task):
         try:
@@ -320,7 +320,7 @@ def main():
         except BaseException as e:  # the driver's own failure on this task: its result line says so
             res = {"id": task.get("id"), "conversation_id": task.get("conversation_id"), "exit": "error"}
             res = json.dumps({**res, "error": f"driver: {type(e).__name__}: {e}"})
-        with out:
+        with FORK:  # never a fork mid-print: the child would inherit stdout's buffer lock held
             print(res, flush=True)
         slots.release()
 
