@@ -1,6 +1,7 @@
 """The agent family's tasks played by the real Hermes Agent against one policy, served for it on 127.0.0.1.
 
-Stage: validate (``agent.runner: hermes``: the regression gate's agent family, each arm in turn) and the benchmarks.
+Stage: execute and validate with ``agent.runner: hermes`` (execute's agent episodes against the champion; the
+regression gate's agent family, each arm in turn).
 Reads the round's config and the policy (a base model, and an adapter or none); writes under ``root``: ``params.yaml``
 (the config the server runs with: the round's own, whole), ``gateway.out`` (its output), ``log/`` (its request log:
 every request Hermes sent, the exact tokens of each answer) and the Hermes runner's folders (``ws/``: one per task,
@@ -70,8 +71,8 @@ def served(
     port, spec = free_port(), arm_spec(base_model, adapter)
     cmd = [sys.executable, "-m", "hermes_lab.live.serve", "--params", str(params), "--port", str(port)]
     cmd += ["--baseline", spec, "--candidate", spec, "--ratio", "0", "--log-dir", str(lay.log.root)]
-    # seed_from_prompt: the same task's same state sampled with the same random numbers under either arm (pairs)
     cmd += ["--experiment", lay.root.name, "--set", "serve.rollout=false"]
+    # the same task's same state sampled with the same random numbers under either arm (pairs), on every run
     cmd += ["--set", f"serve.seed_from_prompt={str(seed_from_prompt).lower()}"]
     out = lay.output.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -112,9 +113,15 @@ def play(
     progress: Callable[[HL.LoopRun], None] | None = None,
 ) -> list[HL.LoopRun]:
     """The tasks played by the real Hermes Agent against the server at ``url`` (``agent.parallel`` at once, each
-    confined to its own workspace under ``root/ws``), each graded by its verifier; in the tasks' order."""
+    confined to its own workspace under ``root/ws``), each graded by its verifier; in the tasks' order. A progress
+    bar unless ``progress`` is given."""
+    from tqdm.auto import tqdm
+
     a = cfg.agent
     hermes = HL.install_hermes()
+    bar = tqdm(total=len(tasks), desc="real Hermes Agent", unit="task", mininterval=2) if progress is None else None
+    if bar is not None:
+        progress = lambda _run: bar.update(1)  # noqa: E731
     with HL.HermesLoop(
         f"{url}/v1",
         cfg.serve.public_model,
@@ -124,7 +131,11 @@ def play(
         max_turns=a.max_turns,
         parallel=a.parallel,
     ) as loop:
-        return loop.run(tasks, progress=progress)
+        try:
+            return loop.run(tasks, progress=progress)
+        finally:
+            if bar is not None:
+                bar.close()
 
 
 def play_policy(
