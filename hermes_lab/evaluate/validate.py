@@ -24,6 +24,9 @@ Reads:
   workspace) ``validate.samples_per_task`` times per arm with the same seeds: the family ``hermes`` (or ``agent``)
   of the gate, paired like the others. A user's own environment has no held-out tasks the
   gate knows of: it is not evaluated here (train's episode metrics and the live A/B judge it).
+  With ``agent.runner: hermes`` the ``hermes`` family is ``agent.heldout_tasks`` tasks played once each by the real
+  Hermes Agent against each arm served on 127.0.0.1 (``agents.play``; ``validate/hermes/<arm>/``), paired by task;
+  the report's ``agent_played`` holds each arm's success and the paired gain.
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
 and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
