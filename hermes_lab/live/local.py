@@ -269,7 +269,17 @@ class LocalArm:
 
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        job = _Job(self.policy, prepare, finish, temperature, tokens, fut, loop, seed, self.seed_from_prompt)
+        job = _Job(
+            self.policy,
+            prepare,
+            finish,
+            temperature,
+            tokens,
+            fut,
+            loop,
+            seed=seed,
+            seed_from_prompt=self.seed_from_prompt,
+        )
         self.worker.submit(job)
         return await fut
 
