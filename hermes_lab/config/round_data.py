@@ -76,8 +76,8 @@ class AgentSection:
     )
     heldout_tasks: int = _f(
         96,
-        "agent.runner hermes: held-out tasks the real agent plays per arm in validate, once each (its sampling is "
-        "its own), paired by task between the arms.",
+        "agent.runner hermes: held-out tasks the real agent plays per arm in validate, once each (each server "
+        "draws a request's random numbers from its prompt: serve.seed_from_prompt), paired by task between the arms.",
         ge=1,
     )
     parallel: int = _f(2, "agent.runner hermes: tasks run at once in the sandboxed Hermes process.", ge=1)

@@ -35,6 +35,7 @@ from typing import Any
 from hermes_lab.agents.play import plays_hermes
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.inputs import EXECUTE
+from hermes_lab.core.jsonl import write_text_atomic
 from hermes_lab.core.layout import RoundLayout
 from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.tasks import suite as T
@@ -163,12 +164,11 @@ def execute_with_hermes(
     # each request's random numbers drawn from its prompt: a round's execution is reproducible, as the built-in
     # loop's seeded episodes are (each task is played once, so nothing is sampled twice alike)
     runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root)
-    tmp = output.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, rec in enumerate(conversation_records(runs, root)):
-            rec.update(timestamp=(start + timedelta(seconds=i)).isoformat(), model=adapter or "base", seed=seed)
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, output)
+    lines = []
+    for i, rec in enumerate(conversation_records(runs, root)):
+        rec.update(timestamp=(start + timedelta(seconds=i)).isoformat(), model=adapter or "base", seed=seed)
+        lines.append(json.dumps(rec) + "\n")
+    write_text_atomic(output, "".join(lines))  # a half-written log never looks like a finished one
     done = sum(r.success for r in runs)
     return {
         "agent_episodes": len(runs),
