@@ -3,6 +3,9 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import yaml
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.data.execute import execute
@@ -10,7 +13,9 @@ from hermes_lab.tasks import suite as T
 
 
 def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
-    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 520, "execute.samples_per_task": 1})
+    # the string tasks are under test: no agent episodes (either runner's are tested below and in test_hermes_loop)
+    over = {"execute.num_tasks": 520, "execute.samples_per_task": 1, "execute.agent_tasks": 0}
+    cfg = load_config("params/embedded.yaml", over)
     out = tmp_path / "trajectories.jsonl"
     res = execute(cfg, out, seed=2, progress=False)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -40,13 +45,17 @@ def test_execute_writes_user_format_with_verifier_rewards(tmp_path):
 
 def test_execute_cli(tmp_path):
     out = tmp_path / "t.jsonl"
+    params = tmp_path / "params.yaml"  # embedded.yaml with the string tasks alone (its 64 agent episodes: below)
+    cfg = yaml.safe_load(Path("params/embedded.yaml").read_text())
+    cfg["execute"]["agent_tasks"] = 0
+    params.write_text(yaml.safe_dump(cfg))
     p = subprocess.run(
         [
             sys.executable,
             "-m",
             "hermes_lab.data.execute",
             "--params",
-            "params/embedded.yaml",
+            str(params),
             "--output",
             str(out),
             "--num-tasks",
@@ -61,7 +70,9 @@ def test_execute_cli(tmp_path):
 
 
 def test_samples_per_task_logs_each_prompt_as_a_group(tmp_path):
-    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 40, "execute.samples_per_task": 4})
+    cfg = load_config(
+        "params/embedded.yaml", {"execute.num_tasks": 40, "execute.samples_per_task": 4, "execute.agent_tasks": 0}
+    )
     out = tmp_path / "trajectories.jsonl"
     res = execute(cfg, out, seed=3, progress=False)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -83,7 +94,8 @@ def test_the_agent_familys_episodes_are_logged_as_hermes_conversations(tmp_path)
     from hermes_lab.tasks import hermes as H
     from hermes_lab.tasks import workspace as W
 
-    cfg = load_config("params/embedded.yaml", {"execute.num_tasks": 6, "execute.agent_tasks": 21})
+    over = {"execute.num_tasks": 6, "execute.agent_tasks": 21, "agent.runner": "builtin"}  # the built-in runner's
+    cfg = load_config("params/embedded.yaml", over)
     assert cfg.grpo.environment == H.ENVIRONMENT  # the round's agent family
     out = tmp_path / "trajectories.jsonl"
     res = execute(cfg, out, seed=4, progress=False)

@@ -41,6 +41,9 @@ def small_params(tmp_path: Path, **sections) -> Path:
     # reviewer cannot label them) leave the review gate inconclusive; the episode phase starts from the round's
     # agent environment's own rows (grpo.environment: the hermes family's WorkspaceEnv)
     cfg["execute"]["agent_tasks"] = 0
+    # the built-in loop plays the agent family: these rounds test the runner; the real Hermes Agent's execute and
+    # validate are tests/test_hermes_loop.py's
+    cfg["agent"]["runner"] = "builtin"
     cfg["validate"]["eval_tasks_per_family"] = 8
     cfg["validate"]["samples_per_task"] = 2
     # 8 tasks x 2 samples per family cannot resolve the default 5-point non-inferiority margin (the gate warns
@@ -271,19 +274,20 @@ def test_a_round_says_who_plays_the_agent_family_and_what_the_real_agent_did(tmp
     from hermes_lab.round import outcome as O
 
     params = Path(__file__).resolve().parent.parent / "params" / "embedded.yaml"
-    assert "built-in loop plays the hermes family" in R.who_plays(load_config(params))
-    assert "real Hermes Agent" in R.who_plays(load_config(params, {"agent.runner": "hermes"}))
+    assert "real Hermes Agent" in R.who_plays(load_config(params))  # make round's default
+    assert load_config(None).agent.runner == "hermes"  # and the config's
+    assert "built-in loop plays the hermes family" in R.who_plays(load_config(params, {"agent.runner": "builtin"}))
     assert "none" in R.who_plays(load_config(params, {"agent.runner": "hermes", "grpo.environment": "my.env:Shop"}))
     lay = RoundLayout(tmp_path / "round-01")
     lay.validate.root.mkdir(parents=True)
-    assert O._agent_played(lay.validate.regression) is None  # no report yet
+    assert O.agent_played(lay.validate.regression) is None  # no report yet
     ids = [f"t{i}" for i in range(4)]
     b = {"pass_rate": 0.25, "tasks": 4, "seconds": 3.0, "samples_per_task": 1, "task_ids": ids, "passes": "1000"}
     a = {**b, "pass_rate": 0.75, "passes": "1110"}
     lay.validate.regression.write_text(
         json.dumps({"agent_played": {"runner": "hermes", "before": b, "after": a, "gain": paired_gain(b, a)}})
     )
-    played = O._agent_played(lay.validate.regression)
+    played = O.agent_played(lay.validate.regression)
     assert played["before"]["pass_rate"] == 0.25 and played["gain"]["gain"] == 0.5 and "passes" not in played["after"]
     s = {"round": 1, "status": "promoted", "decision": "promote", "total_s": 1.0, "gates": [], "timings_s": {}}
     O.print_summary({**s, "agent_played": played})
@@ -292,3 +296,20 @@ def test_a_round_says_who_plays_the_agent_family_and_what_the_real_agent_did(tmp
     )
     O.print_summary(s)
     assert "real Hermes" not in capsys.readouterr().out
+
+
+def test_a_round_whose_real_agent_cannot_run_stops_before_any_stage_and_names_the_key(tmp_path, monkeypatch):
+    """agent.runner hermes (the default) on a machine where the pinned hermes-agent cannot be installed: the round
+    stops at its start with a RoundError naming agent.runner and the way out (builtin), not a kernel's traceback
+    minutes into execute; nothing of the round is run."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the virtualenv's parent would be")
+    monkeypatch.setenv("HERMES_FIXTURE_VENV", str(blocker / "venv"))  # python -m venv cannot make it
+    params = small_params(tmp_path, agent={"runner": "hermes"})
+    with pytest.raises(R.RoundError, match=r"agent\.runner: hermes, but the real Hermes Agent cannot run here") as e:
+        R.run_round(str(params), quiet=True)
+    assert "cannot install hermes-agent==0.19.0" in str(e.value) and "agent.runner: builtin" in str(e.value)
+    from hermes_lab.core.layout import RunsLayout
+
+    rd = RunsLayout(tmp_path / "runs").round(1)
+    assert not rd.trajectories.exists() and not rd.hermes.root.exists()

@@ -341,7 +341,9 @@ def test_the_agent_family_is_gated_on_whole_episodes(tiny_base, adapters, store,
     verified on its own workspace), and a broken adapter is stopped on them too."""
     from hermes_lab.tasks import hermes as H
 
-    cfg = load_config(store, {"grpo.environment": H.ENVIRONMENT, "validate.eval_tasks_per_family": 12})
+    # the built-in loop's episodes (agent.runner builtin); the real Hermes Agent's are test_hermes_loop's
+    over = {"grpo.environment": H.ENVIRONMENT, "validate.eval_tasks_per_family": 12, "agent.runner": "builtin"}
+    cfg = load_config(store, over)
     same = V.regression_gate(cfg, str(tiny_base), str(adapters["identity"]), round_dir=tmp_path / "same")
     assert "agent" not in same["per_family"]
     agent = same["per_family"]["hermes"]

@@ -33,6 +33,7 @@ import yaml
 
 from hermes_lab.agents import hermes as HL
 from hermes_lab.core.layout import PlayLayout
+from hermes_lab.tasks import hermes_agent as HA
 
 START_TIMEOUT = 600.0  # seconds for the server to load the policy (the embedded one is built first if need be)
 
@@ -41,6 +42,18 @@ def plays_hermes(cfg: Any) -> bool:
     """Whether the real Hermes Agent plays the round's agent family: ``agent.runner: hermes`` and the ``hermes``
     family (the real agent has Hermes's tools; the old ``time`` family's tool is not one of them)."""
     return cfg.agent.runner == "hermes" and cfg.grpo.environment.startswith("hermes_lab.tasks.hermes:")
+
+
+def ready(say: Callable[[str], None] = print) -> Path:
+    """The real agent can play here: the pinned hermes-agent installed (``say`` tells first, it takes ~40 s once)
+    and bubblewrap able to make its sandbox. Returns the ``hermes`` executable; raises ``HermesRunError`` (its
+    ``HermesMissing`` or ``BwrapMissing``) naming what is missing."""
+    HA.check_sandbox()
+    try:
+        HA.find_hermes()
+    except HA.HermesMissing:
+        say(f"installing hermes-agent=={HA.HERMES_VERSION} for agent.runner: hermes (once, ~40 s)")
+    return HL.install_hermes()
 
 
 def free_port() -> int:

@@ -67,12 +67,13 @@ class DataSection:
 @dataclass
 class AgentSection:
     runner: Literal["builtin", "hermes"] = _f(
-        "builtin",
+        "hermes",
         "Who plays the embedded agent family's tasks: execute's logged episodes (execute.agent_tasks) and "
-        "validate's held-out ones. builtin: the project's own loop, the policy in process (seconds). hermes: the "
-        "real Hermes Agent (the pinned hermes-agent's own loop and tools, sandboxed, a workspace per task, made "
-        "once from the package registry) against the policy served by `hermes-lab serve` on 127.0.0.1 (in "
-        "validate each arm in turn), graded on disk by the task's verifier; a round says which it used.",
+        "validate's held-out ones. hermes: the real Hermes Agent (the pinned hermes-agent's own loop and tools, "
+        "sandboxed by bubblewrap, a workspace per task, installed once from the package registry) against the "
+        "policy served by `hermes-lab serve` on 127.0.0.1 (in validate each arm in turn), graded on disk by the "
+        "task's verifier. builtin: the project's own loop, the policy in process (seconds), for a machine where "
+        "Hermes or bubblewrap cannot be installed. A round says which it used in its first lines.",
     )
     heldout_tasks: int = _f(
         96,

@@ -124,7 +124,7 @@ def finish_round(
         held=held,
         continues=cont["round"] if cont else None,
         ab_plan=_plan_warning(next((v["plan"] for v in done if v.get("plan")), None)),
-        agent_played=_agent_played(RoundLayout(rd).validate.regression),
+        agent_played=agent_played(RoundLayout(rd).validate.regression),
     )
     summary.write(RoundLayout(rd).summary)
     return summary.to_json()
@@ -136,7 +136,7 @@ def _candidate_dir(stages: Sequence[Stage], verdicts: dict[str, Any], rd: Path) 
     return (rd / s.verdict).parent  # type: ignore[operator]
 
 
-def _agent_played(regression: Path) -> dict[str, Any] | None:
+def agent_played(regression: Path) -> dict[str, Any] | None:
     """Validate's agent family as the real Hermes Agent played it (``agent.runner: hermes``): the baseline's and
     the candidate's held-out success and the paired gain; None when the built-in loop played it."""
     import json

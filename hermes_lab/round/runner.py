@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -276,6 +276,7 @@ def run_round(
 
             print(f"[round {n:02d}] {paying_for(cfg)}", flush=True)
             print(f"[round {n:02d}] {who_plays(cfg)}", flush=True)
+        _agent_ready(cfg, params_path, say=(lambda _m: None) if quiet else print)
         if cfg.round.simulated_clock:
             if due:
                 _due(state, cfg)
@@ -372,6 +373,23 @@ def who_plays(cfg: HermesConfig) -> str:
         )
     name = fam.FAMILY
     return f"agent runner: the built-in loop plays the {name} family in execute and validate (agent.runner: builtin)"
+
+
+def _agent_ready(cfg: HermesConfig, params_path: str, say: Callable[[str], None]) -> None:
+    """agent.runner hermes: the real agent installed and its sandbox working before any stage runs, else a named
+    RoundError (not a traceback from execute's kernel minutes later)."""
+    from hermes_lab.agents.play import plays_hermes, ready
+    from hermes_lab.tasks.hermes_agent import HermesRunError
+
+    if not plays_hermes(cfg):
+        return
+    try:
+        ready(say)
+    except HermesRunError as e:
+        raise RoundError(
+            f"{params_path}: agent.runner: hermes, but the real Hermes Agent cannot run here: {e}. Set "
+            "agent.runner: builtin to play the hermes family with the project's own loop"
+        ) from None
 
 
 def _report_tiny(cfg: HermesConfig, say: bool = True) -> None:
