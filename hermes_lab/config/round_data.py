@@ -78,7 +78,9 @@ class AgentSection:
     heldout_tasks: int = _f(
         96,
         "agent.runner hermes: held-out tasks the real agent plays per arm in validate, once each (each server "
-        "draws a request's random numbers from its prompt: serve.seed_from_prompt), paired by task between the arms.",
+        "draws a request's random numbers from its prompt: serve.seed_from_prompt), paired by task between the arms; "
+        "a candidate significantly worse for it is stopped (the family's non-inferiority is the built-in loop's, on "
+        "validate.eval_tasks_per_family x samples_per_task pairs).",
         ge=1,
     )
     parallel: int = _f(2, "agent.runner hermes: tasks run at once in the sandboxed Hermes process.", ge=1)

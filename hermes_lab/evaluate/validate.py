@@ -24,9 +24,11 @@ Reads:
   workspace) ``validate.samples_per_task`` times per arm with the same seeds: the family ``hermes`` (or ``agent``)
   of the gate, paired like the others. A user's own environment has no held-out tasks the
   gate knows of: it is not evaluated here (train's episode metrics and the live A/B judge it).
-  With ``agent.runner: hermes`` the ``hermes`` family is ``agent.heldout_tasks`` tasks played once each by the real
-  Hermes Agent against each arm served on 127.0.0.1 (``agents.play``; ``validate/hermes/<arm>/``), paired by task;
-  the report's ``agent_played`` holds each arm's success and the paired gain.
+  With ``agent.runner: hermes`` (the default) the real Hermes Agent also plays ``agent.heldout_tasks`` of those
+  tasks once each against each arm served on 127.0.0.1 (``agents.play``; ``validate/hermes/<arm>/``), paired by
+  task: the report's ``agent_played`` holds each arm's success, the paired gain and the harm test, which stops a
+  candidate significantly worse for the real agent (the one-sided upper bound of its gain below 0). The family's
+  non-inferiority stays the built-in loop's: ~100 tasks played once cannot show a drop is under 5 points.
 
 Writes ``<round_dir>/validate/regression.json`` {passed, baseline, candidate (per-item scores), per_family
 and overall (pass rates, lost/gained pairs, drop_ucb, stop_if_drop, pass_if_equal), reasons, warnings,
@@ -291,38 +293,64 @@ EVAL_BATCH = 64  # one batch layout for both arms: the k-th (task, sample) gets 
 
 
 def agent_tasks(cfg: Any) -> list[Any]:
-    """The agent family's held-out tasks for the gate: none unless the round trains an embedded agent family.
-    Played by the real Hermes Agent (``agent.runner: hermes``, the ``hermes`` family): ``agent.heldout_tasks``."""
-    from hermes_lab.agents.play import plays_hermes
+    """The agent family's held-out tasks for the gate, played as whole episodes in process (the built-in loop, on
+    the same tools): none unless the round trains an embedded agent family."""
     from hermes_lab.policy.episodes import family_of_environment
 
     fam = family_of_environment(cfg.grpo.environment)
     if fam is None:
         return []
-    n = cfg.agent.heldout_tasks if plays_hermes(cfg) else cfg.validate.eval_tasks_per_family
-    return fam.generate_tasks(n, split="heldout", seed=cfg.validate.seed)
+    return fam.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
 
 
-def played_by_hermes(
-    cfg: Any, base_model: str, adapter: str | None, tasks: list[Any], root: Path, arm: dict[str, Any]
-) -> dict[str, Any]:
-    """``arm`` (``evaluate_arm``'s report) with the agent tasks added, each played once by the real Hermes Agent
-    against this policy served on 127.0.0.1 (``agents.play``) and scored by its verifier on what the workspace
-    holds; its rates recomputed over everything."""
+def played_tasks(cfg: Any) -> list[Any]:
+    """``agent.runner: hermes``: the held-out tasks the real Hermes Agent plays against each arm
+    (``agent.heldout_tasks``, the same split and seed as the built-in loop's); none otherwise."""
+    from hermes_lab.agents.play import plays_hermes
+    from hermes_lab.policy.episodes import family_of_environment
+
+    fam = family_of_environment(cfg.grpo.environment)
+    if fam is None or not plays_hermes(cfg):
+        return []
+    return fam.generate_tasks(cfg.agent.heldout_tasks, split="heldout", seed=cfg.validate.seed)
+
+
+def played_by_hermes(cfg: Any, base_model: str, adapter: str | None, tasks: list[Any], root: Path) -> dict[str, Any]:
+    """The tasks, each played once by the real Hermes Agent against this policy served on 127.0.0.1
+    (``agents.play``) and scored by its verifier on what the workspace holds: the arm's ``agent_played``."""
     import time
 
     from hermes_lab.agents.play import play_policy
 
     t0 = time.monotonic()
     runs = play_policy(cfg, base_model, adapter, tasks, root)
-    items = [*arm.pop("items"), *tasks]
-    scores = [*arm["scores"], *(r.reward for r in runs)]
     done = sum(r.success for r in runs)
     hermes = {"runner": "hermes", "tasks": len(runs), "pass_rate": round(done / max(1, len(runs)), 4)}
     hermes.update(samples_per_task=1, task_ids=[t.task_id for t in tasks])  # what policy.paired_gain pairs
     hermes.update(passes="".join("1" if r.success else "0" for r in runs), seconds=round(time.monotonic() - t0, 1))
     hermes.update(dir=str(root))
-    return {**arm, **arm_rates(items, scores, cfg.reward.success_threshold), "agent_played": hermes}
+    return hermes
+
+
+def real_agent_harm(before: dict[str, Any], after: dict[str, Any], alpha: float) -> tuple[dict[str, Any], str | None]:
+    """The real agent's paired gain (95% interval) and, when the candidate is significantly worse for it (the
+    one-sided ``1 - alpha`` upper bound of the gain below 0), the gate's reason to stop. A harm test, not
+    non-inferiority: ~100 tasks played once cannot show a drop is under 5 points (an equally good candidate would
+    pass 35-80% of the time at its churn), so non-inferiority is the built-in loop's, on 4x the pairs."""
+    from statistics import NormalDist
+
+    from hermes_lab.policy.model import paired_gain
+
+    gain = paired_gain(before, after)
+    one_sided = paired_gain(before, after, z=NormalDist().inv_cdf(1 - alpha))
+    hi = one_sided.get("gain_hi")
+    if hi is None or hi >= 0:
+        return gain, None
+    return gain, (
+        f"the real Hermes Agent: held-out success {before['pass_rate']:.3f} -> {after['pass_rate']:.3f} over "
+        f"{gain['gain_tasks']} tasks paired ({gain['changed_tasks']} changed); the {1 - alpha:.0%} upper bound of "
+        f"the gain, {hi:+.3f}, is below 0: the candidate is worse for it"
+    )
 
 
 def arm_rates(items: list[Any], scores: list[float], thr: float) -> dict[str, Any]:
@@ -413,30 +441,31 @@ def regression_gate(
 
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
-    from hermes_lab.agents.play import plays_hermes
-
     v = cfg.validate
-    agent, hermes = agent_tasks(cfg), plays_hermes(cfg)
+    agent, played = agent_tasks(cfg), played_tasks(cfg)
     if agent and task_note is not None:
-        n = len(agent) if hermes else len(agent) * v.samples_per_task
-        task_note = {**task_note, "agent_episodes": n, "agent_runner": "hermes" if hermes else "builtin"}
-    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg, None if hermes else agent)
-    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg, None if hermes else agent)
-    if hermes and agent:  # each arm served in turn, the same tasks played against each: pairs by task
-        import tempfile
-
-        val = ValidateLayout(output_dir or (RoundLayout(round_dir).validate.root if round_dir else tempfile.mkdtemp()))
-        cand, base = val.hermes("candidate").root, val.hermes("baseline").root
-        candidate = played_by_hermes(cfg, base_model, candidate_adapter, agent, cand, candidate)
-        baseline = played_by_hermes(cfg, base_model, baseline_adapter, agent, base, baseline)
+        task_note = {**task_note, "agent_episodes": len(agent) * v.samples_per_task}
+        task_note["agent_runner"] = "hermes" if played else "builtin"
+        if played:
+            task_note["agent_played"] = len(played)
+    candidate = evaluate_arm(base_model, candidate_adapter, tasks, cfg, agent)
+    baseline = evaluate_arm(base_model, baseline_adapter, tasks, cfg, agent)
     for arm in (candidate, baseline):
         arm.pop("items", None)
     report = compare(baseline, candidate, cfg)
-    if hermes and agent:  # the real agent's held-out success, baseline -> candidate, paired by task
-        from hermes_lab.policy.model import paired_gain
+    if played:  # each arm served in turn, the same tasks played against each by the real agent: pairs by task
+        import tempfile
 
+        val = ValidateLayout(output_dir or (RoundLayout(round_dir).validate.root if round_dir else tempfile.mkdtemp()))
+        for arm, adapter in ((candidate, candidate_adapter), (baseline, baseline_adapter)):
+            who = "candidate" if arm is candidate else "baseline"
+            arm["agent_played"] = played_by_hermes(cfg, base_model, adapter, played, val.hermes(who).root)
         b, c = baseline["agent_played"], candidate["agent_played"]
-        report["agent_played"] = {"runner": "hermes", "before": b, "after": c, "gain": paired_gain(b, c)}
+        gain, harm = real_agent_harm(b, c, v.alpha)
+        report["agent_played"] = {"runner": "hermes", "before": b, "after": c, "gain": gain, "harm": harm}
+        if harm:
+            report["reasons"].append(harm)
+            report["passed"] = False
     report = {
         "passed": report.pop("passed"),
         "baseline": baseline,
