@@ -5,8 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PARAMS ?= params/embedded.yaml
-# make live-demo RUNNER=hermes: the real Hermes Agent's own loop plays the agent episodes (hermes_lab.agents)
-RUNNER ?= builtin
+# make live-demo: the real Hermes Agent's own loop plays the agent episodes (hermes_lab.agents); RUNNER=builtin: the
+# stand-in's client-side loop, for a machine where Hermes or bubblewrap cannot be installed
+RUNNER ?= hermes
 ROUNDS ?= 3
 # DEBUG=1: library logging and every warning too (hermes-lab --debug), also inside the stage kernels
 HL := $(BIN)/hermes-lab $(if $(DEBUG),--debug)
@@ -42,11 +43,12 @@ serve: setup
 
 ## the live flywheel: one gateway on 127.0.0.1:8700 that stays up; rounds start on its traffic, candidates swap in
 ## (send traffic: hermes-lab agent --url http://127.0.0.1:8700 --requests 500; status page: http://127.0.0.1:8700/)
-live: setup
+live: setup sandbox-deps
 	$(HL) flywheel --live --params $(PARAMS)
 
-## the live flywheel on a 360x clock with a stand-in agent: two rounds start themselves, swap in, are decided live
-live-demo: setup
+## the live flywheel on a 360x clock with the real Hermes Agent as traffic: two rounds start themselves, swap in, are
+## decided live
+live-demo: setup sandbox-deps
 	$(BIN)/python -m hermes_lab.round.live_demo --params $(PARAMS) --runner $(RUNNER)
 
 ## the suite on every core, and two workers more (pytest-xdist: whole files per worker, the longest first:

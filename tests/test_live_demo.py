@@ -1,5 +1,6 @@
 """make live-demo's verdict on the champion (hermes_lab.round.live_demo.champion_series): each policy's live agent
-success pools every agent conversation it answered, and the series follows the champion through the rounds."""
+success pools every agent conversation it answered, and the series follows the champion through the rounds; with the
+real Hermes Agent (champion_played) the series is validate's held-out tasks the real agent played against each arm."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from pathlib import Path
 
 from hermes_lab.core.layout import RunsLayout
-from hermes_lab.round.live_demo import champion_series
+from hermes_lab.round.live_demo import champion_played, champion_series, rising
 
 
 def _collect(runs: Path, outcomes: list[float]) -> None:
@@ -46,3 +47,23 @@ def test_a_round_not_promoted_keeps_the_champion(tmp_path: Path) -> None:
     # the base stays the champion: its figure pools collect-01 and its arm in round 1; the rejected candidate is absent
     assert [(who, n) for who, _, n in series] == [("the base", 4), ("the base", 4)]
     assert series[0][1] == series[1][1] == 0.5
+
+
+def _played(n: int, status: str, before: float, after: float, live: bool = True) -> dict:
+    p = {"runner": "hermes", "before": {"pass_rate": before, "tasks": 96}, "after": {"pass_rate": after, "tasks": 96}}
+    return {"round": n, "status": status, "agent": {"live": {}, "played": p if live else None}}
+
+
+def test_the_real_hermes_series_follows_the_champion_and_must_rise_every_round() -> None:
+    done = [_played(1, "promoted", 0.573, 0.646), _played(2, "promoted", 0.646, 0.667)]
+    series = champion_played(done)
+    assert [(who, v) for who, v, _ in series] == [("the base", 0.573), ("round 01", 0.646), ("round 02", 0.667)]
+    assert series[0][2] == 96 and rising(series, 2)
+    # round 2 rolled back: the champion it kept is measured again, a flat step is not a rise
+    kept = champion_played([done[0], _played(2, "rolled back", 0.646, 0.70)])
+    assert [who for who, _, _ in kept] == ["the base", "round 01", "round 01"] and not rising(kept, 2)
+    # a promoted round that lost on the held-out tasks is not a rise either; fewer figures than rounds neither
+    assert not rising(champion_played([_played(1, "promoted", 0.6, 0.55)]), 1)
+    assert not rising(series[:2], 2)
+    # a round whose validate the built-in loop played: no real-Hermes series at all (the live one is checked)
+    assert champion_played([done[0], _played(2, "promoted", 0.6, 0.7, live=False)]) == []

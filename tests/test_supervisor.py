@@ -78,6 +78,11 @@ def test_agent_success_per_arm_and_the_round_line(tmp_path):
     assert got == {"baseline": {"n": 2, "success": 0.5}, "candidate": {"n": 1, "success": 1.0}}
     line = describe_agent({"heldout_before": 0.44, "heldout_after": 0.615, "live": got})
     assert line == "live success baseline 50.0% (n=2) vs candidate 100.0% (n=1); held-out episodes 44.0% -> 61.5%"
+    # validate's held-out tasks played by the real Hermes Agent (agent.runner hermes), as the round's summary has them
+    before, after = {"pass_rate": 0.573, "tasks": 96}, {"pass_rate": 0.646, "tasks": 96}
+    played = {"runner": "hermes", "before": before, "after": after}
+    line = describe_agent({"heldout_before": 0.44, "heldout_after": 0.615, "live": got, "played": played})
+    assert line.endswith("held-out episodes 44.0% -> 61.5%; real Hermes on 96 held-out tasks 57.3% -> 64.6%")
 
 
 def test_due_waits_for_volume_and_cooldown_on_the_scaled_clock(tmp_path):

@@ -84,12 +84,16 @@ def describe(row: dict[str, Any]) -> str:
 
 
 def describe_agent(a: dict[str, Any]) -> str:
-    """'live success baseline 41.2% (n=85) vs candidate 63.0% (n=27); held-out episodes 44.0% -> 61.5%'."""
+    """'live success baseline 41.2% (n=85) vs candidate 63.0% (n=27); held-out episodes 44.0% -> 61.5%; real Hermes
+    on 96 held-out tasks 57.3% -> 64.6%'."""
     live = a.get("live") or {}
     arms = " vs ".join(f"{arm} {v['success']:.1%} (n={v['n']})" for arm, v in live.items() if v["n"])
     parts = [f"live success {arms}"] if arms else []
     if a.get("heldout_before") is not None and a.get("heldout_after") is not None:
         parts.append(f"held-out episodes {a['heldout_before']:.1%} -> {a['heldout_after']:.1%}")
+    if a.get("played"):  # validate's held-out tasks, played by the real Hermes Agent against each arm
+        b, c = a["played"]["before"], a["played"]["after"]
+        parts.append(f"real Hermes on {c['tasks']} held-out tasks {b['pass_rate']:.1%} -> {c['pass_rate']:.1%}")
     return "; ".join(parts) or "no agent conversation"
 
 

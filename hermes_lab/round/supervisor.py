@@ -76,6 +76,7 @@ from hermes_lab.round.live_rounds import (
     read_json_or_empty,
     worker,
 )
+from hermes_lab.round.outcome import agent_played
 from hermes_lab.round.runner import RoundLock, RoundLocked
 
 POLL_S = 1.0
@@ -302,19 +303,22 @@ class Supervisor:
 
     def _agent_figures(self, n: int, experiment: str | None) -> dict[str, Any] | None:
         """The agent family's figures of a decided round: held-out episode success before and after (train's
-        eval.json) and live success per arm (the experiment's agent conversations with feedback)."""
+        eval.json), live success per arm (the experiment's agent conversations with feedback) and, with
+        agent.runner hermes, validate's held-out tasks played by the real Hermes Agent per arm."""
         ev = read_json_or_empty(self.lay.round(n).train.eval).get("agent") or {}
+        played = agent_played(self.lay.round(n).validate.regression)
         live = (
             L.agent_success(self.lay.experiment(experiment).root, self.cfg.reward.success_threshold)
             if experiment
             else {}
         )
-        if not ev and not live:
+        if not ev and not live and not played:
             return None
         return {
             "heldout_before": (ev.get("before") or {}).get("episode_success"),
             "heldout_after": (ev.get("after") or {}).get("episode_success"),
             "live": live,
+            "played": played,
         }
 
     def _labels_mtime(self) -> float:
