@@ -219,10 +219,12 @@ def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_b
         assert len({r["conversation_id"] for r in recs}) == 10 and all(r["http_status"] == 200 for r in recs)
 
 
-def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tmp_path):  # noqa: F811
+def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tiny_base, tmp_path):  # noqa: F811
     """agent.runner hermes: execute's agent episodes are the real Hermes Agent's runs against the policy served on
-    127.0.0.1, logged as the conversations Hermes kept (its messages, its tools as its requests carried them, the
-    verifier's reward) under the conversation ids the server filed them by; prep reads them as OpenAI lines."""
+    127.0.0.1, logged as the conversations the server answered (the messages Hermes sent, its tools as its requests
+    carried them, the verifier's reward) under the conversation ids the server filed them by, each answer with the
+    exact tokens the policy saw and sampled: prep reads them as OpenAI lines, and turn-level training takes every
+    turn's prompt token for token (prompt_source logged), as a live round does."""
     from hermes_lab.config.schema import load_config
     from hermes_lab.core.layout import RoundLayout
     from hermes_lab.data import readers
@@ -239,8 +241,13 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tmp_path
     served = [json.loads(x) for x in rd.hermes.log.requests.read_text().splitlines()]
     for line, t in zip(lines, tasks, strict=True):
         roles = [m["role"] for m in line["messages"]]
-        # as run_agent returns them: its system prompt is sent with every request, not kept among the messages
-        assert roles[0] == "user" and line["messages"][0]["content"] == t.question and roles[-1] == "assistant"
+        # as the server was sent them: Hermes's system prompt first, then the task, the calls, their results
+        assert roles[:2] == ["system", "user"] and line["messages"][1]["content"] == t.question
+        assert roles[-1] == "assistant" and "Hermes Agent" in line["messages"][0]["content"]
+        # each answer kept (a turn Hermes sent again replaces what followed it) with the exact tokens of its turn
+        turns = [x for x in line["meta"]["turns"] if "message" in x]
+        assert [x["message"] for x in turns] == [i for i, r in enumerate(roles) if r == "assistant"]
+        assert all(x["tokens"]["prompt_ids"] and x["tokens"]["completion_ids"] for x in turns)
         assert {"read_file", "write_file", "patch", "search_files", "terminal"} <= {
             x["function"]["name"] for x in line["tools"]
         }
@@ -251,3 +258,15 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tmp_path
     fmt = readers.detect(path, lines[0])
     parsed = [readers.parse_line(x, fmt, str(path), i, cfg.reward.scale, 200_000) for i, x in enumerate(lines, 1)]
     assert fmt == "openai" and all(p["messages"] for p in parsed)
+    from transformers import AutoTokenizer
+
+    from hermes_lab.train.turns import turn_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    rows = [
+        r for x in lines for r in turn_prompts(x, "all", tok, cfg.data.max_seq_len - cfg.grpo.turn_completion_length)
+    ]
+    assert len(rows) == sum(m["role"] == "assistant" for x in lines for m in x["messages"])
+    assert {r["prompt_source"] for r in rows} == {"logged"}  # the tokens the policy saw, none re-rendered
+    first = lines[0]["meta"]["turns"][0]["tokens"]["prompt_ids"]
+    assert rows[0]["prompt_ids"] == first

@@ -13,7 +13,8 @@ nowhere (tests/test_layout.py fails on a round file's literal name anywhere else
         trajectories.jsonl                 .trajectories (data.execute; data.gateway when live: its join in live/)
         agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
         hermes/                            .hermes -> PlayLayout (agent.runner hermes: execute's): params.yaml
-                                           gateway.out log/ (its server's) ws/ (the real agent's runs)
+                                           gateway.out log/ (its server's) ws/ (the real agent's runs) join/
+                                           (data.gateway's join of log/: the turns' tokens)
         NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
         prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
                                            conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
@@ -264,6 +265,7 @@ class PlayLayout(_Dir):
     output = property(lambda self: self.root / "gateway.out")  # its server's output
     log = property(lambda self: ExperimentLayout(self.root / "log"))  # its server's request log
     runs = property(lambda self: self.root / "ws")  # agents.hermes.HermesLoop's folders, one per task
+    join = property(lambda self: self.root / "join")  # data.gateway's join of its log (execute: the turns' tokens)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from hermes_lab.agents.play import plays_hermes
 from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.inputs import EXECUTE
 from hermes_lab.core.jsonl import write_text_atomic
-from hermes_lab.core.layout import RoundLayout
+from hermes_lab.core.layout import PlayLayout, RoundLayout
+from hermes_lab.data.gateway import gateway_trajectories, read_jsonl
 from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.tasks import suite as T
 
@@ -164,9 +165,12 @@ def execute_with_hermes(
     # each request's random numbers drawn from its prompt: a round's execution is reproducible, as the built-in
     # loop's seeded episodes are (each task is played once, so nothing is sampled twice alike)
     runs = play_policy(cfg, cfg.model.base_model, adapter, tasks_, root)
+    served = served_turns(cfg, root)
     lines = []
     for i, rec in enumerate(conversation_records(runs, root)):
         rec.update(timestamp=(start + timedelta(seconds=i)).isoformat(), model=adapter or "base", seed=seed)
+        if rec["id"] in served:  # the conversation as the server answered it: each turn's exact tokens in meta
+            rec.update(messages=served[rec["id"]]["messages"], meta=served[rec["id"]]["meta"])
         lines.append(json.dumps(rec) + "\n")
     write_text_atomic(output, "".join(lines))  # a half-written log never looks like a finished one
     done = sum(r.success for r in runs)
@@ -176,6 +180,16 @@ def execute_with_hermes(
         "agent_output": str(output),
         "agent_runner": "hermes",
     }
+
+
+def served_turns(cfg: HermesConfig, root: Path) -> dict[str, dict[str, Any]]:
+    """The server's log of the real agent's conversations joined as a live gateway's is (``data.gateway``, written
+    under ``root/join``), by conversation id: each conversation's messages as the policy was sent them and, per
+    answer, the prompt and completion token ids it saw and sampled (``meta.turns[].tokens``), which turn-level
+    training (``grpo.turns``) trains on token for token, as a live round does."""
+    lay = PlayLayout(root)
+    info = gateway_trajectories(lay.log.root, lay.join, cfg)
+    return {str(r["conversation_id"]): r for _, r in read_jsonl(info["conversations_file"])}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
