@@ -203,12 +203,13 @@ def test_validate_plays_the_agent_family_with_the_real_hermes(hermes_bin, tiny_b
     from hermes_lab.config.schema import load_config
     from hermes_lab.core.layout import ValidateLayout
     from hermes_lab.evaluate import validate as V
+    from hermes_lab.evaluate.played import played_tasks
 
     over = {"grpo.environment": H.ENVIRONMENT, "agent.runner": "hermes", "agent.heldout_tasks": 10}
     cfg = load_config(store, {**over, "validate.eval_tasks_per_family": 4, "validate.samples_per_task": 1})
     rd = tmp_path / "round-01"
     rep = V.regression_gate(cfg, str(tiny_base), str(adapters["broken"]), str(adapters["identity"]), round_dir=rd)
-    played, ids = rep["agent_played"], [t.task_id for t in V.played_tasks(cfg)]
+    played, ids = rep["agent_played"], [t.task_id for t in played_tasks(cfg)]
     assert played["runner"] == "hermes" and rep["sampling"]["tasks"]["agent_runner"] == "hermes"
     assert played["before"]["task_ids"] == played["after"]["task_ids"] == ids and len(ids) == 10
     assert played["before"]["pass_rate"] > 0.2 and played["after"]["pass_rate"] < played["before"]["pass_rate"]

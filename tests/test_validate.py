@@ -471,14 +471,16 @@ def test_the_real_agents_harm_test_stops_only_a_candidate_significantly_worse_fo
     """agent.runner hermes: ~100 held-out tasks played once by the real agent cannot show non-inferiority (an equally
     good candidate at 12% churn passed a 5-point margin 35% of the time), so the real agent's pairs stop a candidate
     only when it is significantly worse for it; a few lost tasks more than gained, or a churn that evens out, pass."""
+    from hermes_lab.evaluate.played import real_agent_harm
+
     base = "1" * 58 + "0" * 38
     churned = "0" * 6 + "1" * 52 + "1" * 6 + "0" * 32  # 6 lost, 6 gained: as good, with 12% churn
-    gain, harm = V.real_agent_harm(_played(base), _played(churned), alpha=0.05)
+    gain, harm = real_agent_harm(_played(base), _played(churned), alpha=0.05)
     assert harm is None and gain["gain"] == 0 and gain["changed_tasks"] == 12
     slightly = "0" * 6 + "1" * 52 + "1" * 2 + "0" * 36  # 6 lost, 2 gained: -4.2 points, not significant
-    assert V.real_agent_harm(_played(base), _played(slightly), alpha=0.05)[1] is None
+    assert real_agent_harm(_played(base), _played(slightly), alpha=0.05)[1] is None
     worse = "0" * 15 + "1" * 43 + "1" * 3 + "0" * 35  # 15 lost, 3 gained: -12.5 points
-    gain, harm = V.real_agent_harm(_played(base), _played(worse), alpha=0.05)
+    gain, harm = real_agent_harm(_played(base), _played(worse), alpha=0.05)
     assert harm is not None and "0.604 -> 0.479 over 96 tasks paired (18 changed)" in harm and gain["gain_hi"] < 0
     # at alpha 0.001 the same drop is no longer significant: the bound moves with validate.alpha
-    assert V.real_agent_harm(_played(base), _played(worse), alpha=0.0001)[1] is None
+    assert real_agent_harm(_played(base), _played(worse), alpha=0.0001)[1] is None

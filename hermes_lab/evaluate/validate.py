@@ -25,7 +25,7 @@ Reads:
   of the gate, paired like the others. A user's own environment has no held-out tasks the
   gate knows of: it is not evaluated here (train's episode metrics and the live A/B judge it).
   With ``agent.runner: hermes`` (the default) the real Hermes Agent also plays ``agent.heldout_tasks`` of those
-  tasks once each against each arm served on 127.0.0.1 (``agents.play``; ``validate/hermes/<arm>/``), paired by
+  tasks once each against each arm served on 127.0.0.1 (``evaluate.played``; ``validate/hermes/<arm>/``), paired by
   task: the report's ``agent_played`` holds each arm's success, the paired gain and the harm test, which stops a
   candidate significantly worse for the real agent (the one-sided upper bound of its gain below 0). The family's
   non-inferiority stays the built-in loop's: ~100 tasks played once cannot show a drop is under 5 points.
@@ -303,56 +303,6 @@ def agent_tasks(cfg: Any) -> list[Any]:
     return fam.generate_tasks(cfg.validate.eval_tasks_per_family, split="heldout", seed=cfg.validate.seed)
 
 
-def played_tasks(cfg: Any) -> list[Any]:
-    """``agent.runner: hermes``: the held-out tasks the real Hermes Agent plays against each arm
-    (``agent.heldout_tasks``, the same split and seed as the built-in loop's); none otherwise."""
-    from hermes_lab.agents.play import plays_hermes
-    from hermes_lab.policy.episodes import family_of_environment
-
-    fam = family_of_environment(cfg.grpo.environment)
-    if fam is None or not plays_hermes(cfg):
-        return []
-    return fam.generate_tasks(cfg.agent.heldout_tasks, split="heldout", seed=cfg.validate.seed)
-
-
-def played_by_hermes(cfg: Any, base_model: str, adapter: str | None, tasks: list[Any], root: Path) -> dict[str, Any]:
-    """The tasks, each played once by the real Hermes Agent against this policy served on 127.0.0.1
-    (``agents.play``) and scored by its verifier on what the workspace holds: the arm's ``agent_played``."""
-    import time
-
-    from hermes_lab.agents.play import play_policy
-
-    t0 = time.monotonic()
-    runs = play_policy(cfg, base_model, adapter, tasks, root)
-    done = sum(r.success for r in runs)
-    hermes = {"runner": "hermes", "tasks": len(runs), "pass_rate": round(done / max(1, len(runs)), 4)}
-    hermes.update(samples_per_task=1, task_ids=[t.task_id for t in tasks])  # what policy.paired_gain pairs
-    hermes.update(passes="".join("1" if r.success else "0" for r in runs), seconds=round(time.monotonic() - t0, 1))
-    hermes.update(dir=str(root))
-    return hermes
-
-
-def real_agent_harm(before: dict[str, Any], after: dict[str, Any], alpha: float) -> tuple[dict[str, Any], str | None]:
-    """The real agent's paired gain (95% interval) and, when the candidate is significantly worse for it (the
-    one-sided ``1 - alpha`` upper bound of the gain below 0), the gate's reason to stop. A harm test, not
-    non-inferiority: ~100 tasks played once cannot show a drop is under 5 points (an equally good candidate would
-    pass 35-80% of the time at its churn), so non-inferiority is the built-in loop's, on 4x the pairs."""
-    from statistics import NormalDist
-
-    from hermes_lab.policy.model import paired_gain
-
-    gain = paired_gain(before, after)
-    one_sided = paired_gain(before, after, z=NormalDist().inv_cdf(1 - alpha))
-    hi = one_sided.get("gain_hi")
-    if hi is None or hi >= 0:
-        return gain, None
-    return gain, (
-        f"the real Hermes Agent: held-out success {before['pass_rate']:.3f} -> {after['pass_rate']:.3f} over "
-        f"{gain['gain_tasks']} tasks paired ({gain['changed_tasks']} changed); the {1 - alpha:.0%} upper bound of "
-        f"the gain, {hi:+.3f}, is below 0: the candidate is worse for it"
-    )
-
-
 def arm_rates(items: list[Any], scores: list[float], thr: float) -> dict[str, Any]:
     """Pass rates and mean rewards of an arm's scored items, overall and per family, with the per-item lists the
     gate pairs (scores, task_ids, families)."""
@@ -441,6 +391,8 @@ def regression_gate(
 
     if tasks is None:
         tasks, task_note = regression_tasks(cfg, round_dir)
+    from hermes_lab.evaluate.played import played_by_hermes, played_tasks, real_agent_harm
+
     v = cfg.validate
     agent, played = agent_tasks(cfg), played_tasks(cfg)
     if agent and task_note is not None:

@@ -307,11 +307,8 @@ class Supervisor:
         agent.runner hermes, validate's held-out tasks played by the real Hermes Agent per arm."""
         ev = read_json_or_empty(self.lay.round(n).train.eval).get("agent") or {}
         played = agent_played(self.lay.round(n).validate.regression)
-        live = (
-            L.agent_success(self.lay.experiment(experiment).root, self.cfg.reward.success_threshold)
-            if experiment
-            else {}
-        )
+        thr = self.cfg.reward.success_threshold
+        live = L.agent_success(self.lay.experiment(experiment).root, thr) if experiment else {}
         if not ev and not live and not played:
             return None
         return {
