@@ -4,7 +4,7 @@ Issue 56 asks for execute and validate to play the `hermes` family with the real
 minutes. This measures, in one run on the same tasks and the same policy (the embedded tiny one):
 1. the built-in loop (``policy.episodes.run_episodes``: the policy in process, ``WorkspaceEnv``'s tools), the way
    execute and validate play the family today;
-2. the real Hermes Agent's own loop (``agents.hermes.HermesLoop``: the pinned hermes-agent's ``AIAgent`` in one
+2. the real Hermes Agent's own loop (``agents.hermes_loop.HermesLoop``: the pinned hermes-agent's ``AIAgent`` in one
    sandboxed process, a workspace per task) against ``hermes-lab serve`` on the same policy, started here on a free
    127.0.0.1 port.
 It prints seconds per task, the machine's CPU seconds per task (the real agent's, at each ``--parallel``, split into
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from hermes_lab.agents import hermes as HL
+    from hermes_lab.agents import hermes_loop as HL
     from hermes_lab.config.schema import load_config
     from hermes_lab.policy import episodes as E
     from hermes_lab.policy import formats

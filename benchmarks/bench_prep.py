@@ -180,7 +180,7 @@ CHILD = """
 import json, os, resource, sys, threading, time
 import datasets, pyarrow.json  # imported before the clock starts, as in a warm process (a notebook's)
 from hermes_lab.config.schema import load_config
-from hermes_lab.data.prep import run_prep
+from hermes_lab.prep.run import run_prep
 anon = [0]
 def sample():  # the heap's peak (RssAnon); ru_maxrss also counts the pages of memory-mapped Arrow files
     while True:
@@ -196,8 +196,8 @@ cfg = load_config(None, overrides={"data.min_samples": 1, "data.memory_budget_mb
 prof = None
 if sys.argv[4] == "1":  # one process: the conversions the workers make are in the profile
     import cProfile
-    from hermes_lab.data import conv_ingest
-    conv_ingest.PARALLEL_MIN = 1 << 62
+    from hermes_lab.prep import conversations
+    conversations.PARALLEL_MIN = 1 << 62
     prof = cProfile.Profile()
     prof.enable()
 t, cpu = time.perf_counter(), time.process_time()

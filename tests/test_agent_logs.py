@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.data import readers
-from hermes_lab.data.prep import GateRefused, PrepError, run_prep
+from hermes_lab.formats import readers
+from hermes_lab.prep.run import GateRefused, PrepError, run_prep
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures"

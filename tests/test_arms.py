@@ -107,7 +107,7 @@ def test_champion_registry_then_state_then_base(tmp_path, cfg, mlflow_store):
 
 
 def test_cli_flags_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
-    from hermes_lab.data import execute
+    from hermes_lab.agents import execute
     from hermes_lab.evaluate import validate
     from hermes_lab.train import grpo as train
 

@@ -112,7 +112,7 @@ def _seed_round(proj: Path, round_dir: Path) -> Path:
     from test_paths import write_trajectories
 
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data import prep
+    from hermes_lab.prep import run as prep
 
     write_trajectories(round_dir / "trajectories.jsonl", n=600)
     cfg = load_config(proj / "params" / "embedded.yaml", {"round.runs_dir": str(proj / "runs")})

@@ -37,7 +37,7 @@ EVIL = "<script>document.title='pwned'</script>"
 
 def _conversation_round(proj: Path, round_dir: Path) -> Path:
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data import prep
+    from hermes_lab.prep import run as prep
 
     round_dir.mkdir(parents=True)
     chat = round_dir / "chat.jsonl"

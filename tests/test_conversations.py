@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.data import conversation as C
-from hermes_lab.data import outcomes, readers
-from hermes_lab.data.prep import run_prep
+from hermes_lab.formats import readers
+from hermes_lab.formats import record as C
+from hermes_lab.prep import outcomes
+from hermes_lab.prep.run import run_prep
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "hermes"
@@ -253,7 +254,7 @@ def test_a_session_file_with_a_lone_surrogate_escape_is_rejected_not_a_crash(tmp
 
 
 def test_too_many_hostile_lines_stop_prep_naming_the_file(tmp_path):
-    from hermes_lab.data.prep import PrepError
+    from hermes_lab.prep.run import PrepError
 
     with pytest.raises(PrepError, match=r"hostile.jsonl.gz: 5 of 5 non-blank lines rejected.*line 2: broken tag"):
         prep(tmp_path, [FIX / "hostile.jsonl.gz"])
@@ -392,7 +393,7 @@ def test_a_conversation_whose_prompt_is_held_out_elsewhere_moves_to_heldout_in_t
     held-out task_id moves its train-side conversations to heldout (the prompt sets' rule), rewritten at distill."""
     import datasets
 
-    from hermes_lab.data.lines import split_of
+    from hermes_lab.formats.lines import split_of
 
     held = next(f"h{i}" for i in range(100) if split_of(f"h{i}", 0.3, {}))
     train = next(f"t{i}" for i in range(100) if not split_of(f"t{i}", 0.3, {}))
@@ -455,7 +456,7 @@ def test_conversations_in_partitions_give_the_same_outputs(tmp_path, monkeypatch
     """Prep's partitions (memory-bounded distill): the conversations dataset, review queue and sinks do not change."""
     import datasets
 
-    from hermes_lab.data import prep as prep_module
+    from hermes_lab.prep import run as prep_module
 
     inputs = [FIX / "trajectory_samples.jsonl", FIX / "failed_trajectories.jsonl", FIX / "batch_trajectories.jsonl"]
     over = {"data.review_fraction": 0.5, "data.holdout_fraction": 0.3}
@@ -518,7 +519,7 @@ def test_the_config_and_prep_name_the_same_formats():
     import typing
 
     from hermes_lab.config.round_data import ConversationsSection
-    from hermes_lab.data.conversation import FORMATS
+    from hermes_lab.formats.record import FORMATS
 
     hint = typing.get_type_hints(ConversationsSection)["format"]
     assert typing.get_args(hint) == ("auto", *FORMATS)

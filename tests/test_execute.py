@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from hermes_lab.agents.execute import execute
 from hermes_lab.config.schema import load_config
-from hermes_lab.data.execute import execute
 from hermes_lab.tasks import suite as T
 
 
@@ -53,7 +53,7 @@ def test_execute_cli(tmp_path):
         [
             sys.executable,
             "-m",
-            "hermes_lab.data.execute",
+            "hermes_lab.agents.execute",
             "--params",
             str(params),
             "--output",

@@ -228,7 +228,7 @@ def test_the_gateway_serves_what_trl_trains(played, tmp_path):
     from test_serve import Gateway
 
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data.gateway import gateway_trajectories
+    from hermes_lab.formats.gateway import gateway_trajectories
     from hermes_lab.train.turns import trainer_class, turn_prompts
 
     args = ["--baseline", str(played.dir), "--candidate", str(played.dir), "--ratio", "0"]

@@ -391,7 +391,7 @@ def test_sdk_conversations_one_arm_every_tool_call_logged(agw, tmp_path):
 
     # prep: one canonical record per conversation, never turn fragments
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data.prep import run_prep
+    from hermes_lab.prep.run import run_prep
 
     cfg = load_config(None, {"data.min_samples": 1, "data.max_bad_fraction": 1.0})
     res = run_prep([agw.log_dir], tmp_path / "prep", cfg, make_plots=False)
@@ -514,7 +514,7 @@ def test_real_hermes_agent_through_the_gateway(hermes_py, tmp_path):
         gw.stop()
         stub.stop()
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data.prep import run_prep
+    from hermes_lab.prep.run import run_prep
 
     cfg = load_config(None, {"data.min_samples": 1, "data.max_bad_fraction": 1.0})
     run_prep([gw.log_dir], tmp_path / "prep", cfg, make_plots=False)

@@ -1,6 +1,6 @@
 """The real Hermes Agent's own loop (run_agent.AIAgent) on many tasks in one sandboxed process (hermes_lab.agents).
 
-The pinned hermes-agent 0.19.0 in its cached virtualenv, driven by hermes_lab.agents.hermes.HermesLoop:
+The pinned hermes-agent 0.19.0 in its cached virtualenv, driven by hermes_lab.agents.hermes_loop.HermesLoop:
 - against a scripted model (FakeOpenAI's agent plans), Hermes's own tools try every way out of a task's workspace:
   a write and a read of host files beside the workspaces and outside /tmp (sentinels checked on the host), another
   task's workspace, a TCP connection to a host listener on 127.0.0.1; a control task does the same inside its own
@@ -27,7 +27,7 @@ from fake_openai import FakeOpenAI  # noqa: E402
 from test_hermes_real import gateway, hermes_bin  # noqa: E402,F401 - fixtures: an A/A gateway, the pinned Hermes
 from test_validate import adapters, store, tiny_base  # noqa: E402,F401 - the tiny policy, adapters, a params file
 
-from hermes_lab.agents.hermes import HermesLoop, local_url  # noqa: E402
+from hermes_lab.agents.hermes_loop import HermesLoop, local_url  # noqa: E402
 from hermes_lab.tasks import hermes as H  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,7 @@ def test_hermes_own_loop_on_heldout_tasks_filed_and_paid_by_the_verifier(hermes_
 def test_hermes_lab_agent_plays_its_episodes_with_the_real_hermes(hermes_bin, gateway, capsys):  # noqa: F811
     """`hermes-lab agent --runner hermes`: the live traffic's agent episodes are Hermes's own loop, two sandboxed
     processes for two conversations in flight, each episode's verifier score posted as its conversation's feedback."""
-    from hermes_lab.live import agent as LA
+    from hermes_lab.agents import standin as LA
 
     before = len(gateway.records("feedback.jsonl"))
     args = ["--url", gateway.url, "--requests", "6", "--concurrency", "2", "--agent-share", "1", "--split", "heldout"]
@@ -175,7 +175,7 @@ def test_hermes_lab_agent_plays_its_episodes_with_the_real_hermes(hermes_bin, ga
 def test_hermes_in_flight_bounds_the_hermes_processes_not_the_string_traffic(hermes_bin, gateway):  # noqa: F811
     """live-demo's mixed traffic with the real Hermes runner: 4 conversations in flight, at most 1 of them a Hermes
     process (each ~150 MB and its own requests); the string tasks keep the other workers, nothing fails."""
-    from hermes_lab.live import agent as LA
+    from hermes_lab.agents import standin as LA
 
     s = LA.run_agent(
         gateway.url,
@@ -231,10 +231,10 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tiny_bas
     carried them, the verifier's reward) under the conversation ids the server filed them by, each answer with the
     exact tokens the policy saw and sampled: prep reads them as OpenAI lines, and turn-level training takes every
     turn's prompt token for token (prompt_source logged), as a live round does."""
+    from hermes_lab.agents.execute import execute
     from hermes_lab.config.schema import load_config
     from hermes_lab.core.layout import RoundLayout
-    from hermes_lab.data import readers
-    from hermes_lab.data.execute import execute
+    from hermes_lab.formats import readers
 
     over = {"round.runs_dir": str(tmp_path / "runs"), "agent.runner": "hermes", "execute.agent_tasks": 6}
     cfg = load_config(HERE.parent / "params" / "embedded.yaml", {**over, "execute.num_tasks": 8})

@@ -22,7 +22,7 @@ import yaml
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.verdict import STOP_NO_SIGNAL, read_verdict
-from hermes_lab.data.prep import GateRefused, run_prep
+from hermes_lab.prep.run import GateRefused, run_prep
 from hermes_lab.rewards.audit import AuditResult, data_signal, format_result
 
 HERE = Path(__file__).resolve().parent

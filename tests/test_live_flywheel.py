@@ -35,7 +35,7 @@ from test_round import HERMES, REPO, small_params  # noqa: E402
 
 from hermes_lab.config.schema import load_config  # noqa: E402
 from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
-from hermes_lab.data import gateway  # noqa: E402
+from hermes_lab.formats import gateway  # noqa: E402
 from hermes_lab.live import serve  # noqa: E402
 from hermes_lab.round import runner  # noqa: E402
 

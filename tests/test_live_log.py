@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hermes_lab.config.schema import ConfigError, load_config
-from hermes_lab.data import gateway
-from hermes_lab.data.prep import run_prep
+from hermes_lab.formats import gateway
 from hermes_lab.live import log as L
+from hermes_lab.prep.run import run_prep
 
 
 def write_lines(path: Path, rows: list, tail: str = "") -> None:

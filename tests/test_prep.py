@@ -1,4 +1,4 @@
-"""hermes_lab.data.prep: ingest/validate (every bad kind), counts, dedup, outliers, split, negatives, gates, review
+"""hermes_lab.prep.run: ingest/validate (every bad kind), counts, dedup, outliers, split, negatives, gates, review
 sample, CLI exit codes, MLflow logging (real SQLite store), and the notebook through papermill."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import mlflow_db
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.kernels import ForkingKernelManager
 from hermes_lab.core.state import FlywheelState, SimulatedClock
-from hermes_lab.data.prep import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
+from hermes_lab.prep.run import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
 from hermes_lab.tasks import suite as tasks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -688,7 +688,7 @@ def test_prep_in_partitions_gives_the_same_outputs(tmp_path):
 
 
 def test_sorted_spill_writes_every_line_in_key_order_across_buckets(tmp_path):
-    from hermes_lab.data.distill import SortedSpill
+    from hermes_lab.prep.distill import SortedSpill
 
     rng = random.Random(0)
     keys = rng.sample(range(1 << 50), 5000)
@@ -847,7 +847,7 @@ def test_selection_groups_gateway_traffic_by_prompt_text(tmp_path):
 
 
 def test_gain_by_family_joins_training_weight_with_the_held_out_gain():
-    from hermes_lab.data.selection import gain_by_family
+    from hermes_lab.prep.selection import gain_by_family
 
     rep = {
         "by_family": {
@@ -880,12 +880,12 @@ def _outputs(out: Path) -> dict:
 
 
 def test_seed_lines_in_columns_give_what_line_by_line_gives(tmp_path, monkeypatch):
-    """The column path (hermes_lab.data.columns: Arrow's reader, checks in columns) against the per-line path on the
+    """The column path (hermes_lab.prep.seed: Arrow's reader, checks in columns) against the per-line path on the
     same hostile mix (the fuzz test's lines between valid records, a lone `null` line: Arrow's reader crashes on
     one, so none reaches it): every output byte for byte, every count."""
     from test_prep_fuzz import make_line
 
-    from hermes_lab.data import columns
+    from hermes_lab.prep import seed
 
     rng = random.Random(45)
     good = good_records(400, seed=45)
@@ -900,7 +900,7 @@ def test_seed_lines_in_columns_give_what_line_by_line_gives(tmp_path, monkeypatc
     p.write_bytes(b"\n".join(raw) + b"\n")
     c = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 16384})
     run_prep([p], tmp_path / "cols", c, make_plots=False)
-    monkeypatch.setattr(columns, "fast_block", lambda data: False)  # every line through lines.decode / check_record
+    monkeypatch.setattr(seed, "fast_block", lambda data: False)  # every line through lines.decode / check_record
     run_prep([p], tmp_path / "lines", c, make_plots=False)
     a, b = _outputs(tmp_path / "cols"), _outputs(tmp_path / "lines")
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
@@ -913,7 +913,7 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     results taken in order): the same outputs as one process, rejects and duplicates included; a line over
     data.max_line_bytes inside a range, one longer than a task's bytes (the block reader from there on), a BOM,
     a CR and a last line without its newline."""
-    from hermes_lab.data import conv_ingest
+    from hermes_lab.prep import conversations
 
     fix = REPO / "tests" / "fixtures" / "hermes"
     good = [x for x in (fix / "batch_trajectories.jsonl").read_bytes().splitlines() if x.strip()]
@@ -933,10 +933,10 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     p.write_bytes(b"\n".join(raw))
     over = {"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 40_000}
     c = load_config(None, overrides={**over, "conversations.no_signal": "warn"})  # outcome rewards only: it warns
-    monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1)
-    monkeypatch.setattr(conv_ingest, "TASK_BYTES", 64 << 10)  # many tasks in flight
+    monkeypatch.setattr(conversations, "PARALLEL_MIN", 1)
+    monkeypatch.setattr(conversations, "TASK_BYTES", 64 << 10)  # many tasks in flight
     res = run_prep([p], tmp_path / "workers", c, make_plots=False)
-    monkeypatch.setattr(conv_ingest, "PARALLEL_MIN", 1 << 60)
+    monkeypatch.setattr(conversations, "PARALLEL_MIN", 1 << 60)
     run_prep([p], tmp_path / "one", c, make_plots=False)
     a, b = _outputs(tmp_path / "workers"), _outputs(tmp_path / "one")
     assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
@@ -953,7 +953,7 @@ def test_fast_decode_reads_what_the_exact_decoder_reads():
     the same reject as the exact decoder alone."""
     from test_prep_fuzz import make_line
 
-    from hermes_lab.data.lines import EXACT, Bad, decode, decode_exact, fast_decode
+    from hermes_lab.formats.lines import EXACT, Bad, decode, decode_exact, fast_decode
 
     turn = '{"from": "gpt", "value": "a: b"}'
     lines = [make_line(seed) for seed in range(3000)]
@@ -1000,7 +1000,7 @@ def test_fast_decode_around_a_known_text_answers_as_on_the_whole_line():
     the whole line's checks where the text is not at its offset."""
     from test_prep_fuzz import make_line
 
-    from hermes_lab.data.lines import EXACT, fast_decode, known_text
+    from hermes_lab.formats.lines import EXACT, fast_decode, known_text
 
     texts = [b'"plain system prompt"', b'"a: b: c"', b'"x\\u003ay"', b'"id 1234567890123456789012"', b'"\\u003c b"']
     hostile = [make_line(seed) for seed in range(400)] + [b'{"a": 1, "a": 2}', b'{"a": 123456789012345678901.5}']
@@ -1031,7 +1031,7 @@ def test_conversation_rows_from_dicts_are_the_rows_from_text():
     """A worker builds its conversations/ rows with pa.array from the row dicts, one process with Arrow's JSON
     reader from their text: the same table on Hermes trajectories, OpenAI lines (tool calls, reasoning, odd but
     accepted numbers, U+2028), and a value pa.array refuses (then the text path)."""
-    from hermes_lab.data.conv_lines import LineWork, convert, dict_rows, row_table
+    from hermes_lab.prep.conversation_worker import LineWork, convert, dict_rows, row_table
 
     c = load_config(None)
     fix = REPO / "tests" / "fixtures" / "hermes"

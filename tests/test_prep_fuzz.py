@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.data import ingest as I
-from hermes_lab.data.prep import GateRefused, run_prep
+from hermes_lab.prep import ingest as I
+from hermes_lab.prep.run import GateRefused, run_prep
 
 CFG = load_config(None, overrides={"data.min_samples": 1, "data.max_bad_fraction": 1.0, "data.max_line_bytes": 16384})
 FAMILIES = ["c++", "$x^2$", r"$\frac$", "a/b", "..", ".", "_hidden", "", "x" * 300, "\u2028", "\x00nul", "upper"]

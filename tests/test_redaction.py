@@ -14,7 +14,7 @@ import pytest
 from hermes_lab.config.schema import load_config
 from hermes_lab.core import redaction as R
 from hermes_lab.core import tracking
-from hermes_lab.data.prep import run_prep
+from hermes_lab.prep.run import run_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_KEY = "Zq8wK3mP9xL2vB7nT4rY6uJ1hG5fD0sA"  # no known prefix: caught as key-shaped, and as api_key_env's value

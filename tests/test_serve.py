@@ -280,7 +280,17 @@ def test_feedback_experiment_and_refusals(mixed):
 @pytest.mark.slow
 def test_agent_drives_the_gateway_and_prep_accounts_for_every_request(mixed, tmp_path):
     env = {**mixed.env, "GATEWAY_TEST_KEY": GATEWAY_KEY}
-    cmd = [sys.executable, "-m", "hermes_lab.live.agent", "--url", mixed.url, "--requests", "40", "--concurrency", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hermes_lab.agents.standin",
+        "--url",
+        mixed.url,
+        "--requests",
+        "40",
+        "--concurrency",
+        "4",
+    ]
     cmd += ["--stream-every", "4", "--key-env", "GATEWAY_TEST_KEY", "--seed", "3", "--agent-share", "0.25"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,7 @@
 """The policy served exactly as it was trained (issue 41): `hermes-lab serve` with in-process arms (embedded:tiny on
-both, an A/A) driven by the stand-in agent (hermes_lab.live.agent: the openai SDK, Hermes's own tool schemas sent, the
-round's agent family played (hermes: workspace tasks), its calls executed by the client on the task's workspace, the
-results sent back, the verifier's score posted by conversation id).
+both, an A/A) driven by the stand-in agent (hermes_lab.agents.standin: the openai SDK, Hermes's own tool schemas
+sent, the round's agent family played (hermes: workspace tasks), its calls executed by the client on the task's
+workspace, the results sent back, the verifier's score posted by conversation id).
 
 - Served = offline: held-out agent episodes played through the gateway succeed as often as the same policy's offline
   episodes (hermes_lab.policy.episodes) on the same tasks and tool results, and most first answers are parsed tool
@@ -70,7 +70,7 @@ def conversations(records: list[dict]) -> dict[str, list[dict]]:
 def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(served, tmp_path):
     from trl import GRPOTrainer
 
-    from hermes_lab.live.agent import run_agent
+    from hermes_lab.agents.standin import run_agent
     from hermes_lab.policy import episodes as E
     from hermes_lab.policy.model import build_tiny_policy, load_policy
 
@@ -160,7 +160,7 @@ def test_served_episodes_match_offline_and_every_prompt_token_is_the_trainers(se
     from datasets import Dataset, load_from_disk
 
     from hermes_lab.config.schema import load_config
-    from hermes_lab.data.prep import run_prep
+    from hermes_lab.prep.run import run_prep
     from hermes_lab.train.turns import trainer_class, turn_prompts
 
     over = {"data.min_samples": 1, "data.max_bad_fraction": 1.0, "round.runs_dir": str(tmp_path / "runs")}

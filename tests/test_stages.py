@@ -32,7 +32,7 @@ HEAD = (
     "from hermes_lab.core.verdict import gate, write_verdict\n"
 )
 GATE_NB = HEAD + (
-    "from hermes_lab.data.prep import evaluate_gates\n"
+    "from hermes_lab.prep.run import evaluate_gates\n"
     "from hermes_lab.core.verdict import STOP_DATA\n"
     "from hermes_lab.core.state import FlywheelState, parse_time\n"
     "cfg = load_config(config_path)\n"
@@ -91,7 +91,7 @@ def fake_stages(tmp: Path, decision: str = "promote", samples: int = 600) -> tup
         Stage(
             "gate",
             notebook(tmp / "gate.ipynb", gate_params, GATE_NB),
-            "hermes_lab.data.prep",
+            "hermes_lab.prep.run",
             verdict="gate/verdict.json",
             gates=("min_samples", "cooldown"),
             stops=(STOP_DATA,),
@@ -165,7 +165,7 @@ def test_a_stale_verdict_never_turns_a_crash_into_a_gate_stop(params, mlflow_sto
     crash = Stage(
         "crash",
         notebook(tmp_path / "crash.ipynb", {}, "raise ValueError('a real bug')"),
-        "hermes_lab.data.prep",
+        "hermes_lab.prep.run",
         verdict="crash/verdict.json",
         gates=("g",),
         stops=(STOP_DATA,),

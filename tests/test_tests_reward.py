@@ -277,8 +277,8 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
     each case scores 0, is counted by kind in health.json and MLflow, and training goes on to its last step."""
     from datasets import load_from_disk
 
-    from hermes_lab.data import prep
     from hermes_lab.policy.model import build_tiny_policy
+    from hermes_lab.prep import run as prep
     from hermes_lab.train.grpo import train
 
     root = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Hermes's own agent loop on many tasks in one process: the driver ``hermes_lab.agents.hermes`` starts in its sandbox.
+"""Hermes's own agent loop on many tasks in one process: the driver ``agents.hermes_loop`` starts in its sandbox.
 
 Runs inside bubblewrap, in the pinned hermes-agent virtualenv's interpreter (stdlib and ``run_agent`` only, no
 hermes_lab import: that virtualenv does not have it). Reads task lines on stdin, writes one result line per task
@@ -300,7 +300,7 @@ def main():
     p = argparse.ArgumentParser(
         prog="python hermes_driver.py",
         description="Hermes's own agent loop on the task lines read from stdin, one result line each on stdout "
-        "(run by hermes_lab.agents.hermes inside its sandbox, in the hermes-agent virtualenv's interpreter).",
+        "(run by hermes_lab.agents.hermes_loop inside its sandbox, in the hermes-agent virtualenv's interpreter).",
     )
     p.add_argument("--parallel", type=int, default=1, help="tasks run at once, each in its own child")
     args = p.parse_args()

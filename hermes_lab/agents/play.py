@@ -5,7 +5,7 @@ regression gate's agent family, each arm in turn).
 Reads the round's config and the policy (a base model, and an adapter or none); writes under ``root``: ``params.yaml``
 (the config the server runs with: the round's own, whole), ``gateway.out`` (its output), ``log/`` (its request log:
 every request Hermes sent, the exact tokens of each answer) and the Hermes runner's folders (``ws/``: one per task,
-its workspace, its HERMES_HOME and its session, as ``agents.hermes.HermesLoop`` leaves them).
+its workspace, its HERMES_HOME and its session, as ``agents.hermes_loop.HermesLoop`` leaves them).
 
 The policy is served by ``hermes-lab serve`` (``python -m hermes_lab.live.serve``) in a process of its own, both arms
 of the gateway the one policy (``--ratio 0``, no rollout): the real agent talks to it as to any model server, and
@@ -14,7 +14,7 @@ drawn from its prompt (``serve.seed_from_prompt``): a task played against two po
 their conversations agree, so the two arms' runs pair as the built-in loop's seeded episodes do.
 
     with served(cfg, base_model, adapter, root) as url:
-        runs = play(cfg, url, tasks, root)         # one agents.hermes.LoopRun each, in the tasks' order
+        runs = play(cfg, url, tasks, root)         # one agents.hermes_loop.LoopRun each, in the tasks' order
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import yaml
 
-from hermes_lab.agents import hermes as HL
+from hermes_lab.agents import hermes_cli as HA
+from hermes_lab.agents import hermes_loop as HL
 from hermes_lab.core.layout import PlayLayout
-from hermes_lab.tasks import hermes_agent as HA
 
 START_TIMEOUT = 600.0  # seconds for the server to load the policy (the embedded one is built first if need be)
 
@@ -166,7 +166,7 @@ def play_policy(
 
 
 def conversation_records(runs: Sequence[HL.LoopRun], root: str | Path) -> list[dict[str, Any]]:
-    """The runs as the canonical conversation record (``data.conversation``'s fields): the messages as Hermes kept
+    """The runs as the canonical conversation record (``formats.record``'s fields): the messages as Hermes kept
     them, the tools its requests carried (the server's log, ``root/log``), the verifier's reward, the run's
     conversation id; what prep reads as a logged agent conversation."""
     import json

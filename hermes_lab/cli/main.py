@@ -41,7 +41,7 @@ AFTER_STAGES: dict[str, tuple[str, str]] = {
         "Live A/B gateway: an OpenAI-compatible server routing real traffic to two arms.",
     ),
     "agent": (
-        "hermes_lab.live.agent",
+        "hermes_lab.agents.standin",
         "Stand-in agent: embedded tasks through the openai SDK, verifier scores as feedback.",
     ),
     "tasks": ("hermes_lab.cli.tasks", "The embedded task suite: export a family's tasks as JSONL (tasks export)."),

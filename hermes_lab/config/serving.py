@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hermes_lab.core.yaml_typed import field_with as _f
-from hermes_lab.tasks.hermes_agent import HERMES_MIN_CONTEXT
+from hermes_lab.tasks.hermes import HERMES_MIN_CONTEXT
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

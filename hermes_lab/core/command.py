@@ -9,7 +9,7 @@ names nothing loadable) is one line on stderr and exit 2, never a traceback.
 It lives at the bottom of the house on purpose: every stage's entry point calls it, so it may import
 nothing above ``hermes_lab.core``.
 
-    python -m hermes_lab.data.execute --help
+    python -m hermes_lab.agents.execute --help
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from hermes_lab.core.reports import JsonReport
 
 # the statuses a stage's verdict may stop a round with
 STOP_DATA = "skipped: data gate"
-STOP_NO_SIGNAL = "stopped: no learning signal"  # every conversation of a task paid the same (hermes_lab.data.signal)
+STOP_NO_SIGNAL = "stopped: no learning signal"  # every conversation of a task paid the same (hermes_lab.prep.signal)
 STOP_AWAITING_REVIEW = "awaiting review"
 STOP_BLOCKED_REVIEW = "blocked: reward model disagrees with reviewers"
 STOP_HEALTH = "stopped: training health"

@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from hermes_lab.data.conversation import is_tool_error
+from hermes_lab.formats.record import is_tool_error
 from hermes_lab.live.wire import raw_digest
 
 _SEP = b"\x1e"

@@ -20,7 +20,7 @@ dataset columns it reads):
   refusal, a very long answer).
 
 With a round dir whose prep ran, the audit also names the reward of the round's data that gives every
-conversation of a task the same score (prep's ``learning_signal``, ``hermes_lab.data.signal``): "outcome: 6 of 6
+conversation of a task the same score (prep's ``learning_signal``, ``hermes_lab.prep.signal``): "outcome: 6 of 6
 conversations are rewarded only by how the run ended". No learning signal, no A/B signal: a finding of class
 ``no learning signal`` (case ``no_learning_signal``, the source as its reward) with ``conversations.no_signal:
 block``, a note in the report and the output with ``warn``.

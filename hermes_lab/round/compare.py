@@ -280,7 +280,7 @@ def data_gain(round_dir: str | Path) -> Any:
     import pandas as pd
 
     from hermes_lab.core.jsonl import write_json_atomic
-    from hermes_lab.data.selection import gain_by_family
+    from hermes_lab.prep.selection import gain_by_family
 
     rd = RoundLayout(round_dir)
     sel, ev = rd.prep.selection, rd.train.eval

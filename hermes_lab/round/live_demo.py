@@ -10,7 +10,7 @@ flywheel writes there (``live/flywheel/``, ``live/collect-01``, ``live/round-NN`
 
 What happens, a line at each transition (the supervisor's ``[live ...]`` lines, the gateway's looks):
 1. ``hermes-lab flywheel --live`` starts: one gateway on one address, serving the base policy in-process;
-2. a traffic source (``hermes_lab.live.agent``) sends mixed traffic: string tasks (the openai SDK; the verifier's
+2. a traffic source (``hermes_lab.agents.standin``) sends mixed traffic: string tasks (the openai SDK; the verifier's
    score posted as feedback) and, at ``serve.agent_share``, tasks of the ``hermes`` family played by the real Hermes
    Agent (``--runner hermes``: its own loop and tools, sandboxed, a workspace per task, the verifier's verdict on
    that workspace posted by conversation id; ``--runner builtin``: the stand-in's client-side loop); once
@@ -104,13 +104,13 @@ def run(
     agent_share: float | None = None,
     runner: str = "hermes",
 ) -> int:
+    from hermes_lab.agents.standin import run_agent
     from hermes_lab.config.schema import load_config
     from hermes_lab.core import paths
-    from hermes_lab.live.agent import run_agent
 
     if runner == "hermes":  # installed and sandboxed before any traffic, not 70 failed conversations a batch
+        from hermes_lab.agents.hermes_cli import HermesRunError
         from hermes_lab.agents.play import ready
-        from hermes_lab.tasks.hermes_agent import HermesRunError
 
         try:
             ready(say)

@@ -272,7 +272,7 @@ def run_round(
         if cfg.model.base_model == "embedded:tiny" and not quiet:
             _report_tiny(cfg, say=n == 1)  # the starting point once, not again every flywheel round
         if not quiet:  # what a conversation with no verifier, feedback or judge is paid (issue 56)
-            from hermes_lab.data.outcomes import paying_for
+            from hermes_lab.prep.outcomes import paying_for
 
             print(f"[round {n:02d}] {paying_for(cfg)}", flush=True)
             print(f"[round {n:02d}] {who_plays(cfg)}", flush=True)
@@ -378,8 +378,8 @@ def who_plays(cfg: HermesConfig) -> str:
 def _agent_ready(cfg: HermesConfig, params_path: str, say: Callable[[str], None]) -> None:
     """agent.runner hermes: the real agent installed and its sandbox working before any stage runs, else a named
     RoundError (not a traceback from execute's kernel minutes later)."""
+    from hermes_lab.agents.hermes_cli import HermesRunError
     from hermes_lab.agents.play import plays_hermes, ready
-    from hermes_lab.tasks.hermes_agent import HermesRunError
 
     if not plays_hermes(cfg):
         return
@@ -465,7 +465,7 @@ def status(params_path: str) -> dict[str, Any]:
     n = state.last_round + 1
     pending = cfg.execute.num_tasks * cfg.execute.samples_per_task  # what the embedded execute stage logs
     if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
-        from hermes_lab.data import gateway
+        from hermes_lab.formats import gateway
 
         pending = gateway.pending_samples(cfg, _round_dir(runs, n), pending)
     for p in fresh_data(runs, n)[1:]:  # plus earlier logs since the last training (A/B, skipped rounds)

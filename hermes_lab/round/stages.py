@@ -185,7 +185,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "execute",
         "00_execute.ipynb",
-        "hermes_lab.data.execute",
+        "hermes_lab.agents.execute",
         preload=POLICY_IMPORTS,
         params=_execute_params,
         inputs=stage_inputs.EXECUTE,
@@ -196,7 +196,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "prep",
         "10_data_prep.ipynb",
-        "hermes_lab.data.prep",
+        "hermes_lab.prep.run",
         verdict=str(_IN_ROUND.prep.verdict),
         gates=("min_samples", "cooldown", "learning_signal"),
         stops=(STOP_DATA, STOP_NO_SIGNAL),

@@ -47,6 +47,8 @@ from hermes_lab.tasks import suite as T
 from hermes_lab.tasks import workspace as W
 
 FAMILY = "hermes"
+HERMES_VERSION = "0.19.0"  # the pinned hermes-agent: its tools' schemas (hermes_tools.json), its runners
+HERMES_MIN_CONTEXT = 64_000  # hermes-agent 0.19.0's MINIMUM_CONTEXT_LENGTH: a model stating less is refused
 ENVIRONMENT = "hermes_lab.tasks.hermes:WorkspaceEnv"  # grpo.environment for this family
 SCALE = T.SCALE
 KINDS = ("read", "create", "append", "edit", "find", "count", "copy")
@@ -394,6 +396,6 @@ def _guess(t: HermesTask, rng: random.Random) -> str:
 
 
 def conversation_record(task: HermesTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
-    """An episode as execute logs it: the canonical conversation record's fields (``data.conversation``)."""
+    """An episode as execute logs it: the canonical conversation record's fields (``formats.record``)."""
     msgs = A.logged_messages(messages, sort_keys=True)
     return {"task_id": task.task_id, "family": FAMILY, "messages": msgs, "tools": W.tool_schema(), "reward": reward}

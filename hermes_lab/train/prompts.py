@@ -62,7 +62,7 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
         # agent conversations are trained whole, in the episode phase: their first user turn is no string prompt
         ds = ds.filter(lambda fam: fam != "agent", input_columns="family")
     if "weight" in ds.column_names:  # hard (negative) prompts are repeated
-        from hermes_lab.data.prep import expand_by_weight
+        from hermes_lab.prep.run import expand_by_weight
 
         ds = expand_by_weight(ds)
     if cfg.grpo.max_train_prompts and len(ds) > cfg.grpo.max_train_prompts:
@@ -72,7 +72,7 @@ def load_prompt_set(data: str | os.PathLike[str], cfg: HermesConfig, work_dir: P
 
 def prep_data_file(path: Path, cfg: HermesConfig, work_dir: Path) -> Path:
     """A trajectories file given as --data, through prep into ``work_dir/prep``; its output dir."""
-    from hermes_lab.data import prep
+    from hermes_lab.prep import run as prep
 
     try:
         res = prep.run_prep([path], TrainLayout(work_dir).prep.root, cfg, make_plots=False)

@@ -1,4 +1,4 @@
-"""Prep's lowest layer (stage: prep, through ``hermes_lab.data.ingest``): one JSON line, the seed record's checks,
+"""Prep's lowest layer (stage: prep, through ``hermes_lab.prep.ingest``): one JSON line, the seed record's checks,
 the split and review hashes, and the duplicate index. Reads and writes nothing itself.
 
 Every field of every line is validated (a bad line is a reject with its number and reason, never a
@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.data.conversation import Invalid
+from hermes_lab.formats.record import Invalid
 from hermes_lab.sandbox.specs import SpecError, parse_tests
 
 BOM = b"\xef\xbb\xbf"

@@ -1,8 +1,8 @@
-"""Distill stage, part 1 (``hermes_lab.data.ingest``), the conversations' half: every shape but the seed's; prep's side.
+"""Distill stage, part 1 (``hermes_lab.prep.ingest``), the conversations' half: every shape but the seed's; prep's side.
 
-Reads what ``hermes_lab.data.readers`` detected as a conversation format: the line formats' records come from the
-ingest's JSONL scan, converted and checked by ``hermes_lab.data.conv_lines`` (a large plain file by forked worker
-processes, each reading its own byte ranges and building its rows' Arrow table; here only where lines end is
+Reads what ``hermes_lab.formats.readers`` detected as a conversation format: the line formats' records come from the
+ingest's JSONL scan, converted and checked by ``hermes_lab.prep.conversation_worker`` (a large plain file by forked
+worker processes, each reading its own byte ranges and building its rows' Arrow table; here only where lines end is
 found), the others (``readers.RECORD_FORMATS``: Hermes session files, state.db and exports, Claude Code / Agent
 Trace JSONL, Atropos groups) from their readers, whole (``records``). Each record is rewarded (its log's reward,
 else feedback joined by conversation_id, else the outcome rules or the judge: ``conversations.reward``), and
@@ -14,7 +14,7 @@ conversation's conversations/ row, as Arrow, in acceptance order, into the datas
 counts per input what the readers report (blank lines, skipped lines, Atropos groups, where tool schemas came
 from).
 
-Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
+Run through ``hermes-lab prep`` (``hermes_lab.prep.run.run_prep``), not on its own.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from hermes_lab.data import atropos, hermes_store, readers, traces
-from hermes_lab.data.columns import LINE_BITS, read_blocks
-from hermes_lab.data.conv_lines import (
+from hermes_lab.formats import atropos, claude_code, hermes_sessions, readers
+from hermes_lab.formats.lines import split_of
+from hermes_lab.formats.record import dataset_schema
+from hermes_lab.prep.conversation_worker import (
     WORK,
     Invalid,
     LineWork,
@@ -42,10 +43,9 @@ from hermes_lab.data.conv_lines import (
     cut_raw,
     row_table,
 )
-from hermes_lab.data.conversation import dataset_schema
-from hermes_lab.data.lines import split_of
-from hermes_lab.data.outcomes import assign_reward
-from hermes_lab.data.resources import ForkPool, usable_cores
+from hermes_lab.prep.outcomes import assign_reward
+from hermes_lab.prep.resources import ForkPool, usable_cores
+from hermes_lab.prep.seed import LINE_BITS, read_blocks
 
 BATCH_LINES = 16384  # records held before one vectorised duplicate lookup
 
@@ -73,7 +73,7 @@ class ConvRows:
         self._bytes = 0
 
     def write(self, table: Any) -> None:
-        """Rows of the dataset's schema (``conversation.dataset_schema``), their split included."""
+        """Rows of the dataset's schema (``record.dataset_schema``), their split included."""
         import pyarrow as pa
 
         if self._writer is None or self._bytes >= SHARD_BYTES:
@@ -260,15 +260,15 @@ class ConversationIngest:
         """(session, file, line, raw, record or Invalid) of an input read whole (``readers.RECORD_FORMATS``)."""
         max_chars, cap, budget = self.conv_cfg.max_message_chars, self.cap, self.batch_bytes
         if fmt == "hermes_state":
-            return hermes_store.iter_state_db(path, max_chars, info)
+            return hermes_sessions.iter_state_db(path, max_chars, info)
         if fmt == "hermes_export":
-            return hermes_store.iter_export(path, max_chars, cap, budget, info)
+            return hermes_sessions.iter_export(path, max_chars, cap, budget, info)
         if fmt == "claude_code":
-            return traces.iter_traces(readers.trace_files(path, cap), max_chars, cap, budget, info)
+            return claude_code.iter_traces(readers.trace_files(path, cap), max_chars, cap, budget, info)
         if fmt == "atropos":
             lo, hi = self.conv_cfg.atropos_scores
             return atropos.iter_groups(path, max_chars, cap, (float(lo), float(hi)), self.scale, info)
-        return hermes_store.iter_sessions(path, max_chars, cap)
+        return hermes_sessions.iter_sessions(path, max_chars, cap)
 
     def _scan_records(self, path: Path, st: dict[str, Any], fidx: int, role: str, fmt: str) -> dict[str, Any]:
         """An input read whole: each conversation is one record (its line: its ordinal), a line no record can

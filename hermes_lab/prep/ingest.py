@@ -1,18 +1,18 @@
-"""Distill stage, part 1 (``hermes_lab.data.prep``): read every line of every input, validate it, dedupe it, spill it.
+"""Distill stage, part 1 (``hermes_lab.prep.run``): read every line of every input, validate it, dedupe it, spill it.
 
 Reads the inputs prep was given (``.jsonl`` or ``.jsonl.gz``, read transparently; Hermes session files, state.db
-and exports, Claude Code traces and Atropos groups through their readers, ``hermes_lab.data.conv_ingest``; never
+and exports, Claude Code traces and Atropos groups through their readers, ``hermes_lab.prep.conversations``; never
 written, truncated or moved). Writes into prep's output
 dir, through temp files renamed into place at the end: ``accepted.jsonl``, ``negatives.jsonl``,
-``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.data.prep``); and, in a temp dir prep removes, the
-accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.data.distill``.
+``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.prep.run``); and, in a temp dir prep removes, the
+accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.prep.distill``.
 
-Two paths, chosen per input (``hermes_lab.data.readers.detect`` or ``conversations.format``): the seed's
-``{prompt, response, reward, task_id}`` lines are read a block at a time (``hermes_lab.data.columns.read_blocks``)
-and parsed and checked in columns (``hermes_lab.data.columns``, this class's mixin), the lines that need a rule
+Two paths, chosen per input (``hermes_lab.formats.readers.detect`` or ``conversations.format``): the seed's
+``{prompt, response, reward, task_id}`` lines are read a block at a time (``hermes_lab.prep.seed.read_blocks``)
+and parsed and checked in columns (``hermes_lab.prep.seed``, this class's mixin), the lines that need a rule
 one by one (``_line``); every other shape becomes a canonical conversation record
-(``hermes_lab.data.conversation``), rewarded and deduped exactly, nearly and by conversation_id
-(``hermes_lab.data.conv_ingest``, the other mixin; a large file's lines converted by worker processes). Its
+(``hermes_lab.formats.record``), rewarded and deduped exactly, nearly and by conversation_id
+(``hermes_lab.prep.conversations``, the other mixin; a large file's lines converted by worker processes). Its
 projection for the prompt tables is (first user message, final answer); its conversations/ row goes, as Arrow, in
 acceptance order, to the dataset's own shards (``conv_ingest.ConvRows``, in the temp dir until distill moves them
 into place), and the spill keeps its record's offset in its sink (a review pick is read back from there).
@@ -23,14 +23,14 @@ digest of (task_id, prompt, response), their lengths first, held in sorted numpy
 what is kept for the whole input is a handful of fixed-size fields per accepted record (reward, origin, family
 id, split, review rank (XXH3-64 of the same key, seeded with ``data.seed``), duplicate count: ~40 bytes).
 
-Validation, every field of every line: ``hermes_lab.data.lines`` (JSON, the seed record) and
-``hermes_lab.data.readers`` / ``hermes_lab.data.conversation`` (every other shape); a bad line is a reject with
+Validation, every field of every line: ``hermes_lab.formats.lines`` (JSON, the seed record) and
+``hermes_lab.formats.readers`` / ``hermes_lab.formats.record`` (every other shape); a bad line is a reject with
 its number and reason, never a traceback. A line (a seed record, or a conversation of a JSONL format) may carry
-its task's tests (``hermes_lab.data.lines.record_tests``): tests that do not parse reject the line ("bad
+its task's tests (``hermes_lab.formats.lines.record_tests``): tests that do not parse reject the line ("bad
 tests"), tests that do ride along, normalised, for the tests reward (the partitions' ``tests`` column; a
 conversation's record holds them as ``tests``, absent without any).
 
-Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.data.prep.run_prep``), not on its own.
+Run through ``hermes-lab prep --input FILE... --output DIR`` (``hermes_lab.prep.run.run_prep``), not on its own.
 """
 
 from __future__ import annotations
@@ -45,11 +45,8 @@ from typing import Any, BinaryIO
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
-from hermes_lab.data import readers
-from hermes_lab.data.columns import LINE_BITS, Corrupt, SeedColumns, read_blocks
-from hermes_lab.data.conv_ingest import BATCH_LINES, ConversationIngest, ConvRows
-from hermes_lab.data.conv_lines import RAW_KEEP, convert
-from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
+from hermes_lab.formats import readers
+from hermes_lab.formats.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
     REQUIRED,
     Bad,
@@ -63,8 +60,11 @@ from hermes_lab.data.lines import (  # noqa: F401  (re-exported: prep's and the 
     review_rank,
     split_of,
 )
-from hermes_lab.data.outcomes import JudgeQueue, load_feedback
-from hermes_lab.data.resources import trim_heap
+from hermes_lab.prep.conversation_worker import RAW_KEEP, convert
+from hermes_lab.prep.conversations import BATCH_LINES, ConversationIngest, ConvRows
+from hermes_lab.prep.outcomes import JudgeQueue, load_feedback
+from hermes_lab.prep.resources import trim_heap
+from hermes_lab.prep.seed import LINE_BITS, Corrupt, SeedColumns, read_blocks
 from hermes_lab.tasks import suite as tasks
 
 PROGRESS_MIN = 32 << 20  # show a tqdm bar for files from this size on
@@ -158,7 +158,7 @@ class Ingest(SeedColumns, ConversationIngest):
         # conversations/, its rows written as they are accepted (seq order; distill checks their split)
         self.conv_rows = ConvRows(tmp)
         self.committed: dict[str, Path] = {}
-        # the seed's fields as columns (hermes_lab.data.columns); task_id's type is read from the data
+        # the seed's fields as columns (hermes_lab.prep.seed); task_id's type is read from the data
         s = pa.string()
         self.seed_schema = pa.schema([("prompt", s), ("response", s), ("reward", pa.float64()), ("family", s)])
 
@@ -226,7 +226,7 @@ class Ingest(SeedColumns, ConversationIngest):
 
     # ---------------------------------------------------------------------------------------- scan
     def detect(self, path: Path) -> str:
-        """An input's format (``hermes_lab.data.readers.detect``) from what it is and its first JSON line."""
+        """An input's format (``hermes_lab.formats.readers.detect``) from what it is and its first JSON line."""
         fmt = readers.detect(path)
         if fmt != "seed":  # a folder, a SQLite store, a session file
             return fmt
@@ -315,7 +315,7 @@ class Ingest(SeedColumns, ConversationIngest):
                 detail = f"{line.total} bytes > data.max_line_bytes {cap}"
                 self._reject(st, lineno, "line too long", detail, line.head[:RAW_KEEP], raw_truncated=True)
             return
-        if ctx.conv is not None:  # a conversation's line: hermes_lab.data.conv_ingest
+        if ctx.conv is not None:  # a conversation's line: hermes_lab.prep.conversations
             self._take(ctx, lineno, convert(self.line_work(ctx), lineno, line, keep=self.judge is not None))
             return
         line = line.rstrip(b"\r")

@@ -1,8 +1,8 @@
 """The canonical conversation record: what every agent log becomes before prep distills it (stage: prep).
 
-Reads nothing and writes nothing itself: ``hermes_lab.data.readers`` turns each input shape (the seed's
+Reads nothing and writes nothing itself: ``hermes_lab.formats.readers`` turns each input shape (the seed's
 trajectories, OpenAI chat JSONL, Hermes ShareGPT trajectories, Hermes session JSON, Hermes ``state.db``) into
-this record, ``hermes_lab.data.ingest`` checks, dedupes and spills it, and prep writes the accepted ones to
+this record, ``hermes_lab.prep.ingest`` checks, dedupes and spills it, and prep writes the accepted ones to
 ``runs/round-NN/prep/accepted.jsonl`` (one record a line) and ``runs/round-NN/prep/conversations/`` (a
 Hugging Face dataset with the split and reward, ``CONVERSATION_FEATURES``). Run through ``hermes-lab prep``.
 
@@ -583,3 +583,8 @@ def dataset_schema() -> Any:
             ("meta", s),
         ]
     )
+
+
+def where(fmt: str, file: str, line: int | None = None, session: str | None = None) -> dict[str, Any]:
+    """Where a record came from: its format, file, line (a line format's) and session (a store's)."""
+    return {"format": fmt, "file": file, "line": line, "session": session}

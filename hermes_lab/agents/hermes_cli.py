@@ -46,8 +46,8 @@ from typing import Any
 from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import workspace as W
 
-HERMES_VERSION = "0.19.0"  # the pinned hermes-agent
-HERMES_MIN_CONTEXT = 64_000  # hermes-agent 0.19.0's MINIMUM_CONTEXT_LENGTH: a model stating less is refused
+HERMES_VERSION = H.HERMES_VERSION
+HERMES_MIN_CONTEXT = H.HERMES_MIN_CONTEXT
 DEFAULT_TOOLSETS = ("terminal", "file")
 SUCCESS = 3.0  # reward at or above: the task is done (the suite's threshold)
 TIMEOUT_EXIT = 124  # the exit code of a run killed at its timeout (as timeout(1) says it)

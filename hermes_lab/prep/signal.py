@@ -10,7 +10,7 @@ reward the log carried; ``feedback:*``: a verifier's or a person's, joined by co
 ``atropos``) and differs from another such reward of its task: GRPO's advantage is the reward less its group's
 mean, so a group paid the same everywhere teaches nothing, and an A/B on that score compares two constants.
 Tasks with one rewarded conversation (most agent logs: every session its own prompt) are compared with each
-other, as one group. The outcome rules (``reward_source: outcome``, ``hermes_lab.data.outcomes``) check nothing:
+other, as one group. The outcome rules (``reward_source: outcome``, ``hermes_lab.prep.outcomes``) check nothing:
 they say how a run ended ("completed" is not success), so their rewards never count as signal, whatever they pay.
 
 Below ``conversations.min_signal_share`` of the accepted conversations with a signal, the verdict is

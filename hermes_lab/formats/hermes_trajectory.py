@@ -1,258 +1,42 @@
-"""Every input shape prep reads, detected, and the line formats as canonical conversation records (stage: prep).
+"""The Hermes Agent's ShareGPT trajectories as canonical conversation records (stage: prep, format
+``hermes_trajectory``).
 
-Reads, never writes: the files and folders given to ``hermes-lab prep --input`` (with ``--format`` or
-``conversations.format`` to force a shape; ``auto`` detects it per input, by what it is and its first JSON line):
-
-  seed               JSONL of ``{"prompt", "response", "reward", "task_id"}`` (``hermes_lab.data.ingest``'s fast path)
-  openai             JSONL of ``{"messages": [...], "tools": [...]}`` (OpenAI fine-tuning, TRL's conversational
-                     datasets, most agent frameworks; also ``{"prompt": [...], "completion": [...]}`` and prep's
-                     own accepted records)
-  hermes_trajectory  the Hermes Agent's ShareGPT trajectories: ``run_agent.py --save_trajectories``'s
-                     ``trajectory_samples.jsonl`` / ``failed_trajectories.jsonl``, its batch runner's
-                     ``trajectories.jsonl``, the trajectory compressor's output; ``.jsonl`` or ``.jsonl.gz``
-  hermes_session     ``$HERMES_HOME/sessions/session_<id>.json`` files, or a folder of them
-  hermes_state       ``$HERMES_HOME/state.db`` (SQLite, opened read-only)    (both: ``hermes_lab.data.hermes_store``)
-  hermes_export      ``hermes sessions export out.jsonl``                     (``hermes_lab.data.hermes_store``)
-  claude_code        Claude Code / Agent Trace JSONL: ``hermes sessions export out.jsonl --format trace``, Claude
-                     Code's ``~/.claude/projects/<project>/`` (a file, or a folder: sessions across its files)
-                                                                              (``hermes_lab.data.traces``)
-  atropos            Atropos scored groups: an atroposlib environment's ``process`` mode output
-                                                                              (``hermes_lab.data.atropos``)
-
-A folder given as an input is read whole (``folder_inputs``): a folder of ``session_*.json`` is one hermes_session
-input, a gateway log dir is joined as before, and any other folder stands for what it holds: each JSONL file
-(``.jsonl``, ``.jsonl.gz``) and SQLite store under it an input of its own, detected per file, except Claude Code
-traces, which are one input (the folder: a session's lines may sit in several files, its sub-agents in a
-``subagents/`` folder).
-
-The line formats (seed, openai, hermes_trajectory) are read (bounded, validated JSON) by the ingest, which hands
-each object to ``parse_line``; the other formats yield whole records. A malformed conversation raises
-``conversation.Invalid`` (reason + the turn or message at fault), which the ingest turns into a rejected line
-(file, line or session id, reason, detail, raw).
-
-    hermes-lab prep --input trajectory_samples.jsonl failed_trajectories.jsonl ~/.hermes/state.db --output DIR
+Reads, never writes: ``run_agent.py --save_trajectories``'s ``trajectory_samples.jsonl`` /
+``failed_trajectories.jsonl``, its batch runner's ``trajectories.jsonl`` and the trajectory compressor's output, one
+``{"conversations": [{"from", "value"}], ...}`` a line, handed over by the ingest
+(``hermes_lab.formats.readers.parse_line``): the Hermes function-calling format, ``<tools>`` in the system turn,
+``<think>`` / ``<tool_call>`` in the assistant's text, ``<tool_response>`` in tool turns. Atropos groups and Hermes's
+session stores read their messages with ``trajectory_messages`` and ``system_tools``. A malformed line raises
+``record.Invalid``. Run through ``hermes-lab prep``.
 """
 
 from __future__ import annotations
 
 import functools
-import gzip
 import hashlib
 import json
 import re
-import zlib
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
-from hermes_lab.core.layout import REQUESTS
-from hermes_lab.data.conversation import (
+from hermes_lab.formats.openai_chat import tools_of
+from hermes_lab.formats.record import (
     Invalid,
     arguments_text,
-    check_messages,
     final_answer,
     is_tool_error,
     make_record,
     outcome_of,
     task_prompt_of,
     text_of,
-    tool_schema,
+    where,
 )
-from hermes_lab.data.lines import BOM, decode, is_gzip
 
-JSONL_FORMATS = ("seed", "openai", "hermes_trajectory")
-RECORD_FORMATS = ("hermes_session", "hermes_state", "hermes_export", "claude_code", "atropos")
-SQLITE_MAGIC = b"SQLite format 3\x00"
-SESSION_GLOB = "session_*.json"
-GATEWAY_REQUESTS = REQUESTS  # hermes_lab.data.gateway's: a folder holding it is a gateway log dir
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 HERMES_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
-TRACE_META_TYPES = ("summary", "file-history-snapshot", "queue-operation")  # Claude Code lines outside the chain
-DETECT_LINES = 100  # lines read at most for an input's first JSON object
 
 
-# ------------------------------------------------------------------------------------------ detection
-def detect(path: Path, first_object: Any = None) -> str:
-    """The format of one input: a folder (of session files, else of traces), a SQLite file, a session JSON file,
-    or JSONL whose first object says which (``first_object``: its first line that is a JSON object)."""
-    if path.is_dir():
-        return "hermes_session" if any(path.glob(SESSION_GLOB)) else "claude_code"
-    with open(path, "rb") as f:
-        head = f.read(16)
-    if head == SQLITE_MAGIC:
-        return "hermes_state"
-    if path.suffix == ".json":  # one JSON document, not lines: a session snapshot
-        return "hermes_session"
-    obj = first_object
-    if not isinstance(obj, dict) or isinstance(obj.get("prompt"), str):
-        return "seed"  # a text prompt is the seed's record, whatever else the line carries (a gateway log's messages)
-    if "conversations" in obj:
-        return "hermes_trajectory"
-    if is_trace_line(obj):
-        return "claude_code"
-    if isinstance(obj.get("scores"), list) and ("tokens" in obj or "messages" in obj):
-        return "atropos"  # atroposlib's ScoredDataGroup
-    if isinstance(obj.get("messages"), list) and "system_prompt" in obj and "started_at" in obj:
-        return "hermes_export"  # the sessions table's row and its messages
-    if "messages" in obj or (isinstance(obj.get("prompt"), list) and isinstance(obj.get("completion"), list)):
-        return "openai"
-    return "seed"
-
-
-def is_trace_line(obj: dict[str, Any]) -> bool:
-    """A Claude Code / Agent Trace line: a message of the uuid / parentUuid chain, or one of its meta lines."""
-    if isinstance(obj.get("sessionId"), str) and "uuid" in obj and "parentUuid" in obj:
-        return True
-    return obj.get("type") in TRACE_META_TYPES and ("leafUuid" in obj or "messageId" in obj or "operation" in obj)
-
-
-def first_object(path: Path, cap: int) -> Any:
-    """The first line of a JSONL file that is a JSON object (a torn first line says nothing), or None."""
-    with open(path, "rb") as raw_f:
-        f: BinaryIO = gzip.GzipFile(fileobj=raw_f, mode="rb") if is_gzip(path) else raw_f  # type: ignore[assignment]
-        for _ in range(DETECT_LINES):
-            try:
-                raw = f.readline(cap + 1)
-            except (OSError, EOFError, zlib.error):  # the scan reports it
-                return None
-            if not raw:
-                return None
-            try:
-                obj = decode(raw.strip().removeprefix(BOM).decode("utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(obj, dict):
-                return obj
-    return None
-
-
-def folder_inputs(path: Path, cap: int, skip: Path | None = None) -> list[Path]:
-    """The inputs a folder stands for (see the module docstring), in name order: session folders, gateway log
-    dirs, JSONL files and SQLite stores under it, and the folder itself when Claude Code traces are among them.
-    Hidden entries and ``skip`` (prep's output dir) are left out."""
-    if any(path.glob(SESSION_GLOB)) or (path / GATEWAY_REQUESTS).is_file():
-        return [path]
-    out: list[Path] = []
-    traces = False
-    for p in _walk(path, skip):
-        if p.is_dir() or _is_sqlite(p):
-            out.append(p)
-        elif detect(p, first_object(p, cap)) == "claude_code":
-            traces = True
-        else:
-            out.append(p)
-    return [*out, path] if traces else out
-
-
-def trace_files(path: Path, cap: int) -> list[Path]:
-    """The Claude Code trace files of a folder input (every depth), in name order; a file: itself."""
-    if not path.is_dir():
-        return [path]
-    return [
-        p
-        for p in _walk(path, None)
-        if p.is_file() and not _is_sqlite(p) and detect(p, first_object(p, cap)) == "claude_code"
-    ]
-
-
-def _walk(path: Path, skip: Path | None) -> list[Path]:
-    """Session folders and gateway log dirs (not descended), JSONL files and SQLite stores under ``path``."""
-    found: list[Path] = []
-    for p in sorted(path.iterdir()):
-        if p.name.startswith(".") or (skip is not None and p.resolve() == skip.resolve()):
-            continue
-        if p.is_dir():
-            if any(p.glob(SESSION_GLOB)) or (p / GATEWAY_REQUESTS).is_file():
-                found.append(p)
-            else:
-                found += _walk(p, skip)
-        elif p.is_file() and (p.name.endswith(JSONL_SUFFIXES) or _is_sqlite(p)):
-            found.append(p)
-    return found
-
-
-def _is_sqlite(p: Path) -> bool:
-    if p.suffix not in (".db", ".sqlite", ".sqlite3"):
-        return False
-    with open(p, "rb") as f:
-        return f.read(16) == SQLITE_MAGIC
-
-
-def where(fmt: str, file: str, line: int | None = None, session: str | None = None) -> dict[str, Any]:
-    return {"format": fmt, "file": file, "line": line, "session": session}
-
-
-# ------------------------------------------------------------------------------------------ JSONL lines
-def parse_line(obj: Any, fmt: str, file: str, line: int, scale: float, max_chars: int) -> dict[str, Any]:
-    """One JSONL object of an openai or hermes_trajectory file as a record; Invalid names what is wrong."""
-    if type(obj) is not dict:
-        raise Invalid("not a JSON object", f"got a JSON {type(obj).__name__}")
-    if fmt == "hermes_trajectory":
-        return from_trajectory(obj, file, line, max_chars)
-    return from_openai(obj, file, line, scale, max_chars)
-
-
-def _reward(obj: dict[str, Any], scale: float) -> tuple[float | None, str | None]:
-    r = obj.get("reward")
-    if r is None:
-        return None, None
-    if type(r) is not float and type(r) is not int:
-        raise Invalid("reward not a number", f"reward is {json.dumps(r)[:40]}")
-    if not 0 <= r <= scale:
-        raise Invalid("reward out of range", f"reward {r} outside 0..{scale:g}")
-    src = obj.get("reward_source")
-    return float(r), src if isinstance(src, str) and src else "log"
-
-
-def tools_of(raw: Any, at: str) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if isinstance(raw, str):  # a JSON text column (prep's own conversations dataset)
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            raise Invalid("bad tool schema", f"{at}tools is text that is not JSON") from None
-    if not isinstance(raw, list):
-        raise Invalid("bad tool schema", f"{at}tools is not a list")
-    return [tool_schema(t, f"{at}tool {k}") for k, t in enumerate(raw)]
-
-
-def from_openai(obj: dict[str, Any], file: str, line: int | None, scale: float, max_chars: int) -> dict[str, Any]:
-    """``{"messages", "tools"?, "id" | "conversation_id"?, "task_id"?, "reward"?, "model"?, ...}``."""
-    raw = obj.get("messages")
-    if raw is None and isinstance(obj.get("prompt"), list):  # TRL's conversational prompt / completion
-        raw = obj["prompt"] + (obj.get("completion") or [])
-    if raw is None:
-        raise Invalid("missing field 'messages'", f"present: {', '.join(list(obj)[:12])}")
-    msgs = check_messages(raw, max_chars)
-    tools = tools_of(obj.get("tools"), "")
-    reward, rsrc = _reward(obj, scale)
-    logged = obj.get("outcome") if isinstance(obj.get("outcome"), dict) else {}
-    signals = {k: obj.get(k, logged.get(k)) for k in ("completed", "partial", "end_reason", "api_calls")}
-    signals = {k: v for k, v in signals.items() if v is not None}
-    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
-    if isinstance(obj.get("source"), dict):
-        meta = {**meta, "logged_source": obj["source"]}
-    return make_record(
-        msgs,
-        tools,
-        where("openai", file, line),
-        conversation_id=obj.get("conversation_id") or obj.get("id"),
-        task_id=obj.get("task_id"),
-        model=obj.get("model"),
-        started_at=obj.get("started_at") or obj.get("timestamp"),
-        ended_at=obj.get("ended_at"),
-        outcome=outcome_of(msgs, tools, **signals),
-        reward=reward,
-        reward_source=rsrc,
-        family=obj.get("family"),
-        parent_conversation_id=obj.get("parent_conversation_id"),
-        meta=meta,
-    )
-
-
-# ------------------------------------------------------------------------------------- Hermes ShareGPT
 @functools.lru_cache(maxsize=8)
 def _tags(kinds: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("<(/?)(" + "|".join(map(re.escape, kinds)) + ")>")
@@ -347,7 +131,7 @@ def trajectory_messages(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]
 
 
 def _trajectory(turns: Any, max_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """``trajectory_messages`` and the tool errors among its results (``conversation.is_tool_error``'s count,
+    """``trajectory_messages`` and the tool errors among its results (``record.is_tool_error``'s count,
     taken on each result as parsed: its content is not read a second time)."""
     if not isinstance(turns, list) or not turns:
         raise Invalid("empty conversation", "conversations must be a non-empty list of turns")
@@ -441,7 +225,7 @@ def _dict_error(obj: dict[str, Any]) -> bool:
 
 
 def _checked(msgs: list[dict[str, Any]], max_chars: int) -> list[dict[str, Any]]:
-    """``conversation.check_messages`` of the messages ``_trajectory`` built: the same messages and the same
+    """``record.check_messages`` of the messages ``_trajectory`` built: the same messages and the same
     refusals (an over-long result's text, a result no open call has, no user or assistant turn), without the
     checks their construction already made (roles, types, the calls' names and arguments)."""
     out: list[dict[str, Any]] = []

@@ -17,7 +17,7 @@ conversation, mixed at ``serve.agent_share`` (``--agent-share``):
   workspace holds afterwards and of the final answer posted under the conversation id.
 
 With ``--runner hermes`` the agent episodes are the real Hermes Agent's: its own loop (``run_agent.AIAgent``) and
-tools, many tasks per sandboxed process (``hermes_lab.agents.hermes``: each task confined to its own workspace),
+tools, many tasks per sandboxed process (``hermes_lab.agents.hermes_loop``: each task confined to its own workspace),
 one process per conversation in flight; each run is filed under the conversation id it sends and the verifier's
 score of its workspace and final answer is posted as that conversation's feedback. The pinned hermes-agent's
 virtualenv is made on first use (from the package registry).
@@ -194,7 +194,7 @@ def run_agent(
 
     def hermes_loop() -> Any:
         """A Hermes runner's process from the pool, or a new one (its own folder under ``root_dir``)."""
-        from hermes_lab.agents import hermes as HL
+        from hermes_lab.agents import hermes_loop as HL
 
         try:
             return loops.get_nowait()
@@ -381,7 +381,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from hermes_lab.core.command import run_module
 
-    return run_module("hermes_lab.live.agent", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
+    return run_module("hermes_lab.agents.standin", add_arguments, run_cli, argv, description=__doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Distill stage (``hermes-lab prep``): what prep takes from the machine, shared by its parts.
 
 Worker processes: ``usable_cores`` (how many help) and ``ForkPool`` (the conversation workers of
-``hermes_lab.data.conv_ingest``, distill's review workers). Memory: ``arrow_pool`` (where prep's Arrow buffers come
-from, set by ``hermes_lab.data.prep``) and ``trim_heap`` (the C heap's free pages given back between blocks and
+``hermes_lab.prep.conversations``, distill's review workers). Memory: ``arrow_pool`` (where prep's Arrow buffers come
+from, set by ``hermes_lab.prep.run``) and ``trim_heap`` (the C heap's free pages given back between blocks and
 partitions: peak RSS counts them). Reads and writes nothing.
 
-Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
+Run through ``hermes-lab prep`` (``hermes_lab.prep.run.run_prep``), not on its own.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ log by conversation (``conversation_id``; a log from before conversations: one p
   unrewarded.
 - every other conversation (several turns, tools offered or called) is reassembled whole into
   ``<name>.conversations.jsonl``, one OpenAI-shaped line per conversation that prep's conversation reader
-  turns into the canonical record (``hermes_lab.data.conversation``): the turns' new messages and answers in
+  turns into the canonical record (``hermes_lab.formats.record``): the turns' new messages and answers in
   order (a failed turn's are left out: its retry re-sends them; a turn that re-sends an earlier point of the
   conversation replaces what followed it), the tools from ``tools.jsonl``, the feedback on the conversation
   (by its id or any of its request ids) as the reward (``feedback:<source>``), else none (prep's outcome
@@ -32,7 +32,7 @@ log by conversation (``conversation_id``; a log from before conversations: one p
 A live round's data (``execute.source: live``): ``runs/round-NN/trajectories.jsonl`` is the gateway log
 ``execute.live_dir`` (empty: the live experiment of the previous round, ``runs/live/round-<NN-1>``) joined with
 its feedback, the join's files kept in ``runs/round-NN/live/``. Round 1 has no previous round and no traffic
-yet: with ``live_dir`` empty it executes the embedded tasks (``hermes_lab.data.execute`` says so).
+yet: with ``live_dir`` empty it executes the embedded tasks (``hermes_lab.agents.execute`` says so).
 
     hermes-lab prep --input runs/live/tiny-vs-round-01 --output runs/round-02/prep
 """

@@ -1,4 +1,4 @@
-"""Rewards for conversations whose logs carry none (stage: prep, through ``hermes_lab.data.ingest``).
+"""Rewards for conversations whose logs carry none (stage: prep, through ``hermes_lab.prep.ingest``).
 
 Agent logs (Hermes trajectories, sessions, state.db, most OpenAI chat exports) store no reward. In this order,
 the first that applies sets a conversation's reward and names itself in ``reward_source``:
@@ -18,7 +18,7 @@ the first that applies sets a conversation's reward and names itself in ``reward
 failed, tool errors), so by default a completed run is paid half marks (``completed_reward`` 0.5: 2.5 of 5, below
 ``reward.success_threshold``), never a success and never above a verified one; a verifier, feedback, tests or the
 judge pays the rest. ``paying_for`` is the line prep and the round print first about it. Rewards of the outcome
-rules alone carry no learning signal (``hermes_lab.data.signal``: prep's ``learning_signal`` gate stops a round
+rules alone carry no learning signal (``hermes_lab.prep.signal``: prep's ``learning_signal`` gate stops a round
 whose conversations nothing but them rewarded). For the local judge, a reference answer that only the outcome
 rules scored and that completed is a reference of unknown worth (compared by similarity, as a passing one), not
 a failure.
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.data.conversation import final_answer, task_prompt_of
+from hermes_lab.formats.record import final_answer, task_prompt_of
 
 JUDGE_BATCH = 256
 

@@ -1,6 +1,6 @@
-"""Distill stage, part 1 (``hermes_lab.data.ingest``): one conversation line's conversion, the ingest's worker side.
+"""Distill stage, part 1 (``hermes_lab.prep.ingest``): one conversation line's conversion, the ingest's worker side.
 
-Reads a line of a conversation JSONL format (or, in a forked worker process of ``hermes_lab.data.conv_ingest``,
+Reads a line of a conversation JSONL format (or, in a forked worker process of ``hermes_lab.prep.conversations``,
 its own byte range of a plain file, ``os.pread``), and makes every check on it: decoding (``lines.fast_decode``,
 the exact decoder for what orjson may not read), the format's record (``readers.parse_line``), its tests, its
 reward (``outcomes.assign_reward``). Gives, per line, a blank, a reject with its reason, a record for the judge, or
@@ -8,7 +8,7 @@ a batch item: the record's JSON text, its projection for the prompt tables (firs
 the fixed-size fields, its exact / near / conversation_id digests (XXH3-128) and its conversations/ row (a worker
 builds its task's rows as one Arrow table, sent back as an IPC stream). Writes nothing.
 
-Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
+Run through ``hermes-lab prep`` (``hermes_lab.prep.run.run_prep``), not on its own.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 import orjson
 from xxhash import xxh3_128_digest
 
-from hermes_lab.data import readers
-from hermes_lab.data.conversation import (
+from hermes_lab.formats import readers
+from hermes_lab.formats.lines import EXACT, decode_exact, fast_decode, known_text, record_tests
+from hermes_lab.formats.record import (
     Invalid,
     content_digest,
     dataset_schema,
@@ -33,8 +34,7 @@ from hermes_lab.data.conversation import (
     review_key,
     task_prompt_of,
 )
-from hermes_lab.data.lines import EXACT, decode_exact, fast_decode, known_text, record_tests
-from hermes_lab.data.outcomes import assign_reward
+from hermes_lab.prep.outcomes import assign_reward
 
 RAW_KEEP = 4096  # bytes of a rejected record's raw text kept when it is cut
 RAW_MAX = 1 << 20  # a rejected record's raw text past this is cut, whatever the reason
@@ -228,7 +228,7 @@ def conv_item(lineno: int | None, rec: dict[str, Any], as_dict: bool = False) ->
 
 
 def _text(v: Any, same: Any = None) -> bytes:
-    """``conversation.record_text`` as UTF-8 bytes (what the sinks and the spill take), the U+2028 / U+2029 test
+    """``record.record_text`` as UTF-8 bytes (what the sinks and the spill take), the U+2028 / U+2029 test
     made on orjson's bytes; ``same``: what orjson writes as ``v`` (a record with its tools as a fragment)."""
     try:
         data = orjson.dumps(v if same is None else same)
@@ -241,7 +241,7 @@ def _text(v: Any, same: Any = None) -> bytes:
 
 
 def digests(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[bytes, bytes]:
-    """(exact, near) 16-byte digests of what was said, as ``conversation.content_digest`` defines them (exact: roles,
+    """(exact, near) 16-byte digests of what was said, as ``record.content_digest`` defines them (exact: roles,
     text, reasoning, call ids and arguments, the schemas; near: the exchange up to whitespace, case, reasoning,
     call ids, system prompt and schemas), in one pass: XXH3-128 of the parts as JSON (unambiguous, C-fast)."""
     exact, near = [], []
@@ -307,8 +307,8 @@ _SYSTEM: list[tuple[str, Any]] = []  # (text, kept alive; its orjson text as a f
 
 def _system_frag(text: str) -> Any:
     """orjson's text of a system message as a fragment of a record's or a digest's text, once per string object:
-    the lines of a Hermes run share one system turn (``readers._trajectory`` gives them one stripped text), ~70%
-    of a line's bytes, which the record text and the exact digest would otherwise encode again each line."""
+    the lines of a Hermes run share one system turn (``hermes_trajectory._trajectory`` gives them one stripped
+    text), ~70% of a line's bytes, which the record text and the exact digest would otherwise encode again each line."""
     for t, f in _SYSTEM:
         if t is text:
             return f

@@ -1,6 +1,6 @@
 """The Hermes Agent's own stores and exports as canonical conversation records (stage: prep).
 
-Reads, never writes (through ``hermes-lab prep --input``; ``hermes_lab.data.ingest`` calls these):
+Reads, never writes (through ``hermes-lab prep --input``; ``hermes_lab.prep.ingest`` calls these):
 
   hermes_session   ``$HERMES_HOME/sessions/session_<id>.json`` snapshots (written with
                    ``sessions.write_json_snapshots: true``), or a folder of them: system prompt, tools, messages
@@ -35,10 +35,12 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.data.conversation import Invalid, check_messages, make_record, outcome_of
-from hermes_lab.data.grouping import Bad, Kept, read_lines
-from hermes_lab.data.lines import lone_surrogate
-from hermes_lab.data.readers import SESSION_GLOB, system_tools, tools_of, where
+from hermes_lab.formats.grouping import Bad, Kept, read_lines
+from hermes_lab.formats.hermes_trajectory import system_tools
+from hermes_lab.formats.lines import lone_surrogate
+from hermes_lab.formats.openai_chat import tools_of
+from hermes_lab.formats.readers import SESSION_GLOB
+from hermes_lab.formats.record import Invalid, check_messages, make_record, outcome_of, where
 
 JSON_PREFIX = "\x00json:"  # hermes_state.SessionDB._CONTENT_JSON_PREFIX: list / dict content stored as JSON
 MESSAGE_COLUMNS = (

@@ -1,8 +1,8 @@
-"""Distill stage, the human review sample (``hermes_lab.data.distill``): which records go to review and their
+"""Distill stage, the human review sample (``hermes_lab.prep.distill``): which records go to review and their
 items as lines of ``review_queue.jsonl``.
 
 Reads the ingest's columns (``review_selection``: each family's share of the sample, by the records' seeded
-review rank) and the picked records' text; writes nothing itself: ``hermes_lab.data.distill.Distill`` writes the
+review rank) and the picked records' text; writes nothing itself: ``hermes_lab.prep.distill.Distill`` writes the
 lines it builds (``review_lines`` for a partition's picks, a conversation with its messages and tools;
 ``seed_review_lines`` for seed records, in columns) through its sorted spill. The review stage reads them
 (``notebooks/15_review_gate.ipynb``).
@@ -16,8 +16,8 @@ import hashlib
 import json
 from typing import Any
 
-from hermes_lab.data.conversation import record_of, review_key
-from hermes_lab.data.ingest import review_id
+from hermes_lab.formats.record import record_of, review_key
+from hermes_lab.prep.ingest import review_id
 from hermes_lab.tasks import suite as tasks
 
 

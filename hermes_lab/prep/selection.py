@@ -1,6 +1,6 @@
-"""Prep's GRPO prompt selection (``data.select``) and its report (stage: prep, through ``hermes_lab.data.distill``).
+"""Prep's GRPO prompt selection (``data.select``) and its report (stage: prep, through ``hermes_lab.prep.distill``).
 
-Reads nothing itself: ``hermes_lab.data.distill`` hands it each partition's prompt groups; writes the rows it
+Reads nothing itself: ``hermes_lab.prep.distill`` hands it each partition's prompt groups; writes the rows it
 leaves out into the left_out spill, and ``selection_report`` / ``plot_selection`` make ``selection.json`` and
 ``plots/selection_by_family.png`` in prep's output dir. ``gain_by_family`` joins a round's selection with its
 held-out gain (``hermes-lab round``'s compare stage).

@@ -1,10 +1,10 @@
-"""Distill stage, part 1 (``hermes_lab.data.ingest``), the seed's lines in columns: prep at the speed of reading them.
+"""Distill stage, part 1 (``hermes_lab.prep.ingest``), the seed's lines in columns: prep at the speed of reading them.
 
 Reads the seed's JSONL (``{prompt, response, reward, task_id}`` a line, ``.jsonl`` or ``.jsonl.gz``) a block of
 lines at a time (``read_blocks``: ``BLOCK_BYTES``, a line over ``data.max_line_bytes`` never held whole) and
 parses each block with Arrow's JSON reader into columns (``pyarrow.json``: C++, on both cores), then checks the
 columns at once (numpy, Arrow compute); only the lines that need a rule go through the per-line path of
-``hermes_lab.data.ingest`` (``lines.decode`` and ``check_record``), which names every reject exactly as before.
+``hermes_lab.prep.ingest`` (``lines.decode`` and ``check_record``), which names every reject exactly as before.
 Writes what the ingest writes (sinks, columns, partitions), in line order: a run of column rows and the per-line
 lines between them are flushed in turn.
 
@@ -16,7 +16,7 @@ with over 500 brackets (nesting Python refuses past ~990), one of a negative fil
 added per line); a row whose prompt, response, reward or task_id is missing, of the wrong type, empty or out of
 range, or that carries tests (``lines.record_tests`` parses them). A blank line is counted, not read.
 
-Run through ``hermes-lab prep`` (``hermes_lab.data.prep.run_prep``), not on its own.
+Run through ``hermes-lab prep`` (``hermes_lab.prep.run.run_prep``), not on its own.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 
 from xxhash import xxh3_64_intdigest
 
-from hermes_lab.data.lines import TEST_FIELDS, split_of
-from hermes_lab.data.resources import arrow_pool, trim_heap
+from hermes_lab.formats.lines import TEST_FIELDS, split_of
+from hermes_lab.prep.resources import arrow_pool, trim_heap
 from hermes_lab.tasks import suite as tasks
 
 BLOCK_BYTES = 2 << 20  # bytes read and parsed at once (4 MiB: ~10 MiB more peak RSS at 1M records, ~3% less CPU)

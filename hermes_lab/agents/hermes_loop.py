@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from hermes_lab.agents import hermes_cli as HA
 from hermes_lab.tasks import hermes as H
-from hermes_lab.tasks import hermes_agent as HA
 from hermes_lab.tasks import workspace as W
 
 DRIVER = Path(__file__).with_name("hermes_driver.py")

@@ -23,7 +23,7 @@ one message, and harness lines (``isMeta``) are left out. The trace holds no sys
 Rejected, by line: a line that is no JSON object, or a message line without its sessionId / uuid. By session
 (its id and the line at fault named): a chain that breaks (a parentUuid that no line of the session holds, as
 when a line is torn or the session continues in a file not given, or a cycle), an unknown content block type, a
-message longer than ``conversations.max_message_chars``, and whatever ``conversation.check_messages`` refuses
+message longer than ``conversations.max_message_chars``, and whatever ``record.check_messages`` refuses
 (a tool result without its call, ...).
 
     hermes-lab prep --input ~/.claude/projects/-home-me-myproject traces/ --output DIR
@@ -36,9 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.data.conversation import Invalid, check_messages, is_tool_error, make_record, outcome_of
-from hermes_lab.data.grouping import Bad, Kept, read_lines
-from hermes_lab.data.readers import where
+from hermes_lab.formats.grouping import Bad, Kept, read_lines
+from hermes_lab.formats.record import Invalid, check_messages, is_tool_error, make_record, outcome_of, where
 
 MESSAGE_TYPES = ("user", "assistant")
 

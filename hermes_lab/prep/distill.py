@@ -1,13 +1,13 @@
-"""Distill stage, part 2 (``hermes_lab.data.prep``): from the ingested records to the GRPO / held-out prompt sets, the
+"""Distill stage, part 2 (``hermes_lab.prep.run``): from the ingested records to the GRPO / held-out prompt sets, the
 outlier report and the human review sample, in bounded memory.
 
-Reads what ``hermes_lab.data.ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
+Reads what ``hermes_lab.prep.ingest.Ingest`` left: the fixed-size columns (reward, origin, family id, split,
 negative, review rank; indexed by the record's seq number, its order of acceptance) and the text spill,
 partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldout_dataset/``,
 ``conversations/``, ``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl`` (contents in
-``hermes_lab.data.prep``'s docstring); ``data.select`` weighs the prompt rows (``hermes_lab.data.selection``).
+``hermes_lab.prep.run``'s docstring); ``data.select`` weighs the prompt rows (``hermes_lab.prep.selection``).
 
-A conversation (a record that came in as one, ``hermes_lab.data.conversation``) joins the prompt tables as its
+A conversation (a record that came in as one, ``hermes_lab.formats.record``) joins the prompt tables as its
 projection (first user message, final answer) and keeps its whole record: a row of ``conversations/`` with
 its split (the prompt tables' rule: its task_id's, or held out with its prompt) and reward, and, when the
 review sample picks it, a review item holding its messages and tools (the label is the conversation's).
@@ -35,12 +35,12 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
-from hermes_lab.data import review_sample
-from hermes_lab.data.columns import LINE_BITS, values_of
-from hermes_lab.data.conversation import dataset_schema
-from hermes_lab.data.resources import ForkPool, trim_heap, usable_cores
-from hermes_lab.data.review_sample import conversation_review_lines, seed_review_lines
-from hermes_lab.data.selection import Selection
+from hermes_lab.formats.record import dataset_schema
+from hermes_lab.prep import review_sample
+from hermes_lab.prep.resources import ForkPool, trim_heap, usable_cores
+from hermes_lab.prep.review_sample import conversation_review_lines, seed_review_lines
+from hermes_lab.prep.seed import LINE_BITS, values_of
+from hermes_lab.prep.selection import Selection
 
 ROW_BATCH = 65536
 LINE_MASK = (1 << LINE_BITS) - 1

@@ -2,7 +2,7 @@
 
 Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
 ``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), or agent
-conversations in any shape ``hermes_lab.data.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
+conversations in any shape ``hermes_lab.formats.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
 trajectories, session files or folder, state.db; detected per input or ``--format``), the
 trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``),
 feedback files (``--feedback``, ``conversations.feedback``) and the state's last training time. Inputs are
@@ -10,7 +10,7 @@ only ever read. Writes into the output dir (``runs/round-NN/prep/`` by conventio
 file renamed into place:
 
   accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped);
-                      a conversation as its canonical record (hermes_lab.data.conversation), reward included
+                      a conversation as its canonical record (hermes_lab.formats.record), reward included
   negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
                       (a conversation also says its kind, exact, near or id, and its conversation_id)
@@ -24,7 +24,7 @@ file renamed into place:
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
                       (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
-                      (hermes_lab.data.conversation.dataset_schema). A conversation's row in the prompt sets is
+                      (hermes_lab.formats.record.dataset_schema). A conversation's row in the prompt sets is
                       its (first user message, final answer), and the tests its line carried (null without)
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
@@ -38,7 +38,7 @@ Counts, per file and in total: ``lines = blank + read`` and ``read = accepted + 
 (prompt, response, task_id) was already accepted from any file, inputs first, then negatives).
 ``new_samples`` = accepted lines of the --input files: the min_samples gate counts those.
 
-Decisions: every field of every line is validated (``hermes_lab.data.ingest``: bad UTF-8, NaN/Infinity,
+Decisions: every field of every line is validated (``hermes_lab.prep.ingest``: bad UTF-8, NaN/Infinity,
 numbers that overflow or cannot be converted, duplicate keys, lone surrogates anywhere, wrong types; each a
 rejected line with its number and reason). A line over ``data.max_line_bytes`` (16 MiB) is rejected as
 "line too long" without being held in memory (rejects.jsonl keeps its first 4 KiB). Rewards outside
@@ -47,11 +47,11 @@ z-score ``(r - median) / (1.4826 * MAD)`` (MeanAD * 1.2533 when MAD is 0) beyond
 reward: listed, counted and kept, never dropped. The split hashes the task_id, so a task (and every prompt
 seen under a held-out task_id) lands in one set only. Negative prompts carry ``weight = data.negative_weight``
 (1 otherwise); ``data.select: mixed`` weighs prompts by their group outcome, every logged sample of a prompt
-text being one group (``hermes_lab.data.selection.Selection``); ``expand_by_weight(ds)`` repeats the rows.
+text being one group (``hermes_lab.prep.selection.Selection``); ``expand_by_weight(ds)`` repeats the rows.
 Free text that becomes an identifier (a family in a plot label or a metric name) is made safe where it is
 used (``hermes_lab.core.jsonl.safe_name``); the data keeps it.
 
-Memory: prep streams (``hermes_lab.data.ingest``, ``hermes_lab.data.distill``); record text is held within
+Memory: prep streams (``hermes_lab.prep.ingest``, ``hermes_lab.prep.distill``); record text is held within
 ``data.memory_budget_mb``, plus ~64 bytes of fixed-size fields per accepted record. An input that is one of
 prep's own outputs (``--input D/accepted.jsonl --output D``) is refused before anything is opened.
 Exit codes: 0 ok, 2 bad input (PrepError), 3 a gate refused (GateRefused); summary.json is written in all three.
@@ -83,14 +83,14 @@ from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, STOP_NO_SIGNAL, gate, write_verdict
-from hermes_lab.data.conversation import FORMATS
-from hermes_lab.data.gateway import describe_gateway, expand_inputs
-from hermes_lab.data.ingest import LINE_BITS, SINKS, Ingest, estimated_size
-from hermes_lab.data.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
-from hermes_lab.data.inputs import PrepError, expand_folders, resolve_inputs
-from hermes_lab.data.outcomes import paying_for, plot_conversations
-from hermes_lab.data.resources import arrow_pool
-from hermes_lab.data.signal import describe_signal, learning_signal
+from hermes_lab.formats.gateway import describe_gateway, expand_inputs
+from hermes_lab.formats.record import FORMATS
+from hermes_lab.prep.ingest import LINE_BITS, SINKS, Ingest, estimated_size
+from hermes_lab.prep.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
+from hermes_lab.prep.inputs import PrepError, expand_folders, resolve_inputs
+from hermes_lab.prep.outcomes import paying_for, plot_conversations
+from hermes_lab.prep.resources import arrow_pool
+from hermes_lab.prep.signal import describe_signal, learning_signal
 
 EXIT_BAD_INPUT, EXIT_REFUSED = 2, 3
 
@@ -325,7 +325,7 @@ def run_prep(
         t_ingest = time.perf_counter()
         summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
         summary["gateway"] = gateway
-        if gateway:  # the gateway's own failures: left out of the data, counted apart (hermes_lab.data.gateway)
+        if gateway:  # the gateway's own failures: left out of the data, counted apart (hermes_lab.formats.gateway)
             summary["gateway_failures"] = {
                 "requests": sum(g["errors"] for g in gateway.values()),
                 "conversations": sum(g.get("gateway_failed", 0) for g in gateway.values()),
@@ -428,9 +428,9 @@ def _distill(
     """Outliers, review sample, prompt tables and plots from the ingested records; fills ``summary`` and ``paths``."""
     import numpy as np
 
-    from hermes_lab.data import selection as ps
-    from hermes_lab.data.distill import Distill, SortedSpill, outlier_flags, outlier_stats
-    from hermes_lab.data.review_sample import review_selection
+    from hermes_lab.prep import selection as ps
+    from hermes_lab.prep.distill import Distill, SortedSpill, outlier_flags, outlier_stats
+    from hermes_lab.prep.review_sample import review_selection
 
     cols, fam_names = ing.columns(), ing.family_names()
     rewards = cols["reward"]
