@@ -2,8 +2,8 @@
 regression gate and the training diagnostics) and ``ab`` (the A/B test and its staged rollout).
 
 Part of the config layer (``hermes_lab.config.schema`` builds ``HermesConfig`` from the sections and loads it):
-each field with its help text and bounds, choices as ``Literal`` types, and the rollout plan's check
-(``ab_stage_problems``). Reads and writes nothing.
+each field with its help text and bounds, choices as ``Literal`` types, and the checks: ``review_problems``,
+the rollout plan's (``ab_stage_problems``) and ``ab_warnings``. Reads and writes nothing.
 
     hermes-lab config --explain        # every key, with its choices and bounds
 """
@@ -247,6 +247,13 @@ class ABSection:
     )
 
 
+def review_problems(rv: ReviewSection) -> list[str]:
+    """The agreement metric must fit the labels: within1 compares scores."""
+    if rv.agreement_metric == "within1" and rv.label_mode == "passfail":
+        return ["review.agreement_metric within1 needs score labels: review.label_mode passfail gives only 0/5"]
+    return []
+
+
 def ab_stage_problems(stages: Any, where: str = "ab.stages") -> list[str]:
     """The rollout plan: [ratio, seconds] pairs; ratios in (0, 1], starting below 1, never decreasing."""
     if not stages or any(not isinstance(s, list) or len(s) != 2 for s in stages):
@@ -261,3 +268,10 @@ def ab_stage_problems(stages: Any, where: str = "ab.stages") -> list[str]:
     if any(s < 0 for s in secs) or secs[0] <= 0:
         out.append(f"{where} seconds must be >= 0, and > 0 for the first stage (it is tested), got {secs}")
     return out
+
+
+def ab_warnings(a: ABSection) -> list[str]:
+    """A power plan where the gateway's traffic sets the rate: allowed, without effect."""
+    if a.plan_power > 0 and a.mode == "live":
+        return ["ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"]
+    return []

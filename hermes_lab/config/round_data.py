@@ -4,8 +4,9 @@ agent family's tasks: the built-in loop or the real Hermes Agent) and ``conversa
 conversations, and the rewards of logs that carry none).
 
 Part of the config layer (``hermes_lab.config.schema`` builds ``HermesConfig`` from the sections and loads it):
-each field with its help text and bounds, choices as ``Literal`` types, and the conversations' own checks
-(``conversations_problems``). Reads and writes nothing.
+each field with its help text and bounds, choices as ``Literal`` types, and the checks: ``execute_problems``
+(the suite's families), ``conversations_problems``, ``execute_warnings`` (a first round on the embedded policy
+that the data gate would stop). Reads and writes nothing.
 
     hermes-lab config --explain        # every key, with its choices and bounds
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hermes_lab.core.yaml_typed import field_with as _f
+from hermes_lab.tasks import suite as tasks
 
 
 @dataclass
@@ -216,6 +218,14 @@ class ConversationsSection:
     )
 
 
+def execute_problems(ex: ExecuteSection) -> list[str]:
+    """The families execute samples must be the embedded suite's."""
+    bad_fams = [x for x in ex.families if x not in tasks.FAMILIES]
+    if bad_fams:
+        return [f"execute.families: unknown family '{bad_fams[0]}'; valid: {', '.join(tasks.FAMILIES)}"]
+    return []
+
+
 def conversations_problems(c: ConversationsSection) -> list[str]:
     """The outcome rules must order failed <= partial <= completed: a failed run never outscores a finished one."""
     if not c.failed_reward <= c.partial_reward <= c.completed_reward:
@@ -233,3 +243,14 @@ def conversations_problems(c: ConversationsSection) -> list[str]:
     ):
         errs.append(f"conversations.atropos_scores must be [low, high] with low < high (finite numbers); got {lo_hi!r}")
     return errs
+
+
+def execute_warnings(ex: ExecuteSection, d: DataSection, embedded: bool) -> list[str]:
+    """A first round on the embedded default policy (``embedded``: model.base_model is it) that would stop at the
+    data gate: execute samples fewer than data.min_samples."""
+    if embedded and ex.num_tasks * ex.samples_per_task < d.min_samples:
+        return [
+            f"execute.num_tasks {ex.num_tasks} x execute.samples_per_task {ex.samples_per_task} < data.min_samples "
+            f"{d.min_samples}: a first round on the embedded default has too few new samples and stops at the data gate"
+        ]
+    return []

@@ -7,18 +7,19 @@ workbench adds optional sections (execute / conversations / review / validate / 
 whose defaults fit the embedded task suite, so the user's file alone is a complete config. The sections are
 declared by job, each with its fields' help texts and bounds and its own checks: ``config.training`` (model,
 lora, grpo), ``config.scoring`` (reward, sandbox), ``config.round_data`` (data, execute, conversations),
-``config.gates`` (review, validate, ab), ``config.serving`` (serve); round here, beside ``HermesConfig``, the
-loader and the cross-field checks.
+``config.gates`` (review, validate, ab), ``config.serving`` (serve); round here, beside ``HermesConfig`` and
+the loader. A rule that reads two sections lives beside the section it is about, the other's value passed in.
 
 Rules, the way TRL's GRPOConfig documents itself and open-r1 maps YAML onto it:
 - every field has a help text (``field_help`` / ``hermes-lab config --explain``);
 - ``${VAR}`` and ``${VAR:-default}`` are filled from the environment; a missing variable is an error
   naming the variable, the key and the file line;
 - an unknown key is an error naming it and listing the valid keys of its section;
-- a bad value is an error naming the key. Every check lives here, next to the fields: types and choices
+- a bad value is an error naming the key. Every check lives in config/, next to the fields: types and choices
   (``Literal``) are enforced by the loader, ranges by each field's bounds (``_f(..., ge=2)``), the rest
-  (cross-field, registry names, TRL's accepted values) by ``_problems``. Every problem is reported, not
-  just the first. ``config.check.check_config(cfg, deep=True)`` (``hermes-lab config --check``, and the round before
+  (cross-field, registry names, TRL's accepted values) by each section module's ``*_problems`` (errors) and
+  ``*_warnings``, which ``config_problems`` runs in a fixed order. Every problem is reported, not just the
+  first. ``config.check.check_config(cfg, deep=True)`` (``hermes-lab config --check``, and the round before
   its first stage) adds what needs TRL/PEFT imported: their own config classes built from ours.
 
 Secrets never live here: ``api_key_env`` holds the *name* of the environment variable with the key.
@@ -38,21 +39,43 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from hermes_lab.config.gates import ABSection, ReviewSection, ValidateSection, ab_stage_problems
+from hermes_lab.config.gates import (
+    ABSection,
+    ReviewSection,
+    ValidateSection,
+    ab_stage_problems,
+    ab_warnings,
+    review_problems,
+)
 from hermes_lab.config.round_data import (
     AgentSection,
     ConversationsSection,
     DataSection,
     ExecuteSection,
     conversations_problems,
+    execute_problems,
+    execute_warnings,
 )
-from hermes_lab.config.scoring import REWARD_TYPES, RewardSection, SandboxSection, sandbox_problems
+from hermes_lab.config.scoring import (
+    REWARD_TYPES,
+    RewardSection,
+    SandboxSection,
+    reward_problems,
+    sandbox_problems,
+    sandbox_warnings,
+)
 from hermes_lab.config.serving import ServeSection, serve_problems
-from hermes_lab.config.training import EMBEDDED_MODEL, GrpoSection, LoraSection, ModelSection, trl_choices
+from hermes_lab.config.training import (
+    EMBEDDED_MODEL,
+    GrpoSection,
+    LoraSection,
+    ModelSection,
+    training_problems,
+    trl_choices,
+)
 from hermes_lab.core import paths
 from hermes_lab.core.yaml_typed import ConfigError, bound_problems, build, read_yaml
 from hermes_lab.core.yaml_typed import field_with as _f
-from hermes_lab.tasks import suite as tasks
 
 META = ("source", "explicit")  # HermesConfig fields that are not config keys
 
@@ -119,93 +142,33 @@ class HermesConfig:
 # ------------------------------------------------------------------------------------------- checks
 
 
-def _callable_spec(value: str) -> bool:
-    mod, _, fn = value.partition(":")
-    return bool(re.fullmatch(r"[A-Za-z_][\w.]*", mod) and re.fullmatch(r"[A-Za-z_]\w*", fn))
-
-
 def config_problems(cfg: HermesConfig) -> tuple[list[str], list[str]]:
-    """(errors, warnings) of a built config: bounds, registry names, TRL's values, cross-field rules."""
+    """(errors, warnings) of a built config: every section's bounds, then each section's own checks (its module's,
+    beside its fields; another section's value passed in where a rule spans two), in a fixed order: the order of
+    the messages a user reads."""
     errs: list[str] = []
     warns: list[str] = []
     for f in dataclasses.fields(cfg):
         if f.name not in META:
             errs += bound_problems(f.name, getattr(cfg, f.name))
-    m, g, r, d, a = cfg.model, cfg.grpo, cfg.reward, cfg.data, cfg.ab
+    m, r = cfg.model, cfg.reward
+    # one rule, one wording for two sections' key names: here, before either section's own checks, as it ran
     for key, value in (("model.api_key_env", m.api_key_env), ("reward.api_key_env", r.api_key_env)):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value or ""):  # never echo it: it may be the key
             errs.append(f"{key} must be the NAME of an environment variable (letters, digits, _), not the key")
-    if not m.base_model.strip():
-        errs.append("model.base_model must not be empty")
-    if not cfg.lora.target_modules:
-        errs.append("lora.target_modules must name at least one module")
-    if cfg.lora.modules_to_save_learning_rate is not None and not cfg.lora.modules_to_save:
-        errs.append(
-            "lora.modules_to_save_learning_rate is set but lora.modules_to_save names no module: nothing would "
-            "train at that rate (e.g. modules_to_save: [model.norm], the final norm)"
-        )
-    choices = trl_choices("loss_type")
-    if choices and g.loss_type not in choices:
-        errs.append(f"grpo.loss_type must be one of the installed TRL's: {', '.join(choices)}; got {g.loss_type!r}")
-    if g.turns and g.turn_completion_length >= d.max_seq_len:
-        errs.append(
-            f"grpo.turn_completion_length={g.turn_completion_length} leaves no room for a turn's context within "
-            f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len or lower grpo.turn_completion_length"
-        )
-    if g.max_completion_length >= d.max_seq_len:
-        errs.append(
-            f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt within "
-            f"data.max_seq_len={d.max_seq_len}: raise data.max_seq_len or lower grpo.max_completion_length"
-        )
-    if g.environment and not _callable_spec(g.environment):
-        errs.append(f"grpo.environment must be 'package.module:Class' (or empty); got {g.environment!r}")
-    if not r.types:
-        errs.append("reward.types must name at least one reward")
-    for t in r.types:
-        if t not in REWARD_TYPES and not _callable_spec(t):
-            errs.append(
-                f"reward.types entry '{t}' is unknown: use {', '.join(REWARD_TYPES)} or 'package.module:function'"
-            )
-    if r.weights is not None and len(r.weights) != len(r.types):
-        errs.append(f"reward.weights needs one weight per reward type ({len(r.types)}), got {len(r.weights)}")
-    if r.system != "verifier" and not _callable_spec(r.system):
-        errs.append(f"reward.system must be 'verifier' or 'package.module:function', got {r.system!r}")
-    if r.success_threshold > r.scale:
-        errs.append(f"reward.success_threshold {r.success_threshold:g} lies above reward.scale {r.scale:g}")
-    if "comparison" in r.types and r.model and r.model.strip().lower() != "local":
-        from hermes_lab.llm.base import ApiConfigError, normalize_base_url
-
-        try:
-            normalize_base_url(r.base_url, "reward.base_url (the judge API for reward.model)")
-        except ApiConfigError as e:
-            errs.append(str(e))
-    bad_fams = [x for x in cfg.execute.families if x not in tasks.FAMILIES]
-    if bad_fams:
-        errs.append(f"execute.families: unknown family '{bad_fams[0]}'; valid: {', '.join(tasks.FAMILIES)}")
-    if cfg.review.agreement_metric == "within1" and cfg.review.label_mode == "passfail":
-        errs.append("review.agreement_metric within1 needs score labels: review.label_mode passfail gives only 0/5")
-    errs += ab_stage_problems(a.stages)
+    errs += training_problems(m, cfg.lora, cfg.grpo, cfg.data.max_seq_len)
+    errs += reward_problems(r)
+    errs += execute_problems(cfg.execute)
+    errs += review_problems(cfg.review)
+    errs += ab_stage_problems(cfg.ab.stages)
     if not cfg.round.registered_model.strip() or "'" in cfg.round.registered_model:
         errs.append("round.registered_model must be a non-empty name without quotes")
     errs += serve_problems(cfg.serve)
     errs += conversations_problems(cfg.conversations)
     errs += sandbox_problems(cfg.sandbox)
-    if "tests" in cfg.reward.types and cfg.sandbox.executor == "local" and not cfg.sandbox.require_isolation:
-        warns.append(
-            "sandbox.require_isolation is false: completions run even where this machine lacks a sandbox layer "
-            "(the train stage and inspect's sandbox diagnostic name what is then not enforced; so does "
-            "hermes-lab doctor --params FILE)"
-        )
-    if a.plan_power > 0 and a.mode == "live":
-        warns.append(
-            "ab.plan_power plans simulated traffic only: with ab.mode live the gateway's traffic sets the rate"
-        )
-    ex = cfg.execute
-    if m.base_model == EMBEDDED_MODEL and ex.num_tasks * ex.samples_per_task < d.min_samples:
-        warns.append(
-            f"execute.num_tasks {ex.num_tasks} x execute.samples_per_task {ex.samples_per_task} < data.min_samples "
-            f"{d.min_samples}: a first round on the embedded default has too few new samples and stops at the data gate"
-        )
+    warns += sandbox_warnings(cfg.sandbox, r)
+    warns += ab_warnings(cfg.ab)
+    warns += execute_warnings(cfg.execute, cfg.data, m.base_model == EMBEDDED_MODEL)
     return errs, warns
 
 

@@ -3,8 +3,9 @@ and ``sandbox`` (where and under which limits the tests reward runs code).
 
 Part of the config layer (``hermes_lab.config.schema`` builds ``HermesConfig`` from the sections and loads it):
 each field with its help text and bounds, choices as ``Literal`` types, ``REWARD_TYPES`` (the names
-``reward.types`` accepts, checked without importing the rewards) and the sandbox's own checks
-(``sandbox_problems``). Reads and writes nothing.
+``reward.types`` accepts, checked without importing the rewards), ``callable_spec`` (the form of an import path
+a key may hold) and the checks: ``reward_problems``, ``sandbox_problems``, ``sandbox_warnings`` (the tests reward on
+a sandbox that may run without isolation). Reads and writes nothing.
 
     hermes-lab config --explain        # every key, with its choices and bounds
 """
@@ -12,6 +13,7 @@ each field with its help text and bounds, choices as ``Literal`` types, ``REWARD
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +34,13 @@ REWARD_TYPES: dict[str, str] = {
     "tool_call": "tool-call validity of a sampled assistant turn (turn-level GRPO, grpo.turns): its <tool_call> "
     "blocks parse, name a tool of the conversation's schema, and their arguments satisfy it; no call: None",
 }
+
+
+def callable_spec(value: str) -> bool:
+    """An import path to a function or class, 'package.module:name' (reward.types, reward.system,
+    grpo.environment): its form only, nothing imported."""
+    mod, _, fn = value.partition(":")
+    return bool(re.fullmatch(r"[A-Za-z_][\w.]*", mod) and re.fullmatch(r"[A-Za-z_]\w*", fn))
 
 
 @dataclass
@@ -153,6 +162,33 @@ class SandboxSection:
     )
 
 
+def reward_problems(r: RewardSection) -> list[str]:
+    """The rewards' checks beyond bounds: registry names or import paths, one weight per type, a threshold on
+    the scale, and the judge's API address when the comparison reward calls one."""
+    errs: list[str] = []
+    if not r.types:
+        errs.append("reward.types must name at least one reward")
+    for t in r.types:
+        if t not in REWARD_TYPES and not callable_spec(t):
+            errs.append(
+                f"reward.types entry '{t}' is unknown: use {', '.join(REWARD_TYPES)} or 'package.module:function'"
+            )
+    if r.weights is not None and len(r.weights) != len(r.types):
+        errs.append(f"reward.weights needs one weight per reward type ({len(r.types)}), got {len(r.weights)}")
+    if r.system != "verifier" and not callable_spec(r.system):
+        errs.append(f"reward.system must be 'verifier' or 'package.module:function', got {r.system!r}")
+    if r.success_threshold > r.scale:
+        errs.append(f"reward.success_threshold {r.success_threshold:g} lies above reward.scale {r.scale:g}")
+    if "comparison" in r.types and r.model and r.model.strip().lower() != "local":
+        from hermes_lab.llm.base import ApiConfigError, normalize_base_url
+
+        try:
+            normalize_base_url(r.base_url, "reward.base_url (the judge API for reward.model)")
+        except ApiConfigError as e:
+            errs.append(str(e))
+    return errs
+
+
 def sandbox_problems(s: SandboxSection) -> list[str]:
     out = []
     if s.executor == "fusion" and not s.url.startswith(("http://", "https://")):
@@ -164,3 +200,14 @@ def sandbox_problems(s: SandboxSection) -> list[str]:
     if s.python and not (os.path.isfile(s.python) and os.access(s.python, os.X_OK)):
         out.append(f"sandbox.python must be a Python interpreter (a virtualenv's bin/python), got {s.python!r}")
     return out
+
+
+def sandbox_warnings(s: SandboxSection, r: RewardSection) -> list[str]:
+    """The tests reward on a local sandbox that may run without isolation: allowed, said."""
+    if "tests" in r.types and s.executor == "local" and not s.require_isolation:
+        return [
+            "sandbox.require_isolation is false: completions run even where this machine lacks a sandbox layer "
+            "(the train stage and inspect's sandbox diagnostic name what is then not enforced; so does "
+            "hermes-lab doctor --params FILE)"
+        ]
+    return []

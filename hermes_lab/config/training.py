@@ -4,8 +4,8 @@
 Part of the config layer (``hermes_lab.config.schema`` builds ``HermesConfig`` from the sections and loads it):
 each field with its help text and the bounds its value must meet (``_f(..., ge=...)``), choices as ``Literal``
 types the loader enforces; ``trl_choices`` reads the values the installed TRL accepts (``grpo.loss_type``).
-The user's keys as docs/SPEC.md shows them; their mapping onto TRL and PEFT is ``hermes_lab.config.trl``'s.
-Reads and writes nothing.
+``training_problems``: the checks beyond bounds (room within data.max_seq_len, passed in). The user's keys as
+docs/SPEC.md shows them; their mapping onto TRL and PEFT is ``hermes_lab.config.trl``'s. Reads and writes nothing.
 
     hermes-lab config --explain        # every key, with its choices and bounds
 """
@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from hermes_lab.config.scoring import callable_spec
 from hermes_lab.core.yaml_typed import field_with as _f
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")  # vLLM --tool-call-parser names policy reads
@@ -205,3 +206,35 @@ def trl_choices(name: str) -> tuple[str, ...] | None:
         vals = re.findall(r"[`'\"]([a-z][a-z0-9_]*)['\"`]", m.group(1)) if m else []
         return tuple(vals) or None
     return None
+
+
+def training_problems(m: ModelSection, lora: LoraSection, g: GrpoSection, max_seq_len: int) -> list[str]:
+    """The policy's and its training's checks beyond bounds: names that must be there, the installed TRL's loss
+    types, an environment's import path, and room within ``data.max_seq_len`` (``max_seq_len``) for a prompt
+    and for a turn's context."""
+    errs: list[str] = []
+    if not m.base_model.strip():
+        errs.append("model.base_model must not be empty")
+    if not lora.target_modules:
+        errs.append("lora.target_modules must name at least one module")
+    if lora.modules_to_save_learning_rate is not None and not lora.modules_to_save:
+        errs.append(
+            "lora.modules_to_save_learning_rate is set but lora.modules_to_save names no module: nothing would "
+            "train at that rate (e.g. modules_to_save: [model.norm], the final norm)"
+        )
+    choices = trl_choices("loss_type")
+    if choices and g.loss_type not in choices:
+        errs.append(f"grpo.loss_type must be one of the installed TRL's: {', '.join(choices)}; got {g.loss_type!r}")
+    if g.turns and g.turn_completion_length >= max_seq_len:
+        errs.append(
+            f"grpo.turn_completion_length={g.turn_completion_length} leaves no room for a turn's context within "
+            f"data.max_seq_len={max_seq_len}: raise data.max_seq_len or lower grpo.turn_completion_length"
+        )
+    if g.max_completion_length >= max_seq_len:
+        errs.append(
+            f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt within "
+            f"data.max_seq_len={max_seq_len}: raise data.max_seq_len or lower grpo.max_completion_length"
+        )
+    if g.environment and not callable_spec(g.environment):
+        errs.append(f"grpo.environment must be 'package.module:Class' (or empty); got {g.environment!r}")
+    return errs
