@@ -83,9 +83,11 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
 
-## the loop of a change: everything but the tests marked slow (notebooks, trainings, rounds), on every core
+## the loop of a change, on every core: every folder of tests/ but e2e/ (the slow end-to-end tests: whole rounds, the
+## live flywheel, the real Hermes Agent, the browser), and in the others the tests marked slow left out too (a real
+## training, a stage notebook: test_train's, test_validate's, ... kept beside their package's fast tests)
 test-fast: setup sandbox-deps pyc
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --ignore=tests/e2e -m "not slow" tests
 
 ## JupyterLab on the project root, opening notebooks/README.md (hermes_lab/cli/lab.py)
 lab: setup

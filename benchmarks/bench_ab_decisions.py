@@ -6,7 +6,7 @@ extended once) through the project's own decision path:
 - units get their arm from the md5 router (``ab.buckets``, the SPEC's formula; a salt per simulated
   rollout, the same across its stages, so ramps are monotone): request ids, or user ids;
 - each stage's looks go through ``ab.look_path`` / ``ab.rule_codes`` / ``ab.first_action``, the code the
-  runner's ``ab_analysis.stage_action`` calls at every look (tests/test_ab.py checks that calling it look by look
+  runner's ``ab_analysis.stage_action`` calls at every look (tests/ab/test_ab.py checks that calling it look by look
   gives the same decision); the next stage runs only where a stage widened;
 - the rollout's outcome is ``ab_analysis.rollout_decision`` ("promote" only at 100%).
 

@@ -38,8 +38,9 @@ sys.path.insert(0, str(REPO))
 def build(family: str, work: Path, hidden: int, layers: int) -> Path:
     """The family's model at the size asked (its tokenizer and template as tests/families.py builds them)."""
     import torch
-    from families import FAMILIES, build_family
     from transformers import AutoModelForCausalLM
+
+    from families import FAMILIES, build_family
 
     src = build_family(family, work / "cache")
     out = work / f"{family}-{hidden}x{layers}"
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from families import FAMILIES, TOOL_FUNCS, conversation, tool_schemas
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hermes_lab.policy import formats, turn
+
+    from families import FAMILIES, TOOL_FUNCS, conversation, tool_schemas
 
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-family-"))
     fam = FAMILIES[a.family]

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Chromium and chromedriver for tests/test_browser.py (run by `make test`). Installed with apt-get when they are
+# Chromium and chromedriver for tests/e2e/test_browser.py (run by `make test`). Installed with apt-get when they are
 # missing and that is possible (root with apt-get: CI, containers); otherwise this says so and the browser tests
 # skip, naming what is missing. Never fails the build by itself.
 if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then

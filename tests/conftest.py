@@ -1,13 +1,32 @@
-"""Shared pytest fixtures. Each fixture is self-contained; add yours below the others."""
+"""Shared pytest fixtures. Each fixture is self-contained; add yours below the others.
+
+tests/ mirrors the packages: tests/<package>/test_*.py for hermes_lab.<package>, tests/house/ for the checks of the
+whole project (imports, docs, notebooks), tests/e2e/ for the slow end-to-end tests (whole rounds, the live flywheel,
+the real Hermes Agent, the browser: `make test-fast` leaves them out). Here at the root: this file, the shared helpers
+(repo_paths.py, fake_openai.py, families.py, forced_lm.py, browser_deps.sh) and the shared data (fixtures/)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from hermes_lab.core import kernels
+
+# tests/ and each of its test folders on sys.path, once, before any test module is imported. tests/ itself: the shared
+# helpers import by name from every folder (`from fake_openai import FakeOpenAI`, `from repo_paths import REPO`),
+# and no test computes a path to them. The folders: a test module may import another's helpers by its name, from
+# another folder (`from test_serve import Gateway` in e2e/ and prep/, `from test_paths import write_trajectories` in
+# policy/ and e2e/), which pytest's default import mode ("prepend": a module is its file's basename, its folder put on
+# sys.path when collected) would make importable only once that folder was collected, and never under
+# `pytest tests/e2e`. A module's name being its basename, basenames stay unique across the folders (LONGEST_FIRST
+# and POLICY_FREE below name files by basename too).
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [
+    str(d) for d in (TESTS, *sorted({p.parent for p in TESTS.glob("*/test_*.py")})) if str(d) not in sys.path
+]
 
 kernels.skip_unused_imports()  # before any test module imports nbformat: 2 s of CPU per worker, for nothing
 
@@ -22,7 +41,7 @@ def pytest_configure(config):
         os.environ.setdefault(var, "1")
 
 
-# The files whose tests run longest, longest first (their wall time under `make test`, pytest --durations):
+# The files whose tests run longest, longest first, by basename (their wall time under `make test`, pytest --durations):
 # `make test` hands whole files to its pytest-xdist workers in this order (--dist loadfile
 # --no-loadscope-reorder: each file's module and session fixtures built once, and xdist's own reorder, by
 # number of tests, off), the files not listed after them. Longest first is what keeps every core busy to the
@@ -95,16 +114,15 @@ POLICY_FREE = (
     "test_status_page.py",
     "test_supervisor.py",
     "test_tasks.py",
+    "test_tests_tree.py",
 )
 _POLICY_BUILD: list = []
 
 
 def _policy_built() -> bool:
-    from pathlib import Path
-
     from hermes_lab.policy.model import cached_build, tiny_dir
 
-    tiny = tiny_dir(Path(__file__).resolve().parents[1] / "runs", 0)
+    tiny = tiny_dir(TESTS.parent / "runs", 0)
     return (tiny / "build.json").exists() or cached_build(tiny.name) is not None  # a copy takes seconds
 
 
@@ -151,12 +169,6 @@ def fake_openai(monkeypatch):
     """A running fake OpenAI-compatible server (tests/fake_openai.py) on 127.0.0.1.
 
     Proxy variables are cleared so that requests reach it directly, whatever the machine's environment."""
-    import sys
-    from pathlib import Path
-
-    here = str(Path(__file__).parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
     from fake_openai import PROXY_ENV_VARS, FakeOpenAI
 
     for name in PROXY_ENV_VARS:
@@ -172,8 +184,6 @@ def mlflow_db(dest) -> str:
     A copy of the machine's empty, migrated store (``hermes_lab.core.tracking.new_store``), as a project's first
     round gets it: MLflow's ~50 schema migrations (2-3 s of CPU) run once per machine, not once per test. Still a
     real store of its own. Where the machine cache is off, MLflow creates and migrates it."""
-    from pathlib import Path
-
     from hermes_lab.core import tracking
 
     dest = Path(dest)
@@ -205,11 +215,10 @@ def project_copy(tmp_path):
     """A second hermes-lab project in tmp_path/proj: copies of params/ and notebooks/ (what makes a folder the
     project, hermes_lab.core.paths), and runs/policies linked to this checkout's built tiny policy (no rebuild)."""
     import shutil
-    from pathlib import Path
 
     from hermes_lab.policy.model import build_tiny_policy
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = TESTS.parent
     proj = tmp_path / "proj"
     for d in ("params", "notebooks"):
         shutil.copytree(repo / d, proj / d)

@@ -6,7 +6,7 @@ of a stage when the rows carry covariate codes (``hermes_lab.ab.covariates`` bui
 task's family and level or a conversation's opening turn as the *cell*, the prompt as the *task*, and the
 outcomes of both in earlier rounds' logs as the *history*).
 
-Why it stays valid (the whole argument; tests/test_ab_adjust.py checks it in A/A simulations)
+Why it stays valid (the whole argument; tests/ab/test_ab_adjust.py checks it in A/A simulations)
 -----------------------------------------------------------------------------------------------
 Unit i has a covariate X_i (its cell, task and history), fixed before it is assigned; the arm Z_i is
 Bernoulli(p) independent of X_i and of everything before. Before unit i's look window the rule knows an

@@ -47,7 +47,7 @@ clause; ``avinf`` (1.0) needs Python >= 3.12 and its tests are Gaussian linear m
 ``confseq`` (0.0.11, 2023) has the reference betting CSs for one bounded mean only, needs a C++/CMake build
 and pulls pytest at run time; ``savvi`` (0.3) has the multinomial SRM test but pulls cvxpy for it. None
 has a bounded-data CS for a difference under unequal allocation, so the few closed-form lines live here,
-and tests/test_ab.py checks their coverage by simulation (A/A at every look, rare successes, small arms).
+and tests/ab/test_ab.py checks their coverage by simulation (A/A at every look, rare successes, small arms).
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ def mann_whitney(c: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
     Small samples go to scipy. Large ones use scipy's asymptotic formula (tie correction, continuity)
     with U counted from the two sorted arms (no rank array), several times faster than scipy's
-    rankdata on millions of scores; tests/test_ab.py checks both agree.
+    rankdata on millions of scores; tests/ab/test_ab.py checks both agree.
     """
     from scipy import stats
 

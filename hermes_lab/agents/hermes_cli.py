@@ -1,6 +1,6 @@
 """The real Hermes Agent CLI on ``hermes`` tasks: one sandboxed ``hermes chat`` per task, graded on disk.
 
-Stage: execute / validate against the real agent (tests/test_hermes_real.py runs it through ``hermes-lab serve``;
+Stage: execute / validate against the real agent (tests/e2e/test_hermes_real.py runs it through ``hermes-lab serve``;
 anyone can run an exported task file with it). Reads a task (a ``tasks.hermes.HermesTask`` or a line of
 ``hermes-lab tasks export``) and the pinned hermes-agent's virtualenv (``~/.cache/hermes-lab/hermes-agent-0.19.0``,
 made by tests/fixtures/hermes/make_fixtures.py's ``hermes_python``; ``$HERMES_FIXTURE_VENV`` names another).

@@ -1,7 +1,7 @@
 """The real Hermes Agent's own loop on ``hermes`` tasks: many tasks in one sandboxed process, graded on disk.
 
 Stage: execute, validate and the live traffic against the real agent (``hermes-lab agent --runner hermes``; the
-tests in tests/test_hermes_loop.py). Reads tasks (``tasks.hermes.HermesTask`` or lines of ``hermes-lab tasks
+tests in tests/e2e/test_hermes_loop.py). Reads tasks (``tasks.hermes.HermesTask`` or lines of ``hermes-lab tasks
 export``) and the pinned hermes-agent virtualenv (``install_hermes`` makes it once).
 Writes ``model.sock`` (the sandbox's one way to the model server) in a folder of its own under the system's temp
 dir (a unix socket's path holds 107 bytes: a deep ``workspace_root`` would not), removed at the end; and only under

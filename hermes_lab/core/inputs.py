@@ -3,7 +3,7 @@
 Reads and writes nothing. One ``Inputs`` per notebook below (``EXECUTE`` ... ``REVIEW_APP``), one ``Input`` row
 per parameter or argument, from which are built:
 - the notebook's parameters: the rows with ``notebook=True``, in order, are its ``parameters`` cell
-  (``name: type = default  # help``; tests/test_stage_inputs.py checks each cell against its declaration with
+  (``name: type = default  # help``; tests/core/test_stage_inputs.py checks each cell against its declaration with
   papermill's own inspection, so ``papermill --help-notebook`` shows these helps), and what the round runner
   passes is checked against them (``Inputs.papermill``);
 - the command's arguments (``hermes-lab prep`` ...): the rows with a ``flag``, in order, with their help; a

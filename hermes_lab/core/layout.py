@@ -2,7 +2,7 @@
 
 Reads and writes nothing itself. A stage, the runner, compare, status, the supervisor, the gateway and the
 data readers ask these objects for a path instead of joining literal names, so a file is renamed here or
-nowhere (tests/test_layout.py fails on a round file's literal name anywhere else in ``hermes_lab/``)::
+nowhere (tests/core/test_layout.py fails on a round file's literal name anywhere else in ``hermes_lab/``)::
 
     runs/                                  RunsLayout(runs_dir)
       state.json  mlflow.db  mlartifacts/  .state .mlflow_db .mlartifacts (core.state, core.tracking)
@@ -68,7 +68,7 @@ TRL_RESUME = "hermes_resume.json"  # in train/trl/ (train.state: named in its me
 # a round's stage folders (the stage names of round.stages, as folders)
 _STAGE_DIRS = ("prep", "review", "audit", "train", "validate", "ab", "compare")
 
-# every literal file name of runs/: tests/test_layout.py finds none of them in hermes_lab/ outside this module
+# every literal file name of runs/: tests/core/test_layout.py finds none of them in hermes_lab/ outside this module
 FILE_NAMES = (
     VERDICT,
     _SUMMARY,

@@ -434,7 +434,7 @@ def check_model(cfg: Any) -> Reader | None:
 # vLLM's --tool-call-parser for each template TRL knows (vLLM's docs, tool_calling.md): Qwen2.5/Qwen3 write Hermes'
 # <tool_call> JSON blocks, Llama 3.1/3.2 JSON with "parameters", GPT-OSS the harmony format (vLLM's openai parser).
 # The embedded tiny policy writes Hermes' blocks too (policy.chat), its markers one token each as vLLM's hermes
-# parser needs them. tests/test_switch.py serves each through a vLLM stand-in started with these flags.
+# parser needs them. tests/live/test_switch.py serves each through a vLLM stand-in started with these flags.
 VLLM_PARSERS = {
     "embedded": "hermes",
     "trl:qwen2_5": "hermes",

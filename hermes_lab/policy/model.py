@@ -21,7 +21,7 @@ its own samples does, learning what it does not know is not (build.json records 
 Everything is loaded through ``AutoModelForCausalLM`` / ``AutoTokenizer``, so ``load_policy`` takes a
 Qwen2.5-0.5B id or path just as well. The tokenizer is saved with ``tokenizer_class:
 PreTrainedTokenizerFast`` because AutoTokenizer would otherwise pick Qwen2's tokenizer class from the
-model config and re-tokenize differently (tests/test_policy.py checks the round trip).
+model config and re-tokenize differently (tests/policy/test_policy.py checks the round trip).
 """
 
 from __future__ import annotations

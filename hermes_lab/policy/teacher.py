@@ -3,7 +3,7 @@
 Stage: foundation, the embedded policy's one-time build (``hermes_lab.policy.model.build_tiny_policy`` draws a
 ``batch`` a step and trains on its ``loss``). Reads and writes nothing but a hermes episode's temporary workspace
 (``tasks.hermes.teacher_conversation`` runs the tools on disk). ``unpack`` gives the same examples one per row, for
-the equivalence test (tests/test_policy.py) and benchmarks/bench_build.py:
+the equivalence test (tests/policy/test_policy.py) and benchmarks/bench_build.py:
 
     .venv/bin/python benchmarks/bench_build.py --no-full      # rows of several widths, of one, and padded
 """

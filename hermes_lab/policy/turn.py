@@ -4,7 +4,7 @@ Reads and writes nothing. This is the loop's one rendering and one parser: execu
 (``policy.model.Policy.generate``, the completion form), the episode runner (``policy.episodes``: execute's agent
 episodes, train's and validate's held-out episodes), turn-level training (``train.turns``: the rows' prompts and the
 trainer's prompt tokens) and the gateway's in-process arms (``live.local.LocalArm``) all call it; TRL's GRPOTrainer
-renders and parses the same way in the episode phase (the parity test checks both, tests/test_turn_parity.py).
+renders and parses the same way in the episode phase (the parity test checks both, tests/policy/test_turn.py).
 
 Rendering a conversation (OpenAI chat messages and tool schemas) into the prompt's token ids, ``prompt_ids``:
 

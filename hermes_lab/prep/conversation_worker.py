@@ -180,7 +180,7 @@ def row_schema() -> Any:
 def dict_rows(rows: list[dict[str, Any]]) -> Any:
     """``row_table`` of rows that are still dicts: ``pa.array`` converts them (~4x faster than Arrow's JSON reader
     on their text); what it refuses (a value of a type the schema does not take) goes through their text, as
-    the rows of one process do (tests/test_prep.py holds the two to the same dataset)."""
+    the rows of one process do (tests/prep/test_prep.py holds the two to the same dataset)."""
     import pyarrow as pa
 
     try:

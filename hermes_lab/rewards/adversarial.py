@@ -1,7 +1,7 @@
 """The reward audit's adversarial completions: what a reward-hunting policy would try, per reward kind.
 
 Stage: the reward audit (``hermes_lab.rewards.audit``, before every training; ``hermes-lab doctor --rewards``);
-the suite runs the same tests set through the tests reward (tests/test_reward_hostile.py). Reads and writes
+the suite runs the same tests set through the tests reward (tests/rewards/test_reward_hostile.py). Reads and writes
 nothing.
 
 Each ``Case`` is a completion written to be paid without doing its task, for one ``Probe`` (a prompt and what its

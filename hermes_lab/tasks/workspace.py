@@ -3,7 +3,7 @@
 Reads ``hermes_tools.json`` beside it (hermes-agent 0.19.0's own schemas of these tools, as its requests send them
 with ``-t terminal,file``: tests/fixtures/hermes/make_workspace.py captures them); reads and writes only inside its
 workspace, a temporary folder of its own. ``hermes_lab.tasks.hermes.WorkspaceEnv`` serves it to TRL and to the
-episode runner; ``tests/test_hermes_tasks.py`` holds every tool's result to the real Hermes Agent's on the same
+episode runner; ``tests/tasks/test_hermes_tasks.py`` holds every tool's result to the real Hermes Agent's on the same
 calls (tests/fixtures/hermes/workspace.json).
 
 Two differences from Hermes, both on purpose: every path is confined to the workspace (Hermes reads anywhere: here a

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import mlflow_db
 
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import plan as ab_plan
@@ -15,6 +14,8 @@ from hermes_lab.ab import rollout as ab_rollout
 from hermes_lab.ab import run as ab_run
 from hermes_lab.ab import stats as ab
 from hermes_lab.config.schema import ab_stages, load_config
+
+from conftest import mlflow_db
 
 # one short tested stage (10% for 30 min, looks every 5 min) keeps each simulation to a fraction of a second
 SHORT = {"ab.stages": [[0.1, 1800], [1.0, 0]], "ab.look_every": 300, "ab.plan_power": 0.8}
@@ -118,7 +119,8 @@ def test_run_ab_simulates_at_the_planned_rate_and_reports_the_plan(tmp_path, mon
     import mlflow
 
     from hermes_lab.core import tracking
-    from tests.test_ab_run import FakePolicy
+
+    from test_ab_run import FakePolicy
 
     uri = mlflow_db(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

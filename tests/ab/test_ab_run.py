@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mlflow_db
 
 from hermes_lab.ab import analysis as ab_analysis
 from hermes_lab.ab import report as ab_report
@@ -21,7 +20,9 @@ from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.core.kernels import manager
 from hermes_lab.tasks import suite as T
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import mlflow_db
+from repo_paths import REPO
+
 FIELDS = {
     "request_id",
     "unit",

@@ -1,18 +1,18 @@
 """hermes_lab.cli.main: every command is wired, imports and answers --help; building the parser stays light
-(no torch / transformers / trl / mlflow). Every `python -m hermes_lab.<module>`: tests/test_architecture.py."""
+(no torch / transformers / trl / mlflow). Every `python -m hermes_lab.<module>`: tests/house/test_architecture.py."""
 
 from __future__ import annotations
 
 import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from hermes_lab.cli import main as cli
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 HEAVY = ("torch", "trl", "mlflow", "transformers")
 
 

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from fake_openai import free_port
 
 from hermes_lab.cli import doctor
+
+from fake_openai import free_port
 
 KEY = "sk-test-SECRET-8f3a9c2e71"
 JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzY29wZSI6Im9wZW5pZCJ9.c2lnbmF0dXJlMTIzNDU2"

@@ -10,7 +10,8 @@ import pytest
 
 from hermes_lab.config.schema import ConfigError, HermesConfig, field_help, load_config
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 USER_YAML = REPO / "params" / "hermes_grpo_lora.yaml"
 EMBEDDED_YAML = REPO / "params" / "embedded.yaml"
 CLI = REPO / ".venv" / "bin" / "hermes-lab"

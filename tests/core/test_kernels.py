@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from hermes_lab.core import kernels
 from hermes_lab.round.runner import run_notebook
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
 
 PROBE = """
 import json, os, sys

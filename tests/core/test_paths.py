@@ -15,7 +15,8 @@ import pytest
 from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.core import paths
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 

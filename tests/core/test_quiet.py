@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core import quiet
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import mlflow_db
+from repo_paths import REPO
+
 KEY = "sk-quiet-test-4f1e2d3c"
 TRANSPORT_WARNING = "running over TCP without encryption"
 

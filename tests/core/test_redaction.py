@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,8 @@ from hermes_lab.core import redaction as R
 from hermes_lab.core import tracking
 from hermes_lab.prep.run import run_prep
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 RANDOM_KEY = "Zq8wK3mP9xL2vB7nT4rY6uJ1hG5fD0sA"  # no known prefix: caught as key-shaped, and as api_key_env's value
 PREFIXED = "sk-live-4f7a0c2e9b1d8a6f3c5e"  # a known prefix, in a variable whose name says nothing
 HEX_KEY = "9f2c4e6a8b0d1f3e5a7c9b1d3f5e7a9c"  # hex: not key-shaped, so only its api_key_env reference catches it
@@ -76,7 +76,7 @@ def test_a_key_echoed_from_the_data_is_not_printed(secrets, tmp_path):
     noisy.write_text(json.dumps(bad) + "\n" + _records(1))
     p = subprocess.run(
         [sys.executable, "-m", "hermes_lab.prep", "--input", str(noisy), "--output", str(tmp_path / "o")],
-        cwd=ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

@@ -17,7 +17,8 @@ from hermes_lab.core import inputs as declared
 from hermes_lab.core.inputs import KINDS, PATH, PATHS, ROUND_PARAMS, SPEC, Input, Inputs
 from hermes_lab.round.stages import STAGES, RoundContext
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 NOTEBOOKS = REPO / "notebooks"
 # notebook -> its declaration: the stages' from their rows, the reviewer's notebook (not a stage) by name
 DECLARED = {s.notebook: s.inputs for s in STAGES} | {"review.ipynb": declared.REVIEW_APP}

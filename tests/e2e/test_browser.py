@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 TOKEN = "hermes-browser-test"
@@ -44,7 +45,6 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_status_page import chromium  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -109,10 +109,10 @@ def serve_lab(tmp: Path, fill: Callable[[Path, Path], Path]) -> Iterator[dict]:
 
 def _seed_round(proj: Path, round_dir: Path) -> Path:
     """600 seed trajectories through prep: the round's review queue."""
-    from test_paths import write_trajectories
-
     from hermes_lab.config.schema import load_config
     from hermes_lab.prep import run as prep
+
+    from test_paths import write_trajectories
 
     write_trajectories(round_dir / "trajectories.jsonl", n=600)
     cfg = load_config(proj / "params" / "embedded.yaml", {"round.runs_dir": str(proj / "runs")})

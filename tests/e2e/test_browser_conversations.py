@@ -1,5 +1,5 @@
 """The labeller on agent conversations in a real browser (issue 27): JupyterLab as `make lab` starts it, headless
-Chromium driven by Selenium (tests/test_browser.py's helpers), a round whose queue prep made from what the real
+Chromium driven by Selenium (tests/e2e/test_browser.py's helpers), a round whose queue prep made from what the real
 Hermes Agent wrote (tests/fixtures/hermes/) plus one chat whose tool result carries a <script>.
 
 review.ipynb renders each conversation as a person reads it: roles, the reasoning folded (it opens on a click),
@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[dev]')")
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+
+from repo_paths import FIXTURES
 from test_browser import (
     ARTIFACTS,
     _button,
@@ -31,7 +33,7 @@ from test_browser import (
 )
 
 pytestmark = pytest.mark.slow
-FIX = Path(__file__).resolve().parent / "fixtures" / "hermes"
+FIX = FIXTURES / "hermes"
 EVIL = "<script>document.title='pwned'</script>"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -21,14 +20,13 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI  # noqa: E402
-from test_hermes_real import gateway, hermes_bin  # noqa: E402,F401 - fixtures: an A/A gateway, the pinned Hermes
-from test_validate import adapters, store, tiny_base  # noqa: E402,F401 - the tiny policy, adapters, a params file
+from hermes_lab.agents.hermes_loop import HermesLoop, local_url
+from hermes_lab.tasks import hermes as H
 
-from hermes_lab.agents.hermes_loop import HermesLoop, local_url  # noqa: E402
-from hermes_lab.tasks import hermes as H  # noqa: E402
+from fake_openai import FakeOpenAI
+from repo_paths import REPO
+from test_hermes_real import gateway, hermes_bin  # noqa: F401 - fixtures: an A/A gateway, the pinned Hermes
+from test_validate import adapters, store, tiny_base  # noqa: F401 - the tiny policy, adapters, a params file
 
 pytestmark = pytest.mark.slow
 SECRET = "SECRET-7Q2X"
@@ -237,7 +235,7 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tiny_bas
     from hermes_lab.formats import readers
 
     over = {"round.runs_dir": str(tmp_path / "runs"), "agent.runner": "hermes", "execute.agent_tasks": 6}
-    cfg = load_config(HERE.parent / "params" / "embedded.yaml", {**over, "execute.num_tasks": 8})
+    cfg = load_config(REPO / "params" / "embedded.yaml", {**over, "execute.num_tasks": 8})
     rd = RoundLayout(tmp_path / "runs" / "round-01")
     res = execute(cfg, rd.trajectories, seed=3)
     assert res["agent_runner"] == "hermes" and res["agent_episodes"] == 6

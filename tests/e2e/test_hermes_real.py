@@ -34,13 +34,11 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from test_serve import Gateway  # noqa: E402
+from hermes_lab.agents import hermes_cli as HA
+from hermes_lab.tasks import hermes as H
 
-from hermes_lab.agents import hermes_cli as HA  # noqa: E402
-from hermes_lab.tasks import hermes as H  # noqa: E402
+from repo_paths import FIXTURES, REPO
+from test_serve import Gateway
 
 pytestmark = pytest.mark.slow
 N_TASKS, N_DEFAULT = 20, 10
@@ -54,7 +52,7 @@ def hermes_bin() -> Path:
         HA.check_sandbox()
     except HA.BwrapMissing as e:
         pytest.skip(f"no bubblewrap sandbox here: {e}")
-    sys.path.insert(0, str(HERE / "fixtures" / "hermes"))
+    sys.path.insert(0, str(FIXTURES / "hermes"))
     import make_fixtures as mf
 
     try:

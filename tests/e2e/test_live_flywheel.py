@@ -20,24 +20,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from fake_openai import free_port  # noqa: E402
-from test_live_rollout import Traffic  # noqa: E402
-from test_round import HERMES, REPO, small_params  # noqa: E402
+from hermes_lab.config.schema import load_config
+from hermes_lab.core.state import FlywheelState, state_path
+from hermes_lab.formats import gateway
+from hermes_lab.live import serve
+from hermes_lab.round import runner
 
-from hermes_lab.config.schema import load_config  # noqa: E402
-from hermes_lab.core.state import FlywheelState, state_path  # noqa: E402
-from hermes_lab.formats import gateway  # noqa: E402
-from hermes_lab.live import serve  # noqa: E402
-from hermes_lab.round import runner  # noqa: E402
+from fake_openai import free_port
+from repo_paths import REPO
+from test_live_rollout import Traffic
+from test_round import HERMES, small_params
 
 pytestmark = pytest.mark.slow
 

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import mlflow_db
 
 from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.policy.model import build_tiny_policy
 from hermes_lab.round import runner as R
 from hermes_lab.round.stages import STAGES, all_gates
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import mlflow_db
+from repo_paths import REPO
+
 HERMES = [sys.executable, "-m", "hermes_lab.cli.main"]
 
 
@@ -42,7 +43,7 @@ def small_params(tmp_path: Path, **sections) -> Path:
     # agent environment's own rows (grpo.environment: the hermes family's WorkspaceEnv)
     cfg["execute"]["agent_tasks"] = 0
     # the built-in loop plays the agent family: these rounds test the runner; the real Hermes Agent's execute and
-    # validate are tests/test_hermes_loop.py's
+    # validate are tests/e2e/test_hermes_loop.py's
     cfg["agent"]["runner"] = "builtin"
     cfg["validate"]["eval_tasks_per_family"] = 8
     cfg["validate"]["samples_per_task"] = 2
@@ -273,7 +274,7 @@ def test_a_round_says_who_plays_the_agent_family_and_what_the_real_agent_did(tmp
     from hermes_lab.policy.model import paired_gain
     from hermes_lab.round import outcome as O
 
-    params = Path(__file__).resolve().parent.parent / "params" / "embedded.yaml"
+    params = REPO / "params" / "embedded.yaml"
     assert "real Hermes Agent" in R.who_plays(load_config(params))  # make round's default
     assert load_config(None).agent.runner == "hermes"  # and the config's
     assert "built-in loop plays the hermes family" in R.who_plays(load_config(params, {"agent.runner": "builtin"}))

@@ -18,21 +18,18 @@ import difflib
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from test_gateway_conversations import HERMES_DRIVER  # noqa: E402
-from test_serve import Gateway  # noqa: E402
-from test_turn import trl_self  # noqa: E402
+from hermes_lab.policy import turn
+from hermes_lab.tasks import hermes as H
+from hermes_lab.tasks import workspace as W
 
-from hermes_lab.policy import turn  # noqa: E402
-from hermes_lab.tasks import hermes as H  # noqa: E402
-from hermes_lab.tasks import workspace as W  # noqa: E402
+from repo_paths import FIXTURES, REPO
+from test_gateway_conversations import HERMES_DRIVER
+from test_serve import Gateway
+from test_turn import trl_self
 
 pytestmark = pytest.mark.slow
 N_EPISODES, N_SAMPLED, SEED = 48, 24, 7
@@ -51,7 +48,7 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hermes_agent():
     """hermes-agent 0.19.0's python, in its own cached virtualenv (tests/fixtures/hermes/make_fixtures.py's)."""
-    sys.path.insert(0, str(HERE / "fixtures" / "hermes"))
+    sys.path.insert(0, str(FIXTURES / "hermes"))
     import make_fixtures as mf
 
     try:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.kernels import manager
@@ -21,7 +20,8 @@ from hermes_lab.policy import arms as A
 from hermes_lab.round.stages import stage
 from hermes_lab.tasks import suite as T
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import mlflow_db
+from repo_paths import REPO
 
 
 def arms(cells: dict[str, tuple[int, int, int, int]]) -> tuple[dict, dict]:
@@ -398,7 +398,6 @@ def test_python_m_exits_4_when_stopped(tiny_base, adapters, store, tmp_path):
 
 def synthetic_round(tmp_path: Path, base: Path, adapter: Path) -> tuple[Path, Path]:
     """runs/round-01 and round-02 train dirs the way train leaves them, with MLflow off (no run id)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_inspect import curves, write_log
 
     for n, seed in ((1, 1), (2, 2)):

@@ -23,9 +23,9 @@ from hermes_lab.config.schema import load_config
 from hermes_lab.formats import readers
 from hermes_lab.prep.run import GateRefused, PrepError, run_prep
 
-REPO = Path(__file__).resolve().parents[1]
-FIX = REPO / "tests" / "fixtures"
-EXPORTS, ATROPOS, HERMES = FIX / "hermes_exports", FIX / "atropos", FIX / "hermes"
+from repo_paths import FIXTURES, REPO
+
+EXPORTS, ATROPOS, HERMES = FIXTURES / "hermes_exports", FIXTURES / "atropos", FIXTURES / "hermes"
 VARIANTS = EXPORTS / "variants"
 MANIFEST = json.loads((EXPORTS / "MANIFEST.json").read_text())
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable

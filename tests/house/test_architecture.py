@@ -16,7 +16,8 @@ from pathlib import Path
 import grimp
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 PKG = REPO / "hermes_lab"
 # the user's commands as docs/SPEC.md and the README write them: they must keep working as typed
 USER_COMMANDS = ("hermes_lab.prep", "hermes_lab.train", "hermes_lab.ab_run", "hermes_lab")

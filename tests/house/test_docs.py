@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 MAX_README_LINES = 200
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".") or p.name == ".ci"} - {"runs", ".venv"}
@@ -137,12 +138,13 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     doc.write_text(
         "`hermes_lab/nowhere.py` `hermes_lab.live.nowhere` [a](gone.md) `runs/round-NN/train/` `train/eval.json`\n"
         "`live/nowhere.py` `live/arms.py`\n"
-        "```bash\n`hermes_lab/inside_a_fence.py`\n```\n`hermes_lab.live.log.open_conversations` `tests/test_docs.py`\n"
+        "```bash\n`hermes_lab/inside_a_fence.py`\n```\n"
+        "`hermes_lab.live.log.open_conversations` `tests/house/test_docs.py`\n"
     )
     spans = [s for _, s in _spans(doc, CODE)]
     assert "hermes_lab/inside_a_fence.py" not in spans
     paths = [s for s in spans if _repo_path(s)]
-    assert paths == ["hermes_lab/nowhere.py", "live/nowhere.py", "live/arms.py", "tests/test_docs.py"]
+    assert paths == ["hermes_lab/nowhere.py", "live/nowhere.py", "live/arms.py", "tests/house/test_docs.py"]
     assert [s for s in paths if not _repo_path(s).exists()] == ["hermes_lab/nowhere.py", "live/nowhere.py"]
     assert not _module_name_resolves("hermes_lab.live.nowhere")
     assert _module_name_resolves("hermes_lab.live.log.open_conversations")

@@ -16,7 +16,8 @@ import pytest
 from hermes_lab.core.inputs import KINDS, ROUND_PARAMS
 from hermes_lab.round.stages import STAGES
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "bearer"}
 

@@ -12,7 +12,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,11 +20,9 @@ import pytest
 
 from hermes_lab.live.conversations import Tracker, encode
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI  # noqa: E402
-from test_serve import Gateway, formula_arm  # noqa: E402
+from fake_openai import FakeOpenAI
+from repo_paths import FIXTURES
+from test_serve import Gateway, formula_arm
 
 TOOLS = [
     {
@@ -438,7 +435,7 @@ HERMES_QUERIES = [
 @pytest.fixture(scope="module")
 def hermes_py():
     """hermes-agent 0.19.0 in its own cached virtualenv (tests/fixtures/hermes/make_fixtures.py's)."""
-    sys.path.insert(0, str(HERE / "fixtures" / "hermes"))
+    sys.path.insert(0, str(FIXTURES / "hermes"))
     import make_fixtures as mf
 
     try:

@@ -19,14 +19,12 @@ import httpx
 import pytest
 import yaml
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI  # noqa: E402
-from test_serve import Gateway, formula_arm  # noqa: E402
+from hermes_lab.tasks import hermes as H
+from hermes_lab.tasks import suite as T
+from hermes_lab.tasks import workspace as W
 
-from hermes_lab.tasks import hermes as H  # noqa: E402
-from hermes_lab.tasks import suite as T  # noqa: E402
-from hermes_lab.tasks import workspace as W  # noqa: E402
+from fake_openai import FakeOpenAI
+from test_serve import Gateway, formula_arm
 
 SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
 

@@ -2,7 +2,7 @@
 probes an agent makes before a session, a retry of the same messages kept in its conversation, the conversation's
 id on every answer.
 
-A real gateway (`python -m hermes_lab.live.serve` on 127.0.0.1, tests/test_serve.py's Gateway) with the scripted
+A real gateway (`python -m hermes_lab.live.serve` on 127.0.0.1, tests/live/test_serve.py's Gateway) with the scripted
 upstream of tests/fake_openai.py, or the embedded policy in-process (embedded:tiny on both arms), driven by the
 openai SDK and httpx; one slow test runs the real Hermes Agent CLI (hermes-agent 0.19.0) against it.
 """
@@ -20,11 +20,9 @@ import openai
 import orjson
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI  # noqa: E402
-from test_serve import Gateway  # noqa: E402
+from fake_openai import FakeOpenAI
+from repo_paths import FIXTURES, REPO
+from test_serve import Gateway
 
 PROBES = [("GET", "/v1/props"), ("GET", "/props"), ("GET", "/api/tags"), ("POST", "/api/show")]
 PROBES += [("GET", "/api/v1/models")]
@@ -352,7 +350,7 @@ def test_an_over_long_conversation_is_refused_as_vllm_does_and_a_hermes_request_
 # ------------------------------------------------------------------------------- the real Hermes Agent
 @pytest.fixture(scope="module")
 def hermes_bin():
-    sys.path.insert(0, str(HERE / "fixtures" / "hermes"))
+    sys.path.insert(0, str(FIXTURES / "hermes"))
     import make_fixtures as mf
 
     try:

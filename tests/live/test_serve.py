@@ -21,10 +21,8 @@ import httpx
 import openai
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port  # noqa: E402
+from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port
+from repo_paths import REPO
 
 GATEWAY_KEY = "gw-test-key-8f3a91c2d7"
 UPSTREAM_KEY = "sk-upstream-5b7e0d44a1c9"

@@ -22,11 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port  # noqa: E402
-from test_serve import wait_healthy  # noqa: E402
+from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port
+from repo_paths import REPO
+from test_serve import wait_healthy
 
 MAX_BODY = 4096
 CHAT = {"model": "hermes", "messages": [{"role": "user", "content": "hello"}]}

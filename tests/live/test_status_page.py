@@ -1,7 +1,7 @@
 """The live flywheel's status page (issue 30): ``hermes_lab.live.page.render`` on its own, then served by a real
 HTTP server (Starlette under uvicorn on 127.0.0.1) and opened in headless Chromium driven by Selenium.
 
-The browser test needs Debian's chromium and chromium-driver (as tests/test_browser.py does); without them it
+The browser test needs Debian's chromium and chromium-driver (as tests/e2e/test_browser.py does); without them it
 skips and says so. Its screenshot lands in tests/artifacts/status_page.png (git-ignored).
 ``chromium_page(url, name)`` (the page's visible text and its screenshot) and ``serve_html(page)`` are kept small
 so other tests can import them.
@@ -23,7 +23,8 @@ import pytest
 
 from hermes_lab.live.page import render
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PAYLOAD = "<script>window.__pwned = 1</script>"
@@ -191,7 +192,7 @@ def _skip_without_browser() -> None:
 @contextlib.contextmanager
 def chromium(size: str = "1280,1000") -> Iterator:
     """A headless Chromium (Debian's, with its own throw-away profile) under Selenium, ``size`` its window;
-    skips without one. tests/test_browser.py drives JupyterLab with it too."""
+    skips without one. tests/e2e/test_browser.py drives JupyterLab with it too."""
     _skip_without_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service

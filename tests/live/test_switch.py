@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,20 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI, free_port  # noqa: E402
+from hermes_lab.config.schema import load_config
+from hermes_lab.live.arms import UpstreamError, resolve_arm
+from hermes_lab.live.gateway import Gateway
+from hermes_lab.live.local import ArmPool
+from hermes_lab.live.serve import bind
+from hermes_lab.live.server import Server
+from hermes_lab.live.switch import Switchboard
+from hermes_lab.tasks import suite as T
+from hermes_lab.tasks import workspace as W
 
-from hermes_lab.config.schema import load_config  # noqa: E402
-from hermes_lab.live.arms import UpstreamError, resolve_arm  # noqa: E402
-from hermes_lab.live.gateway import Gateway  # noqa: E402
-from hermes_lab.live.local import ArmPool  # noqa: E402
-from hermes_lab.live.serve import bind  # noqa: E402
-from hermes_lab.live.server import Server  # noqa: E402
-from hermes_lab.live.switch import Switchboard  # noqa: E402
-from hermes_lab.tasks import suite as T  # noqa: E402
-from hermes_lab.tasks import workspace as W  # noqa: E402
+from fake_openai import FakeOpenAI, free_port
+from repo_paths import REPO
 
 
 def config(**extra):
@@ -373,9 +370,9 @@ def test_the_vllm_stand_in_refuses_without_its_flags(tmp_path, adapter, family, 
     """The control of test_swap_vllm_runtime_lora: the same gateway against the stand-in started with one of
     vllm_flags' flags missing or wrong gets no tool_calls (a 400 naming the flag, or the call as raw text) or
     cannot load the round's adapter (a refused swap, the old experiment serving on)."""
-    from families import FAMILIES, build_tokenizer
-
     from hermes_lab.policy import formats
+
+    from families import FAMILIES, build_tokenizer
 
     tok = build_tokenizer(FAMILIES[family])
     flags, env = formats.vllm_flags(tok), VLLM_ENV

@@ -7,11 +7,12 @@ import logging
 import time
 
 import pytest
-from fake_openai import free_port, judge_score
 
 from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.llm import client as api
 from hermes_lab.llm.judge import ApiJudge, JudgeParseError, parse_score
+
+from fake_openai import free_port, judge_score
 
 KEY = "sk-test-SECRET-8f3a9c2e71"
 WRONG = "sk-wrong-KEY-0000111122"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from hermes_lab.llm.group_judge import GroupParseError, parse_scores
 from hermes_lab.rewards import registry as R
 from hermes_lab.rewards.toolcalls import check_turn
 
-ROOT = Path(__file__).resolve().parents[1]
-USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
+from repo_paths import REPO
+
+USER_YAML = REPO / "params" / "hermes_grpo_lora.yaml"
 KEY = "sk-test-GROUP-7b2e"
 
 
@@ -114,7 +114,7 @@ def test_a_wrong_count_is_retried_then_the_group_falls_back_and_the_run_goes_on(
 
 
 def test_without_a_model_the_group_judge_is_the_local_one():
-    cfg = load_config(ROOT / "params" / "embedded.yaml", {"reward.types": ["group_comparison"], "reward.weights": None})
+    cfg = load_config(REPO / "params" / "embedded.yaml", {"reward.types": ["group_comparison"], "reward.weights": None})
     funcs, _ = R.get_reward_funcs(cfg)
     assert R.group_judge_of(funcs) is None
     out = funcs[0](prompts=PROMPTS, completions=COMPS, reference=REFS, ref_reward=[5.0] * 6)
@@ -152,7 +152,7 @@ def test_tool_call_validity_kinds(text, kind):
 
 
 def test_tool_call_reward_scores_and_leaves_no_call_out():
-    cfg = load_config(ROOT / "params" / "embedded.yaml", {"reward.types": ["tool_call"], "reward.weights": None})
+    cfg = load_config(REPO / "params" / "embedded.yaml", {"reward.types": ["tool_call"], "reward.weights": None})
     funcs, _ = R.get_reward_funcs(cfg)
     comps = ['<tool_call>{"name": "time", "arguments": {"city": "rome"}}</tool_call>', "hi", "<tool_call>{"]
     assert funcs[0](prompts=["p"] * 3, completions=comps, tools=[TOOLS] * 3) == [5.0, None, 0.0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,8 @@ from hermes_lab.tasks import agent as A
 from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import workspace as W
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 READ = "first line of kelo.txt?"
 CALL = '<tool_call>{"name": "read_file", "arguments": {"path": "kelo.txt"}}</tool_call><eos>'
 # the hermes family in build.json (70 held-out tasks): v12 greedy 44%, sampled 27% (it never copied from a tool's
@@ -169,7 +169,7 @@ def test_held_out_tasks_never_train():
 def tiny_policy():
     from hermes_lab.policy.model import build_tiny_policy
 
-    return build_tiny_policy(ROOT / "runs", 0, quiet=True)
+    return build_tiny_policy(REPO / "runs", 0, quiet=True)
 
 
 @pytest.mark.slow
@@ -213,12 +213,12 @@ def test_episode_level_grpo_trains_the_tiny_policy_with_trls_environment_factory
     from hermes_lab.train import grpo
 
     cfg = load_config(
-        ROOT / "params" / "embedded.yaml",
+        REPO / "params" / "embedded.yaml",
         {
             "grpo.environment": H.ENVIRONMENT,
             "grpo.episode_steps": 3,
             "grpo.per_device_batch_size": 2,
-            "round.runs_dir": str(ROOT / "runs"),
+            "round.runs_dir": str(REPO / "runs"),
         },
     )
     res = grpo.train_episodes(cfg, tmp_path / "episodes")

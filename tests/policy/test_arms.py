@@ -16,7 +16,7 @@ from hermes_lab.config.schema import load_config
 from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.policy import arms
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
 
 
 def _adapter(d: Path, base: str = "/models/base") -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,6 @@ import pytest
 
 from hermes_lab.policy import formats, turn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import (
     FAMILIES,
     TOOL_FUNCS,
@@ -37,6 +35,7 @@ from families import (
     tool_schemas,
     write_script,
 )
+from repo_paths import REPO
 
 N = 20  # conversations per family
 CACHE = Path(tempfile.gettempdir()) / "hermes-lab-families"  # the built families, by recipe hash
@@ -225,11 +224,12 @@ def test_the_gateway_serves_what_trl_trains(played, tmp_path):
     TRL's parse of the same tokens; the log's prompt and completion ids are GRPOTrainer's, and the turn trainer
     trains on them as they are."""
     from openai import OpenAI
-    from test_serve import Gateway
 
     from hermes_lab.config.schema import load_config
     from hermes_lab.formats.gateway import gateway_trajectories
     from hermes_lab.train.turns import trainer_class, turn_prompts
+
+    from test_serve import Gateway
 
     args = ["--baseline", str(played.dir), "--candidate", str(played.dir), "--ratio", "0"]
     args += ["--set", "model.trust_remote_code=true", "--set", "serve.rollout=false"]
@@ -356,7 +356,7 @@ def test_a_round_on_an_unreadable_format_stops_before_its_first_stage(tmp_path):
 def test_the_documented_vllm_flags_are_the_formats(played):
     """docs/gpu.md's row for the family is formats.vllm_flags; where the loop implements vLLM's parser, that parser
     reads the family's own tool call exactly as TRL's reader does (what vLLM serves is what is trained)."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    doc = (REPO / "docs" / "gpu.md").read_text()
     row = next(line for line in doc.splitlines() if line.startswith(f"| {played.name} "))
     flags = formats.vllm_flags(played.tok, played.fam.tool_parser)
     import trl

@@ -24,14 +24,15 @@ from hermes_lab.formats import record as C
 from hermes_lab.prep import outcomes
 from hermes_lab.prep.run import run_prep
 
-REPO = Path(__file__).resolve().parents[1]
-FIX = REPO / "tests" / "fixtures" / "hermes"
+from repo_paths import FIXTURES, REPO
+
+FIX = FIXTURES / "hermes"
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 SCALE = 5.0
 
 
 def cfg(**over):
-    # these tests read logs the outcome rules reward: the learning_signal gate warns (tests/test_honest_rewards.py
+    # these tests read logs the outcome rules reward: the learning_signal gate warns (tests/prep/test_honest_rewards.py
     # holds it to blocking by default)
     return load_config(None, overrides={"data.min_samples": 1, "conversations.no_signal": "warn", **over})
 

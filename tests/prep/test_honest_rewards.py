@@ -25,15 +25,14 @@ from hermes_lab.core.verdict import STOP_NO_SIGNAL, read_verdict
 from hermes_lab.prep.run import GateRefused, run_prep
 from hermes_lab.rewards.audit import AuditResult, data_signal, format_result
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-FIX = HERE / "fixtures" / "hermes"
-EXPORTS = HERE / "fixtures" / "hermes_exports"
+from fake_openai import FakeOpenAI
+from repo_paths import FIXTURES, REPO
+from test_audit import _notebook as _standin_train  # a stand-in training stage that leaves a marker
+from test_serve import Gateway
+
+FIX = FIXTURES / "hermes"
+EXPORTS = FIXTURES / "hermes_exports"
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
-sys.path.insert(0, str(HERE))
-from fake_openai import FakeOpenAI  # noqa: E402
-from test_audit import _notebook as _standin_train  # noqa: E402 - a stand-in training stage that leaves a marker
-from test_serve import Gateway  # noqa: E402
 
 
 def lines(path: Path) -> list[dict]:

@@ -13,7 +13,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from conftest import mlflow_db
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.kernels import ForkingKernelManager
@@ -21,7 +20,9 @@ from hermes_lab.core.state import FlywheelState, SimulatedClock
 from hermes_lab.prep.run import GateRefused, PrepError, _split_of, expand_by_weight, run_prep
 from hermes_lab.tasks import suite as tasks
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import mlflow_db
+from repo_paths import FIXTURES, REPO
+
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 MIB = 1 << 20
@@ -883,9 +884,9 @@ def test_seed_lines_in_columns_give_what_line_by_line_gives(tmp_path, monkeypatc
     """The column path (hermes_lab.prep.seed: Arrow's reader, checks in columns) against the per-line path on the
     same hostile mix (the fuzz test's lines between valid records, a lone `null` line: Arrow's reader crashes on
     one, so none reaches it): every output byte for byte, every count."""
-    from test_prep_fuzz import make_line
-
     from hermes_lab.prep import seed
+
+    from test_prep_fuzz import make_line
 
     rng = random.Random(45)
     good = good_records(400, seed=45)
@@ -915,7 +916,7 @@ def test_conversation_lines_in_worker_processes_give_what_one_process_gives(tmp_
     a CR and a last line without its newline."""
     from hermes_lab.prep import conversations
 
-    fix = REPO / "tests" / "fixtures" / "hermes"
+    fix = FIXTURES / "hermes"
     good = [x for x in (fix / "batch_trajectories.jsonl").read_bytes().splitlines() if x.strip()]
     hostile = __import__("gzip").decompress((fix / "hostile.jsonl.gz").read_bytes()).splitlines()
     raw = []
@@ -951,9 +952,9 @@ def test_fast_decode_reads_what_the_exact_decoder_reads():
     conversation-shaped ones (nesting around the limit, shallow lines with many brackets, a key twice deep down,
     integers past 64 bits beside floats, an escaped colon), the same value (its JSON, ints and floats apart) or
     the same reject as the exact decoder alone."""
-    from test_prep_fuzz import make_line
-
     from hermes_lab.formats.lines import EXACT, Bad, decode, decode_exact, fast_decode
+
+    from test_prep_fuzz import make_line
 
     turn = '{"from": "gpt", "value": "a: b"}'
     lines = [make_line(seed) for seed in range(3000)]
@@ -998,9 +999,9 @@ def test_fast_decode_around_a_known_text_answers_as_on_the_whole_line():
     in an earlier line): the same answer as on the whole line, for known texts that hold colons, an escaped colon,
     a run of 19 digits or neither, around the fuzz test's hostile lines and keys twice before and after it, and
     the whole line's checks where the text is not at its offset."""
-    from test_prep_fuzz import make_line
-
     from hermes_lab.formats.lines import EXACT, fast_decode, known_text
+
+    from test_prep_fuzz import make_line
 
     texts = [b'"plain system prompt"', b'"a: b: c"', b'"x\\u003ay"', b'"id 1234567890123456789012"', b'"\\u003c b"']
     hostile = [make_line(seed) for seed in range(400)] + [b'{"a": 1, "a": 2}', b'{"a": 123456789012345678901.5}']
@@ -1034,7 +1035,7 @@ def test_conversation_rows_from_dicts_are_the_rows_from_text():
     from hermes_lab.prep.conversation_worker import LineWork, convert, dict_rows, row_table
 
     c = load_config(None)
-    fix = REPO / "tests" / "fixtures" / "hermes"
+    fix = FIXTURES / "hermes"
     out = []
     for name, fmt in (("batch_trajectories.jsonl", "hermes_trajectory"), ("trajectory_samples.jsonl",
                       "hermes_trajectory"), ("compressed_trajectories.jsonl", "hermes_trajectory"),

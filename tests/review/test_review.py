@@ -21,7 +21,7 @@ from hermes_lab.review import gate as review
 from hermes_lab.review.app import ReviewApp
 from hermes_lab.tasks.suite import corrupt, generate_tasks, verify
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
 
 
 def make_queue(

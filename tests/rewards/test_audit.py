@@ -21,7 +21,8 @@ from hermes_lab.rewards.audit import audit_rewards
 from hermes_lab.round import runner as R
 from hermes_lab.round.stages import STAGES, Stage
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 KEY = "sk-test-AUDIT-4e1f7a"
 ECHO = (
     "def echo(prompts, completions, **kw):\n"
@@ -31,7 +32,7 @@ ECHO = (
 
 
 def test_the_embedded_default_passes_the_audit(capsys):
-    assert doctor.main(["--rewards", "--params", str(ROOT / "params" / "embedded.yaml")]) == 0
+    assert doctor.main(["--rewards", "--params", str(REPO / "params" / "embedded.yaml")]) == 0
     out = capsys.readouterr().out
     for reward in ("system", "tests", "comparison"):
         assert re.search(rf"reward {reward}\s+│ PASS", out), out
@@ -121,7 +122,7 @@ def test_the_judge_set_does_not_talk_the_api_judge_into_a_score(fake_openai, mon
 
 
 def test_tool_call_validity_is_named_for_paying_useless_calls():
-    cfg = load_config(ROOT / "params" / "embedded.yaml", {"reward.types": ["tool_call"], "reward.weights": None})
+    cfg = load_config(REPO / "params" / "embedded.yaml", {"reward.types": ["tool_call"], "reward.weights": None})
     cfg.reward.audit = "warn"
     result = audit_rewards(cfg)
     named = {f.case for f in result.findings}

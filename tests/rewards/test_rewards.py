@@ -9,17 +9,17 @@ import logging
 import math
 import re
 import uuid
-from pathlib import Path
 
 import pytest
-from fake_openai import judge_score
 
 from hermes_lab.config.schema import REWARD_TYPES, ConfigError, load_config
 from hermes_lab.rewards import registry as R
 from hermes_lab.tasks import suite as T
 
-ROOT = Path(__file__).resolve().parents[1]
-USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
+from fake_openai import judge_score
+from repo_paths import REPO
+
+USER_YAML = REPO / "params" / "hermes_grpo_lora.yaml"
 KEY = "sk-test-REWARDS-5c1d9e7a42"
 
 
@@ -61,7 +61,7 @@ def test_registry_names_and_default_functions():
     funcs, weights = R.get_reward_funcs(cfg_with())
     assert [f.__name__ for f in funcs] == ["system", "comparison"]  # TRL logs rewards/<name>/mean
     assert weights == [1.0, 1.0]
-    funcs, weights = R.get_reward_funcs(load_config(ROOT / "params" / "embedded.yaml"))
+    funcs, weights = R.get_reward_funcs(load_config(REPO / "params" / "embedded.yaml"))
     assert [f.__name__ for f in funcs] == ["system", "tests", "comparison"] and weights == [1.0, 1.0, 0.25]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,8 @@ from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox.local import LocalExecutor
 from hermes_lab.sandbox.shapes import SpecError, TestSpec, extract_code, parse_tests, plan_of, prompt_code
 from hermes_lab.tasks import suite as T
+
+from repo_paths import FIXTURES, REPO
 
 MBPP_REC = {
     "prompt": "Write a function to find the shared elements of two lists.",
@@ -228,7 +229,6 @@ def test_sandbox_config_is_checked():
 
 
 # ------------------------------------------------------------------------ code files: prep, then training
-FIXTURES = Path(__file__).parent / "fixtures"
 HOSTILE_MODULE = '''
 import json, os
 from hermes_lab.config.schema import load_config
@@ -281,7 +281,7 @@ def test_a_code_file_goes_through_prep_and_trains_with_the_tests_reward(
     from hermes_lab.prep import run as prep
     from hermes_lab.train.grpo import train
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     build_tiny_policy(root / "runs", 0, quiet=True)  # cached under the repo's runs/policies/
     types, weights = ["tests"], [1.0]
     if kind == "assert":

@@ -23,7 +23,8 @@ from hermes_lab.round import runner as R
 from hermes_lab.round import stages
 from hermes_lab.round.stages import Stage, all_gates
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 T0 = "2026-01-01T00:00:00+00:00"
 
 HEAD = (

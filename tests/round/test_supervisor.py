@@ -1,6 +1,6 @@
 """The live flywheel's watch (hermes_lab.round.supervisor) without a gateway: when a round is due, what it waits
 for, the config a round runs with, the counting of conversations with feedback. The whole loop, kill -9
-included, is tests/test_live_flywheel.py."""
+included, is tests/e2e/test_live_flywheel.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import yaml
 
@@ -17,7 +16,7 @@ from hermes_lab.core.state import FlywheelState, state_path
 from hermes_lab.round.live_rounds import FeedbackCounter, live_params
 from hermes_lab.round.supervisor import Supervisor
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
 
 
 def test_feedback_counter_counts_conversations_once_and_waits_for_whole_lines(tmp_path):

@@ -2,7 +2,7 @@
 program sees (its environment, stdin, exit codes, signals, tracebacks, bash), what a grading harness needs (fork,
 socketpair, prctl, pipes), that stdin never lies in the program's memory and nothing crosses runs, the limits,
 files in and out, ``sandbox.python`` (a numpy task), ``sandbox.require_isolation``, and what describe() says.
-The escape set is tests/test_sandbox_escapes.py; SandboxFusion's client tests/test_sandbox_fusion.py."""
+The escape set is tests/sandbox/test_sandbox_escapes.py; SandboxFusion's client tests/sandbox/test_sandbox_fusion.py."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from hermes_lab.core.paths import machine_cache
 from hermes_lab.rewards import tests as tests_reward
 from hermes_lab.sandbox.executor import Limits, RunRequest
 from hermes_lab.sandbox.local import LocalExecutor
+
+from repo_paths import REPO
 
 KEY = "sk-hostile-SANDBOX-9f3b2c7d1e"
 FAST = Limits(timeout_s=3.0, cpu_s=3.0, memory_mb=256, max_processes=8, max_output_kb=256)
@@ -240,7 +242,7 @@ def test_require_isolation_refuses_a_machine_without_the_layers_and_an_opt_out_s
 def test_describe_says_what_holds_layer_by_layer(ex):
     rep = ex.describe()
     assert rep["missing"] == [] and rep["seccomp_loaded"] == 2 and rep["cgroup"].startswith("v")
-    checkout = str(Path(__file__).resolve().parents[1])
+    checkout = str(REPO)
     # seen from inside a run: the checkout, its pyproject and $HOME are absent (namespaces) or refused (Landlock)
     assert str(rep["host_paths"][checkout]).startswith(("absent", "refused"))
     assert str(rep["host_paths"][checkout + "/pyproject.toml"]).startswith(("absent", "refused"))

@@ -32,6 +32,8 @@ from hermes_lab.config.schema import load_config
 from hermes_lab.rewards.tests import make_tests_reward
 from hermes_lab.sandbox.local import LocalExecutor
 
+from repo_paths import REPO
+
 KEY = "sk-escape-SANDBOX-5c1e9a0b7d"
 MBPP = json.dumps({"kind": "assert", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]})
 MAX_PROCESSES = 8
@@ -286,7 +288,7 @@ def host(tmp_path_factory):
         token=token,
         runs_file=runs,
         home_file=home,
-        checkout_file=str(Path(__file__).resolve().parents[1] / "pyproject.toml"),
+        checkout_file=str(REPO / "pyproject.toml"),
         port=listeners.tcp.getsockname()[1],
         udp_port=listeners.udp.getsockname()[1],
         unix_path=listeners.unix_path,

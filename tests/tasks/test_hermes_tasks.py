@@ -28,7 +28,8 @@ try:
 except ImportError:  # pragma: no cover - jsonschema is in the virtualenv
     jsonschema = None
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO
+
 FIXTURE = json.loads((REPO / "tests/fixtures/hermes/workspace.json").read_text(encoding="utf-8"))
 MTIME0 = 1_700_000_000  # the header's "mtimes": files_before in order, 1700000000 + index (s)
 OUTSIDE_CASES = {"05", "06"}  # Hermes reads outside its workspace there; ours refuses on purpose

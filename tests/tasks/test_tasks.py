@@ -9,7 +9,6 @@ import string
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,8 @@ from hermes_lab.tasks.suite import (
     verify,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_paths import REPO
+
 SUCCESS = 3.0
 
 

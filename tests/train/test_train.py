@@ -20,14 +20,15 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import mlflow_db
 
 from hermes_lab.config.schema import ConfigError, load_config
 from hermes_lab.tasks import suite as T
 
-ROOT = Path(__file__).resolve().parents[1]
-USER_YAML = ROOT / "params" / "hermes_grpo_lora.yaml"
-EMBEDDED_YAML = ROOT / "params" / "embedded.yaml"
+from conftest import mlflow_db
+from repo_paths import REPO
+
+USER_YAML = REPO / "params" / "hermes_grpo_lora.yaml"
+EMBEDDED_YAML = REPO / "params" / "embedded.yaml"
 KEY = "sk-test-TRAIN-7e4b1a9d3c55"
 USER_ENV = {
     "HERMES_POLICY_MODEL": "Qwen/Qwen2.5-0.5B-Instruct",
@@ -294,7 +295,7 @@ def tiny_policy() -> Path:
     """The embedded tiny policy, cached under the repo's runs/policies/ (built once per machine)."""
     from hermes_lab.policy.model import build_tiny_policy
 
-    return build_tiny_policy(ROOT / "runs", 0, quiet=True)
+    return build_tiny_policy(REPO / "runs", 0, quiet=True)
 
 
 @pytest.fixture(scope="session")
@@ -357,7 +358,7 @@ def trained(tiny_policy, prompt_set, tmp_path_factory):
             parent_id = parent.info.run_id
         # the episode phase too (hermes_lab.train.episodes), 2 steps: its adapter is the result
         cfg = load_config(
-            EMBEDDED_YAML, {"grpo.max_steps": 4, "grpo.episode_steps": 2, "round.runs_dir": str(ROOT / "runs")}
+            EMBEDDED_YAML, {"grpo.max_steps": 4, "grpo.episode_steps": 2, "round.runs_dir": str(REPO / "runs")}
         )
         t0 = time.time()
         res = train(cfg, prompt_set, tmp / "train", parent_run_id=parent_id, evaluate_heldout=False)
@@ -490,7 +491,7 @@ def test_continue_from_adapter(trained, prompt_set, tmp_path, mlflow_store):
     start = trained.res.adapter_dir
     before = _adapter_tensors(start)
     cfg = load_config(
-        EMBEDDED_YAML, {"grpo.max_steps": 2, "grpo.environment": "", "round.runs_dir": str(ROOT / "runs")}
+        EMBEDDED_YAML, {"grpo.max_steps": 2, "grpo.environment": "", "round.runs_dir": str(REPO / "runs")}
     )
     res = train(cfg, prompt_set, tmp_path / "train_b", start_adapter=str(start), evaluate_heldout=False)
     assert res.steps == 2
@@ -570,7 +571,7 @@ def test_nan_reward_stops_training_with_diagnosis(tiny_policy, prompt_set, tmp_p
             "grpo.environment": "",
             "reward.types": ["system", f"{mod}:flaky"],
             "reward.weights": [1.0, 1.0],  # the embedded file weighs its three types
-            "round.runs_dir": str(ROOT / "runs"),
+            "round.runs_dir": str(REPO / "runs"),
         },
     )
     with pytest.raises(RewardError, match="reward 'flaky' returned nan.*poisons the GRPO advantage"):

@@ -5,7 +5,6 @@ policy with the local judge and the tool_call reward logs its metrics."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from hermes_lab.policy.chat import add_chat_template
 from hermes_lab.policy.model import build_tokenizer
 from hermes_lab.train.turns import chosen_turns, turn_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-HERMES = ROOT / "tests" / "fixtures" / "hermes" / "trajectory_samples.jsonl"
+from repo_paths import FIXTURES, REPO
+
+HERMES = FIXTURES / "hermes" / "trajectory_samples.jsonl"
 
 
 def _records(path=HERMES):
@@ -122,16 +122,15 @@ def test_turn_level_grpo_on_a_hermes_trajectory_file_trains_and_logs(tmp_path, m
     from hermes_lab.policy.model import build_tiny_policy
     from hermes_lab.train import grpo
 
-    build_tiny_policy(ROOT / "runs", 0, quiet=True)
+    build_tiny_policy(REPO / "runs", 0, quiet=True)
     data = tmp_path / "hermes.jsonl"  # a Hermes Agent batch run's trajectories, and one failed run
     data.write_text(
         "".join(
-            (ROOT / "tests" / "fixtures" / "hermes" / f).read_text()
-            for f in ("batch_trajectories.jsonl", "failed_trajectories.jsonl")
+            (FIXTURES / "hermes" / f).read_text() for f in ("batch_trajectories.jsonl", "failed_trajectories.jsonl")
         )
     )
     cfg = load_config(
-        ROOT / "params" / "embedded.yaml",
+        REPO / "params" / "embedded.yaml",
         {
             "grpo.turns": "all",
             "reward.types": ["tool_call", "comparison"],  # validity + the local judge against the logged turn
@@ -145,7 +144,7 @@ def test_turn_level_grpo_on_a_hermes_trajectory_file_trains_and_logs(tmp_path, m
             "grpo.episode_steps": 1,
             "grpo.per_device_batch_size": 2,
             "grpo.group_size": 4,
-            "round.runs_dir": str(ROOT / "runs"),
+            "round.runs_dir": str(REPO / "runs"),
         },
     )
     res = grpo.train(cfg, data, tmp_path / "train", evaluate_heldout=False)
