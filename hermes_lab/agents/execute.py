@@ -37,7 +37,7 @@ from hermes_lab.config.schema import HermesConfig, load_config
 from hermes_lab.core.inputs import EXECUTE
 from hermes_lab.core.jsonl import write_text_atomic
 from hermes_lab.core.layout import PlayLayout, RoundLayout
-from hermes_lab.formats.gateway import gateway_trajectories, read_jsonl
+from hermes_lab.logs.gateway import gateway_trajectories, read_jsonl
 from hermes_lab.policy.arms import resolve_adapter
 from hermes_lab.tasks import suite as T
 
@@ -52,13 +52,13 @@ def execute(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the policy on ``cfg.execute.num_tasks`` fresh training-split tasks; write trajectories JSONL.
-    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.formats.gateway``)."""
+    ``execute.source: live``: the round's data is a gateway log instead (``hermes_lab.logs.gateway``)."""
     from hermes_lab.policy import formats
     from hermes_lab.policy.model import load_policy
 
     ex = cfg.execute
     if ex.source == "live":
-        from hermes_lab.formats import gateway
+        from hermes_lab.logs import gateway
 
         src = gateway.source_dir(cfg, Path(output).parent)
         if src is not None:
@@ -183,7 +183,7 @@ def execute_with_hermes(
 
 
 def served_turns(cfg: HermesConfig, root: Path) -> dict[str, dict[str, Any]]:
-    """The server's log of the real agent's conversations joined as a live gateway's is (``formats.gateway``, written
+    """The server's log of the real agent's conversations joined as a live gateway's is (``logs.gateway``, written
     under ``root/join``), by conversation id: each conversation's messages as the policy was sent them and, per
     answer, the prompt and completion token ids it saw and sampled (``meta.turns[].tokens``), which turn-level
     training (``grpo.turns``) trains on token for token, as a live round does."""

@@ -166,7 +166,7 @@ def play_policy(
 
 
 def conversation_records(runs: Sequence[HL.LoopRun], root: str | Path) -> list[dict[str, Any]]:
-    """The runs as the canonical conversation record (``formats.record``'s fields): the messages as Hermes kept
+    """The runs as the canonical conversation record (``logs.record``'s fields): the messages as Hermes kept
     them, the tools its requests carried (the server's log, ``root/log``), the verifier's reward, the run's
     conversation id; what prep reads as a logged agent conversation."""
     import json

@@ -10,11 +10,11 @@ nowhere (tests/core/test_layout.py fails on a round file's literal name anywhere
       review/labels.jsonl                  .labels (review.labels' store, every round's)
       cache/judge.jsonl  cache/champion-vN .judge_cache, .champion_cache(n)
       round-NN/                            .round(n) -> RoundLayout
-        trajectories.jsonl                 .trajectories (agents.execute; formats.gateway when live: its join in live/)
+        trajectories.jsonl                 .trajectories (agents.execute; logs.gateway when live: its join in live/)
         agent_episodes.jsonl               .agent_episodes (the agent family's conversations)
         hermes/                            .hermes -> PlayLayout (agent.runner hermes: execute's): params.yaml
                                            gateway.out log/ (its server's) ws/ (the real agent's runs) join/
-                                           (formats.gateway's join of log/: the turns' tokens)
+                                           (logs.gateway's join of log/: the turns' tokens)
         NN_<stage>.ipynb                   .notebook(name): the executed notebooks (names: round.stages)
         prep/                              .prep -> PrepLayout: grpo_dataset/ heldout_dataset/
                                            conversations/ accepted.jsonl (and the other sinks) review_queue.jsonl
@@ -41,7 +41,7 @@ The shapes of three of these files are dataclasses: ``core.verdict.Verdict`` (a 
 
 Names that are not the round's stay where they are used: third-party formats (HF / PEFT's
 ``adapter_config.json``, ``tokenizer_config.json``, ``config.json``, ``trainer_state.json`` and TRL's
-``checkpoint-N/``), a Hermes Agent's own files (``formats.hermes_sessions``), JupyterLab's settings
+``checkpoint-N/``), a Hermes Agent's own files (``logs.hermes_sessions``), JupyterLab's settings
 (``cli.lab``), temporary files, MLflow artifact paths, and the stage's notebook names (``round.stages.STAGES``,
 whose executed copy ``RoundLayout.notebook`` places). The stage names ("train", "prep") that MLflow metrics and
 verdicts carry are the stages' (``round.stages``), not folder names. One exception: ``policy/model.py`` names
@@ -58,7 +58,7 @@ from pathlib import Path
 # ------------------------------------------------------------------------------------------- names
 VERDICT = "verdict.json"  # every gated stage's, in its folder (core.verdict)
 _SUMMARY = "summary.json"
-# a gateway log dir's files (live.log writes them, formats.gateway reads them: the names both import)
+# a gateway log dir's files (live.log writes them, logs.gateway reads them: the names both import)
 REQUESTS, FEEDBACK, TOOLS, EXPERIMENT = "requests.jsonl", "feedback.jsonl", "tools.jsonl", "experiment.json"
 AB_REPORT = "ab_report.json"  # an A/B's report: in a round's ab/ and in a live log dir
 _STATE = "state.json"
@@ -245,7 +245,7 @@ class ValidateLayout(_Dir):
 @dataclass(frozen=True)
 class ExperimentLayout(_Dir):
     """A gateway's log dir, ``runs/live/<experiment>/`` (live.gateway, live.log, live.experiment, live.report),
-    read by formats.gateway; a simulated A/B's ``round-NN/ab/`` holds the same requests and report."""
+    read by logs.gateway; a simulated A/B's ``round-NN/ab/`` holds the same requests and report."""
 
     # one record per turn: its conversation id, only its new messages, from in-process arms its tokens
     requests = property(lambda self: self.root / REQUESTS)
@@ -265,14 +265,14 @@ class PlayLayout(_Dir):
     output = property(lambda self: self.root / "gateway.out")  # its server's output
     log = property(lambda self: ExperimentLayout(self.root / "log"))  # its server's request log
     runs = property(lambda self: self.root / "ws")  # agents.hermes_loop.HermesLoop's folders, one per task
-    join = property(lambda self: self.root / "join")  # formats.gateway's join of its log (execute: the turns' tokens)
+    join = property(lambda self: self.root / "join")  # logs.gateway's join of its log (execute: the turns' tokens)
 
 
 @dataclass(frozen=True)
 class ABLayout(ExperimentLayout):
     """``round-NN/ab/`` (ab.run + ab.report simulated, live.round live)."""
 
-    live = property(lambda self: self.root / "live")  # formats.gateway's trajectories of the live experiment
+    live = property(lambda self: self.root / "live")  # logs.gateway's trajectories of the live experiment
     live_trajectories = property(lambda self: self.root / "live_trajectories.jsonl")
     verdict = property(lambda self: self.root / VERDICT)
 
@@ -298,7 +298,7 @@ class RoundLayout(_Dir):
     hermes = property(lambda self: PlayLayout(self.root / "hermes"))  # execute's, with agent.runner hermes
     summary = property(lambda self: self.root / _SUMMARY)
     progress = property(lambda self: self.root / "progress.json")
-    live = property(lambda self: self.root / "live")  # execute.source live: formats.gateway's join of the traffic
+    live = property(lambda self: self.root / "live")  # execute.source live: logs.gateway's join of the traffic
     prep = property(lambda self: PrepLayout(self.root / "prep"))
     review = property(lambda self: ReviewLayout(self.root / "review"))
     audit = property(lambda self: AuditLayout(self.root / "audit"))

@@ -43,8 +43,8 @@ from typing import Any
 import orjson
 import xxhash
 
-from hermes_lab.formats.record import is_tool_error
 from hermes_lab.live.wire import raw_digest
+from hermes_lab.logs.record import is_tool_error
 
 _SEP = b"\x1e"
 

@@ -27,7 +27,7 @@ Stage: validate (live A/B). ``hermes-lab serve`` writes, in its log dir (``runs/
 
 Both JSONL files are append-only: never rewritten in place. A line torn by a crash is skipped by every
 reader (and counted); the next writer starts on a fresh line. Reading a log dir back as round data (prep,
-``execute.source: live``) is ``hermes_lab.formats.gateway``'s, which owns the file names and the reader.
+``execute.source: live``) is ``hermes_lab.logs.gateway``'s, which owns the file names and the reader.
 
     hermes-lab serve --params params/embedded.yaml --log-dir runs/live/tiny-vs-round-01
 """
@@ -50,8 +50,8 @@ import xxhash
 
 from hermes_lab.ab.covariates import Encoder, early_keys
 from hermes_lab.core.jsonl import write_json_atomic
-from hermes_lab.formats.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
 from hermes_lab.live.wire import raw_digest
+from hermes_lab.logs.gateway import EXPERIMENT, FEEDBACK, REQUESTS, TOOLS, read_jsonl  # the log's format is data's
 
 log = logging.getLogger("hermes_lab.serve")
 
@@ -250,7 +250,7 @@ class ToolsLog:
 def open_conversations(log_dir: str | os.PathLike[str], within_s: float) -> list[tuple[str, int, int, list, float]]:
     """Conversations of the log whose last turn is less than ``within_s`` old, reassembled (the log keeps
     only each turn's new messages): (id, arm of the first turn, turns, messages with the last answer, age s)."""
-    from hermes_lab.formats.gateway import conversation_line
+    from hermes_lab.logs.gateway import conversation_line
 
     now = time.time()
     turns: dict[str, list[tuple[int, dict[str, Any]]]] = {}

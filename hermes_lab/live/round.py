@@ -2,7 +2,7 @@
 
 The round runner runs it through the stage registry like any other: the A/B notebook calls ``notebook_run``
 here in live mode (``hermes_lab.ab.run.notebook_run`` otherwise). A live round's *data* (``execute.source:
-live``) is read from the previous experiment's log by ``hermes_lab.formats.gateway``.
+live``) is read from the previous experiment's log by ``hermes_lab.logs.gateway``.
 
 A/B, live: the stage prepares the round's experiment in ``runs/live/round-NN/`` (``serve.log_dir`` set: that
 dir, to attach to a gateway already running there): baseline the policy the regression gate compared
@@ -28,9 +28,9 @@ from typing import Any
 from hermes_lab.config.schema import HermesConfig
 from hermes_lab.core.layout import RoundLayout, RunsLayout, TrainLayout
 from hermes_lab.core.verdict import STOP_AWAITING_LIVE, gate, write_verdict
-from hermes_lab.formats.gateway import gateway_trajectories
 from hermes_lab.live import log as L
 from hermes_lab.live.report import FAM_NAMES
+from hermes_lab.logs.gateway import gateway_trajectories
 
 AWAITING = STOP_AWAITING_LIVE
 

@@ -22,9 +22,9 @@ from typing import Any
 import orjson
 from xxhash import xxh3_128_digest
 
-from hermes_lab.formats import readers
-from hermes_lab.formats.lines import EXACT, decode_exact, fast_decode, known_text, record_tests
-from hermes_lab.formats.record import (
+from hermes_lab.logs import readers
+from hermes_lab.logs.lines import EXACT, decode_exact, fast_decode, known_text, record_tests
+from hermes_lab.logs.record import (
     Invalid,
     content_digest,
     dataset_schema,

@@ -1,6 +1,6 @@
 """Distill stage, part 1 (``hermes_lab.prep.ingest``), the conversations' half: every shape but the seed's; prep's side.
 
-Reads what ``hermes_lab.formats.readers`` detected as a conversation format: the line formats' records come from the
+Reads what ``hermes_lab.logs.readers`` detected as a conversation format: the line formats' records come from the
 ingest's JSONL scan, converted and checked by ``hermes_lab.prep.conversation_worker`` (a large plain file by forked
 worker processes, each reading its own byte ranges and building its rows' Arrow table; here only where lines end is
 found), the others (``readers.RECORD_FORMATS``: Hermes session files, state.db and exports, Claude Code / Agent
@@ -30,9 +30,9 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from hermes_lab.formats import atropos, claude_code, hermes_sessions, readers
-from hermes_lab.formats.lines import split_of
-from hermes_lab.formats.record import dataset_schema
+from hermes_lab.logs import atropos, claude_code, hermes_sessions, readers
+from hermes_lab.logs.lines import split_of
+from hermes_lab.logs.record import dataset_schema
 from hermes_lab.prep.conversation_worker import (
     WORK,
     Invalid,

@@ -7,7 +7,7 @@ partitioned by prompt. Writes into prep's output dir: ``grpo_dataset/``, ``heldo
 ``conversations/``, ``outliers.jsonl``, ``review_queue.jsonl`` and ``left_out.jsonl`` (contents in
 ``hermes_lab.prep.run``'s docstring); ``data.select`` weighs the prompt rows (``hermes_lab.prep.selection``).
 
-A conversation (a record that came in as one, ``hermes_lab.formats.record``) joins the prompt tables as its
+A conversation (a record that came in as one, ``hermes_lab.logs.record``) joins the prompt tables as its
 projection (first user message, final answer) and keeps its whole record: a row of ``conversations/`` with
 its split (the prompt tables' rule: its task_id's, or held out with its prompt) and reward, and, when the
 review sample picks it, a review item holding its messages and tools (the label is the conversation's).
@@ -35,7 +35,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from hermes_lab.core.layout import PrepLayout
-from hermes_lab.formats.record import dataset_schema
+from hermes_lab.logs.record import dataset_schema
 from hermes_lab.prep import review_sample
 from hermes_lab.prep.resources import ForkPool, trim_heap, usable_cores
 from hermes_lab.prep.review_sample import conversation_review_lines, seed_review_lines

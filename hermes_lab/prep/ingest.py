@@ -7,11 +7,11 @@ dir, through temp files renamed into place at the end: ``accepted.jsonl``, ``neg
 ``duplicates.jsonl``, ``rejects.jsonl`` (see ``hermes_lab.prep.run``); and, in a temp dir prep removes, the
 accepted records' text partitioned by prompt (Arrow IPC streams) for ``hermes_lab.prep.distill``.
 
-Two paths, chosen per input (``hermes_lab.formats.readers.detect`` or ``conversations.format``): the seed's
+Two paths, chosen per input (``hermes_lab.logs.readers.detect`` or ``conversations.format``): the seed's
 ``{prompt, response, reward, task_id}`` lines are read a block at a time (``hermes_lab.prep.seed.read_blocks``)
 and parsed and checked in columns (``hermes_lab.prep.seed``, this class's mixin), the lines that need a rule
 one by one (``_line``); every other shape becomes a canonical conversation record
-(``hermes_lab.formats.record``), rewarded and deduped exactly, nearly and by conversation_id
+(``hermes_lab.logs.record``), rewarded and deduped exactly, nearly and by conversation_id
 (``hermes_lab.prep.conversations``, the other mixin; a large file's lines converted by worker processes). Its
 projection for the prompt tables is (first user message, final answer); its conversations/ row goes, as Arrow, in
 acceptance order, to the dataset's own shards (``conv_ingest.ConvRows``, in the temp dir until distill moves them
@@ -23,10 +23,10 @@ digest of (task_id, prompt, response), their lengths first, held in sorted numpy
 what is kept for the whole input is a handful of fixed-size fields per accepted record (reward, origin, family
 id, split, review rank (XXH3-64 of the same key, seeded with ``data.seed``), duplicate count: ~40 bytes).
 
-Validation, every field of every line: ``hermes_lab.formats.lines`` (JSON, the seed record) and
-``hermes_lab.formats.readers`` / ``hermes_lab.formats.record`` (every other shape); a bad line is a reject with
+Validation, every field of every line: ``hermes_lab.logs.lines`` (JSON, the seed record) and
+``hermes_lab.logs.readers`` / ``hermes_lab.logs.record`` (every other shape); a bad line is a reject with
 its number and reason, never a traceback. A line (a seed record, or a conversation of a JSONL format) may carry
-its task's tests (``hermes_lab.formats.lines.record_tests``): tests that do not parse reject the line ("bad
+its task's tests (``hermes_lab.logs.lines.record_tests``): tests that do not parse reject the line ("bad
 tests"), tests that do ride along, normalised, for the tests reward (the partitions' ``tests`` column; a
 conversation's record holds them as ``tests``, absent without any).
 
@@ -45,8 +45,8 @@ from typing import Any, BinaryIO
 
 from xxhash import xxh3_64_intdigest, xxh3_128_digest
 
-from hermes_lab.formats import readers
-from hermes_lab.formats.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
+from hermes_lab.logs import readers
+from hermes_lab.logs.lines import (  # noqa: F401  (re-exported: prep's and the tests' names for them)
     BOM,
     REQUIRED,
     Bad,
@@ -226,7 +226,7 @@ class Ingest(SeedColumns, ConversationIngest):
 
     # ---------------------------------------------------------------------------------------- scan
     def detect(self, path: Path) -> str:
-        """An input's format (``hermes_lab.formats.readers.detect``) from what it is and its first JSON line."""
+        """An input's format (``hermes_lab.logs.readers.detect``) from what it is and its first JSON line."""
         fmt = readers.detect(path)
         if fmt != "seed":  # a folder, a SQLite store, a session file
             return fmt

@@ -1,6 +1,6 @@
 """Prep's inputs (stage: prep, through ``hermes_lab.prep.run.run_prep``): what ``--input`` and the state name,
 resolved to the files, folders and stores the ingest reads, checked before anything is opened or created.
-Reads only folder listings and first lines (``hermes_lab.formats.readers.folder_inputs``); writes nothing.
+Reads only folder listings and first lines (``hermes_lab.logs.readers.folder_inputs``); writes nothing.
 
 A folder stands for what it holds (``expand_folders``); an input that is missing, or one of prep's own outputs
 in ``--output`` (``--input D/accepted.jsonl --output D``), is a ``PrepError`` naming it.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.state import FlywheelState
-from hermes_lab.formats import readers
-from hermes_lab.formats.readers import SESSION_GLOB
+from hermes_lab.logs import readers
+from hermes_lab.logs.readers import SESSION_GLOB
 from hermes_lab.prep.ingest import SINKS
 
 _PREP = PrepLayout(Path())  # prep's own output (core.layout), which a folder given as its input skips
@@ -55,7 +55,7 @@ def resolve_inputs(
 
 
 def expand_folders(inputs: list[str | Path], out: Path, cap: int) -> list[str | Path]:
-    """Each folder input replaced by the inputs it stands for (``hermes_lab.formats.readers.folder_inputs``: session
+    """Each folder input replaced by the inputs it stands for (``hermes_lab.logs.readers.folder_inputs``: session
     folders and gateway log dirs stay whole, the JSONL files and SQLite stores under any other folder become inputs
     of their own, its Claude Code traces one input); prep's output dir inside it is left out. A folder that holds
     nothing prep reads is refused."""

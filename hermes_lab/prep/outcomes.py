@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.formats.record import final_answer, task_prompt_of
+from hermes_lab.logs.record import final_answer, task_prompt_of
 
 JUDGE_BATCH = 256
 

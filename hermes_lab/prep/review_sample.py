@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import Any
 
-from hermes_lab.formats.record import record_of, review_key
+from hermes_lab.logs.record import record_of, review_key
 from hermes_lab.prep.ingest import review_id
 from hermes_lab.tasks import suite as tasks
 

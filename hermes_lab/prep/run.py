@@ -2,7 +2,7 @@
 
 Reads the trajectories JSONL of a round (``runs/round-NN/trajectories.jsonl`` or any ``--input``, plain or
 ``.jsonl.gz``; one ``{"prompt", "response", "reward", "task_id"}`` object a line, extra fields kept), or agent
-conversations in any shape ``hermes_lab.formats.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
+conversations in any shape ``hermes_lab.logs.readers`` knows (OpenAI chat JSONL; the Hermes Agent's
 trajectories, session files or folder, state.db; detected per input or ``--format``), the
 trajectories of rolled-back rounds (``state.negative_files`` in ``runs/state.json``, or ``--negatives``),
 feedback files (``--feedback``, ``conversations.feedback``) and the state's last training time. Inputs are
@@ -10,7 +10,7 @@ only ever read. Writes into the output dir (``runs/round-NN/prep/`` by conventio
 file renamed into place:
 
   accepted.jsonl      every valid first-seen line of the --input files, exactly as logged (BOM/CR stripped);
-                      a conversation as its canonical record (hermes_lab.formats.record), reward included
+                      a conversation as its canonical record (hermes_lab.logs.record), reward included
   negatives.jsonl     every valid first-seen line of the negative files, plus "_negative": {file, round}
   duplicates.jsonl    every valid line repeating an earlier (prompt, response, task_id): {file, line, duplicate_of, raw}
                       (a conversation also says its kind, exact, near or id, and its conversation_id)
@@ -24,7 +24,7 @@ file renamed into place:
   heldout_dataset/    the same columns for the held-out task_ids (the regression set)
   conversations/      HF dataset: every accepted conversation, whole (messages, tools, outcome), with its split
                       (train / heldout: the prompt sets' rule) and reward (reward_source); empty for seed input
-                      (hermes_lab.formats.record.dataset_schema). A conversation's row in the prompt sets is
+                      (hermes_lab.logs.record.dataset_schema). A conversation's row in the prompt sets is
                       its (first user message, final answer), and the tests its line carried (null without)
   review_queue.jsonl  the stratified human spot-check sample
   plots/*.png         reward distribution per family, rejects by reason, selection by family; conversations.png
@@ -83,8 +83,8 @@ from hermes_lab.core.layout import PrepLayout
 from hermes_lab.core.redaction import redact
 from hermes_lab.core.state import Clock, FlywheelState, SimulatedClock, WallClock, parse_time, state_path
 from hermes_lab.core.verdict import STOP_DATA, STOP_NO_SIGNAL, gate, write_verdict
-from hermes_lab.formats.gateway import describe_gateway, expand_inputs
-from hermes_lab.formats.record import FORMATS
+from hermes_lab.logs.gateway import describe_gateway, expand_inputs
+from hermes_lab.logs.record import FORMATS
 from hermes_lab.prep.ingest import LINE_BITS, SINKS, Ingest, estimated_size
 from hermes_lab.prep.ingest import split_of as _split_of  # noqa: F401  (part of prep's interface)
 from hermes_lab.prep.inputs import PrepError, expand_folders, resolve_inputs
@@ -325,7 +325,7 @@ def run_prep(
         t_ingest = time.perf_counter()
         summary = _base_summary(files, clock, out, in_files, neg_files, override_cooldown, override_reason)
         summary["gateway"] = gateway
-        if gateway:  # the gateway's own failures: left out of the data, counted apart (hermes_lab.formats.gateway)
+        if gateway:  # the gateway's own failures: left out of the data, counted apart (hermes_lab.logs.gateway)
             summary["gateway_failures"] = {
                 "requests": sum(g["errors"] for g in gateway.values()),
                 "conversations": sum(g.get("gateway_failed", 0) for g in gateway.values()),

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from xxhash import xxh3_64_intdigest
 
-from hermes_lab.formats.lines import TEST_FIELDS, split_of
+from hermes_lab.logs.lines import TEST_FIELDS, split_of
 from hermes_lab.prep.resources import arrow_pool, trim_heap
 from hermes_lab.tasks import suite as tasks
 

@@ -465,7 +465,7 @@ def status(params_path: str) -> dict[str, Any]:
     n = state.last_round + 1
     pending = cfg.execute.num_tasks * cfg.execute.samples_per_task  # what the embedded execute stage logs
     if cfg.execute.source == "live":  # ... or the live traffic it trains on: its requests with feedback
-        from hermes_lab.formats import gateway
+        from hermes_lab.logs import gateway
 
         pending = gateway.pending_samples(cfg, _round_dir(runs, n), pending)
     for p in fresh_data(runs, n)[1:]:  # plus earlier logs since the last training (A/B, skipped rounds)

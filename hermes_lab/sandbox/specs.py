@@ -27,7 +27,7 @@ from typing import Any
 from hermes_lab.sandbox.executor import Executor, Limits, RunRequest, RunResult
 from hermes_lab.sandbox.shapes import SpecError, TestSpec, job_of, parse_tests, plan_of, solution_source
 
-# SpecError, TestSpec and parse_tests are shapes' (here too: prep's formats.lines and tasks.code import them from here)
+# SpecError, TestSpec and parse_tests are shapes' (here too: prep's logs.lines and tasks.code import them from here)
 __all__ = [
     "KINDS",
     "ZERO_KINDS",

@@ -223,7 +223,7 @@ def logged_messages(messages: list[dict[str, Any]], sort_keys: bool = False) -> 
 
 
 def conversation_record(task: AgentTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
-    """An episode as execute logs it: the canonical conversation record's fields (``formats.record``)."""
+    """An episode as execute logs it: the canonical conversation record's fields (``logs.record``)."""
     return {
         "task_id": task.task_id,
         "family": FAMILY,

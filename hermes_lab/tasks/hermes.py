@@ -396,6 +396,6 @@ def _guess(t: HermesTask, rng: random.Random) -> str:
 
 
 def conversation_record(task: HermesTask, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
-    """An episode as execute logs it: the canonical conversation record's fields (``formats.record``)."""
+    """An episode as execute logs it: the canonical conversation record's fields (``logs.record``)."""
     msgs = A.logged_messages(messages, sort_keys=True)
     return {"task_id": task.task_id, "family": FAMILY, "messages": msgs, "tools": W.tool_schema(), "reward": reward}

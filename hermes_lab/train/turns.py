@@ -9,7 +9,7 @@ prompt set's: ``grpo.turn_steps`` steps under ``<output>/turns/``, continuing it
     hermes-lab train --config params/embedded.yaml --data tests/fixtures/hermes/trajectory_samples.jsonl \\
         --output runs/turns --set grpo.turns=all --set reward.types=[tool_call,comparison]
 
-The seam is ``turn_prompts(record, ...)``: a canonical conversation record (``hermes_lab.formats.record``) ->
+The seam is ``turn_prompts(record, ...)``: a canonical conversation record (``hermes_lab.logs.record``) ->
 one row per chosen assistant turn k: ``prompt_ids`` (the tokens the trainer samples turn k after: the ones the
 policy saw, logged by the gateway's in-process arm for that answer (``meta.turns[].tokens``), else ``messages[:k]``,
 the real tool results included, rendered with the loop's one rendering, ``hermes_lab.policy.turn``: the policy's chat
@@ -56,7 +56,7 @@ def chosen_turns(messages: list[dict[str, Any]], which: str, reward: float | Non
 
 
 def logged_tokens(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """The tokens an in-process arm logged per answer (``meta.turns[].tokens``, ``hermes_lab.formats.gateway``), by
+    """The tokens an in-process arm logged per answer (``meta.turns[].tokens``, ``hermes_lab.logs.gateway``), by
     the index of the assistant message they answered with."""
     meta = record.get("meta") or {}
     if isinstance(meta, str):

@@ -232,7 +232,7 @@ def test_execute_logs_the_real_hermes_agent_s_conversations(hermes_bin, tiny_bas
     from hermes_lab.agents.execute import execute
     from hermes_lab.config.schema import load_config
     from hermes_lab.core.layout import RoundLayout
-    from hermes_lab.formats import readers
+    from hermes_lab.logs import readers
 
     over = {"round.runs_dir": str(tmp_path / "runs"), "agent.runner": "hermes", "execute.agent_tasks": 6}
     cfg = load_config(REPO / "params" / "embedded.yaml", {**over, "execute.num_tasks": 8})

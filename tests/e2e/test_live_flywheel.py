@@ -28,8 +28,8 @@ import pytest
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.state import FlywheelState, state_path
-from hermes_lab.formats import gateway
 from hermes_lab.live import serve
+from hermes_lab.logs import gateway
 from hermes_lab.round import runner
 
 from fake_openai import free_port

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hermes_lab.config.schema import ConfigError, load_config
-from hermes_lab.formats import gateway
 from hermes_lab.live import log as L
+from hermes_lab.logs import gateway
 from hermes_lab.prep.run import run_prep
 
 

@@ -143,7 +143,7 @@ def test_every_answer_names_its_conversation_and_feedback_takes_it(sgw):
 def test_a_retry_of_the_same_messages_stays_in_its_conversation_and_arm(sgw, stub, tmp_path):
     """An empty answer, then a failed one: the agent resends the same messages, and each resend is the same turn
     of the same conversation on the same arm (retry 1, 2, ...); once answered, the same messages again are a new
-    conversation. A later turn's retry keeps its turn number too. formats.gateway reads one conversation of it."""
+    conversation. A later turn's retry keeps its turn number too. logs.gateway reads one conversation of it."""
     c = client(sgw)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "retry me please"}]
     stub.configure(chat_reply="")
@@ -192,7 +192,7 @@ def test_a_retry_of_the_same_messages_stays_in_its_conversation_and_arm(sgw, stu
     assert [t["turn"] for t in turns] == [0, 0, 0, 1, 1]
 
     from hermes_lab.config.schema import load_config
-    from hermes_lab.formats.gateway import gateway_trajectories
+    from hermes_lab.logs.gateway import gateway_trajectories
 
     gateway_trajectories(sgw.log_dir, tmp_path, load_config(None))
     lines = [json.loads(x) for x in (tmp_path / f"{sgw.log_dir.name}.conversations.jsonl").read_text().splitlines()]

@@ -226,7 +226,7 @@ def test_the_gateway_serves_what_trl_trains(played, tmp_path):
     from openai import OpenAI
 
     from hermes_lab.config.schema import load_config
-    from hermes_lab.formats.gateway import gateway_trajectories
+    from hermes_lab.logs.gateway import gateway_trajectories
     from hermes_lab.train.turns import trainer_class, turn_prompts
 
     from test_serve import Gateway

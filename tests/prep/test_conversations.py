@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.formats import readers
-from hermes_lab.formats import record as C
+from hermes_lab.logs import readers
+from hermes_lab.logs import record as C
 from hermes_lab.prep import outcomes
 from hermes_lab.prep.run import run_prep
 
@@ -394,7 +394,7 @@ def test_a_conversation_whose_prompt_is_held_out_elsewhere_moves_to_heldout_in_t
     held-out task_id moves its train-side conversations to heldout (the prompt sets' rule), rewritten at distill."""
     import datasets
 
-    from hermes_lab.formats.lines import split_of
+    from hermes_lab.logs.lines import split_of
 
     held = next(f"h{i}" for i in range(100) if split_of(f"h{i}", 0.3, {}))
     train = next(f"t{i}" for i in range(100) if not split_of(f"t{i}", 0.3, {}))
@@ -520,7 +520,7 @@ def test_the_config_and_prep_name_the_same_formats():
     import typing
 
     from hermes_lab.config.round_data import ConversationsSection
-    from hermes_lab.formats.record import FORMATS
+    from hermes_lab.logs.record import FORMATS
 
     hint = typing.get_type_hints(ConversationsSection)["format"]
     assert typing.get_args(hint) == ("auto", *FORMATS)

@@ -952,7 +952,7 @@ def test_fast_decode_reads_what_the_exact_decoder_reads():
     conversation-shaped ones (nesting around the limit, shallow lines with many brackets, a key twice deep down,
     integers past 64 bits beside floats, an escaped colon), the same value (its JSON, ints and floats apart) or
     the same reject as the exact decoder alone."""
-    from hermes_lab.formats.lines import EXACT, Bad, decode, decode_exact, fast_decode
+    from hermes_lab.logs.lines import EXACT, Bad, decode, decode_exact, fast_decode
 
     from test_prep_fuzz import make_line
 
@@ -999,7 +999,7 @@ def test_fast_decode_around_a_known_text_answers_as_on_the_whole_line():
     in an earlier line): the same answer as on the whole line, for known texts that hold colons, an escaped colon,
     a run of 19 digits or neither, around the fuzz test's hostile lines and keys twice before and after it, and
     the whole line's checks where the text is not at its offset."""
-    from hermes_lab.formats.lines import EXACT, fast_decode, known_text
+    from hermes_lab.logs.lines import EXACT, fast_decode, known_text
 
     from test_prep_fuzz import make_line
 

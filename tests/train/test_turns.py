@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hermes_lab.formats import readers
+from hermes_lab.logs import readers
 from hermes_lab.policy.chat import add_chat_template
 from hermes_lab.policy.model import build_tokenizer
 from hermes_lab.train.turns import chosen_turns, turn_prompts
@@ -47,7 +47,7 @@ def test_a_conversations_turns_become_prompts_with_the_real_tool_results():
 
 
 def test_a_turn_the_gateway_answered_is_trained_on_its_logged_tokens():
-    """meta.turns[].tokens (an in-process arm's answer, formats.gateway): the row's prompt_ids are the logged ones, even
+    """meta.turns[].tokens (an in-process arm's answer, logs.gateway): the row's prompt_ids are the logged ones, even
     where a re-rendering would differ (the policy's own spacing), and the trainer takes them as they are; a record
     without them (another upstream) is rendered; a logged prompt longer than the budget is cut and rendered."""
     from types import SimpleNamespace

@@ -2,7 +2,7 @@
 
 Reads, never writes: one JSON object a line, ``{"messages": [...], "tools": [...]}`` (OpenAI fine-tuning, TRL's
 conversational datasets, most agent frameworks; also TRL's ``{"prompt": [...], "completion": [...]}`` and prep's own
-accepted records), handed over by the ingest (``hermes_lab.formats.readers.parse_line``). A malformed line raises
+accepted records), handed over by the ingest (``hermes_lab.logs.readers.parse_line``). A malformed line raises
 ``record.Invalid``. Run through ``hermes-lab prep``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hermes_lab.formats.record import Invalid, check_messages, make_record, outcome_of, tool_schema, where
+from hermes_lab.logs.record import Invalid, check_messages, make_record, outcome_of, tool_schema, where
 
 
 def _reward(obj: dict[str, Any], scale: float) -> tuple[float | None, str | None]:

@@ -4,7 +4,7 @@
 Reads, never writes: ``run_agent.py --save_trajectories``'s ``trajectory_samples.jsonl`` /
 ``failed_trajectories.jsonl``, its batch runner's ``trajectories.jsonl`` and the trajectory compressor's output, one
 ``{"conversations": [{"from", "value"}], ...}`` a line, handed over by the ingest
-(``hermes_lab.formats.readers.parse_line``): the Hermes function-calling format, ``<tools>`` in the system turn,
+(``hermes_lab.logs.readers.parse_line``): the Hermes function-calling format, ``<tools>`` in the system turn,
 ``<think>`` / ``<tool_call>`` in the assistant's text, ``<tool_response>`` in tool turns. Atropos groups and Hermes's
 session stores read their messages with ``trajectory_messages`` and ``system_tools``. A malformed line raises
 ``record.Invalid``. Run through ``hermes-lab prep``.
@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.formats.openai_chat import tools_of
-from hermes_lab.formats.record import (
+from hermes_lab.logs.openai_chat import tools_of
+from hermes_lab.logs.record import (
     Invalid,
     arguments_text,
     final_answer,

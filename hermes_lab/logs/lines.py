@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.formats.record import Invalid
+from hermes_lab.logs.record import Invalid
 from hermes_lab.sandbox.specs import SpecError, parse_tests
 
 BOM = b"\xef\xbb\xbf"

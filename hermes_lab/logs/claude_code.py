@@ -36,8 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.formats.grouping import Bad, Kept, read_lines
-from hermes_lab.formats.record import Invalid, check_messages, is_tool_error, make_record, outcome_of, where
+from hermes_lab.logs.grouping import Bad, Kept, read_lines
+from hermes_lab.logs.record import Invalid, check_messages, is_tool_error, make_record, outcome_of, where
 
 MESSAGE_TYPES = ("user", "assistant")
 

@@ -2,26 +2,26 @@
 
 Reads, never writes: the files and folders given to ``hermes-lab prep --input`` (with ``--format`` or
 ``conversations.format`` to force a shape; ``auto`` detects it per input, by what it is and its first JSON line).
-One module of ``hermes_lab.formats`` a format:
+One module of ``hermes_lab.logs`` a format:
 
-  seed               JSONL of ``{"prompt", "response", "reward", "task_id"}``            (``formats.lines``; the
+  seed               JSONL of ``{"prompt", "response", "reward", "task_id"}``            (``logs.lines``; the
                      ingest's fast path, ``hermes_lab.prep.seed``)
   openai             JSONL of ``{"messages": [...], "tools": [...]}`` (OpenAI fine-tuning, TRL's conversational
                      datasets, most agent frameworks; also ``{"prompt": [...], "completion": [...]}`` and prep's
-                     own accepted records)                                                (``formats.openai_chat``)
+                     own accepted records)                                                (``logs.openai_chat``)
   hermes_trajectory  the Hermes Agent's ShareGPT trajectories: ``run_agent.py --save_trajectories``'s
                      ``trajectory_samples.jsonl`` / ``failed_trajectories.jsonl``, its batch runner's
                      ``trajectories.jsonl``, the trajectory compressor's output; ``.jsonl`` or ``.jsonl.gz``
-                                                                                    (``formats.hermes_trajectory``)
+                                                                                    (``logs.hermes_trajectory``)
   hermes_session     ``$HERMES_HOME/sessions/session_<id>.json`` files, or a folder of them
-  hermes_state       ``$HERMES_HOME/state.db`` (SQLite, opened read-only)  (all three: ``formats.hermes_sessions``)
+  hermes_state       ``$HERMES_HOME/state.db`` (SQLite, opened read-only)  (all three: ``logs.hermes_sessions``)
   hermes_export      ``hermes sessions export out.jsonl``
   claude_code        Claude Code / Agent Trace JSONL: ``hermes sessions export out.jsonl --format trace``, Claude
                      Code's ``~/.claude/projects/<project>/`` (a file, or a folder: sessions across its files)
-                                                                                          (``formats.claude_code``)
+                                                                                          (``logs.claude_code``)
   atropos            Atropos scored groups: an atroposlib environment's ``process`` mode output
-                                                                                              (``formats.atropos``)
-  (a gateway log dir) ``hermes-lab serve``'s log, joined into trajectories                    (``formats.gateway``)
+                                                                                              (``logs.atropos``)
+  (a gateway log dir) ``hermes-lab serve``'s log, joined into trajectories                    (``logs.gateway``)
 
 A folder given as an input is read whole (``folder_inputs``): a folder of ``session_*.json`` is one hermes_session
 input, a gateway log dir is joined as before, and any other folder stands for what it holds: each JSONL file
@@ -45,16 +45,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hermes_lab.core.layout import REQUESTS
-from hermes_lab.formats.hermes_trajectory import from_trajectory
-from hermes_lab.formats.lines import BOM, decode, is_gzip
-from hermes_lab.formats.openai_chat import from_openai
-from hermes_lab.formats.record import Invalid
+from hermes_lab.logs.hermes_trajectory import from_trajectory
+from hermes_lab.logs.lines import BOM, decode, is_gzip
+from hermes_lab.logs.openai_chat import from_openai
+from hermes_lab.logs.record import Invalid
 
 JSONL_FORMATS = ("seed", "openai", "hermes_trajectory")
 RECORD_FORMATS = ("hermes_session", "hermes_state", "hermes_export", "claude_code", "atropos")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SESSION_GLOB = "session_*.json"
-GATEWAY_REQUESTS = REQUESTS  # hermes_lab.formats.gateway's: a folder holding it is a gateway log dir
+GATEWAY_REQUESTS = REQUESTS  # hermes_lab.logs.gateway's: a folder holding it is a gateway log dir
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 TRACE_META_TYPES = ("summary", "file-history-snapshot", "queue-operation")  # Claude Code lines outside the chain
 DETECT_LINES = 100  # lines read at most for an input's first JSON object

@@ -1,6 +1,6 @@
 """The canonical conversation record: what every agent log becomes before prep distills it (stage: prep).
 
-Reads nothing and writes nothing itself: ``hermes_lab.formats.readers`` turns each input shape (the seed's
+Reads nothing and writes nothing itself: ``hermes_lab.logs.readers`` turns each input shape (the seed's
 trajectories, OpenAI chat JSONL, Hermes ShareGPT trajectories, Hermes session JSON, Hermes ``state.db``) into
 this record, ``hermes_lab.prep.ingest`` checks, dedupes and spills it, and prep writes the accepted ones to
 ``runs/round-NN/prep/accepted.jsonl`` (one record a line) and ``runs/round-NN/prep/conversations/`` (a

@@ -14,7 +14,7 @@ log by conversation (``conversation_id``; a log from before conversations: one p
   unrewarded.
 - every other conversation (several turns, tools offered or called) is reassembled whole into
   ``<name>.conversations.jsonl``, one OpenAI-shaped line per conversation that prep's conversation reader
-  turns into the canonical record (``hermes_lab.formats.record``): the turns' new messages and answers in
+  turns into the canonical record (``hermes_lab.logs.record``): the turns' new messages and answers in
   order (a failed turn's are left out: its retry re-sends them; a turn that re-sends an earlier point of the
   conversation replaces what followed it), the tools from ``tools.jsonl``, the feedback on the conversation
   (by its id or any of its request ids) as the reward (``feedback:<source>``), else none (prep's outcome

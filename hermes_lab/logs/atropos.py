@@ -8,7 +8,7 @@ writer): one ``ScoredDataGroup`` a line, ``{"tokens": [[int]], "masks": [[int]],
 
 Each completion of a group is one record: its messages (an environment's own, OpenAI-style or in the Hermes
 function-calling format: ``<tools>`` in the system prompt, ``<think>`` / ``<tool_call>`` in assistant text,
-``<tool_response>`` in tool messages, read as ``hermes_lab.formats.readers`` reads a Hermes trajectory; or, when the
+``<tool_response>`` in tool messages, read as ``hermes_lab.logs.readers`` reads a Hermes trajectory; or, when the
 environment gave none, process mode's decoding of the tokens as one user message, split back into messages by its
 ChatML or Llama 3 chat template), its score as the reward (``reward_source: atropos``; the scores' range
 ``conversations.atropos_scores`` mapped linearly onto 0..reward.scale). The completions of a group share one
@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hermes_lab.formats.grouping import Bad, read_lines
-from hermes_lab.formats.hermes_trajectory import trajectory_messages
-from hermes_lab.formats.record import Invalid, check_messages, make_record, outcome_of, where
+from hermes_lab.logs.grouping import Bad, read_lines
+from hermes_lab.logs.hermes_trajectory import trajectory_messages
+from hermes_lab.logs.record import Invalid, check_messages, make_record, outcome_of, where
 
 ROLE_OF = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 HERMES_TAGS = ("<tool_call>", "<tool_response>", "<think>", "</think>")

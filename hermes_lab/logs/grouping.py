@@ -1,11 +1,11 @@
-"""JSONL whose records span lines (stage: prep, for ``hermes_lab.formats.claude_code``,
-``hermes_lab.formats.hermes_sessions`` and ``hermes_lab.formats.atropos``): every line read and checked as prep's
+"""JSONL whose records span lines (stage: prep, for ``hermes_lab.logs.claude_code``,
+``hermes_lab.logs.hermes_sessions`` and ``hermes_lab.logs.atropos``): every line read and checked as prep's
 other JSONL, then grouped. Reads, never writes.
 
 A Claude Code trace is one line a message (a session is its lines, in any order, across files); a Hermes export is
 one line a session (a compression chain is several lines). Such a reader first goes through every line
 (``read_lines``: bounded like the ingest's, a line over ``data.max_line_bytes`` never held whole; UTF-8, JSON and the
-checks of ``hermes_lab.formats.lines.decode``), noting what groups them, then builds one group at a time from its
+checks of ``hermes_lab.logs.lines.decode``), noting what groups them, then builds one group at a time from its
 lines. ``Kept`` holds the decoded lines for that second step while their text stays within a byte budget
 (a sixteenth of ``data.memory_budget_mb``); past it the lines are read again from the files, batch by batch
 (``Kept.fetch``), so memory stays bounded whatever the input's size.
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from hermes_lab.formats.lines import BOM, decode, is_gzip
-from hermes_lab.formats.record import Invalid
+from hermes_lab.logs.lines import BOM, decode, is_gzip
+from hermes_lab.logs.record import Invalid
 
 RAW_KEEP = 4096  # bytes of a rejected line kept in rejects.jsonl when it is cut
 

@@ -35,12 +35,12 @@ from typing import Any
 
 import orjson
 
-from hermes_lab.formats.grouping import Bad, Kept, read_lines
-from hermes_lab.formats.hermes_trajectory import system_tools
-from hermes_lab.formats.lines import lone_surrogate
-from hermes_lab.formats.openai_chat import tools_of
-from hermes_lab.formats.readers import SESSION_GLOB
-from hermes_lab.formats.record import Invalid, check_messages, make_record, outcome_of, where
+from hermes_lab.logs.grouping import Bad, Kept, read_lines
+from hermes_lab.logs.hermes_trajectory import system_tools
+from hermes_lab.logs.lines import lone_surrogate
+from hermes_lab.logs.openai_chat import tools_of
+from hermes_lab.logs.readers import SESSION_GLOB
+from hermes_lab.logs.record import Invalid, check_messages, make_record, outcome_of, where
 
 JSON_PREFIX = "\x00json:"  # hermes_state.SessionDB._CONTENT_JSON_PREFIX: list / dict content stored as JSON
 MESSAGE_COLUMNS = (

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from hermes_lab.config.schema import load_config
-from hermes_lab.formats import readers
+from hermes_lab.logs import readers
 from hermes_lab.prep.run import GateRefused, PrepError, run_prep
 
 from repo_paths import FIXTURES, REPO
