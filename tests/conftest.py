@@ -3,7 +3,8 @@
 tests/ mirrors the packages: tests/<package>/test_*.py for hermes_lab.<package>, tests/house/ for the checks of the
 whole project (imports, docs, notebooks), tests/e2e/ for the slow end-to-end tests (whole rounds, the live flywheel,
 the real Hermes Agent, the browser: `make test-fast` leaves them out). Here at the root: this file, the shared helpers
-(repo_paths.py, fake_openai.py, families.py, forced_lm.py, browser_deps.sh) and the shared data (fixtures/)."""
+(repo_paths.py, fake_openai.py, gateway_process.py: a `hermes-lab serve` for a test, families.py, forced_lm.py,
+browser_deps.sh) and the shared data (fixtures/)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from hermes_lab.core import kernels
 # tests/ and each of its test folders on sys.path, once, before any test module is imported. tests/ itself: the shared
 # helpers import by name from every folder (`from fake_openai import FakeOpenAI`, `from repo_paths import REPO`),
 # and no test computes a path to them. The folders: a test module may import another's helpers by its name, from
-# another folder (`from test_serve import Gateway` in e2e/ and prep/, `from test_paths import write_trajectories` in
-# policy/ and e2e/), which pytest's default import mode ("prepend": a module is its file's basename, its folder put on
+# another folder (`from test_paths import write_trajectories` in policy/ and e2e/, `from test_live_rollout import
+# Traffic` in e2e/), which pytest's default import mode ("prepend": a module is its file's basename, its folder put on
 # sys.path when collected) would make importable only once that folder was collected, and never under
 # `pytest tests/e2e`. A module's name being its basename, basenames stay unique across the folders (LONGEST_FIRST
 # and POLICY_FREE below name files by basename too).

@@ -33,12 +33,12 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from gateway_process import Gateway
 
 from hermes_lab.agents import hermes_cli as HA
 from hermes_lab.tasks import hermes as H
 
 from repo_paths import FIXTURES, REPO
-from test_serve import Gateway
 
 pytestmark = pytest.mark.slow
 N_TASKS, N_DEFAULT = 20, 10

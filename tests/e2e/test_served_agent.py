@@ -21,6 +21,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from gateway_process import Gateway
 
 from hermes_lab.policy import turn
 from hermes_lab.tasks import hermes as H
@@ -28,7 +29,6 @@ from hermes_lab.tasks import workspace as W
 
 from repo_paths import FIXTURES, REPO
 from test_gateway_conversations import HERMES_DRIVER
-from test_serve import Gateway
 from test_turn import trl_self
 
 pytestmark = pytest.mark.slow

@@ -17,12 +17,12 @@ import httpx
 import openai
 import orjson
 import pytest
+from gateway_process import Gateway, formula_arm
 
 from hermes_lab.live.conversations import Tracker, encode
 
 from fake_openai import FakeOpenAI
 from repo_paths import FIXTURES
-from test_serve import Gateway, formula_arm
 
 TOOLS = [
     {

@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from gateway_process import Gateway, formula_arm
 
 from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import suite as T
 from hermes_lab.tasks import workspace as W
 
 from fake_openai import FakeOpenAI
-from test_serve import Gateway, formula_arm
 
 SCALE = 10  # the experiment clock runs 10x: a 60 s stage is 6 s of wall time
 

@@ -2,7 +2,7 @@
 probes an agent makes before a session, a retry of the same messages kept in its conversation, the conversation's
 id on every answer.
 
-A real gateway (`python -m hermes_lab.live.serve` on 127.0.0.1, tests/live/test_serve.py's Gateway) with the scripted
+A real gateway (`python -m hermes_lab.live.serve` on 127.0.0.1, tests/gateway_process.py's Gateway) with the scripted
 upstream of tests/fake_openai.py, or the embedded policy in-process (embedded:tiny on both arms), driven by the
 openai SDK and httpx; one slow test runs the real Hermes Agent CLI (hermes-agent 0.19.0) against it.
 """
@@ -19,10 +19,10 @@ import httpx
 import openai
 import orjson
 import pytest
+from gateway_process import Gateway
 
 from fake_openai import FakeOpenAI
 from repo_paths import FIXTURES, REPO
-from test_serve import Gateway
 
 PROBES = [("GET", "/v1/props"), ("GET", "/props"), ("GET", "/api/tags"), ("POST", "/api/show")]
 PROBES += [("GET", "/api/v1/models")]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gateway_process import wait_healthy
 
 from fake_openai import PROXY_ENV_VARS, FakeOpenAI, free_port
 from repo_paths import REPO
-from test_serve import wait_healthy
 
 MAX_BODY = 4096
 CHAT = {"model": "hermes", "messages": [{"role": "user", "content": "hello"}]}

@@ -223,13 +223,12 @@ def test_the_gateway_serves_what_trl_trains(played, tmp_path):
     """hermes-lab serve on the family's model (in-process arm): the openai SDK's tool_calls (streamed and not) are
     TRL's parse of the same tokens; the log's prompt and completion ids are GRPOTrainer's, and the turn trainer
     trains on them as they are."""
+    from gateway_process import Gateway
     from openai import OpenAI
 
     from hermes_lab.config.schema import load_config
     from hermes_lab.logs.gateway import gateway_trajectories
     from hermes_lab.train.turns import trainer_class, turn_prompts
-
-    from test_serve import Gateway
 
     args = ["--baseline", str(played.dir), "--candidate", str(played.dir), "--ratio", "0"]
     args += ["--set", "model.trust_remote_code=true", "--set", "serve.rollout=false"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from gateway_process import Gateway
 
 from hermes_lab.config.schema import load_config
 from hermes_lab.core.verdict import STOP_NO_SIGNAL, read_verdict
@@ -28,7 +29,6 @@ from hermes_lab.rewards.audit import AuditResult, data_signal, format_result
 from fake_openai import FakeOpenAI
 from repo_paths import FIXTURES, REPO
 from test_audit import _notebook as _standin_train  # a stand-in training stage that leaves a marker
-from test_serve import Gateway
 
 FIX = FIXTURES / "hermes"
 EXPORTS = FIXTURES / "hermes_exports"
