@@ -307,6 +307,10 @@ def main():
     sock, port = os.environ.get("HERMES_LAB_MODEL_SOCKET"), os.environ.get("HERMES_LAB_MODEL_PORT")
     if sock and port:
         serve_model_port(int(port), sock)
+    # python put this file's folder first on sys.path (it runs as a script); hermes_lab/agents/ is no place to import
+    # from here: a module of it named as one of hermes-agent's own (hermes_cli.py, once) would be imported instead
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     import run_agent  # noqa: F401 - imported once: every task's child starts warm
 
     warm()

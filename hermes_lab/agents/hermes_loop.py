@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from hermes_lab.agents import hermes_cli as HA
+from hermes_lab.agents import hermes_chat as HA
 from hermes_lab.tasks import hermes as H
 from hermes_lab.tasks import workspace as W
 

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import yaml
 
-from hermes_lab.agents import hermes_cli as HA
+from hermes_lab.agents import hermes_chat as HA
 from hermes_lab.agents import hermes_loop as HL
 from hermes_lab.core.layout import PlayLayout
 

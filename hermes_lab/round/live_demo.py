@@ -109,7 +109,7 @@ def run(
     from hermes_lab.core import paths
 
     if runner == "hermes":  # installed and sandboxed before any traffic, not 70 failed conversations a batch
-        from hermes_lab.agents.hermes_cli import HermesRunError
+        from hermes_lab.agents.hermes_chat import HermesRunError
         from hermes_lab.agents.play import ready
 
         try:

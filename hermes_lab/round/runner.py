@@ -378,7 +378,7 @@ def who_plays(cfg: HermesConfig) -> str:
 def _agent_ready(cfg: HermesConfig, params_path: str, say: Callable[[str], None]) -> None:
     """agent.runner hermes: the real agent installed and its sandbox working before any stage runs, else a named
     RoundError (not a traceback from execute's kernel minutes later)."""
-    from hermes_lab.agents.hermes_cli import HermesRunError
+    from hermes_lab.agents.hermes_chat import HermesRunError
     from hermes_lab.agents.play import plays_hermes, ready
 
     if not plays_hermes(cfg):

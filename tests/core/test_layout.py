@@ -26,7 +26,7 @@ PACKAGE = Path(layout.__file__).resolve().parents[1]
 # it keeps its own build.json and policies/ (core.layout's docstring says so)
 HASHED = {"policy/model.py": {"build.json", "policies"}}
 # names that are not round files there: the Hermes Agent's own $HERMES_HOME/config.yaml
-OTHERS = {"agents/hermes_cli.py": {"config.yaml"}, "agents/hermes_loop.py": {"config.yaml"}}  # Hermes's own file
+OTHERS = {"agents/hermes_chat.py": {"config.yaml"}, "agents/hermes_loop.py": {"config.yaml"}}  # Hermes's own file
 
 
 SKIP = (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)

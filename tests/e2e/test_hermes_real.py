@@ -1,7 +1,7 @@
 """The real Hermes Agent through `hermes-lab serve` on the embedded policy (issue 55's done-when).
 
 The pinned hermes-agent 0.19.0's CLI (`hermes chat -q PROMPT -Q`, HERMES_HOME a temp dir whose config.yaml points at
-the gateway), run by hermes_lab.agents.hermes_cli under bubblewrap with only its workspace and HERMES_HOME
+the gateway), run by hermes_lab.agents.hermes_chat under bubblewrap with only its workspace and HERMES_HOME
 writable, on 20 held-out `hermes` tasks exported by the real command (`hermes-lab tasks export`): all 20 with
 `-t terminal,file` and the first 10 with Hermes's default toolsets, one session after another, against a gateway
 with embedded:tiny on both arms (an A/A, in-process). What it checks:
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from gateway_process import Gateway
 
-from hermes_lab.agents import hermes_cli as HA
+from hermes_lab.agents import hermes_chat as HA
 from hermes_lab.tasks import hermes as H
 
 from repo_paths import FIXTURES, REPO
