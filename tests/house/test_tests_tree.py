@@ -8,7 +8,7 @@ from __future__ import annotations
 from conftest import LONGEST_FIRST, POLICY_FREE
 from repo_paths import REPO, TESTS
 
-SHARED = {"conftest.py", "repo_paths.py", "fake_openai.py", "families.py", "forced_lm.py"}
+SHARED = {"conftest.py", "repo_paths.py", "fake_openai.py", "gateway_process.py", "families.py", "forced_lm.py"}
 
 
 def test_tests_mirror_the_packages_with_unique_file_names():
